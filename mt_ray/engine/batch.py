@@ -1,0 +1,57 @@
+"""Turning a step's micro-batches into what the device needs, with all counting done on the host.
+
+Everything that decides shapes or normalisation (how many tokens carry loss, where they are)
+is computed here from CPU tensors, so the step never has to ask the device for a number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch on the device. Shape key: B batch, T tokens."""
+
+    input_ids_BT: torch.Tensor
+    position_ids_BT: torch.Tensor
+    loss_index: torch.Tensor  # flat indices (into B*T) of tokens whose next token carries loss
+    loss_target: torch.Tensor  # the label each of those tokens predicts
+    num_loss_tokens: int
+    num_tokens: int
+
+
+def prepare_micro_batch(batch: dict[str, torch.Tensor], device: torch.device) -> MicroBatch:
+    """Shift labels (token t predicts label t+1, as transformers does) and select the loss tokens."""
+    input_ids = batch["input_ids"]
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+    labels = batch.get("labels", input_ids)
+    B, T = input_ids.shape
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(T).expand(B, T)
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    shifted[:, :-1] = labels[:, 1:]
+    flat = shifted.reshape(-1)
+    index = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+    pin = device.type == "cuda"
+    return MicroBatch(
+        input_ids_BT=_to(input_ids, device, pin),
+        position_ids_BT=_to(position_ids.contiguous(), device, pin),
+        loss_index=_to(index, device, pin),
+        loss_target=_to(flat[index], device, pin),
+        num_loss_tokens=int(index.numel()),
+        num_tokens=B * T,
+    )
+
+
+def _to(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    # Small pinned staging lets the upload run asynchronously with the previous step's work.
+    if pin:
+        t = t.pin_memory()
+    return t.to(device, non_blocking=pin)

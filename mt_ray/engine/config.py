@@ -1,0 +1,81 @@
+"""Typed configuration of the streaming engine and its optimizer."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class EngineConfig(_Strict):
+    """How the engine moves a model through the device."""
+
+    device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
+    compute_dtype: Literal["bf16", "fp16", "fp32"] = Field(
+        "bf16", description="dtype of weights and activations on the device; master weights stay fp32."
+    )
+    checkpoint_every: int = Field(
+        4, ge=1, description="K: keep the hidden state every K layers and recompute blocks of K layers in backward."
+    )
+    stream_master: bool = Field(
+        False,
+        description="Stream the fp32 master and cast on the device instead of keeping a compute-dtype host copy "
+        "(12 instead of 14 host bytes/param, twice the host->device bytes).",
+    )
+    grad_dtype: Literal["fp32", "compute"] = Field(
+        "fp32", description="dtype in which finished gradients travel to host (accumulation is always fp32)."
+    )
+    grad_slabs: int = Field(3, ge=1, description="Pinned host slabs gradients land in (when no clipping holds them all).")
+    prefetch_units: int | None = Field(
+        None, ge=1, description="Units uploaded ahead of use; default K so a whole recompute block is in flight."
+    )
+    loss_chunk_tokens: int = Field(4096, ge=1, description="Tokens per LM-head chunk; bounds the fp32 logits in memory.")
+    attn_implementation: str = Field("sdpa", description="transformers attention backend: sdpa, eager, flash_attention_2.")
+    host_memory_limit_gb: float | None = Field(
+        None, gt=0, description="Host memory this job may use; default: cgroup limit, else MemAvailable."
+    )
+    optimizer_threads: int | None = Field(
+        None, ge=1, description="CPU threads for the optimizer; default: all cores but two (kept for copies)."
+    )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DTYPES[self.compute_dtype]
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+class OptimizerConfig(_Strict):
+    """AdamW with decoupled weight decay, global-norm clipping and an LR schedule."""
+
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam beta1, beta2.")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay on matrices (not norms/biases).")
+    max_grad_norm: float = Field(
+        1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping (and lets each "
+        "layer update the moment its gradient lands)."
+    )
+    schedule: Literal["constant", "cosine", "linear"] = Field("cosine", description="LR schedule after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps from 0 to lr.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Floor of cosine/linear decay, as a fraction of lr.")
+    impl: Literal["auto", "torch", "deepspeed"] = Field(
+        "auto", description="'auto' uses DeepSpeed CPUAdam when installed, else torch's fused CPU AdamW."
+    )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError("betas must be in [0, 1)")
+        return v

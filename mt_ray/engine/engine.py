@@ -1,0 +1,289 @@
+"""The streaming engine: one training step of a model whose state lives in host memory.
+
+Schedule of a step (L layers, blocks of K layers, M micro-batches):
+  forward   embed -> layer 0 .. L-1 -> head, every micro-batch through a unit while its weights
+            are resident (one upload serves the whole batch); the hidden state entering each
+            block is kept (the checkpoints).
+  head      final norm + LM head + loss, forward and backward together, in token chunks so
+            full-vocabulary fp32 logits never exist.
+  backward  block by block from the last: upload the block's K layers once, then per
+            micro-batch recompute the block from its checkpoint and run it backward layer by
+            layer. A layer's gradient leaves the device as soon as the last micro-batch has
+            contributed to it. Finally the embedding.
+So each unit's weights cross the bus twice a step (forward, backward), and the optimizer
+thread updates units while the backward pass continues.
+
+Tensor shape key: B batch, T tokens, D hidden, N selected tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mt_ray.engine.batch import MicroBatch, prepare_micro_batch
+from mt_ray.engine.config import EngineConfig, OptimizerConfig
+from mt_ray.engine.host_store import HostStore
+from mt_ray.engine.optimizer import UnitOptimizer, lr_at
+from mt_ray.engine.optimizer_worker import OptimizerWorker
+from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
+from mt_ray.engine.transfer import GradBuffers, StreamSet, WeightStreamer
+from mt_ray.models.context import LayerContextBuilder, LayerKwargs
+from mt_ray.models.discovery import ModelSpec
+from mt_ray.models.weights import export_hf, init_random, load_safetensors
+
+
+@dataclass
+class StepResult:
+    """What a step returns. Tensors stay on the device: read them only when logging."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: float
+    num_tokens: int
+    num_loss_tokens: int
+
+
+class StreamingEngine:
+    """Trains a model held in host memory by streaming its units through one device."""
+
+    def __init__(self, spec: ModelSpec, cfg: EngineConfig, opt_cfg: OptimizerConfig, total_steps: int):
+        self.spec = spec
+        self.cfg = cfg
+        self.opt_cfg = opt_cfg
+        self.total_steps = total_steps
+        self.device = cfg.resolve_device()
+        self.dtype = cfg.dtype
+        self.step_idx = 0
+        spec.config._attn_implementation = cfg.attn_implementation
+        pin = self.device.type == "cuda"
+        copy_dtype = None if cfg.stream_master or self.dtype == torch.float32 else self.dtype
+        self.grad_dtype = grad_dtype = torch.float32 if cfg.grad_dtype == "fp32" else self.dtype
+        numels = {u.name: u.numel for u in spec.units}
+        clips = opt_cfg.max_grad_norm > 0
+        grad_bytes = _grad_bytes(numels, grad_dtype, clips, cfg.grad_slabs)
+        self.store = HostStore(spec, copy_dtype, pin, grad_bytes, cfg.host_memory_limit_gb)
+        self.grad_buffers = GradBuffers(numels, grad_dtype, pin, per_unit=clips, slabs=cfg.grad_slabs)
+        self.optimizers = {u.name: UnitOptimizer(self.store, u, opt_cfg) for u in spec.units}
+        threads = cfg.optimizer_threads or max(1, (os.cpu_count() or 1) - 2)
+        self.worker = OptimizerWorker(
+            self.store, self.optimizers, self.grad_buffers, [u.name for u in spec.units],
+            opt_cfg.max_grad_norm, threads if pin else None,
+        )
+        self.streams = StreamSet(self.device)
+        depth = cfg.prefetch_units or cfg.checkpoint_every
+        self.streamer = WeightStreamer(self.store, self.streams, self.dtype, depth, self.worker.wait_updated)
+        self.templates = build_templates(spec, self.device)
+        self.context = LayerContextBuilder(spec, self.device)
+        self.layer_templates = [self.templates[u.kind] for u in spec.layer_units]
+        self._embed_shape = next(p.shape for p in spec.unit("embed").params if p.local_name == "weight")
+        # Reused every step: with clipping, step t+1 cannot finish its forward before the worker
+        # has read step t's norm (layer updates wait for it), so it is never overwritten early.
+        self._norm_sq_host = torch.zeros((), dtype=torch.float32, pin_memory=pin)
+
+    # ------------------------------------------------------------------ public API
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+        """One optimizer step over `micro_batches` (the loss is normalised over all of them)."""
+        mbs = [prepare_micro_batch(b, self.device) for b in micro_batches]
+        n_loss = sum(mb.num_loss_tokens for mb in mbs)
+        if n_loss == 0:
+            raise ValueError("this step has no token that carries loss (every label is -100)")
+        lr = lr_at(self.step_idx, self.opt_cfg, self.total_steps)
+        self.streamer.start(self._upload_plan(), version=self.step_idx)
+        self._norm_sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._lr = lr
+
+        hiddens, contexts, checkpoints = self._forward(mbs)
+        grads, loss_sum = self._head(hiddens, mbs, 1.0 / n_loss)
+        for b in reversed(range(len(checkpoints))):
+            grads = self._backward_block(b, checkpoints.pop(), grads, contexts)
+        self._backward_embed(grads, mbs)
+
+        with self.streams.on(self.streams.d2h):
+            # The clip coefficient needs the global norm on the host; only the worker waits for it.
+            self.streams.wait(self.streams.d2h, self.streams.record(self.streams.compute))
+            self._norm_sq_host.copy_(self._norm_sq, non_blocking=True)
+            norm_ready = self.streams.record(self.streams.d2h)
+        self.worker.end_step(self._norm_sq_host, norm_ready, lr)
+        self.step_idx += 1
+        return StepResult(loss_sum / n_loss, self._norm_sq.sqrt(), lr, sum(m.num_tokens for m in mbs), n_loss)
+
+    def synchronize(self) -> None:
+        """Wait until every update of the steps run so far is in the master weights."""
+        for unit in self.worker.unit_order:
+            self.worker.wait_updated(unit, self.step_idx)
+
+    def load_random(self, seed: int = 0) -> None:
+        """Initialise weights as the family's `from_config` does (on the device when it is a GPU)."""
+        init_random(self.spec, self.store.load_named, seed, self.device)
+
+    def load_pretrained(self, folder: str | Path) -> None:
+        """Read a safetensors checkpoint folder straight into the host store."""
+        load_safetensors(self.spec, folder, self.store.load_named)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy weights given by Hugging Face name (e.g. another model's state_dict) into the store."""
+        self.synchronize()
+        for unit in self.spec.units:
+            self.store.load_named(unit, state)
+
+    def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32) -> Path:
+        """Write the trained weights as a Hugging Face folder that `from_pretrained` loads."""
+        return export_hf(self.spec, self.state_dict(), out_dir, tokenizer, dtype)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights by Hugging Face name, after all pending updates."""
+        self.synchronize()
+        return self.store.state_dict()
+
+    def close(self) -> None:
+        self.worker.close()
+        self.store.close()
+
+    # ------------------------------------------------------------------ schedule
+
+    def _blocks(self) -> list[range]:
+        K, L = self.cfg.checkpoint_every, self.spec.num_layers
+        return [range(s, min(s + K, L)) for s in range(0, L, K)]
+
+    def _upload_plan(self) -> list[str]:
+        layers = [f"layers.{i}" for i in range(self.spec.num_layers)]
+        plan = ["embed", *layers, "head"] + (["embed"] if self.spec.tied else [])
+        for block in reversed(self._blocks()):
+            plan += [f"layers.{i}" for i in block]
+        return plan + ["embed"]
+
+    def _forward(self, mbs: list[MicroBatch]) -> tuple[list[torch.Tensor], list[list[LayerKwargs]], list[list]]:
+        embed = self.templates["embed"]
+        w = embed.bind(self.streamer.next("embed"))
+        hiddens, contexts = [], []
+        with torch.no_grad():
+            for mb in mbs:
+                h0, ctx = self.context(embed(w, mb.input_ids_BT), mb.position_ids_BT)
+                hiddens.append(h0)
+                contexts.append(ctx)
+            checkpoints = []
+            for block in self._blocks():
+                checkpoints.append(list(hiddens))
+                for i in block:
+                    weights = self.layer_templates[i].bind(self.streamer.next(f"layers.{i}"))
+                    for j, ctx in enumerate(contexts):
+                        hiddens[j] = _hidden(self.layer_templates[i](weights, hiddens[j], **ctx[i]))
+        return hiddens, contexts, checkpoints
+
+    def _head(self, hiddens: list[torch.Tensor], mbs: list[MicroBatch], inv_n: float):
+        """Loss over the final hidden states and its gradients, in chunks of selected tokens."""
+        head = self.templates["head"]
+        flat = self.streamer.next("head")
+        weights = head.bind(flat, requires_grad=True)
+        acc = torch.zeros(flat.numel(), dtype=torch.float32, device=self.device)
+        n_own = self.spec.unit("head").numel
+        sizes = list(head.sizes)
+        if self.spec.tied:
+            emb = self.streamer.next("embed")
+            weights["lm_head.weight"] = emb.view(self._embed_shape).detach().requires_grad_()
+            acc = torch.zeros(n_own + emb.numel(), dtype=torch.float32, device=self.device)
+            sizes.append(emb.numel())
+        leaves = list(weights.values())
+        acc_views = list(acc.split(sizes))
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        grads = []
+        chunk = self.cfg.loss_chunk_tokens
+        for h_BTD, mb in zip(hiddens, mbs, strict=True):
+            h_ND = h_BTD.reshape(-1, h_BTD.shape[-1])
+            sel_ND = h_ND.index_select(0, mb.loss_index)
+            g_sel = torch.empty_like(sel_ND)
+            for s in range(0, mb.num_loss_tokens, chunk):
+                x = sel_ND[s : s + chunk].detach().requires_grad_()
+                with torch.enable_grad():
+                    logits_NV = head(weights, x).float()
+                    loss = torch.nn.functional.cross_entropy(logits_NV, mb.loss_target[s : s + chunk], reduction="sum")
+                    g = torch.autograd.grad(loss * inv_n, [x, *leaves])
+                g_sel[s : s + chunk] = g[0]
+                torch._foreach_add_(acc_views, [t.reshape(-1) for t in g[1:]])
+                loss_sum += loss.detach()
+            grads.append(torch.zeros_like(h_ND).index_copy_(0, mb.loss_index, g_sel).view_as(h_BTD))
+        self._send_grad("head", acc[:n_own])
+        # The tied embedding's head gradient waits on the device for the embedding's own part.
+        self._tied_acc = acc[n_own:] if self.spec.tied else None
+        return grads, loss_sum
+
+    def _backward_block(self, b: int, checkpoint: list[torch.Tensor], grads: list[torch.Tensor],
+                        contexts: list[list[LayerKwargs]]) -> list[torch.Tensor]:
+        block = self._blocks()[b]
+        weights = [self.layer_templates[i].bind(self.streamer.next(f"layers.{i}"), requires_grad=True) for i in block]
+        accs = [None] * len(block)
+        last = len(checkpoint) - 1
+        for j, x in enumerate(checkpoint):
+            inputs, outputs = [], []
+            with torch.enable_grad():
+                for k, i in enumerate(block):
+                    x = x.detach().requires_grad_()
+                    inputs.append(x)
+                    x = _hidden(self.layer_templates[i](weights[k], x, **contexts[j][i]))
+                    outputs.append(x)
+            g = grads[j]
+            for k in reversed(range(len(block))):
+                leaves = list(weights[k].values())
+                gs = torch.autograd.grad(outputs[k], [inputs[k], *leaves], g)
+                g = gs[0]
+                accs[k] = _accumulate(accs[k], gs[1:])
+                if j == last:
+                    self._send_grad(f"layers.{block[k]}", accs[k])
+            grads[j] = g
+            checkpoint[j] = None  # free this micro-batch's checkpoint as soon as it is used
+        return grads
+
+    def _backward_embed(self, grads: list[torch.Tensor], mbs: list[MicroBatch]) -> None:
+        embed = self.templates["embed"]
+        weights = embed.bind(self.streamer.next("embed"), requires_grad=True)
+        leaves = list(weights.values())
+        acc = self._tied_acc
+        for g, mb in zip(grads, mbs, strict=True):
+            with torch.enable_grad():
+                h0, _ = self.context(embed(weights, mb.input_ids_BT), mb.position_ids_BT)
+                gs = torch.autograd.grad(h0, leaves, g)
+            acc = _accumulate(acc, gs)
+        self._tied_acc = None
+        self._send_grad("embed", acc)
+
+    # ------------------------------------------------------------------ gradients out
+
+    def _send_grad(self, unit: str, acc: torch.Tensor) -> None:
+        """Ship a finished fp32 gradient to the host and queue its optimizer update."""
+        self._norm_sq += torch.linalg.vector_norm(acc).square()
+        grad = acc.to(self.grad_dtype)
+        done_on_compute = self.streams.record(self.streams.compute)
+        host = self.grad_buffers.acquire(unit)
+        with self.streams.on(self.streams.d2h):
+            self.streams.wait(self.streams.d2h, done_on_compute)  # gradient fully computed
+            host.copy_(grad, non_blocking=True)
+            if self.streams.cuda:
+                grad.record_stream(self.streams.d2h)  # keep it alive until the copy has read it
+            landed = self.streams.record(self.streams.d2h)
+        self.worker.submit(unit, host, landed, self._lr)
+
+
+def _hidden(out) -> torch.Tensor:
+    """Decoder layers return a tensor in transformers 5 and a tuple in older releases."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _accumulate(acc: torch.Tensor | None, grads) -> torch.Tensor:
+    """Sum a unit's parameter gradients into one flat fp32 buffer (micro-batches add up here)."""
+    flat = torch.cat([g.reshape(-1) for g in grads]).float()
+    if acc is None:
+        return flat
+    return acc.add_(flat)
+
+
+def _grad_bytes(numels: dict[str, int], dtype: torch.dtype, per_unit: bool, slabs: int) -> int:
+    size = torch.empty((), dtype=dtype).element_size()
+    return size * (sum(numels.values()) if per_unit else slabs * max(numels.values()))
+
+
+__all__ = ["StreamingEngine", "StepResult", "UnitTemplate", "Weights"]

@@ -1,0 +1,131 @@
+"""The CPU thread that runs each unit's optimizer as soon as its gradient has landed.
+
+Without clipping a unit is updated the moment its gradient arrives, overlapping the rest of
+the backward pass. With clipping, gradients wait in their buffers until the step's global
+norm is known; the worker then updates units in forward order, so the next step's forward can
+start on the embedding and layer 0 while later layers are still being updated.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from mt_ray.engine.host_store import HostStore
+from mt_ray.engine.optimizer import UnitOptimizer
+from mt_ray.engine.transfer import GradBuffers
+
+
+@dataclass
+class _Grad:
+    unit: str
+    grad: torch.Tensor
+    landed: torch.cuda.Event | None
+    lr: float
+
+
+@dataclass
+class _EndOfStep:
+    norm_sq: torch.Tensor
+    ready: torch.cuda.Event | None
+    lr: float
+
+
+class OptimizerWorker:
+    """Owns the unit optimizers; the engine feeds it gradients and waits on unit versions."""
+
+    def __init__(self, store: HostStore, optimizers: dict[str, UnitOptimizer], buffers: GradBuffers,
+                 unit_order: list[str], max_grad_norm: float, threads: int | None):
+        self.store = store
+        self.optimizers = optimizers
+        self.buffers = buffers
+        self.unit_order = unit_order
+        self.max_grad_norm = max_grad_norm
+        self.threads = threads
+        self.version = dict.fromkeys(unit_order, 0)
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._queue: queue.Queue[_Grad | _EndOfStep | None] = queue.Queue()
+        self._pending: list[_Grad] = []
+        self.last_clip_coef = 1.0
+        self._scratch: torch.Tensor | None = None
+        self._thread = threading.Thread(target=self._run, name="mt-ray-optimizer", daemon=True)
+        self._thread.start()
+
+    @property
+    def clips(self) -> bool:
+        return self.max_grad_norm > 0
+
+    def submit(self, unit: str, grad: torch.Tensor, landed: torch.cuda.Event | None, lr: float) -> None:
+        self._raise_if_failed()
+        self._queue.put(_Grad(unit, grad, landed, lr))
+
+    def end_step(self, norm_sq: torch.Tensor, ready: torch.cuda.Event | None, lr: float) -> None:
+        self._queue.put(_EndOfStep(norm_sq, ready, lr))
+
+    def wait_updated(self, unit: str, version: int) -> None:
+        """Block until `unit` has been updated `version` times (CPU-side wait only)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.version[unit] >= version or self._error is not None)
+        self._raise_if_failed()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("the optimizer thread failed") from self._error
+
+    def _run(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            while (item := self._queue.get()) is not None:
+                self._handle(item)
+        except BaseException as e:  # surfaced to the engine thread by wait_updated/submit
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+
+    def _handle(self, item: _Grad | _EndOfStep) -> None:
+        if isinstance(item, _Grad):
+            if self.clips:
+                self._pending.append(item)
+            else:
+                self._update(item, 1.0)
+            return
+        if not self.clips:
+            return
+        if item.ready is not None:
+            item.ready.synchronize()  # the norm's device->host copy has landed
+        norm = float(item.norm_sq) ** 0.5
+        # torch.nn.utils.clip_grad_norm_'s coefficient, so results match it exactly.
+        coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
+        self.last_clip_coef = coef
+        rank = {u: i for i, u in enumerate(self.unit_order)}
+        for g in sorted(self._pending, key=lambda g: rank[g.unit]):
+            self._update(g, coef)
+        self._pending.clear()
+
+    def _fp32_scratch(self, grad: torch.Tensor) -> torch.Tensor:
+        """Upcast a compute-dtype gradient into a reused buffer (no per-layer allocation)."""
+        if self._scratch is None or self._scratch.numel() < grad.numel():
+            self._scratch = torch.empty(grad.numel(), dtype=torch.float32)
+        return self._scratch[: grad.numel()].copy_(grad)
+
+    def _update(self, g: _Grad, coef: float) -> None:
+        if g.landed is not None:
+            g.landed.synchronize()  # this gradient's device->host copy is complete
+        grad = g.grad if g.grad.dtype == torch.float32 else self._fp32_scratch(g.grad)
+        if coef != 1.0:
+            grad.mul_(coef)
+        self.optimizers[g.unit].step(grad, g.lr)
+        self.store.refresh_copy(g.unit)
+        self.buffers.release(g.unit)
+        with self._cond:
+            self.version[g.unit] += 1
+            self._cond.notify_all()

@@ -1,0 +1,155 @@
+"""Moving weights host->device ahead of use and gradients device->host as they finish.
+
+On CUDA three streams run at once: `compute` (the default stream), `h2d` (weight uploads)
+and `d2h` (gradient downloads). Every hand-over between them is an event; nothing here
+synchronises the whole device. On CPU the same code runs with no streams: copies are
+synchronous and events are None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from mt_ray.engine.host_store import HostStore
+
+
+class StreamSet:
+    """The compute, upload and download streams of one device (all None on CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.compute = torch.cuda.current_stream(device) if self.cuda else None
+        self.h2d = torch.cuda.Stream(device) if self.cuda else None
+        self.d2h = torch.cuda.Stream(device) if self.cuda else None
+
+    def on(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def record(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        if stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    @staticmethod
+    def wait(stream: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+
+
+@dataclass
+class _Upload:
+    unit: str
+    flat: torch.Tensor
+    ready: torch.cuda.Event | None
+
+
+class WeightStreamer:
+    """Uploads units in a known order, keeping `depth` uploads in flight ahead of the consumer.
+
+    `wait_updated(unit, version)` blocks (on the CPU only) until the optimizer has written
+    the version of the unit that this step must read: the only place a step waits for the
+    optimizer of the previous one.
+    """
+
+    def __init__(self, store: HostStore, streams: StreamSet, dtype: torch.dtype, depth: int,
+                 wait_updated: Callable[[str, int], None]):
+        self.store = store
+        self.streams = streams
+        self.dtype = dtype
+        self.depth = depth
+        self.wait_updated = wait_updated
+        self._plan: Iterator[str] = iter(())
+        self._inflight: deque[_Upload] = deque()
+        self._version = 0
+
+    def start(self, plan: list[str], version: int) -> None:
+        """Begin a step: `plan` is every unit the step will read, in order of use."""
+        if self._inflight:
+            raise RuntimeError(f"previous step left {len(self._inflight)} uploads unused")
+        self._plan = iter(plan)
+        self._version = version
+        self._top_up()
+
+    def next(self, unit: str) -> torch.Tensor:
+        """The next unit's flat weights in the compute dtype, usable on the compute stream."""
+        up = self._inflight.popleft()
+        if up.unit != unit:
+            raise RuntimeError(f"upload order broken: expected {unit}, streamed {up.unit}")
+        # The compute stream waits for this upload only, not for the whole copy queue.
+        self.streams.wait(self.streams.compute, up.ready)
+        if self.streams.cuda:
+            # The buffer was allocated on h2d; tell the allocator compute uses it until it is freed.
+            up.flat.record_stream(self.streams.compute)
+        self._top_up()
+        return up.flat
+
+    def _top_up(self) -> None:
+        while len(self._inflight) < self.depth:
+            unit = next(self._plan, None)
+            if unit is None:
+                return
+            self._inflight.append(self._upload(unit))
+
+    def _upload(self, unit: str) -> _Upload:
+        self.wait_updated(unit, self._version)
+        src = self.store.streamed_of(unit)
+        device = self.streams.device
+        with self.streams.on(self.streams.h2d):
+            # Pinned source + non_blocking: a true async DMA on the copy engine.
+            flat = torch.empty(src.numel(), dtype=src.dtype, device=device)
+            flat.copy_(src, non_blocking=True)
+            if flat.dtype != self.dtype:
+                flat = flat.to(self.dtype)  # stream_master: cast fp32 -> compute dtype on the device
+            ready = self.streams.record(self.streams.h2d)
+        return _Upload(unit, flat, ready)
+
+
+class GradBuffers:
+    """Host buffers gradients land in: a bounded pool of reusable slabs, or one per unit.
+
+    With clipping, every gradient must wait for the global norm, so each unit keeps its own
+    buffer until the step ends; without it, a few slabs recycle as the optimizer drains them.
+    """
+
+    def __init__(self, numels: dict[str, int], dtype: torch.dtype, pin: bool, per_unit: bool, slabs: int):
+        self.numels = numels
+        self.per_unit = per_unit
+        if per_unit:
+            total = sum(numels.values())
+            self._buf = torch.empty(total, dtype=dtype, pin_memory=pin)
+            self._views, off = {}, 0
+            for unit, n in numels.items():
+                self._views[unit] = self._buf[off : off + n]
+                off += n
+        else:
+            size = max(numels.values())
+            self._slabs = [torch.empty(size, dtype=dtype, pin_memory=pin) for _ in range(slabs)]
+            self._free: queue.Queue[int] = queue.Queue()
+            for i in range(slabs):
+                self._free.put(i)
+            self._held: dict[str, int] = {}
+
+    @property
+    def nbytes(self) -> int:
+        bufs = [self._buf] if self.per_unit else self._slabs
+        return sum(b.numel() * b.element_size() for b in bufs)
+
+    def acquire(self, unit: str) -> torch.Tensor:
+        if self.per_unit:
+            return self._views[unit]
+        i = self._free.get()  # back-pressure: blocks the CPU while the optimizer drains slabs
+        self._held[unit] = i
+        return self._slabs[i][: self.numels[unit]]
+
+    def release(self, unit: str) -> None:
+        if not self.per_unit:
+            self._free.put(self._held.pop(unit))

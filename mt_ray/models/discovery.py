@@ -1,0 +1,242 @@
+"""Discover the structure of a Hugging Face decoder-only model without materialising it.
+
+The engine needs to know, for any causal LM, which module embeds tokens, which list holds the
+decoder layers, which module is the final norm and which is the LM head, whether the head is
+tied to the embedding, and which layers share one structure (so one template serves them).
+We find all of this by walking a skeleton built on the meta device, never by a list of model
+families, so a new family that follows the usual layout works without code changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from mt_ray.errors import ModelNotSupportedError
+
+# Attributes that differ between layers but do not change what a layer computes when no
+# KV cache is used; everything else that differs splits layers into separate kinds.
+_LAYER_ATTRS_IGNORED = frozenset({"layer_idx", "training"})
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter of a unit: its Hugging Face name, its name inside the unit's module, shape."""
+
+    hf_name: str
+    local_name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def decays(self) -> bool:
+        """Matrices and embeddings get weight decay; norms and biases do not (nanoGPT's rule)."""
+        return len(self.shape) >= 2
+
+
+@dataclass
+class UnitSpec:
+    """A group of parameters that travels to the device together and is updated together."""
+
+    name: str
+    params: list[ParamInfo]
+    kind: str
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+
+@dataclass
+class ModelSpec:
+    """What the engine knows about a model: its skeleton, its units and its layer kinds."""
+
+    config: PretrainedConfig
+    skeleton: nn.Module
+    base: nn.Module
+    layers_attr: str
+    norm_attr: str
+    tied: bool
+    units: list[UnitSpec] = field(default_factory=list)
+    layer_kinds: dict[str, nn.Module] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_units)
+
+    @property
+    def layer_units(self) -> list[UnitSpec]:
+        return [u for u in self.units if u.name.startswith("layers.")]
+
+    def unit(self, name: str) -> UnitSpec:
+        return self._by_name[name]
+
+    @property
+    def num_params(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    def __post_init__(self) -> None:
+        self._by_name = {u.name: u for u in self.units}
+
+
+def load_config(model: str | PretrainedConfig | dict) -> PretrainedConfig:
+    """Accept a config object, a dict with `model_type`, or a local folder holding config.json."""
+    if isinstance(model, PretrainedConfig):
+        return model
+    if isinstance(model, dict):
+        kwargs = dict(model)
+        model_type = kwargs.pop("model_type", None)
+        if model_type is None:
+            raise ModelNotSupportedError("a model config dict needs a 'model_type' key, e.g. 'llama' or 'qwen2'")
+        try:
+            return AutoConfig.for_model(model_type, **kwargs)
+        except ValueError as e:
+            raise ModelNotSupportedError(f"unknown model_type '{model_type}': {e}") from None
+    try:
+        return AutoConfig.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelNotSupportedError(
+            f"cannot read a model config from '{model}': {e}. Point model.path at a local folder "
+            "with config.json (nothing is downloaded at run time)."
+        ) from None
+
+
+def build_skeleton(config: PretrainedConfig) -> nn.Module:
+    """Build the causal LM with parameters on the meta device and real buffers (rotary tables)."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelNotSupportedError(
+            f"'{config.model_type}' is an encoder-decoder model; mt-ray trains decoder-only causal LMs "
+            "(Llama, Qwen, Mistral, Gemma, Phi, ...)."
+        )
+    try:
+        with init_empty_weights(include_buffers=False):
+            return AutoModelForCausalLM.from_config(config)
+    except ValueError as e:
+        raise ModelNotSupportedError(
+            f"'{config.model_type}' has no causal-LM class in transformers ({e}); mt-ray trains models "
+            "that AutoModelForCausalLM can build."
+        ) from None
+
+
+def discover(model: str | PretrainedConfig | dict) -> ModelSpec:
+    """Find embedding, decoder layers, final norm, LM head and layer kinds of a causal LM."""
+    config = load_config(model)
+    skeleton = build_skeleton(config)
+    embed = skeleton.get_input_embeddings()
+    head = skeleton.get_output_embeddings()
+    base = _find_base(skeleton, embed)
+    layers_attr = _find_layers(base, config)
+    norm_attr = _find_final_norm(base, embed, layers_attr)
+    if head is None or not isinstance(head, nn.Linear):
+        raise ModelNotSupportedError(f"'{config.model_type}' has no linear LM head; it is not a causal LM")
+    tied = head.weight is embed.weight or bool(getattr(config, "tie_word_embeddings", False))
+    _reject_unknown_parameters(skeleton, base, embed, head, layers_attr, norm_attr)
+
+    names = {id(m): n for n, m in skeleton.named_modules()}
+    layers = getattr(base, layers_attr)
+    kinds: dict[tuple, str] = {}
+    layer_kinds: dict[str, nn.Module] = {}
+    units = [UnitSpec("embed", _params(embed, names[id(embed)]), "embed")]
+    for i, layer in enumerate(layers):
+        fp = _fingerprint(layer)
+        if fp not in kinds:
+            kinds[fp] = f"{type(layer).__name__}#{len(kinds)}"
+            layer_kinds[kinds[fp]] = layer
+        units.append(UnitSpec(f"layers.{i}", _params(layer, names[id(layer)]), kinds[fp]))
+    norm = getattr(base, norm_attr)
+    head_params = _params(norm, names[id(norm)], prefix="norm.")
+    if not tied:
+        head_params += _params(head, names[id(head)], prefix="lm_head.")
+    units.append(UnitSpec("head", _decayed_first(head_params), "head"))
+    return ModelSpec(config, skeleton, base, layers_attr, norm_attr, tied, units, layer_kinds)
+
+
+def _params(module: nn.Module, path: str, prefix: str = "") -> list[ParamInfo]:
+    infos = [
+        ParamInfo(f"{path}.{n}" if path else n, prefix + n, tuple(p.shape))
+        for n, p in module.named_parameters()
+    ]
+    return _decayed_first(infos)
+
+
+def _decayed_first(infos: list[ParamInfo]) -> list[ParamInfo]:
+    """Decayed parameters first, so each unit's flat buffer splits into two optimizer groups."""
+    return sorted(infos, key=lambda p: not p.decays)
+
+
+def _find_base(skeleton: nn.Module, embed: nn.Module) -> nn.Module:
+    """The decoder body: the module that directly owns the input embedding."""
+    for module in skeleton.modules():
+        if any(child is embed for child in module.children()):
+            return module
+    raise ModelNotSupportedError(f"cannot find the module that owns the embedding in {type(skeleton).__name__}")
+
+
+def _find_layers(base: nn.Module, config: PretrainedConfig) -> str:
+    """The ModuleList of decoder layers: the direct child list with one entry per hidden layer."""
+    n = getattr(config, "num_hidden_layers", None)
+    lists = [name for name, c in base.named_children() if isinstance(c, nn.ModuleList) and len(c) == n]
+    if len(lists) != 1:
+        raise ModelNotSupportedError(
+            f"'{config.model_type}' does not have a decoder-only layout: expected one list of {n} decoder layers "
+            f"in {type(base).__name__}, found {lists or 'none'}"
+        )
+    return lists[0]
+
+
+def _find_final_norm(base: nn.Module, embed: nn.Module, layers_attr: str) -> str:
+    """The one parameterised direct child of the body that is neither embedding nor layer list."""
+    rest = [
+        name
+        for name, c in base.named_children()
+        if c is not embed and name != layers_attr and any(True for _ in c.parameters())
+    ]
+    if len(rest) != 1:
+        raise ModelNotSupportedError(
+            f"{type(base).__name__}: expected exactly one final norm beside the layers, found {rest}"
+        )
+    return rest[0]
+
+
+def _reject_unknown_parameters(
+    skeleton: nn.Module, base: nn.Module, embed: nn.Module, head: nn.Module, layers_attr: str, norm_attr: str
+) -> None:
+    """Parameters outside the units would silently never train: refuse such a model instead."""
+    known = {id(p) for m in (embed, head, getattr(base, layers_attr), getattr(base, norm_attr)) for p in m.parameters()}
+    unknown = [n for n, p in skeleton.named_parameters() if id(p) not in known]
+    if unknown:
+        raise ModelNotSupportedError(
+            f"{type(skeleton).__name__} has parameters outside embedding/layers/norm/head: {unknown[:5]}"
+        )
+
+
+def _fingerprint(layer: nn.Module) -> tuple:
+    """Layers with the same parameter shapes and the same plain attributes compute the same function."""
+    shapes = tuple((n, tuple(p.shape)) for n, p in layer.named_parameters())
+    attrs = []
+    for mod_name, mod in layer.named_modules():
+        for k, v in sorted(vars(mod).items()):
+            if k.startswith("_") or k in _LAYER_ATTRS_IGNORED:
+                continue
+            if isinstance(v, (bool, int, float, str, type(None))):
+                attrs.append((mod_name, k, v))
+    return (type(layer).__qualname__, shapes, tuple(attrs))
+
+
+def meta_free_buffers_to(module: nn.Module, device: torch.device) -> nn.Module:
+    """Move a skeleton module's (real) buffers to `device`; its meta parameters stay unused."""
+    for sub in module.modules():
+        for name, buf in list(sub._buffers.items()):
+            if buf is not None:
+                sub._buffers[name] = buf.to(device)
+    return module

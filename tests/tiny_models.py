@@ -1,0 +1,79 @@
+"""Tiny random configs of every supported family, and a plain-PyTorch reference trainer."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from mt_ray.engine.config import OptimizerConfig
+from mt_ray.engine.optimizer import lr_at
+
+VOCAB = 96
+_COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1,
+               eos_token_id=2, max_position_embeddings=64)
+
+FAMILIES: dict[str, dict] = {
+    "llama": {},
+    "qwen2": {},
+    "qwen2-tied": {"model_type": "qwen2", "tie_word_embeddings": True},
+    "qwen3": {},
+    "mistral": {"sliding_window": 6},
+    "gemma2": {"sliding_window": 6, "final_logit_softcapping": 5.0, "attn_logit_softcapping": 10.0},
+    "gemma3_text": {"sliding_window": 6, "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                                                         "sliding_attention", "full_attention"]},
+    "phi3": {},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "decoder_sparse_step": 2},
+}
+
+
+def tiny_config(family: str = "llama", **overrides) -> PretrainedConfig:
+    kw = {**_COMMON, **FAMILIES[family], **overrides}
+    model_type = kw.pop("model_type", family)
+    cfg = AutoConfig.for_model(model_type, **kw)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def tiny_batches(n_micro: int = 2, batch: int = 2, seq: int = 12, seed: int = 0, prompt: int = 4) -> list[dict]:
+    """Micro-batches with a masked prompt, one packed row (position ids restart mid-row)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_micro):
+        ids = torch.randint(3, VOCAB, (batch, seq), generator=g)
+        labels = ids.clone()
+        labels[:, :prompt] = -100
+        pos = torch.arange(seq).repeat(batch, 1)
+        out.append({"input_ids": ids, "labels": labels, "position_ids": pos})
+    return out
+
+
+def reference_model(cfg: PretrainedConfig, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).float()
+
+
+def reference_train(model: torch.nn.Module, steps: list[list[dict]], opt_cfg: OptimizerConfig) -> list[float]:
+    """Ordinary in-memory PyTorch training of `model` with the same optimizer: the ground truth."""
+    params = dict(model.named_parameters())
+    groups = [
+        {"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": opt_cfg.weight_decay},
+        {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=opt_cfg.lr, betas=opt_cfg.betas, eps=opt_cfg.eps, fused=True)
+    losses = []
+    for step, mbs in enumerate(steps):
+        opt.zero_grad()
+        n = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in mbs)
+        total = 0.0
+        for mb in mbs:
+            out = model(**mb, num_items_in_batch=n, use_cache=False)  # a cache would disable packed masks
+            out.loss.backward()
+            total += out.loss.item()
+        if opt_cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.max_grad_norm)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, opt_cfg, len(steps))
+        opt.step()
+        losses.append(total)
+    return losses

@@ -1,0 +1,63 @@
+"""LR schedules match transformers'; the optimizer uses the store's moments in place."""
+
+import pytest
+import torch
+from transformers import get_scheduler
+
+from mt_ray.engine.config import OptimizerConfig
+from mt_ray.engine.host_store import HostStore
+from mt_ray.engine.optimizer import UnitOptimizer, deepspeed_available, lr_at
+from mt_ray.models.discovery import discover
+from tests.tiny_models import tiny_config
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
+def test_schedule_matches_transformers(schedule):
+    cfg = OptimizerConfig(lr=3e-4, warmup_steps=5, schedule=schedule)
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=cfg.lr)
+    name = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}[schedule]
+    sched = get_scheduler(name, opt, num_warmup_steps=5, num_training_steps=50)
+    for step in range(50):
+        assert lr_at(step, cfg, 50) == pytest.approx(opt.param_groups[0]["lr"], abs=1e-12), step
+        opt.step()
+        sched.step()
+
+
+def test_cosine_floor():
+    cfg = OptimizerConfig(lr=1.0, schedule="cosine", min_lr_ratio=0.1)
+    assert lr_at(100, cfg, 100) == pytest.approx(0.1)
+
+
+def test_unit_optimizer_steps_store_in_place():
+    spec = discover(tiny_config("llama"))
+    store = HostStore(spec, None, pin=False)
+    store.master.zero_()
+    unit = spec.unit("layers.0")
+    opt = UnitOptimizer(store, unit, OptimizerConfig(lr=0.1, weight_decay=0.0, impl="torch"))
+    opt.step(torch.ones(unit.numel), lr=0.1)
+    m, v = store.moments_of("layers.0")
+    assert torch.allclose(m, torch.full_like(m, 0.1))
+    assert torch.allclose(store.master_of("layers.0"), torch.full((unit.numel,), -0.1), atol=1e-6)
+
+
+def test_bad_betas_rejected():
+    with pytest.raises(ValueError, match="betas"):
+        OptimizerConfig(betas=(0.9, 1.5))
+
+
+@pytest.mark.skipif(not deepspeed_available(), reason="DeepSpeed CPUAdam is not installed (needs a build toolchain)")
+def test_deepspeed_cpu_adam_matches_torch():
+    spec = discover(tiny_config("llama"))
+    unit = spec.unit("layers.0")
+    results = []
+    for impl in ("torch", "deepspeed"):
+        store = HostStore(spec, None, pin=False)
+        torch.manual_seed(0)
+        store.master.normal_()
+        opt = UnitOptimizer(store, unit, OptimizerConfig(lr=1e-2, weight_decay=0.1, impl=impl))
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            opt.step(torch.randn(unit.numel, generator=g), lr=1e-2)
+        results.append(store.master_of("layers.0").clone())
+    torch.testing.assert_close(results[0], results[1], atol=1e-6, rtol=1e-5)

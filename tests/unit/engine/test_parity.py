@@ -1,0 +1,93 @@
+"""The streamed engine must train exactly like ordinary in-memory PyTorch."""
+
+import pytest
+import torch
+
+from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine
+from mt_ray.models.discovery import discover
+from tests.tiny_models import FAMILIES, reference_model, reference_train, tiny_batches, tiny_config
+
+STEPS = 3
+OPT = OptimizerConfig(lr=2e-3, weight_decay=0.1, max_grad_norm=1.0, warmup_steps=1, schedule="cosine")
+
+
+def run_both(cfg, opt_cfg=OPT, engine_kw=None, steps=STEPS, packed=False):
+    ref = reference_model(cfg)
+    mbs = tiny_batches()
+    if packed:  # restart positions mid-row: two documents share a row
+        for mb in mbs:
+            mb["position_ids"][:, 7:] -= 7
+    batches = [mbs] * steps  # the same data every step, so the loss must fall
+    engine_cfg = EngineConfig(**{"device": "cpu", "compute_dtype": "fp32", "checkpoint_every": 2, **(engine_kw or {})})
+    engine = StreamingEngine(discover(cfg), engine_cfg, opt_cfg, total_steps=steps)
+    try:
+        engine.load_state_dict(ref.state_dict())
+        losses = [engine.train_step(mbs).loss.item() for mbs in batches]
+        state = {k: v.clone() for k, v in engine.state_dict().items()}
+    finally:
+        engine.close()
+    ref_losses = reference_train(ref, batches, opt_cfg)
+    return losses, ref_losses, state, ref.state_dict()
+
+
+def assert_same(losses, ref_losses, state, ref_state, atol=2e-5):
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert losses[-1] < losses[0]  # it actually trained
+    for name, ref_w in ref_state.items():
+        if name in state:
+            torch.testing.assert_close(state[name], ref_w, atol=atol, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_engine_matches_pytorch(family):
+    losses, ref_losses, state, ref_state = run_both(tiny_config(family))
+    assert_same(losses, ref_losses, state, ref_state)
+
+
+def test_tied_embeddings_are_one_parameter():
+    cfg = tiny_config("qwen2-tied")
+    losses, ref_losses, state, ref_state = run_both(cfg)
+    assert "lm_head.weight" not in state
+    assert_same(losses, ref_losses, state, ref_state)
+
+
+def test_no_clipping_updates_each_layer_as_its_gradient_lands():
+    opt = OPT.model_copy(update={"max_grad_norm": 0.0})
+    assert_same(*run_both(tiny_config("llama"), opt_cfg=opt, engine_kw={"grad_slabs": 1}))
+
+
+@pytest.mark.parametrize("engine_kw", [{"checkpoint_every": 1}, {"checkpoint_every": 5}, {"stream_master": True},
+                                       {"prefetch_units": 1}, {"loss_chunk_tokens": 5}])
+def test_schedule_options_do_not_change_results(engine_kw):
+    assert_same(*run_both(tiny_config("llama"), engine_kw=engine_kw))
+
+
+def test_packed_rows_match_pytorch():
+    assert_same(*run_both(tiny_config("llama"), packed=True))
+
+
+def test_bf16_compute_tracks_fp32_reference():
+    cfg = tiny_config("llama")
+    ref = reference_model(cfg)
+    batches = [tiny_batches()] * STEPS
+    engine = StreamingEngine(discover(cfg), EngineConfig(device="cpu", compute_dtype="bf16"), OPT, STEPS)
+    try:
+        engine.load_state_dict(ref.state_dict())
+        assert engine.store.copy.dtype == torch.bfloat16
+        losses = [engine.train_step(mbs).loss.item() for mbs in batches]
+    finally:
+        engine.close()
+    assert losses == pytest.approx(reference_train(ref, batches, OPT), rel=2e-2)
+
+
+def test_step_without_loss_tokens_is_refused():
+    cfg = tiny_config("llama")
+    engine = StreamingEngine(discover(cfg), EngineConfig(device="cpu", compute_dtype="fp32"), OPT, 1)
+    try:
+        engine.load_random()
+        mb = tiny_batches(n_micro=1)[0]
+        mb["labels"][:] = -100
+        with pytest.raises(ValueError, match="no token that carries loss"):
+            engine.train_step([mb])
+    finally:
+        engine.close()
