@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,7 @@ class OptimizerWorker:
         self._pending: list[_Grad] = []
         self.last_clip_coef = 1.0
         self._scratch: torch.Tensor | None = None
+        self.busy_seconds = 0.0  # CPU time spent updating, for the benchmark's time split
         self._thread = threading.Thread(target=self._run, name="mt-ray-optimizer", daemon=True)
         self._thread.start()
 
@@ -120,12 +122,14 @@ class OptimizerWorker:
     def _update(self, g: _Grad, coef: float) -> None:
         if g.landed is not None:
             g.landed.synchronize()  # this gradient's device->host copy is complete
+        t0 = time.perf_counter()
         grad = g.grad if g.grad.dtype == torch.float32 else self._fp32_scratch(g.grad)
         if coef != 1.0:
             grad.mul_(coef)
         self.optimizers[g.unit].step(grad, g.lr)
         self.store.refresh_copy(g.unit)
         self.buffers.release(g.unit)
+        self.busy_seconds += time.perf_counter() - t0
         with self._cond:
             self.version[g.unit] += 1
             self._cond.notify_all()

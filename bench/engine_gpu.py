@@ -1,0 +1,195 @@
+"""Benchmark of the streaming engine on one GPU, against plain in-GPU PyTorch in the same run.
+
+Reports model TFLOPS as 6 x params x tokens / step time with the optimizer inside the step
+(MegaTrain's formula), the attention-inclusive figure, host bytes/param (peak RSS), peak GPU
+memory, and the time split of one profiled step (H2D, compute, D2H busy time from CUPTI; the
+optimizer thread's CPU time; GPU idle = step time minus compute-stream busy time).
+
+    python bench/engine_gpu.py --shape qwen2.5-7b --batch 128 --micro 16 --out results.json
+    python bench/engine_gpu.py --shape qwen2.5-1.5b --batch 64 --micro 8 --baseline
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (  # noqa: E402
+    Timer,
+    attention_flops,
+    peak_rss_bytes,
+    print_table,
+    random_micro_batches,
+    shape_config,
+    write_json,
+)
+from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine  # noqa: E402
+from mt_ray.models.discovery import discover  # noqa: E402
+
+OPT = OptimizerConfig(lr=1e-5, weight_decay=0.01, max_grad_norm=1.0, schedule="constant")
+
+
+def run_engine(args, cfg) -> dict:
+    spec = discover(cfg)
+    ecfg = EngineConfig(device="cuda", compute_dtype="bf16", checkpoint_every=args.k, stream_master=args.stream_master,
+                        grad_dtype=args.grad_dtype, loss_chunk_tokens=args.loss_chunk)
+    opt = OPT.model_copy(update={"max_grad_norm": args.clip})
+    t0 = time.perf_counter()
+    engine = StreamingEngine(spec, ecfg, opt, total_steps=args.warmup + args.steps + 1)
+    engine.load_random(seed=0)
+    setup_s = time.perf_counter() - t0
+    mbs = random_micro_batches(cfg.vocab_size, args.batch, args.micro, args.seq)
+    losses = []
+    try:
+        for _ in range(args.warmup):
+            losses.append(engine.train_step(mbs).loss)
+        engine.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        busy0 = engine.worker.busy_seconds
+        with Timer() as t:
+            for _ in range(args.steps):
+                losses.append(engine.train_step(mbs).loss)
+            engine.synchronize()  # the optimizer of the last step is inside the timed region
+        step_s = t.seconds / args.steps
+        opt_s = (engine.worker.busy_seconds - busy0) / args.steps
+        split = profile_step(engine, mbs) if args.profile else {}
+        row = metrics(args, cfg, spec.num_params, step_s, "mt-ray")
+        row.update(split, optimizer_s=opt_s, setup_s=setup_s, losses=[float(x) for x in losses],
+                   host_bytes_per_param=peak_rss_bytes() / spec.num_params,
+                   peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30)
+        return row
+    finally:
+        engine.close()
+
+
+def profile_step(engine: StreamingEngine, mbs) -> dict:
+    """Busy time per engine (compute kernels, H2D, D2H) of one step, from the CUDA activity trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof, Timer() as t:
+        engine.train_step(mbs)
+        engine.synchronize()
+    kernels, h2d, d2h = [], [], []
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        span = (ev.time_range.start, ev.time_range.end)
+        name = ev.name.lower()
+        if "memcpy" in name and "htod" in name:
+            h2d.append(span)
+        elif "memcpy" in name and "dtoh" in name:
+            d2h.append(span)
+        elif "memcpy" not in name and "memset" not in name:
+            kernels.append(span)
+    step_us = t.seconds * 1e6
+    compute_us = _union(kernels)
+    return {
+        "profiled_step_s": t.seconds,
+        "h2d_busy_s": _union(h2d) / 1e6,
+        "compute_busy_s": compute_us / 1e6,
+        "d2h_busy_s": _union(d2h) / 1e6,
+        "gpu_idle_frac": max(0.0, 1 - compute_us / step_us),
+    }
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def run_plain(args, cfg) -> dict:
+    """Ceiling: the whole model on the GPU, fp32 params, bf16 autocast, fused GPU AdamW, HF loss."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).cuda()
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": OPT.weight_decay}, {"params": rest, "weight_decay": 0}],
+                            lr=OPT.lr, fused=True)
+    mbs = [{k: v.cuda() for k, v in mb.items()} for mb in random_micro_batches(cfg.vocab_size, args.batch, args.micro, args.seq)]
+    n_items = sum(mb["input_ids"][:, 1:].numel() for mb in mbs)
+    losses = []
+
+    def step():
+        total = torch.zeros((), device="cuda")
+        for mb in mbs:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=mb["input_ids"], labels=mb["input_ids"], num_items_in_batch=n_items).loss
+            loss.backward()
+            total += loss.detach()
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.reset_peak_memory_stats()
+    with Timer() as t:
+        for _ in range(args.steps):
+            step()
+    row = metrics(args, cfg, sum(p.numel() for p in model.parameters()), t.seconds / args.steps, "plain-pytorch")
+    row.update(losses=[float(x) for x in losses], peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30)
+    return row
+
+
+def metrics(args, cfg, n_params: int, step_s: float, system: str) -> dict:
+    tokens = args.batch * args.seq
+    model_flops = 6 * n_params * tokens
+    return {
+        "system": system, "shape": args.shape, "params_b": n_params / 1e9, "batch": args.batch, "micro": args.micro,
+        "seq": args.seq, "step_s": step_s, "tokens_per_s": tokens / step_s, "model_tflops": model_flops / step_s / 1e12,
+        "tflops_with_attn": (model_flops + attention_flops(cfg, tokens, args.seq)) / step_s / 1e12,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen2.5-7b")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--micro", type=int, default=16)
+    p.add_argument("--k", type=int, default=4, help="checkpoint every K layers")
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--stream-master", action="store_true")
+    p.add_argument("--grad-dtype", default="fp32", choices=["fp32", "compute"])
+    p.add_argument("--loss-chunk", type=int, default=4096)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--profile", action="store_true", help="profile one extra step for the time split")
+    p.add_argument("--baseline", action="store_true", help="also run plain in-GPU PyTorch (model must fit)")
+    p.add_argument("--out", default="bench/results/engine_gpu.json")
+    args = p.parse_args()
+
+    cfg = shape_config(args.shape)
+    rows = [run_engine(args, cfg)]
+    if args.baseline:
+        rows.append(run_plain(args, cfg))
+        rows[0]["ratio_vs_plain"] = rows[0]["step_s"] and rows[1]["step_s"] / rows[0]["step_s"]
+    cols = ["system", "shape", "params_b", "batch", "seq", "step_s", "tokens_per_s", "model_tflops", "tflops_with_attn",
+            "peak_gpu_gib", "host_bytes_per_param", "h2d_busy_s", "compute_busy_s", "d2h_busy_s", "optimizer_s",
+            "gpu_idle_frac", "ratio_vs_plain"]
+    print_table(rows, cols)
+    write_json(args.out, {"args": vars(args), "device": torch.cuda.get_device_name(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
