@@ -31,6 +31,7 @@ from mt_ray.engine.optimizer import UnitOptimizer, lr_at
 from mt_ray.engine.optimizer_worker import OptimizerWorker
 from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
 from mt_ray.engine.transfer import GradBuffers, StreamSet, WeightStreamer
+from mt_ray.errors import CheckpointError
 from mt_ray.models.context import LayerContextBuilder, LayerKwargs
 from mt_ray.models.discovery import ModelSpec
 from mt_ray.models.weights import export_hf, init_random, load_safetensors
@@ -134,6 +135,30 @@ class StreamingEngine:
     def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32) -> Path:
         """Write the trained weights as a Hugging Face folder that `from_pretrained` loads."""
         return export_hf(self.spec, self.state_dict(), out_dir, tokenizer, dtype)
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Everything a checkpoint needs: the flat fp32 master/moment buffers and the step.
+
+        The tensors are the live buffers (no copies); call between steps.
+        """
+        self.synchronize()
+        tensors = {"master": self.store.master, "exp_avg": self.store.exp_avg, "exp_avg_sq": self.store.exp_avg_sq}
+        layout = {u: [self.store.layout.offsets[u], self.store.layout.numels[u]] for u in self.store.layout.offsets}
+        return tensors, {"step": self.step_idx, "layout": layout}
+
+    def load_checkpoint_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Restore buffers and step from `checkpoint_state()` output, so training continues exactly."""
+        self.synchronize()
+        layout = {u: [self.store.layout.offsets[u], self.store.layout.numels[u]] for u in self.store.layout.offsets}
+        if meta["layout"] != layout:
+            raise CheckpointError("checkpoint layout does not match this model (different architecture or config)")
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            getattr(self.store, name).copy_(tensors[name])
+        for unit in self.spec.units:
+            self.store.refresh_copy(unit.name)
+            self.optimizers[unit.name].set_step(meta["step"])
+        self.step_idx = meta["step"]
+        self.worker.reset_versions(self.step_idx)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights by Hugging Face name, after all pending updates."""

@@ -74,6 +74,12 @@ class OptimizerWorker:
             self._cond.wait_for(lambda: self.version[unit] >= version or self._error is not None)
         self._raise_if_failed()
 
+    def reset_versions(self, version: int) -> None:
+        """After a checkpoint restore: every unit holds the weights of update `version`."""
+        with self._cond:
+            self.version = dict.fromkeys(self.unit_order, version)
+            self._cond.notify_all()
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join()
