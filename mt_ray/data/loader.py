@@ -33,10 +33,20 @@ _Row = list[TokenizedExample]
 
 
 class StepLoader:
-    """Endless iterator of step batches ``dict(input_ids, labels, position_ids, segment_ids)``.
+    """Endless iterator of step batches: one ``dict`` of CPU ``LongTensor[B, T]`` per optimizer step.
 
-    Each batch holds ``rows_per_step`` rows; rows ``[i * micro_batch_size, (i + 1) *
-    micro_batch_size)`` form micro-batch ``i`` (see ``split_micro_batches``).
+    * ``input_ids``: tokens; padding is ``pad_token_id`` (``eos`` if the tokenizer has no pad).
+    * ``labels``: NOT shifted (Hugging Face convention: the model scores ``labels[t]`` with the
+      logits at ``t - 1``); ``-100`` on every prompt/system/user/tool-result token, on the
+      first token of every example and on padding.
+    * ``position_ids``: ``0, 1, ...`` restarting at every example and at the padding; pass them
+      with no ``attention_mask`` and ``use_cache=False`` and Hugging Face keeps attention
+      inside each example.
+    * ``segment_ids``: ``0, 1, ...`` per example within a row, padding last.
+
+    ``B = micro_batch_size * grad_accum_steps``; rows ``[i * micro_batch_size, (i + 1) *
+    micro_batch_size)`` form micro-batch ``i`` (see ``split_micro_batches``). ``T`` is
+    ``max_seq_len`` when packing, else the step's longest example.
     """
 
     def __init__(self, config: DataConfig, mixer: Mixer, processor: Processor, rows_per_step: int, pad_id: int):

@@ -15,6 +15,7 @@ from typing import Any
 from mt_ray.data.config import MixStrategy
 from mt_ray.data.schema import Example
 from mt_ray.data.sources import DatasetSource
+from mt_ray.errors import ConfigError
 
 _DRAW_BLOCK = 1024
 
@@ -70,6 +71,9 @@ class Mixer:
                 "sources": [s.state_dict() for s in self.sources]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["sources"]) != len(self.sources):
+            raise ConfigError(f"data loader state holds {len(state['sources'])} datasets, but data.datasets "
+                              f"names {len(self.sources)}: resume with the config the state was saved with")
         self.draws, self.current = state["draws"], state["current"]
         for source, source_state in zip(self.sources, state["sources"], strict=True):
             source.load_state_dict(source_state)

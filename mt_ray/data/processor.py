@@ -102,7 +102,9 @@ class Processor:
 
     def _text(self, text: str) -> list[TokenizedExample]:
         """Every token is trained; a long document is cut into ``max_seq_len`` chunks."""
-        ids = [*self.tokenizer.encode(text, add_special_tokens=True), self.tokenizer.eos_token_id]
+        # verbose=False: long documents are expected here (they are chunked below), so the
+        # tokenizer's "longer than model_max_length" warning would only mislead.
+        ids = [*self.tokenizer.encode(text, add_special_tokens=True, verbose=False), self.tokenizer.eos_token_id]
         chunks = [ids[i:i + self.max_seq_len] for i in range(0, len(ids), self.max_seq_len)]
         return [example for chunk in chunks for example in _finish(chunk, chunk)]
 

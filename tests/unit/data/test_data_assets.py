@@ -9,8 +9,14 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from mt_ray.data import DataConfig, build_dataloader, count_valid_tokens, demo_registry_path
-from mt_ray.data import build_demo_data, build_tiny_tokenizer
+from mt_ray.data import (
+    DataConfig,
+    build_dataloader,
+    build_demo_data,
+    build_tiny_tokenizer,
+    count_valid_tokens,
+    demo_registry_path,
+)
 from mt_ray.data.assets import tiny_tokenizer_path
 from mt_ray.data.registry import load_registry
 

@@ -174,3 +174,11 @@ def test_every_llamafactory_local_entry_loads_or_says_why(tokenizer, llamafactor
         assert loader.stats()["bad_rows"] == {name: 0}
         usable.append(name)
     assert sorted(usable) == ["alpaca_en_demo", "c4_demo", "glaive_toolcall_en_demo", "identity", "wiki_demo"]
+
+
+def test_state_from_another_dataset_list_is_refused(tokenizer) -> None:
+    state = build_dataloader(small_config(datasets=["demo_alpaca"]), tokenizer, 1).state_dict()
+    with pytest.raises(ConfigError, match="holds 1 datasets"):
+        build_dataloader(small_config(), tokenizer, 1).load_state_dict(state)
+    with pytest.raises(ConfigError, match="version"):
+        build_dataloader(small_config(), tokenizer, 1).load_state_dict({"version": 0})
