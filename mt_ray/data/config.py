@@ -1,0 +1,85 @@
+"""``DataConfig``: what to train on and how to batch it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from mt_ray.errors import ConfigError
+
+MixStrategy = Literal["concat", "interleave_under", "interleave_over"]
+
+
+class DataConfig(BaseModel):
+    """Datasets, mixing, sequence length and packing. Unknown keys are rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    datasets: list[str] = Field(default_factory=lambda: ["demo_alpaca", "demo_sharegpt"], min_length=1)
+    """Registry entry names; a comma-separated string (LLaMA-Factory style) is accepted too."""
+
+    mix_strategy: MixStrategy = "concat"
+    """``concat``: one dataset after another. ``interleave_under``: sample by weight, an epoch
+    ends when any dataset runs out. ``interleave_over``: sample by weight, a dataset that runs
+    out restarts (a new epoch of its own), so small datasets are over-sampled."""
+
+    weights: list[float] | None = None
+    """Sampling weight of each dataset for the interleave strategies (default: equal)."""
+
+    registry: Path | None = None
+    """A ``dataset_info.json`` or the folder holding it; ``None`` = the built-in demo registry."""
+
+    max_seq_len: int = Field(default=1024, ge=2)
+    """Tokens per example after truncation, and the length of every packed row."""
+
+    packing: bool = True
+    """Pack several examples into each row of exactly ``max_seq_len`` tokens (attention stays
+    within each example through position-id resets); otherwise one example per row, padded
+    to the step's longest example."""
+
+    packing_window: int = Field(default=256, ge=1)
+    """Examples tokenized together and packed first-fit-decreasing; larger packs tighter."""
+
+    shuffle: bool = True
+    """Shuffle rows within blocks of ``shuffle_buffer`` rows (whole files smaller than that)."""
+
+    shuffle_buffer: int = Field(default=10_000, ge=1)
+    """Rows per shuffle block; these rows are held in memory at once."""
+
+    template: str = "tokenizer"
+    """Chat template: ``tokenizer`` for the tokenizer's own, or a name in ``templates.TEMPLATES``."""
+
+    on_bad_row: Literal["error", "skip"] = "error"
+    """A malformed row raises ``DatasetError`` (``error``) or is skipped and counted (``skip``)."""
+
+    seed: int = 0
+    """Seed for shuffling, mixing and packing order; the same seed gives the same batches."""
+
+    @field_validator("datasets", mode="before")
+    @classmethod
+    def _split_names(cls, value: Any) -> Any:
+        return [n.strip() for n in value.split(",") if n.strip()] if isinstance(value, str) else value
+
+    @field_validator("weights")
+    @classmethod
+    def _check_weights(cls, value: list[float] | None, info: ValidationInfo) -> list[float] | None:
+        if value is None:
+            return value
+        if info.data.get("mix_strategy") == "concat":
+            raise ValueError("weights apply only to the interleave_* mix strategies")
+        if len(value) != len(info.data.get("datasets", [])) or any(w <= 0 for w in value):
+            raise ValueError("weights needs one positive number per dataset")
+        return value
+
+
+def load_data_config(values: Mapping[str, Any], key: str = "data") -> DataConfig:
+    """Build a ``DataConfig``, turning validation errors into ``ConfigError`` with dotted keys."""
+    try:
+        return DataConfig.model_validate(dict(values))
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join([key, *map(str, err['loc'])])}: {err['msg']}" for err in e.errors())
+        raise ConfigError(problems) from None

@@ -1,0 +1,154 @@
+"""Converts raw rows (alpaca, sharegpt, plain text) into the schema of ``schema.py``.
+
+Conversion is where rows are validated: a row with a missing field, a wrong type, an
+empty conversation or roles out of order raises ``DatasetError`` naming the file and
+row, before it can ever turn into a wrong label mask. The rules follow LLaMA-Factory's
+converters: prompt-side turns (user, observation) and response-side turns (assistant,
+function_call) must alternate, starting with the prompt side and ending with the
+response side.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mt_ray.data.readers import RawRow
+from mt_ray.data.registry import Columns, DatasetEntry, Tags
+from mt_ray.data.schema import PROMPT_ROLES, RESPONSE_ROLES, ChatExample, Example, Message, Role, TextExample
+from mt_ray.errors import DatasetError
+
+
+class _RowProblem(Exception):
+    """What is wrong with a row; ``convert_row`` adds the file and row number."""
+
+
+def convert_row(entry: DatasetEntry, raw: RawRow) -> Example:
+    """Convert one row of ``entry``; raise ``DatasetError`` ("<file> row <n>: why") if malformed."""
+    try:
+        if raw.data is None:
+            raise _RowProblem(raw.error or "unreadable row")
+        if entry.formatting == "text":
+            return TextExample(text=_required_str(raw.data, entry.columns.prompt, allow_empty=False))
+        if entry.formatting == "alpaca":
+            return _convert_alpaca(entry.columns, raw.data)
+        return _convert_sharegpt(entry.columns, entry.tags, raw.data)
+    except _RowProblem as e:
+        raise DatasetError(f"dataset '{entry.name}': {raw.file} row {raw.row}: {e}") from None
+
+
+def parse_function_call(content: str) -> list[dict[str, Any]]:
+    """The calls in a function_call turn: ``{"name", "arguments"}`` objects, one or a list."""
+    try:
+        calls = json.loads(content)
+    except json.JSONDecodeError as e:
+        raise _RowProblem(f"function_call turn is not valid JSON: {e}") from None
+    calls = calls if isinstance(calls, list) else [calls]
+    for call in calls:
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str) and "arguments" in call):
+            raise _RowProblem('function_call turn must be {"name": ..., "arguments": ...} or a list of them')
+    return calls
+
+
+def _required_str(data: dict[str, Any], column: str | None, allow_empty: bool = True) -> str:
+    value = data.get(column) if column else None
+    if value is None:
+        raise _RowProblem(f"missing column '{column}'")
+    if not isinstance(value, str):
+        raise _RowProblem(f"column '{column}' must be a string, got {type(value).__name__}")
+    if not allow_empty and not value.strip():
+        raise _RowProblem(f"column '{column}' is empty")
+    return value
+
+
+def _optional_str(data: dict[str, Any], column: str | None) -> str | None:
+    if not column or data.get(column) is None:
+        return None
+    return _required_str(data, column) or None
+
+
+def _convert_alpaca(cols: Columns, data: dict[str, Any]) -> ChatExample:
+    messages = _alpaca_history(cols, data)
+    parts = [_optional_str(data, c) for c in (cols.prompt, cols.query)]
+    prompt = "\n".join(p for p in parts if p)
+    if not prompt:
+        raise _RowProblem(f"empty prompt: columns '{cols.prompt}' and '{cols.query}' are missing or empty")
+    response = _required_str(data, cols.response, allow_empty=False)
+    messages += [Message("user", prompt), Message("assistant", response)]
+    return ChatExample(messages=tuple(messages), system=_optional_str(data, cols.system))
+
+
+def _alpaca_history(cols: Columns, data: dict[str, Any]) -> list[Message]:
+    history = data.get(cols.history) if cols.history else None
+    if not history:
+        return []
+    if not isinstance(history, list):
+        raise _RowProblem(f"column '{cols.history}' must be a list of [prompt, response] pairs")
+    messages = []
+    for pair in history:
+        if not (isinstance(pair, list | tuple) and len(pair) == 2 and all(isinstance(s, str) for s in pair)):
+            raise _RowProblem(f"column '{cols.history}' must be a list of [prompt, response] string pairs")
+        messages += [Message("user", pair[0]), Message("assistant", pair[1])]
+    return messages
+
+
+def _convert_sharegpt(cols: Columns, tags: Tags, data: dict[str, Any]) -> ChatExample:
+    turns = data.get(cols.messages)
+    if not isinstance(turns, list) or not turns:
+        raise _RowProblem(f"column '{cols.messages}' must be a non-empty list of turns")
+    system = _optional_str(data, cols.system)
+    first = turns[0]
+    if tags.system_tag and isinstance(first, dict) and first.get(tags.role_tag) == tags.system_tag:
+        system = _turn_content(first, tags, 0)
+        turns = turns[1:]
+    if not turns:
+        raise _RowProblem("conversation has a system prompt but no turns")
+    messages = tuple(_sharegpt_message(turn, tags, i) for i, turn in enumerate(turns))
+    if messages[-1].role not in RESPONSE_ROLES:
+        raise _RowProblem(f"conversation ends on a '{messages[-1].role}' turn; it must end on an assistant turn")
+    return ChatExample(messages=messages, system=system, tools=_tools(data, cols.tools))
+
+
+def _sharegpt_message(turn: Any, tags: Tags, index: int) -> Message:
+    if not isinstance(turn, dict):
+        raise _RowProblem(f"turn {index} must be an object, got {type(turn).__name__}")
+    role_of: dict[str | None, Role] = {
+        tags.user_tag: "user", tags.observation_tag: "observation",
+        tags.assistant_tag: "assistant", tags.function_tag: "function_call",
+    }
+    raw_role = turn.get(tags.role_tag)
+    role = role_of.get(raw_role) if raw_role is not None else None
+    if role is None:
+        raise _RowProblem(f"turn {index}: unknown role {raw_role!r} (key '{tags.role_tag}')")
+    expected = PROMPT_ROLES if index % 2 == 0 else RESPONSE_ROLES
+    if role not in expected:
+        raise _RowProblem(f"turn {index}: role '{raw_role}' out of order (expected one of {list(expected)})")
+    content = _turn_content(turn, tags, index)
+    if role == "function_call":
+        parse_function_call(content)
+    return Message(role, content)
+
+
+def _turn_content(turn: dict[str, Any], tags: Tags, index: int) -> str:
+    content = turn.get(tags.content_tag)
+    if not isinstance(content, str):
+        kind = "missing" if content is None else type(content).__name__
+        raise _RowProblem(f"turn {index}: content '{tags.content_tag}' must be a string, got {kind}")
+    return content
+
+
+def _tools(data: dict[str, Any], column: str | None) -> tuple[dict[str, Any], ...] | None:
+    value = data.get(column) if column else None
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise _RowProblem(f"column '{column}' is not valid JSON: {e}") from None
+    if value is None:
+        return None
+    value = [value] if isinstance(value, dict) else value
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise _RowProblem(f"column '{column}' must be a JSON list of tool schemas")
+    return tuple(value) or None

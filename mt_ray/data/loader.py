@@ -1,0 +1,179 @@
+"""The step loader: mixed examples -> tokenized -> packed -> one batch per optimizer step.
+
+Examples are processed in windows of ``packing_window``: the window is tokenized, packed
+first-fit-decreasing into rows (or kept one example per row when packing is off), and the
+rows are shuffled with a seed fixed by the window's index. A window is a pure function of
+the mixer state at its start, so ``state_dict()`` is that state plus how many rows of the
+window were already used; ``load_state_dict()`` rebuilds the window and skips those rows,
+giving exactly the batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from mt_ray.data.assets import demo_registry_path
+from mt_ray.data.config import DataConfig
+from mt_ray.data.mixing import Mixer
+from mt_ray.data.packing import collate, pack_first_fit_decreasing
+from mt_ray.data.processor import Processor
+from mt_ray.data.registry import load_registry
+from mt_ray.data.schema import TokenizedExample
+from mt_ray.data.sources import DatasetSource
+from mt_ray.errors import ConfigError
+
+_STATE_VERSION = 1
+_Row = list[TokenizedExample]
+
+
+class StepLoader:
+    """Endless iterator of step batches: one ``dict`` of CPU ``LongTensor[B, T]`` per optimizer step.
+
+    * ``input_ids``: tokens; padding is ``pad_token_id`` (``eos`` if the tokenizer has no pad).
+    * ``labels``: NOT shifted (Hugging Face convention: the model scores ``labels[t]`` with the
+      logits at ``t - 1``); ``-100`` on every prompt/system/user/tool-result token, on the
+      first token of every example and on padding.
+    * ``position_ids``: ``0, 1, ...`` restarting at every example and at the padding; pass them
+      with no ``attention_mask`` and ``use_cache=False`` and Hugging Face keeps attention
+      inside each example.
+    * ``segment_ids``: ``0, 1, ...`` per example within a row, padding last.
+
+    ``B = micro_batch_size * grad_accum_steps``; rows ``[i * micro_batch_size, (i + 1) *
+    micro_batch_size)`` form micro-batch ``i`` (see ``split_micro_batches``). ``T`` is
+    ``max_seq_len`` when packing, else the step's longest example.
+    """
+
+    def __init__(self, config: DataConfig, mixer: Mixer, processor: Processor, rows_per_step: int, pad_id: int):
+        self.config = config
+        self.mixer = mixer
+        self.processor = processor
+        self.rows_per_step = rows_per_step
+        self.pad_id = pad_id
+        self.dropped_examples = 0
+        self._window_start = self._snapshot()
+        self._window_index = 0
+        self._window: list[_Row] = []
+        self._used = 0
+        self._window_built = False
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        rows: list[_Row] = []
+        while len(rows) < self.rows_per_step:
+            if not self._window_built or self._used == len(self._window):
+                self._next_window()
+            take = min(self.rows_per_step - len(rows), len(self._window) - self._used)
+            rows += self._window[self._used:self._used + take]
+            self._used += take
+        length = self.config.max_seq_len if self.config.packing else None
+        return collate(rows, length, self.pad_id)
+
+    @property
+    def epoch(self) -> int:
+        """Completed passes over the data (see ``Mixer.epoch``)."""
+        return self.mixer.epoch
+
+    def stats(self) -> dict[str, Any]:
+        """Counts to report: bad rows skipped per dataset, examples dropped as untrainable."""
+        return {
+            "bad_rows": {s.entry.name: s.state.bad_rows for s in self.mixer.sources},
+            "dropped_examples": self.dropped_examples,
+            "epoch": self.epoch,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Resumable position; ``load_state_dict`` of it reproduces all later batches exactly."""
+        return {"version": _STATE_VERSION, "window_start": copy.deepcopy(self._window_start),
+                "window_index": self._window_index, "used": self._used, "built": self._window_built}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ConfigError(f"data loader state has version {state.get('version')}, expected {_STATE_VERSION}")
+        self._restore(state["window_start"])
+        self._window_index = state["window_index"]
+        self._window_built = False
+        if state["built"]:
+            self._window_index -= 1
+            self._next_window()
+            self._used = state["used"]
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {"mixer": self.mixer.state_dict(), "dropped": self.dropped_examples}
+
+    def _restore(self, snapshot: dict[str, Any]) -> None:
+        self.mixer.load_state_dict(copy.deepcopy(snapshot["mixer"]))
+        self.dropped_examples = snapshot["dropped"]
+        self._window_start = copy.deepcopy(snapshot)
+
+    def _next_window(self) -> None:
+        """Tokenize the next ``packing_window`` examples and arrange them into rows."""
+        self._window_start = self._snapshot()
+        examples: list[TokenizedExample] = []
+        while len(examples) < self.config.packing_window:
+            tokenized = self.processor(self.mixer.next())
+            if not tokenized:
+                self.dropped_examples += 1
+            examples += tokenized
+        if self.config.packing:
+            bins = pack_first_fit_decreasing([len(e) for e in examples], self.config.max_seq_len)
+            rows = [[examples[i] for i in b] for b in bins]
+            random.Random(f"pack/{self.config.seed}/{self._window_index}").shuffle(rows)
+        else:
+            rows = [[e] for e in examples]
+        self._window, self._used, self._window_built = rows, 0, True
+        self._window_index += 1
+
+
+def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """Cut a step batch into micro-batches of ``micro_batch_size`` rows (views, no copy)."""
+    n = batch["input_ids"].shape[0]
+    return [{k: v[i:i + micro_batch_size] for k, v in batch.items()} for i in range(0, n, micro_batch_size)]
+
+
+def build_dataloader(data_config: DataConfig, tokenizer: PreTrainedTokenizerBase, micro_batch_size: int,
+                     grad_accum_steps: int | None = None, *, global_batch_size: int | None = None,
+                     seed: int | None = None) -> StepLoader:
+    """Build the step loader: each batch holds ``micro_batch_size * grad_accum_steps`` rows.
+
+    Give ``grad_accum_steps`` or ``global_batch_size`` (rows per optimizer step, a multiple
+    of ``micro_batch_size``), not both; neither means one micro-batch per step. ``seed``
+    overrides ``data_config.seed``.
+    """
+    rows = _rows_per_step(micro_batch_size, grad_accum_steps, global_batch_size)
+    if seed is not None:
+        data_config = data_config.model_copy(update={"seed": seed})
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        raise ConfigError("the tokenizer has neither a pad token nor an eos token to pad with")
+    registry = load_registry(data_config.registry or demo_registry_path())
+    sources = [
+        DatasetSource(registry.resolve(name), i, data_config.seed, data_config.shuffle, data_config.shuffle_buffer,
+                      skip_bad_rows=data_config.on_bad_row == "skip")
+        for i, name in enumerate(data_config.datasets)
+    ]
+    mixer = Mixer(sources, data_config.weights, data_config.mix_strategy, data_config.seed)
+    processor = Processor(tokenizer, data_config.template, data_config.max_seq_len)
+    return StepLoader(data_config, mixer, processor, rows, pad_id)
+
+
+def _rows_per_step(micro_batch_size: int, grad_accum_steps: int | None, global_batch_size: int | None) -> int:
+    if micro_batch_size < 1:
+        raise ConfigError("micro_batch_size must be at least 1")
+    if grad_accum_steps is not None and global_batch_size is not None:
+        raise ConfigError("give grad_accum_steps or global_batch_size, not both")
+    if global_batch_size is not None:
+        if global_batch_size < 1 or global_batch_size % micro_batch_size:
+            raise ConfigError(f"global_batch_size {global_batch_size} is not a multiple of "
+                              f"micro_batch_size {micro_batch_size}")
+        return global_batch_size
+    if grad_accum_steps is not None and grad_accum_steps < 1:
+        raise ConfigError("grad_accum_steps must be at least 1")
+    return micro_batch_size * (grad_accum_steps or 1)

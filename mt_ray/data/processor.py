@@ -1,0 +1,167 @@
+"""Renders examples with a chat template, tokenizes them and builds the label mask.
+
+Masking is done turn by turn, as LLaMA-Factory does: the conversation is rendered one
+prefix at a time (``render(turns[:k])``, then with the assistant header, then through
+turn ``k``), each new piece of text is tokenized on its own, and the pieces are
+concatenated. Prompt pieces (system, user, tool results, assistant headers) get label
+``-100``; an assistant piece is trained up to and including its last special token
+(the end-of-turn token, e.g. ``<|im_end|>``), and the formatting after it (the newline
+between turns) is not, since the model never has to generate it. Tokenizing pieces
+separately means token boundaries always fall on turn boundaries, so no token straddles
+prompt and response.
+
+Labels are not shifted: ``labels[t]`` is the target for the logits at ``t - 1`` (the
+Hugging Face convention; the model shifts). ``labels[0]`` is always ``-100``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from mt_ray.data.converters import parse_function_call
+from mt_ray.data.schema import IGNORE_INDEX, ChatExample, Example, TextExample, TokenizedExample
+from mt_ray.data.templates import TEMPLATES
+from mt_ray.errors import ConfigError
+
+TOKENIZER_TEMPLATE = "tokenizer"
+
+# (prompt token ids, response token ids, response labels) for one prompt/response exchange
+_Pair = tuple[list[int], list[int], list[int]]
+
+
+def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int, int]:
+    """Split ``cutoff_len`` between a prompt and a response (LLaMA-Factory's rule).
+
+    A short response keeps all its tokens and the prompt is cut; a short prompt keeps
+    its tokens and the response is cut; otherwise both shrink in proportion.
+    """
+    if target_len * 2 < cutoff_len:
+        max_target_len = cutoff_len
+    elif source_len * 2 < cutoff_len:
+        max_target_len = cutoff_len - source_len
+    else:
+        max_target_len = int(cutoff_len * (target_len / (source_len + target_len)))
+    new_target_len = min(max_target_len, target_len)
+    new_source_len = min(max(cutoff_len - new_target_len, 0), source_len)
+    return new_source_len, new_target_len
+
+
+def to_hf_messages(example: ChatExample) -> list[dict[str, Any]]:
+    """Map the schema's roles onto Hugging Face chat-template messages."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": example.system}] if example.system else []
+    for m in example.messages:
+        if m.role == "function_call":
+            calls = [{"type": "function", "function": {"name": c["name"], "arguments": _arguments(c["arguments"])}}
+                     for c in parse_function_call(m.content)]
+            messages.append({"role": "assistant", "content": "", "tool_calls": calls})
+        elif m.role == "observation":
+            messages.append({"role": "tool", "content": m.content})
+        else:
+            messages.append({"role": m.role, "content": m.content})
+    return messages
+
+
+def _arguments(arguments: Any) -> Any:
+    """Templates expect arguments as a dict; LLaMA-Factory data sometimes holds a JSON string."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+class Processor:
+    """Turns one ``Example`` into ``TokenizedExample``s of at most ``max_seq_len`` tokens."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str, max_seq_len: int):
+        if template != TOKENIZER_TEMPLATE and template not in TEMPLATES:
+            raise ConfigError(f"data.template: unknown template '{template}' (use 'tokenizer' or {sorted(TEMPLATES)})")
+        if template == TOKENIZER_TEMPLATE and not tokenizer.chat_template:
+            raise ConfigError(
+                f"data.template: the tokenizer has no chat template; set it to one of {sorted(TEMPLATES)}")
+        if tokenizer.eos_token_id is None:
+            raise ConfigError("the tokenizer has no eos token, which ends every text example")
+        self.tokenizer = tokenizer
+        self.template_name = template
+        self.chat_template = None if template == TOKENIZER_TEMPLATE else TEMPLATES[template]
+        self.max_seq_len = max_seq_len
+        self.special_ids = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+
+    def __call__(self, example: Example) -> list[TokenizedExample]:
+        """Tokenized pieces of ``example``; empty if no token is left to train on."""
+        if isinstance(example, TextExample):
+            return self._text(example.text)
+        return self._chat(example)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def _text(self, text: str) -> list[TokenizedExample]:
+        """Every token is trained; a long document is cut into ``max_seq_len`` chunks."""
+        # verbose=False: long documents are expected here (they are chunked below), so the
+        # tokenizer's "longer than model_max_length" warning would only mislead.
+        ids = [*self.tokenizer.encode(text, add_special_tokens=True, verbose=False), self.tokenizer.eos_token_id]
+        chunks = [ids[i:i + self.max_seq_len] for i in range(0, len(ids), self.max_seq_len)]
+        return [example for chunk in chunks for example in _finish(chunk, chunk)]
+
+    def _chat(self, example: ChatExample) -> list[TokenizedExample]:
+        ids: list[int] = []
+        labels: list[int] = []
+        remaining = self.max_seq_len
+        for source, target, target_labels in self._pairs(example):
+            if remaining <= 0:
+                break
+            n_src, n_tgt = infer_seqlen(len(source), len(target), remaining)
+            remaining -= n_src + n_tgt
+            ids += source[:n_src] + target[:n_tgt]
+            labels += [IGNORE_INDEX] * n_src + target_labels[:n_tgt]
+        return _finish(ids, labels)
+
+    def _pairs(self, example: ChatExample) -> list[_Pair]:
+        """Render turn by turn; each assistant-side turn closes one (prompt, response) pair."""
+        messages = to_hf_messages(example)
+        tools = list(example.tools) if example.tools else None
+        pairs: list[_Pair] = []
+        source: list[int] = []
+        rendered = ""
+        for k in range(1 if example.system else 0, len(messages)):
+            if messages[k]["role"] == "assistant":
+                head = self._render(messages[:k], tools, rendered, generation_prompt=True)
+                body = self._render(messages[:k + 1], tools, head, generation_prompt=False)
+                target = self._encode(body[len(head):])
+                pairs.append((source + self._encode(head[len(rendered):]), target, self._response_labels(target)))
+                source, rendered = [], body
+            else:
+                text = self._render(messages[:k + 1], tools, rendered, generation_prompt=False)
+                source += self._encode(text[len(rendered):])
+                rendered = text
+        return pairs
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, prefix: str,
+                generation_prompt: bool) -> str:
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, chat_template=self.chat_template, tokenize=False,
+            add_generation_prompt=generation_prompt)
+        if not text.startswith(prefix):
+            raise ConfigError(
+                f"data.template '{self.template_name}' is not prefix-stable: rendering turn {len(messages)} "
+                "rewrote earlier turns, so labels cannot be masked turn by turn; use template='chatml'")
+        return text
+
+    def _response_labels(self, target: list[int]) -> list[int]:
+        """Train through the last special token (end of turn); the formatting after it is masked."""
+        last = max((i for i, t in enumerate(target) if t in self.special_ids), default=len(target) - 1)
+        return target[:last + 1] + [IGNORE_INDEX] * (len(target) - last - 1)
+
+
+def _finish(ids: list[int], labels: list[int]) -> list[TokenizedExample]:
+    """Mask the first label (in a packed row it would be predicted from the previous
+    example); drop the example if no label is left to train on."""
+    labels = [IGNORE_INDEX, *labels[1:]]
+    if all(label == IGNORE_INDEX for label in labels):
+        return []
+    return [TokenizedExample(input_ids=tuple(ids), labels=tuple(labels))]

@@ -1,0 +1,151 @@
+"""Reads a LLaMA-Factory ``dataset_info.json`` and resolves entries to local files.
+
+The registry is read exactly as LLaMA-Factory reads it, so its own files work unchanged:
+
+* ``formatting`` is ``alpaca`` (default) or ``sharegpt``;
+* without a ``columns`` key the format's default columns apply; with one, only the
+  columns it lists are used (the others are unset), and likewise for ``tags``;
+* an alpaca entry with no ``response`` column is plain text for pretraining, which is
+  how LLaMA-Factory marks ``c4_demo``/``wiki_demo`` (``columns: {prompt: text}``);
+* ``file_name`` is a file or a folder, relative to the registry's folder.
+
+Hub, script and cloud entries cannot load offline and raise ``DatasetError``; so do
+preference (``ranking``), KTO and multimodal entries, which this SFT pipeline does not
+train. A hub entry that also names a ``file_name`` uses the local copy.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from mt_ray.errors import DatasetError
+
+Formatting = Literal["alpaca", "sharegpt", "text"]
+REGISTRY_FILE = "dataset_info.json"
+_REMOTE_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
+_UNSUPPORTED_COLUMNS = ("images", "videos", "audios", "kto_tag", "chosen", "rejected")
+_COLUMN_NAMES = ("prompt", "query", "response", "history", "messages", "system", "tools")
+_TAG_NAMES = ("role_tag", "content_tag", "user_tag", "assistant_tag", "observation_tag",
+              "function_tag", "system_tag")
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Which row key holds each field (``None`` = not used). Defaults are LLaMA-Factory's."""
+
+    prompt: str | None = "instruction"
+    query: str | None = "input"
+    response: str | None = "output"
+    history: str | None = None
+    messages: str | None = "conversations"
+    system: str | None = None
+    tools: str | None = None
+
+
+@dataclass(frozen=True)
+class Tags:
+    """ShareGPT keys and role values (``None`` = role not accepted). Defaults are LLaMA-Factory's."""
+
+    role_tag: str | None = "from"
+    content_tag: str | None = "value"
+    user_tag: str | None = "human"
+    assistant_tag: str | None = "gpt"
+    observation_tag: str | None = "observation"
+    function_tag: str | None = "function_call"
+    system_tag: str | None = "system"
+
+
+@dataclass(frozen=True)
+class DatasetEntry:
+    """One resolved registry entry: a local file or folder and how to read its rows."""
+
+    name: str
+    path: Path
+    formatting: Formatting
+    columns: Columns
+    tags: Tags
+
+
+@dataclass(frozen=True)
+class Registry:
+    """The parsed ``dataset_info.json``; ``folder`` anchors relative ``file_name`` paths."""
+
+    folder: Path
+    entries: dict[str, dict[str, Any]]
+
+    def resolve(self, name: str) -> DatasetEntry:
+        """Turn entry ``name`` into a ``DatasetEntry``, or say why it cannot be used."""
+        if name not in self.entries:
+            close = difflib.get_close_matches(name, list(self.entries), n=3)
+            hint = f" Did you mean {', '.join(close)}?" if close else ""
+            raise DatasetError(f"dataset '{name}' is not in {self.folder / REGISTRY_FILE}.{hint}")
+        info = self.entries[name]
+        _check_supported(name, info)
+        path = self.folder / info["file_name"]
+        if not path.exists():
+            raise DatasetError(f"dataset '{name}': file_name '{info['file_name']}' not found at {path}")
+        columns = _columns(info)
+        formatting = _formatting(name, info, columns)
+        return DatasetEntry(name=name, path=path, formatting=formatting, columns=columns, tags=_tags(info))
+
+
+def load_registry(path: str | Path) -> Registry:
+    """Parse a registry given as the ``dataset_info.json`` file or the folder holding it."""
+    path = Path(path)
+    file = path / REGISTRY_FILE if path.is_dir() else path
+    try:
+        entries = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise DatasetError(f"dataset registry not found: {file}") from e
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"dataset registry {file} is not valid JSON: {e}") from e
+    if not isinstance(entries, dict) or not all(isinstance(v, dict) for v in entries.values()):
+        raise DatasetError(f"dataset registry {file} must map dataset names to objects")
+    return Registry(folder=file.parent, entries=entries)
+
+
+def _check_supported(name: str, info: dict[str, Any]) -> None:
+    if "file_name" not in info:
+        if any(key in info for key in _REMOTE_KEYS):
+            raise DatasetError(
+                f"dataset '{name}' is on a hub and not available offline; "
+                "download it and point file_name at the local copy"
+            )
+        raise DatasetError(f"dataset '{name}' has no file_name")
+    if info.get("ranking"):
+        raise DatasetError(f"dataset '{name}' is a preference (ranking) dataset; only SFT and text are supported")
+    used = [c for c in _UNSUPPORTED_COLUMNS if c in info.get("columns", {})]
+    if used:
+        raise DatasetError(f"dataset '{name}' uses columns {used}, which are not supported (text-only SFT)")
+
+
+def _columns(info: dict[str, Any]) -> Columns:
+    if "columns" not in info:
+        return Columns()
+    return Columns(**{key: info["columns"].get(key) for key in _COLUMN_NAMES})
+
+
+def _tags(info: dict[str, Any]) -> Tags:
+    if "tags" not in info:
+        return Tags()
+    return Tags(**{key: info["tags"].get(key) for key in _TAG_NAMES})
+
+
+def _formatting(name: str, info: dict[str, Any], columns: Columns) -> Formatting:
+    formatting = info.get("formatting", "alpaca")
+    if formatting == "sharegpt":
+        tags = _tags(info)
+        if not (columns.messages and tags.role_tag and tags.content_tag):
+            raise DatasetError(f"dataset '{name}': sharegpt entries need a messages column, role_tag and content_tag")
+        return "sharegpt"
+    if formatting != "alpaca":
+        raise DatasetError(f"dataset '{name}': formatting '{formatting}' is not supported (alpaca or sharegpt)")
+    if columns.response is None:
+        if columns.prompt is None:
+            raise DatasetError(f"dataset '{name}': a text dataset needs columns.prompt (the text column)")
+        return "text"
+    return "alpaca"

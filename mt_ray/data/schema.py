@@ -1,0 +1,79 @@
+"""The one schema every converter produces and the processor consumes.
+
+Whatever the source format (alpaca, sharegpt, plain text), a row becomes either
+
+* a ``ChatExample``: an optional ``system`` prompt, optional ``tools`` (a list of
+  JSON-schema dicts), and ``messages`` that alternate prompt side / response side:
+
+  - prompt side (never trained): ``user`` turns and ``observation`` turns (tool results);
+  - response side (trained): ``assistant`` turns and ``function_call`` turns, whose
+    content is the JSON text of a call ``{"name": ..., "arguments": {...}}`` (or a list
+    of calls);
+
+  the first message is on the prompt side and the last on the response side, so every
+  example has at least one trained turn; or
+
+* a ``TextExample``: plain text for pretraining, every token trained.
+
+Role names follow LLaMA-Factory's internal roles; the processor maps them onto the
+Hugging Face chat-template convention (``tool_calls`` on an assistant turn, ``tool``
+role for results).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+IGNORE_INDEX = -100
+"""Label of a token that carries no loss (PyTorch's cross-entropy ignore_index)."""
+
+Role = Literal["user", "assistant", "function_call", "observation"]
+PROMPT_ROLES: tuple[Role, ...] = ("user", "observation")
+RESPONSE_ROLES: tuple[Role, ...] = ("assistant", "function_call")
+
+
+@dataclass(frozen=True)
+class Message:
+    """One turn of a conversation."""
+
+    role: Role
+    content: str
+
+
+@dataclass(frozen=True)
+class ChatExample:
+    """A conversation; only response-side turns carry loss."""
+
+    messages: tuple[Message, ...]
+    system: str | None = None
+    tools: tuple[dict[str, Any], ...] | None = None
+
+
+@dataclass(frozen=True)
+class TextExample:
+    """Plain text (pretraining); every token carries loss."""
+
+    text: str
+
+
+Example = ChatExample | TextExample
+
+
+@dataclass(frozen=True)
+class TokenizedExample:
+    """Token ids and unshifted labels of one example (``-100`` = no loss).
+
+    ``labels[0]`` is always ``-100``: the model predicts ``labels[t]`` from token ``t-1``,
+    and in a packed row token ``t-1`` belongs to the previous example.
+    """
+
+    input_ids: tuple[int, ...]
+    labels: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.labels) != len(self.input_ids) or not self.input_ids or self.labels[0] != IGNORE_INDEX:
+            raise ValueError("TokenizedExample needs len(labels) == len(input_ids) > 0 and labels[0] == -100")
+
+    def __len__(self) -> int:
+        return len(self.input_ids)

@@ -1,0 +1,105 @@
+"""One dataset as a resumable, block-shuffled stream of converted examples.
+
+Rows are read in file order in blocks of ``shuffle_buffer`` rows; each block is emitted
+in a permutation fixed by ``(seed, dataset index, epoch, block)``. The position in an
+epoch is a single row count, so resuming re-opens the files at the block's first row
+(readers skip rows without decoding them) and re-derives the same permutation: exact,
+and without holding more than one block in memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+from mt_ray.data.converters import convert_row
+from mt_ray.data.readers import RawRow, iter_rows
+from mt_ray.data.registry import DatasetEntry
+from mt_ray.data.schema import Example
+from mt_ray.errors import DatasetError
+
+logger = logging.getLogger(__name__)
+_LOGGED_BAD_ROWS = 5
+
+
+@dataclass
+class SourceState:
+    """Where a source stands: rows consumed this epoch, valid ones among them, bad rows ever."""
+
+    epoch: int = 0
+    position: int = 0
+    valid_in_epoch: int = 0
+    bad_rows: int = 0
+
+
+class DatasetSource:
+    """Converted examples of one registry entry, one epoch at a time."""
+
+    def __init__(self, entry: DatasetEntry, index: int, seed: int, shuffle: bool, block_size: int,
+                 skip_bad_rows: bool):
+        self.entry = entry
+        self.index = index
+        self.seed = seed
+        self.shuffle = shuffle
+        self.block_size = block_size
+        self.skip_bad_rows = skip_bad_rows
+        self.state = SourceState()
+        self._rows: Iterator[RawRow] | None = None
+        self._block: list[RawRow] | None = None
+
+    def next(self) -> Example | None:
+        """The next valid example of this epoch, or ``None`` once the epoch is used up."""
+        while True:
+            raw = self._next_raw()
+            if raw is None:
+                if self.state.valid_in_epoch == 0:
+                    raise DatasetError(f"dataset '{self.entry.name}' ({self.entry.path}) has no usable rows")
+                return None
+            try:
+                example = convert_row(self.entry, raw)
+            except DatasetError as e:
+                if not self.skip_bad_rows:
+                    raise
+                self._count_bad_row(e)
+                continue
+            self.state.valid_in_epoch += 1
+            return example
+
+    def new_epoch(self) -> None:
+        """Start the next epoch from the first row (with a new permutation)."""
+        self.state = SourceState(epoch=self.state.epoch + 1, bad_rows=self.state.bad_rows)
+        self._rows = self._block = None
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self.state)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.state = SourceState(**state)
+        self._rows = self._block = None
+
+    def _next_raw(self) -> RawRow | None:
+        block_index, offset = divmod(self.state.position, self.block_size)
+        if self._block is None or offset == 0:
+            self._block = self._read_block(block_index)
+        if offset >= len(self._block):
+            return None
+        self.state.position += 1
+        return self._block[offset]
+
+    def _read_block(self, block_index: int) -> list[RawRow]:
+        if self._rows is None:
+            self._rows = iter_rows(self.entry.path, skip=block_index * self.block_size)
+        block = list(itertools.islice(self._rows, self.block_size))
+        if self.shuffle:
+            random.Random(f"{self.seed}/{self.index}/{self.state.epoch}/{block_index}").shuffle(block)
+        return block
+
+    def _count_bad_row(self, error: DatasetError) -> None:
+        self.state.bad_rows += 1
+        if self.state.bad_rows <= _LOGGED_BAD_ROWS:
+            logger.warning("skipping bad row: %s", error)
+        if self.state.bad_rows == _LOGGED_BAD_ROWS:
+            logger.warning("dataset '%s': further bad rows are skipped and counted silently", self.entry.name)
