@@ -42,7 +42,7 @@ class EngineConfig(_Strict):
         None, gt=0, description="Host memory this job may use; default: cgroup limit, else MemAvailable."
     )
     optimizer_threads: int | None = Field(
-        None, ge=1, description="CPU threads for the optimizer; default: all cores but two (kept for copies)."
+        None, ge=1, description="CPU threads for the optimizer; default: all cores but one (kept for launching GPU work)."
     )
 
     @property

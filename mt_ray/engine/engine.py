@@ -69,7 +69,7 @@ class StreamingEngine:
         self.store = HostStore(spec, copy_dtype, pin, grad_bytes, cfg.host_memory_limit_gb)
         self.grad_buffers = GradBuffers(numels, grad_dtype, pin, per_unit=clips, slabs=cfg.grad_slabs)
         self.optimizers = {u.name: UnitOptimizer(self.store, u, opt_cfg) for u in spec.units}
-        threads = cfg.optimizer_threads or max(1, (os.cpu_count() or 1) - 2)
+        threads = cfg.optimizer_threads or max(1, (os.cpu_count() or 1) - 1)
         self.worker = OptimizerWorker(
             self.store, self.optimizers, self.grad_buffers, [u.name for u in spec.units],
             opt_cfg.max_grad_norm, threads if pin else None,
@@ -167,6 +167,7 @@ class StreamingEngine:
 
     def close(self) -> None:
         self.worker.close()
+        self.grad_buffers.close()
         self.store.close()
 
     # ------------------------------------------------------------------ schedule

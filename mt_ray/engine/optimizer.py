@@ -36,40 +36,61 @@ def deepspeed_available() -> bool:
     return True
 
 
-class UnitOptimizer:
-    """AdamW for one unit, stepping in place on the store's master/moment slices."""
+# Optimizer state is split into chunks of at most this many elements, so a compute-dtype
+# gradient is upcast through a small scratch buffer rather than a copy of the whole unit.
+CHUNK_NUMEL = 1 << 26
 
-    def __init__(self, store: HostStore, unit: UnitSpec, cfg: OptimizerConfig):
+
+class UnitOptimizer:
+    """AdamW for one unit, stepping in place on the store's master/moment slices, chunk by chunk."""
+
+    def __init__(self, store: HostStore, unit: UnitSpec, cfg: OptimizerConfig, chunk_numel: int = CHUNK_NUMEL):
         master = store.master_of(unit.name)
         m, v = store.moments_of(unit.name)
         n_decay = sum(p.numel for p in unit.params if p.decays)
         self.unit = unit.name
-        self.params: list[nn.Parameter] = []
+        self.use_ds = cfg.impl == "deepspeed" or (cfg.impl == "auto" and deepspeed_available())
         groups = []
         for lo, hi, wd in ((0, n_decay, cfg.weight_decay), (n_decay, unit.numel, 0.0)):
-            if hi > lo:
-                p = nn.Parameter(master[lo:hi], requires_grad=False)
-                self.params.append(p)
-                groups.append({"params": [p], "weight_decay": wd, "bounds": (lo, hi)})
-        use_ds = cfg.impl == "deepspeed" or (cfg.impl == "auto" and deepspeed_available())
-        self.opt = _build(groups, cfg, use_ds)
+            for c_lo in range(lo, hi, chunk_numel):
+                c_hi = min(hi, c_lo + chunk_numel)
+                p = nn.Parameter(master[c_lo:c_hi], requires_grad=False)
+                groups.append({"params": [p], "weight_decay": wd, "bounds": (c_lo, c_hi)})
+        self.opt = _build(groups, cfg, self.use_ds)
         for g in self.opt.param_groups:
             lo, hi = g["bounds"]
             self.opt.state[g["params"][0]] = {
-                "step": 0 if use_ds else torch.tensor(0.0),
+                "step": 0 if self.use_ds else torch.tensor(0.0),
                 "exp_avg": m[lo:hi],
                 "exp_avg_sq": v[lo:hi],
             }
 
-    def step(self, grad: torch.Tensor, lr: float) -> None:
-        """Apply one AdamW update with fp32 `grad` (the unit's flat gradient)."""
+    def step(self, grad: torch.Tensor, lr: float, clip_coef: float = 1.0, scratch: torch.Tensor | None = None) -> None:
+        """One AdamW update from the unit's flat gradient, scaled by `clip_coef`.
+
+        Chunks are stepped one at a time (torch skips parameters without a gradient), each
+        reading its slice of `grad`; a compute-dtype gradient is upcast through `scratch`
+        (fp32, at least CHUNK_NUMEL elements or the unit's size).
+        """
         for g in self.opt.param_groups:
             lo, hi = g["bounds"]
             g["lr"] = lr
-            g["params"][0].grad = grad[lo:hi]
-        self.opt.step()
-        for p in self.params:
+            p = g["params"][0]
+            chunk = grad[lo:hi]
+            p.grad = chunk if chunk.dtype == torch.float32 else scratch[: hi - lo].copy_(chunk)
+            self._apply_clip(p.grad, clip_coef)
+            self.opt.step()
             p.grad = None
+
+    def _apply_clip(self, grad: torch.Tensor, coef: float) -> None:
+        if self.use_ds:
+            if coef != 1.0:
+                grad.mul_(coef)
+            return
+        # torch's fused AdamW divides gradients by `grad_scale` inside its one pass over the
+        # data, which saves a separate multiply over every gradient.
+        self.opt.grad_scale = None if coef == 1.0 else torch.tensor(1.0 / coef)
+        self.opt.found_inf = None if coef == 1.0 else torch.tensor(0.0)
 
     def set_step(self, step: int) -> None:
         """Restore the bias-correction step count (after loading a checkpoint)."""

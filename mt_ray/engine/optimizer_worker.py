@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from mt_ray.engine.host_store import HostStore
-from mt_ray.engine.optimizer import UnitOptimizer
+from mt_ray.engine.optimizer import CHUNK_NUMEL, UnitOptimizer
 from mt_ray.engine.transfer import GradBuffers
 
 
@@ -52,7 +52,7 @@ class OptimizerWorker:
         self._queue: queue.Queue[_Grad | _EndOfStep | None] = queue.Queue()
         self._pending: list[_Grad] = []
         self.last_clip_coef = 1.0
-        self._scratch: torch.Tensor | None = None
+        self._scratch: torch.Tensor | None = None  # fp32 upcast buffer for compute-dtype gradients
         self.busy_seconds = 0.0  # CPU time spent updating, for the benchmark's time split
         self._thread = threading.Thread(target=self._run, name="mt-ray-optimizer", daemon=True)
         self._thread.start()
@@ -119,20 +119,13 @@ class OptimizerWorker:
             self._update(g, coef)
         self._pending.clear()
 
-    def _fp32_scratch(self, grad: torch.Tensor) -> torch.Tensor:
-        """Upcast a compute-dtype gradient into a reused buffer (no per-layer allocation)."""
-        if self._scratch is None or self._scratch.numel() < grad.numel():
-            self._scratch = torch.empty(grad.numel(), dtype=torch.float32)
-        return self._scratch[: grad.numel()].copy_(grad)
-
     def _update(self, g: _Grad, coef: float) -> None:
         if g.landed is not None:
             g.landed.synchronize()  # this gradient's device->host copy is complete
         t0 = time.perf_counter()
-        grad = g.grad if g.grad.dtype == torch.float32 else self._fp32_scratch(g.grad)
-        if coef != 1.0:
-            grad.mul_(coef)
-        self.optimizers[g.unit].step(grad, g.lr)
+        if g.grad.dtype != torch.float32 and self._scratch is None:
+            self._scratch = torch.empty(min(CHUNK_NUMEL, max(self.buffers.numels.values())))
+        self.optimizers[g.unit].step(g.grad, g.lr, coef, self._scratch)
         self.store.refresh_copy(g.unit)
         self.buffers.release(g.unit)
         self.busy_seconds += time.perf_counter() - t0

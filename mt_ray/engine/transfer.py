@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from mt_ray.engine.host_store import HostStore
+from mt_ray.engine.pinning import host_empty, unregister_pinned
 
 
 class StreamSet:
@@ -123,25 +124,27 @@ class GradBuffers:
     def __init__(self, numels: dict[str, int], dtype: torch.dtype, pin: bool, per_unit: bool, slabs: int):
         self.numels = numels
         self.per_unit = per_unit
+        self.pin = pin
         if per_unit:
             total = sum(numels.values())
-            self._buf = torch.empty(total, dtype=dtype, pin_memory=pin)
+            self._buf = host_empty(total, dtype, pin)
             self._views, off = {}, 0
             for unit, n in numels.items():
                 self._views[unit] = self._buf[off : off + n]
                 off += n
         else:
             size = max(numels.values())
-            self._slabs = [torch.empty(size, dtype=dtype, pin_memory=pin) for _ in range(slabs)]
+            self._slabs = [host_empty(size, dtype, pin) for _ in range(slabs)]
             self._free: queue.Queue[int] = queue.Queue()
             for i in range(slabs):
                 self._free.put(i)
             self._held: dict[str, int] = {}
 
-    @property
-    def nbytes(self) -> int:
-        bufs = [self._buf] if self.per_unit else self._slabs
-        return sum(b.numel() * b.element_size() for b in bufs)
+    def close(self) -> None:
+        if self.pin:
+            for buf in [self._buf] if self.per_unit else self._slabs:
+                unregister_pinned(buf)
+            self.pin = False
 
     def acquire(self, unit: str) -> torch.Tensor:
         if self.per_unit:

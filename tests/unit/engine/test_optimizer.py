@@ -61,3 +61,22 @@ def test_deepspeed_cpu_adam_matches_torch():
             opt.step(torch.randn(unit.numel, generator=g), lr=1e-2)
         results.append(store.master_of("layers.0").clone())
     torch.testing.assert_close(results[0], results[1], atol=1e-6, rtol=1e-5)
+
+
+def test_chunked_steps_with_bf16_grads_and_clip_match_one_piece():
+    spec = discover(tiny_config("llama"))
+    unit = spec.unit("layers.0")
+    g = torch.randn(unit.numel, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    results = []
+    for chunk in (unit.numel, 1000):
+        store = HostStore(spec, None, pin=False)
+        store.master.fill_(0.5)
+        opt = UnitOptimizer(store, unit, OptimizerConfig(lr=1e-2, weight_decay=0.1, impl="torch"), chunk_numel=chunk)
+        scratch = torch.empty(unit.numel)
+        for _ in range(2):
+            opt.step(g, lr=1e-2, clip_coef=0.5, scratch=scratch)
+        results.append((store.master_of("layers.0").clone(), store.moments_of("layers.0")[0].clone()))
+    assert len(UnitOptimizer(store, unit, OptimizerConfig(impl="torch"), chunk_numel=1000).opt.param_groups) > 2
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+    expected_m = 0.1 * 0.5 * g.float() * (1 + 0.9)
+    torch.testing.assert_close(results[0][1], expected_m, rtol=1e-5, atol=1e-7)
