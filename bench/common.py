@@ -8,26 +8,13 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
-# Shapes of public checkpoints, random-initialised (nothing is downloaded).
-SHAPES: dict[str, dict] = {
-    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-3b": dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-                       num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-    "qwen2.5-14b": dict(model_type="qwen2", hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
-                        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
-    "tiny": dict(model_type="qwen2", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=False),
-}
+from mt_ray.models.presets import preset_config
 
 
 def shape_config(name: str, attn: str = "sdpa") -> PretrainedConfig:
-    kw = dict(SHAPES[name])
-    cfg = AutoConfig.for_model(kw.pop("model_type"), max_position_embeddings=32768, **kw)
+    cfg = preset_config(name)
     cfg._attn_implementation = attn
     return cfg
 

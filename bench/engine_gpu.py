@@ -30,6 +30,7 @@ from bench.common import (  # noqa: E402
     write_json,
 )
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine  # noqa: E402
+from mt_ray.engine.sizing import device_bytes, predicted_step_seconds  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
 
 OPT = OptimizerConfig(lr=1e-5, weight_decay=0.01, max_grad_norm=1.0, schedule="constant")
@@ -41,7 +42,7 @@ def run_engine(args, cfg) -> dict:
                         grad_dtype=args.grad_dtype, loss_chunk_tokens=args.loss_chunk)
     opt = OPT.model_copy(update={"max_grad_norm": args.clip})
     t0 = time.perf_counter()
-    engine = StreamingEngine(spec, ecfg, opt, total_steps=args.warmup + args.steps + 1)
+    engine = StreamingEngine(spec, ecfg, opt, total_steps=args.warmup + args.steps + 4)
     engine.load_random(seed=0)
     setup_s = time.perf_counter() - t0
     mbs = random_micro_batches(cfg.vocab_size, args.batch, args.micro, args.seq)
@@ -49,54 +50,72 @@ def run_engine(args, cfg) -> dict:
     try:
         for _ in range(args.warmup):
             losses.append(engine.train_step(mbs).loss)
-        engine.synchronize()
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         busy0 = engine.worker.busy_seconds
+        # Steady state: the clock starts while the optimizer still finishes the warm-up step
+        # (which the first timed step must wait for) and stops when the last step's GPU work
+        # ends (its own optimizer tail would overlap the next step): one boundary per step.
         with Timer() as t:
             for _ in range(args.steps):
                 losses.append(engine.train_step(mbs).loss)
-            engine.synchronize()  # the optimizer of the last step is inside the timed region
+        engine.synchronize()
         step_s = t.seconds / args.steps
         opt_s = (engine.worker.busy_seconds - busy0) / args.steps
-        split = profile_step(engine, mbs) if args.profile else {}
+        split = profile_steps(engine, mbs) if args.profile else {}
         row = metrics(args, cfg, spec.num_params, step_s, "mt-ray")
+        predicted = device_bytes(spec, ecfg, args.micro, args.seq, args.batch)["total"] / 2**30
         row.update(split, optimizer_s=opt_s, setup_s=setup_s, losses=[float(x) for x in losses],
                    host_bytes_per_param=peak_rss_bytes() / spec.num_params,
-                   peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30)
+                   peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30, calc_gpu_gib=predicted,
+                   calc_step_s=predicted_step_seconds(spec, ecfg, args.seq, args.batch))
         return row
     finally:
         engine.close()
 
 
-def profile_step(engine: StreamingEngine, mbs) -> dict:
-    """Busy time per engine (compute kernels, H2D, D2H) of one step, from the CUDA activity trace."""
+def profile_steps(engine: StreamingEngine, mbs, n: int = 3) -> dict:
+    """Per-step busy time of each engine (compute, H2D, D2H) over `n` back-to-back steps.
+
+    A marker kernel (`torch.cuda._sleep`) is queued before each step; the span between two
+    markers is one steady-state step on the GPU timeline, boundary wait included.
+    """
     from torch.profiler import ProfilerActivity, profile
 
-    engine.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof, Timer() as t:
-        engine.train_step(mbs)
-        engine.synchronize()
-    kernels, h2d, d2h = [], [], []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            torch.cuda._sleep(1000)
+            engine.train_step(mbs)
+        torch.cuda._sleep(1000)
+        torch.cuda.synchronize()
+    markers, kernels, h2d, d2h = [], [], [], []
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
         span = (ev.time_range.start, ev.time_range.end)
         name = ev.name.lower()
-        if "memcpy" in name and "htod" in name:
+        if "spin" in name:
+            markers.append(span[0])
+        elif "memcpy" in name and "htod" in name:
             h2d.append(span)
         elif "memcpy" in name and "dtoh" in name:
             d2h.append(span)
         elif "memcpy" not in name and "memset" not in name:
             kernels.append(span)
-    step_us = t.seconds * 1e6
-    compute_us = _union(kernels)
+    markers.sort()
+    window = (markers[1], markers[-1])  # skip the first step: it starts from a synchronised engine
+    steps = len(markers) - 2
+    step_us = (window[1] - window[0]) / steps
+    busy = {k: _union(_clip(v, window)) / steps / 1e6 for k, v in (("compute", kernels), ("h2d", h2d), ("d2h", d2h))}
     return {
-        "profiled_step_s": t.seconds,
-        "h2d_busy_s": _union(h2d) / 1e6,
-        "compute_busy_s": compute_us / 1e6,
-        "d2h_busy_s": _union(d2h) / 1e6,
-        "gpu_idle_frac": max(0.0, 1 - compute_us / step_us),
+        "gpu_step_s": step_us / 1e6, "h2d_busy_s": busy["h2d"], "compute_busy_s": busy["compute"],
+        "d2h_busy_s": busy["d2h"], "gpu_idle_frac": max(0.0, 1 - busy["compute"] * 1e6 / step_us),
     }
+
+
+def _clip(spans, window):
+    lo, hi = window
+    return [(max(s, lo), min(e, hi)) for s, e in spans if e > lo and s < hi]
 
 
 def _union(spans: list[tuple[float, float]]) -> float:
@@ -173,7 +192,7 @@ def main() -> None:
     p.add_argument("--grad-dtype", default="fp32", choices=["fp32", "compute"])
     p.add_argument("--loss-chunk", type=int, default=4096)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="profile one extra step for the time split")
     p.add_argument("--baseline", action="store_true", help="also run plain in-GPU PyTorch (model must fit)")
     p.add_argument("--out", default="bench/results/engine_gpu.json")
@@ -185,8 +204,8 @@ def main() -> None:
         rows.append(run_plain(args, cfg))
         rows[0]["ratio_vs_plain"] = rows[0]["step_s"] and rows[1]["step_s"] / rows[0]["step_s"]
     cols = ["system", "shape", "params_b", "batch", "seq", "step_s", "tokens_per_s", "model_tflops", "tflops_with_attn",
-            "peak_gpu_gib", "host_bytes_per_param", "h2d_busy_s", "compute_busy_s", "d2h_busy_s", "optimizer_s",
-            "gpu_idle_frac", "ratio_vs_plain"]
+            "peak_gpu_gib", "calc_gpu_gib", "host_bytes_per_param", "h2d_busy_s", "compute_busy_s", "d2h_busy_s", "optimizer_s",
+            "gpu_idle_frac", "gpu_step_s", "calc_step_s", "ratio_vs_plain"]
     print_table(rows, cols)
     write_json(args.out, {"args": vars(args), "device": torch.cuda.get_device_name(), "rows": rows})
 

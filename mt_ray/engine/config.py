@@ -18,8 +18,9 @@ class EngineConfig(_Strict):
     """How the engine moves a model through the device."""
 
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
-    compute_dtype: Literal["bf16", "fp16", "fp32"] = Field(
-        "bf16", description="dtype of weights and activations on the device; master weights stay fp32."
+    compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="dtype of weights and activations on the device ('auto': bf16 on GPU, fp32 on CPU, "
+        "where bf16 matmuls are slow); master weights stay fp32."
     )
     checkpoint_every: int = Field(
         4, ge=1, description="K: keep the hidden state every K layers and recompute blocks of K layers in backward."
@@ -47,6 +48,8 @@ class EngineConfig(_Strict):
 
     @property
     def dtype(self) -> torch.dtype:
+        if self.compute_dtype == "auto":
+            return torch.bfloat16 if self.resolve_device().type == "cuda" else torch.float32
         return _DTYPES[self.compute_dtype]
 
     def resolve_device(self) -> torch.device:

@@ -29,6 +29,7 @@ from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import HostStore
 from mt_ray.engine.optimizer import UnitOptimizer, lr_at
 from mt_ray.engine.optimizer_worker import OptimizerWorker
+from mt_ray.engine.sizing import grad_buffer_bytes
 from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
 from mt_ray.engine.transfer import GradBuffers, StreamSet, WeightStreamer
 from mt_ray.errors import CheckpointError
@@ -65,7 +66,7 @@ class StreamingEngine:
         self.grad_dtype = grad_dtype = torch.float32 if cfg.grad_dtype == "fp32" else self.dtype
         numels = {u.name: u.numel for u in spec.units}
         clips = opt_cfg.max_grad_norm > 0
-        grad_bytes = _grad_bytes(numels, grad_dtype, clips, cfg.grad_slabs)
+        grad_bytes = grad_buffer_bytes(numels, grad_dtype, clips, cfg.grad_slabs)
         self.store = HostStore(spec, copy_dtype, pin, grad_bytes, cfg.host_memory_limit_gb)
         self.grad_buffers = GradBuffers(numels, grad_dtype, pin, per_unit=clips, slabs=cfg.grad_slabs)
         self.optimizers = {u.name: UnitOptimizer(self.store, u, opt_cfg) for u in spec.units}
@@ -305,11 +306,6 @@ def _accumulate(acc: torch.Tensor | None, grads) -> torch.Tensor:
     if acc is None:
         return flat
     return acc.add_(flat)
-
-
-def _grad_bytes(numels: dict[str, int], dtype: torch.dtype, per_unit: bool, slabs: int) -> int:
-    size = torch.empty((), dtype=dtype).element_size()
-    return size * (sum(numels.values()) if per_unit else slabs * max(numels.values()))
 
 
 __all__ = ["StreamingEngine", "StepResult", "UnitTemplate", "Weights"]

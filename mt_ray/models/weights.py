@@ -105,7 +105,7 @@ def export_hf(spec: ModelSpec, state: dict[str, torch.Tensor], out_dir: str | Pa
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     config = copy.deepcopy(spec.config)
-    config.torch_dtype = dtype
+    config.dtype = dtype
     config.save_pretrained(tmp)
     shards = _plan_shards(state, dtype, max_shard_bytes)
     weight_map = {}

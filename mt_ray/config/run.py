@@ -1,0 +1,119 @@
+"""The run configuration: one typed object per section, loaded from YAML with key=value overrides.
+
+Every section is owned by its component (EngineConfig by the engine, DataConfig by the data
+pipeline, ...); this module only composes them and turns any validation failure into a
+`ConfigError` whose message starts with the dotted key, e.g. `training.steps: ...`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mt_ray.data import DataConfig
+from mt_ray.engine.config import EngineConfig, OptimizerConfig
+from mt_ray.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class ModelConfig(_Section):
+    """Which model to train and where its weights and tokenizer come from."""
+
+    preset: str | None = "tiny"
+    """Built-in shape (`tiny`, `qwen2.5-7b`, ...; see `mt_ray.models.presets`) used when `path` is unset."""
+    path: str | None = None
+    """Local Hugging Face folder (config.json, safetensors, tokenizer); nothing is downloaded."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Config fields to change, e.g. `{num_hidden_layers: 2}`."""
+    init: Literal["auto", "random", "pretrained"] = "auto"
+    """`auto`: pretrained weights when `path` holds safetensors, else random init."""
+    tokenizer: str | None = None
+    """Tokenizer folder; default: `path`, else the built-in tiny tokenizer."""
+
+
+class TrainingConfig(_Section):
+    """Loop length, batch shape and outputs."""
+
+    steps: int = Field(60, ge=1)
+    """Optimizer steps to run."""
+    micro_batch_size: int = Field(4, ge=1)
+    """Rows per micro-batch (what the device computes at once)."""
+    grad_accum_steps: int = Field(2, ge=1)
+    """Micro-batches per optimizer step; the loss is normalised over all of them."""
+    seed: int = 0
+    """Seed for weight init and data order."""
+    log_every: int = Field(5, ge=1)
+    """Read metrics from the device every N steps (reading forces a sync)."""
+    output_dir: str = "runs/latest"
+    """Where the exported model and the run summary go."""
+    export: bool = True
+    """Export the trained model as a Hugging Face folder at the end."""
+
+
+class RunConfig(_Section):
+    """Everything one training run needs; every key has a default (the embedded demo)."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=lambda: DataConfig(max_seq_len=256))
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    optimizer: OptimizerConfig = Field(default_factory=lambda: OptimizerConfig(lr=1e-3, warmup_steps=5))
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read YAML (or nothing: the defaults), apply `a.b=value` overrides, validate."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            values = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read config {path}: {e}") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for item in overrides or []:
+        apply_override(values, item)
+    return validate_run_config(values)
+
+
+def apply_override(values: dict[str, Any], item: str) -> None:
+    """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (numbers, lists, null)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override '{item}' must look like section.key=value")
+    node = values
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: '{part}' is not a section")
+    node[parts[-1]] = yaml.safe_load(raw)
+
+
+def validate_run_config(values: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(values)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            key = ".".join(str(p) for p in err["loc"])
+            hint = " (unknown key)" if err["type"] == "extra_forbidden" else ""
+            lines.append(f"{key}: {err['msg']}{hint}")
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def describe_config() -> str:
+    """Every key with its default and description, for `mt-ray train --help-config`."""
+    out = []
+    for section, field in RunConfig.model_fields.items():
+        model = field.annotation
+        out.append(f"{section}:")
+        for name, f in model.model_fields.items():
+            default = f.default_factory() if f.default_factory else f.default
+            out.append(f"  {name}: {default!r}  # {(f.description or '').strip()}")
+    return "\n".join(out)

@@ -1,0 +1,139 @@
+"""The training loop: config -> model spec, tokenizer, engine, loader; then step, log, export.
+
+The loop reads device values only every `log_every` steps (each read is a sync point); in
+between, `train_step` returns as soon as the step's work is queued.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from mt_ray.config.run import RunConfig
+from mt_ray.data import build_dataloader, load_tiny_tokenizer, split_micro_batches
+from mt_ray.engine import StreamingEngine
+from mt_ray.models.discovery import ModelSpec, discover, load_config
+from mt_ray.models.presets import preset_config
+from mt_ray.training.callbacks import Callback
+
+
+def build_model_spec(cfg: RunConfig, vocab_size: int | None = None) -> ModelSpec:
+    """Discover the configured model (local folder or preset shape, with overrides)."""
+    overrides = dict(cfg.model.overrides)
+    if cfg.model.path:
+        config = load_config(cfg.model.path)
+        for k, v in overrides.items():
+            setattr(config, k, v)
+    else:
+        if vocab_size is not None and cfg.model.preset == "tiny":
+            overrides.setdefault("vocab_size", vocab_size)
+        config = preset_config(cfg.model.preset, **overrides)
+    return discover(config)
+
+
+def load_tokenizer(cfg: RunConfig):
+    source = cfg.model.tokenizer or cfg.model.path
+    if source is None:
+        return load_tiny_tokenizer()
+    return AutoTokenizer.from_pretrained(source, local_files_only=True)
+
+
+class Trainer:
+    """Runs `cfg.training.steps` optimizer steps of the streaming engine on the configured data."""
+
+    def __init__(self, cfg: RunConfig, callbacks: list[Callback] | None = None):
+        self.cfg = cfg
+        self.callbacks = list(callbacks or [])
+        self.tokenizer = load_tokenizer(cfg)
+        self.spec = build_model_spec(cfg, vocab_size=_padded_vocab(self.tokenizer))
+        self.engine = StreamingEngine(self.spec, cfg.engine, cfg.optimizer, total_steps=cfg.training.steps)
+        self._init_weights()
+        t = cfg.training
+        self.loader = build_dataloader(cfg.data, self.tokenizer, t.micro_batch_size, t.grad_accum_steps, seed=t.seed)
+        self.history: list[dict[str, float]] = []
+
+    @property
+    def step(self) -> int:
+        return self.engine.step_idx
+
+    def _init_weights(self) -> None:
+        path = self.cfg.model.path
+        has_weights = path is not None and any(Path(path).glob("*.safetensors"))
+        if self.cfg.model.init == "pretrained" or (self.cfg.model.init == "auto" and has_weights):
+            self.engine.load_pretrained(path)
+        else:
+            self.engine.load_random(seed=self.cfg.training.seed)
+
+    def fit(self) -> dict[str, Any]:
+        """Train to the configured step count; returns the run summary."""
+        t = self.cfg.training
+        for cb in self.callbacks:
+            cb.on_train_start(self)
+        bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        window_start, window_tokens = time.perf_counter(), 0
+        try:
+            while self.step < t.steps:
+                batch = next(self.loader)
+                result = self.engine.train_step(split_micro_batches(batch, t.micro_batch_size))
+                window_tokens += result.num_tokens
+                bar.update(1)
+                if self.step % t.log_every == 0 or self.step == t.steps:
+                    elapsed = time.perf_counter() - window_start
+                    metrics = self._metrics(result, window_tokens / elapsed)
+                    bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                    for cb in self.callbacks:
+                        cb.on_log(self, self.step, metrics)
+                    window_start, window_tokens = time.perf_counter(), 0
+                for cb in self.callbacks:
+                    cb.on_step_end(self, self.step)
+        finally:
+            bar.close()
+        summary = self._finish()
+        for cb in self.callbacks:
+            cb.on_train_end(self, summary)
+        return summary
+
+    def _metrics(self, result, tokens_per_s: float) -> dict[str, float]:
+        # .item() syncs with the device: only here, on the logging cadence.
+        metrics = {
+            "loss": result.loss.item(),
+            "grad_norm": result.grad_norm.item(),
+            "lr": result.lr,
+            "tokens_per_s": tokens_per_s,
+            "model_tflops": 6 * self.spec.num_params * tokens_per_s / 1e12,
+        }
+        if torch.cuda.is_available() and self.engine.device.type == "cuda":
+            metrics["gpu_mem_gib"] = torch.cuda.max_memory_allocated(self.engine.device) / 2**30
+        metrics["host_bytes_per_param"] = self.engine.store.rss_bytes_per_param()
+        self.history.append({"step": self.step, **metrics})
+        return metrics
+
+    def _finish(self) -> dict[str, Any]:
+        self.engine.synchronize()
+        out = Path(self.cfg.training.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        summary: dict[str, Any] = {
+            "steps": self.step,
+            "params": self.spec.num_params,
+            "first_loss": self.history[0]["loss"] if self.history else None,
+            "final_loss": self.history[-1]["loss"] if self.history else None,
+            "data": self.loader.stats(),
+        }
+        if self.cfg.training.export:
+            summary["exported_model"] = str(self.engine.export(out / "hf_model", self.tokenizer))
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        return summary
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _padded_vocab(tokenizer) -> int:
+    """Vocabulary rounded up to a multiple of 64 (tensor-core friendly), covering every token id."""
+    return (len(tokenizer) + 63) // 64 * 64

@@ -1,0 +1,41 @@
+"""The README's first command: the demo trains on CPU, the loss falls, the model is exported."""
+
+import json
+import subprocess
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mt_ray.cli.main import main
+
+
+def test_demo_job_trains_and_exports(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs.train", "--config", "jobs/configs/demo.yaml", "training.steps=30",
+         f"training.output_dir={out}", "engine.device=cpu"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_loss"] < summary["first_loss"] - 1.0
+    model = AutoModelForCausalLM.from_pretrained(out / "hf_model")
+    tok = AutoTokenizer.from_pretrained(out / "hf_model")
+    ids = tok("What is 2 + 3?", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+
+
+def test_cli_reports_config_errors_without_traceback(capsys):
+    assert main(["train", "training.stepz=3"]) == 2
+    err = capsys.readouterr().err
+    assert "training.stepz" in err and "Traceback" not in err
+
+
+def test_cli_info_and_calc(capsys):
+    assert main(["info", "--preset", "qwen2.5-7b"]) == 0
+    assert "Qwen2DecoderLayer#0: 28 layers" in capsys.readouterr().out
+    assert main(["calc", "--preset", "qwen2.5-7b", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["fits"] and rec["params"] == 7615616512

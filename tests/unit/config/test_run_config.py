@@ -1,0 +1,57 @@
+"""YAML configs validate into typed sections; bad keys and values are named by dotted path."""
+
+from pathlib import Path
+
+import pytest
+
+from mt_ray.config.run import apply_override, describe_config, load_run_config
+from mt_ray.errors import ConfigError
+
+CONFIGS = sorted((Path(__file__).resolve().parents[3] / "jobs" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_shipped_configs_validate(path):
+    cfg = load_run_config(path)
+    assert cfg.training.steps > 0
+
+
+def test_defaults_are_the_embedded_demo():
+    cfg = load_run_config()
+    assert cfg.model.preset == "tiny" and cfg.model.path is None
+    assert cfg.data.datasets == ["demo_alpaca", "demo_sharegpt"]
+
+
+def test_overrides_parse_yaml_values():
+    cfg = load_run_config(None, ["training.steps=7", "optimizer.betas=[0.9, 0.95]", "engine.host_memory_limit_gb=null"])
+    assert cfg.training.steps == 7 and cfg.optimizer.betas == (0.9, 0.95)
+
+
+def test_unknown_key_is_named(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("training:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"training\.stepz: .*\(unknown key\)"):
+        load_run_config(p)
+
+
+def test_bad_value_is_named():
+    with pytest.raises(ConfigError, match=r"engine\.checkpoint_every: "):
+        load_run_config(None, ["engine.checkpoint_every=0"])
+    with pytest.raises(ConfigError, match=r"optimizer\.schedule: "):
+        load_run_config(None, ["optimizer.schedule=exponential"])
+
+
+def test_malformed_override_and_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="section.key=value"):
+        apply_override({}, "training.steps")
+    p = tmp_path / "list.yaml"
+    p.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_run_config(p)
+
+
+def test_every_key_is_documented():
+    text = describe_config()
+    for line in text.splitlines():
+        if line.startswith("  "):
+            assert "# " in line and not line.rstrip().endswith("#"), line
