@@ -109,8 +109,8 @@ class S3Storage:
     def read_manifest(self, dir_name: str) -> bytes:
         key = self._key(f"{dir_name}/{MANIFEST_NAME}")
         try:
-            return self._call(lambda: self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read(),
-                              f"reading {self.uri(dir_name)}")
+            return self.retrying(lambda: self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read(),
+                                 f"reading {self.uri(dir_name)}")
         except _Missing:
             raise CheckpointError(f"no checkpoint at {self.uri(dir_name)} ({MANIFEST_NAME} missing)") from None
 

@@ -85,9 +85,13 @@ def test_roundtrip_prune_and_out_buffers(endpoint, bucket):
     out = {"master": torch.zeros_like(tensors["master"])}
     loaded, loaded_meta = ckpt.load(out=out)
     assert loaded["master"] is out["master"]
-    assert_same(loaded, tensors) and loaded_meta == meta
+    assert_same(loaded, tensors)
+    assert loaded_meta == meta
     loaded, loaded_meta = ckpt.load(f"s3://{name}/runs/a/step-00000002")
-    assert_same(loaded, state(2)[0]) and loaded_meta == state(2)[1]
+    assert_same(loaded, state(2)[0])
+    assert loaded_meta == state(2)[1]
+    with pytest.raises(CheckpointError, match="no checkpoint at s3://.*/step-00000001"):
+        ckpt.load(f"s3://{name}/runs/a/step-00000001")
 
 
 def test_corrupted_object_falls_back(endpoint, bucket, caplog):
@@ -147,7 +151,8 @@ def test_interrupted_upload_is_never_taken_as_complete(endpoint, bucket):
     assert client.list_multipart_uploads(Bucket=name).get("Uploads", []) == []  # s3transfer aborted the parts
     assert ckpt.latest() == f"s3://{name}/run/step-00000001"
     loaded, loaded_meta = ckpt.load()
-    assert_same(loaded, tensors) and loaded_meta == meta
+    assert_same(loaded, tensors)
+    assert loaded_meta == meta
     ckpt.save(3, *state(3))  # the next save removes the debris
     assert keys(client, name, "run/step-00000002/") == []
 

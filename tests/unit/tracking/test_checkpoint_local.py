@@ -119,7 +119,8 @@ def test_resaving_a_step_replaces_it(tmp_path):
     tensors, meta = make_state(seed=2)
     ckpt.save(7, tensors, meta)
     loaded, loaded_meta = ckpt.load()
-    assert_same(loaded, tensors) and loaded_meta == meta
+    assert_same(loaded, tensors)
+    assert loaded_meta == meta
     assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step-00000007"]
 
 
@@ -165,7 +166,8 @@ def test_crash_mid_write_leaves_previous_checkpoint(tmp_path):
     assert not (leftovers[0] / "manifest.json").exists()  # ...but never published
     assert good.latest() == first and [c.step for c in good.list()] == [1]
     loaded, loaded_meta = good.load()
-    assert_same(loaded, tensors) and loaded_meta == meta
+    assert_same(loaded, tensors)
+    assert loaded_meta == meta
 
     good.save(3, *make_state(seed=3))  # the next save clears the debris
     assert sorted(p.name for p in root.iterdir()) == ["step-00000003"]
@@ -191,7 +193,8 @@ def test_corrupted_shard_is_named_and_load_falls_back(tmp_path, caplog, damage):
         ckpt.load(bad_uri)
     with caplog.at_level(logging.WARNING, logger="mt_ray.tracking.checkpoint"):
         loaded, loaded_meta = ckpt.load()
-    assert_same(loaded, tensors) and loaded_meta == meta
+    assert_same(loaded, tensors)
+    assert loaded_meta == meta
     assert "exp_avg.00002-of-00004.safetensors" in caplog.text and "falling back" in caplog.text
 
 
