@@ -1,0 +1,309 @@
+"""``MlflowTracker``: one MLflow run per training job (child runs for Ray Tune trials).
+
+Everything goes through an explicit ``MlflowClient`` and run id, never MLflow's global "active
+run", so a tracker, its child runs and the trials of a sweep do not step on each other. Params
+are the flattened run config minus anything that looks like a credential or a URI; the same
+redacted config is stored as ``config.json``. mlflow is imported when a run starts, so a job
+with tracking off does not need it installed.
+
+    tracker = MlflowTracker(TrackingConfig(experiment="sft"))
+    tracker.start(run_config, model="Qwen/Qwen2.5-7B", dataset="alpaca")
+    try:
+        ... if tracker.config.should_log(step): tracker.log_metrics(step, {"loss": loss})
+        ... tracker.log_checkpoint_uri(ckpt.save(step, tensors, meta))
+        tracker.log_hf_model(export_dir)
+    finally:
+        tracker.close("FINISHED" or "FAILED")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import platform
+import re
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import psutil
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+logger = logging.getLogger(__name__)
+
+RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
+# A key is secret when one of its words (split on . _ - and spaces) or adjacent word pairs is here;
+# word-wise so that max_tokens, pad_token_id or security_level stay visible.
+_SECRET_WORDS = {"secret", "password", "passwd", "credential", "credentials", "apikey", "token", "uri", "url",
+                 "endpoint", "dsn"}
+_SECRET_PAIRS = {("api", "key"), ("access", "key"), ("secret", "key"), ("key", "id"), ("hf", "token"),
+                 ("api", "token"), ("access", "token"), ("auth", "token"), ("session", "token"),
+                 ("refresh", "token"), ("bearer", "token")}
+_NOT_SECRET_PAIRS = {("token", "id"), ("pad", "token"), ("bos", "token"), ("eos", "token"), ("unk", "token")}
+_MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
+_PARAMS_PER_BATCH = 100  # MLflow's limit on params in one log_batch call
+_MODEL_REQUIREMENTS = ("torch", "transformers", "safetensors", "tokenizers", "accelerate")
+
+
+class TrackingConfig(BaseModel):
+    """MLflow run tracking. Unknown keys are rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    enabled: bool = True
+    """Track the run in MLflow; off, every tracker call does nothing (and mlflow need not be installed)."""
+
+    tracking_uri: str | None = None
+    """``http://host:5000``, ``sqlite:///mlflow.db``, ``databricks``...; ``None`` = ``MLFLOW_TRACKING_URI``,
+    else MLflow 3's default, ``sqlite:///mlflow.db`` in the working directory (artifacts in ``./mlruns``)."""
+
+    experiment: str = "mt-ray"
+    """Experiment name; created if missing."""
+
+    run_name: str | None = None
+    """Run name shown in the UI; ``None`` lets MLflow pick one."""
+
+    log_every: int = Field(default=10, ge=1)
+    """Log step metrics every this many optimizer steps (see ``should_log``)."""
+
+    def should_log(self, step: int) -> bool:
+        return self.enabled and step % self.log_every == 0
+
+
+class MlflowTracker:
+    """Logs one run; ``client`` is the seam for a pre-built ``MlflowClient``."""
+
+    def __init__(self, config: TrackingConfig, client: MlflowClient | None = None):
+        self.config = config
+        self._client = client
+        self.run_id: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.run_id is not None
+
+    def start(self, run_config: Mapping[str, Any], *, model: str | None = None, dataset: str | None = None,
+              tags: Mapping[str, str] | None = None, parent_run_id: str | None = None) -> str | None:
+        """Open the run: params from ``run_config`` (flattened, redacted), tags for model, dataset,
+        git commit and hardware. ``parent_run_id`` nests it (a Ray Tune trial in its own process).
+        Returns the run id, or ``None`` with tracking off."""
+        if not self.config.enabled:
+            return None
+        client = self.client
+        all_tags = {**run_tags(model, dataset), **(tags or {})}
+        if parent_run_id is not None:
+            all_tags["mlflow.parentRunId"] = parent_run_id
+        run = client.create_run(self._experiment_id(), run_name=self.config.run_name, tags=all_tags)
+        self.run_id = run.info.run_id
+        self._log_params(flatten_params(run_config))
+        self._log_json(redact(run_config), "config.json")
+        return self.run_id
+
+    @property
+    def client(self) -> MlflowClient:
+        if self._client is None:
+            from mlflow import MlflowClient  # optional dependency, imported when tracking is on
+
+            self._client = MlflowClient(tracking_uri=self.config.tracking_uri)
+        return self._client
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float | int | torch.Tensor]) -> None:
+        """Log scalar metrics at ``step``. A tracking-server failure is logged and training goes on."""
+        if not self.active:
+            return
+        from mlflow.entities import Metric
+        from mlflow.exceptions import MlflowException
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        try:
+            self.client.log_batch(self.run_id, metrics=batch)
+        except MlflowException as e:  # a tracking-server hiccup must not kill a multi-day run
+            logger.warning("MLflow dropped metrics of step %d: %s", step, e)
+
+    def log_summary(self, summary: Mapping[str, Any]) -> None:
+        """Store end-of-run results as ``summary.json`` (and numbers as ``summary.*`` metrics)."""
+        if not self.active:
+            return
+        self._log_json(dict(summary), "summary.json")
+        numbers = {f"summary.{k}": v for k, v in summary.items()
+                   if isinstance(v, int | float) and not isinstance(v, bool)}
+        if numbers:
+            self.log_metrics(0, numbers)
+
+    def log_loss_plot(self, steps: Sequence[int], losses: Sequence[float], name: str = "loss.png") -> None:
+        """Plot loss against step (matplotlib, Agg canvas: no display needed) and store it as ``name``."""
+        if not self.active:
+            return
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(7, 4), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        ax.plot(list(steps), [float(x) for x in losses], linewidth=1.2)
+        ax.set(xlabel="step", ylabel="loss", title=self.config.run_name or "training loss")
+        ax.grid(alpha=0.3)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / name
+            fig.savefig(path)
+            self.client.log_artifact(self.run_id, str(path))
+
+    def log_checkpoint_uri(self, uri: str) -> None:
+        """Record the newest checkpoint as the ``checkpoint.latest`` tag (a tag: it changes during the run)."""
+        if not self.active:
+            return
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.set_tag(self.run_id, "checkpoint.latest", uri)
+        except MlflowException as e:  # as for metrics: keep training
+            logger.warning("MLflow dropped the checkpoint tag %s: %s", uri, e)
+
+    def log_hf_model(self, folder: str | os.PathLike, task: str = "text-generation",
+                     artifact_path: str = "model") -> str | None:
+        """Log an exported Hugging Face folder (weights + tokenizer) as an ``mlflow.transformers`` model.
+
+        Works offline from the local folder. The model is loaded once to build its pipeline, so
+        call it after the engine has released its memory. Load it back with
+        ``mlflow.transformers.load_model(uri, return_type="components")["model"]`` (or as a
+        pipeline, or ``mlflow.pyfunc.load_model(uri)``). Returns ``runs:/<run id>/<artifact_path>``.
+        """
+        if not self.active:
+            return None
+        import mlflow.transformers
+
+        requirements = [f"{p}=={importlib.metadata.version(p)}" for p in _MODEL_REQUIREMENTS]
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(tmp) / artifact_path
+            mlflow.transformers.save_model(str(folder), path=str(local), task=task, pip_requirements=requirements)
+            self.client.log_artifacts(self.run_id, str(local), artifact_path)
+        return f"runs:/{self.run_id}/{artifact_path}"
+
+    @contextlib.contextmanager
+    def child_run(self, name: str, run_config: Mapping[str, Any] | None = None) -> Iterator[MlflowTracker]:
+        """A nested run (one Ray Tune trial), closed FINISHED, or FAILED if the block raises."""
+        child = MlflowTracker(self.config.model_copy(update={"run_name": name}), self._client)
+        if self.active:
+            child.start(run_config or {}, parent_run_id=self.run_id)
+        try:
+            yield child
+        except BaseException:
+            child.close("FAILED")
+            raise
+        child.close("FINISHED")
+
+    def close(self, status: RunStatus = "FINISHED") -> None:
+        """End the run with ``status``; later calls do nothing."""
+        if self.active:
+            self.client.set_terminated(self.run_id, status)
+            self.run_id = None
+
+    def _experiment_id(self) -> str:
+        from mlflow.exceptions import MlflowException
+
+        client = self.client
+        experiment = client.get_experiment_by_name(self.config.experiment)
+        if experiment is not None:
+            return experiment.experiment_id
+        try:
+            return client.create_experiment(self.config.experiment)
+        except MlflowException:  # another trial of a sweep may have created it first
+            experiment = client.get_experiment_by_name(self.config.experiment)
+            if experiment is None:
+                raise
+            return experiment.experiment_id
+
+    def _log_params(self, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, v) for k, v in params.items()]
+        for i in range(0, len(items), _PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=items[i:i + _PARAMS_PER_BATCH])
+
+    def _log_json(self, payload: Any, name: str) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / name
+            path.write_text(json.dumps(payload, indent=2, default=str))
+            self.client.log_artifact(self.run_id, str(path))
+
+
+def is_secret(key: str, value: Any) -> bool:
+    """Keys that name credentials or locations, and values that are URIs, are never logged."""
+    words = [w for w in re.split(r"[._\-\s]+", key.lower()) if w]
+    pairs = set(zip(words, words[1:], strict=False))
+    if pairs & _NOT_SECRET_PAIRS:
+        return False
+    return bool(set(words) & _SECRET_WORDS or pairs & _SECRET_PAIRS) or (isinstance(value, str) and "://" in value)
+
+
+def redact(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``config`` with secret-looking entries replaced by ``"<redacted>"``."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            out[key] = redact(value)
+        else:
+            out[key] = "<redacted>" if is_secret(str(key), value) and value is not None else value
+    return out
+
+
+def flatten_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": "1"}``, dropping secrets; values cut to MLflow's length limit."""
+    params: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            params.update(flatten_params(value, f"{name}."))
+        elif not is_secret(str(key), value):
+            text = value if isinstance(value, str) else json.dumps(value, default=str)
+            params[name] = text[:_MAX_PARAM_CHARS]
+    return params
+
+
+def run_tags(model: str | None, dataset: str | None) -> dict[str, str]:
+    """Tags every run carries: what was trained on what, from which commit, on which hardware."""
+    tags = {"mt_ray.hardware": hardware_summary(), "mt_ray.host_ram_gib": str(host_ram_gib())}
+    if model:
+        tags["mt_ray.model"] = model
+    if dataset:
+        tags["mt_ray.dataset"] = dataset
+    commit = git_commit()
+    if commit:
+        tags["mlflow.source.git.commit"] = commit[0]  # shown by the MLflow UI
+        tags["mt_ray.git_commit"] = commit[0] + ("+dirty" if commit[1] else "")
+    return tags
+
+
+def hardware_summary() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return f"cpu ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
+
+
+def host_ram_gib() -> float:
+    return math.floor(psutil.virtual_memory().total / 2**30 * 10) / 10
+
+
+def git_commit(cwd: str | os.PathLike | None = None) -> tuple[str, bool] | None:
+    """HEAD of the git repository around ``cwd`` and whether tracked files changed, else ``None``."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return head.stdout.strip(), bool(dirty)
