@@ -13,10 +13,27 @@ from mt_ray.errors import MtRayError
 from mt_ray.training import Trainer
 
 
+def build_callbacks(cfg: RunConfig) -> list:
+    """Checkpoints always (local dir by default); MLflow when tracking is enabled."""
+    from mt_ray.tracking import CheckpointManager, MlflowTracker
+    from mt_ray.training.track_callbacks import CheckpointCallback, MlflowCallback
+
+    callbacks = [CheckpointCallback(CheckpointManager(cfg.checkpoint))]
+    if cfg.tracking.enabled:
+        callbacks.append(MlflowCallback(MlflowTracker(cfg.tracking)))
+    return callbacks
+
+
 def run(cfg: RunConfig) -> dict:
-    trainer = Trainer(cfg)
+    callbacks = build_callbacks(cfg)
+    trainer = Trainer(cfg, callbacks)
     try:
         summary = trainer.fit()
+    except BaseException:
+        for cb in callbacks:
+            if hasattr(cb, "tracker"):
+                cb.tracker.close("FAILED")
+        raise
     finally:
         trainer.close()
     print(f"done: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "

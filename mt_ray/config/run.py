@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mt_ray.data import DataConfig
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.errors import ConfigError
+from mt_ray.tracking import CheckpointConfig, TrackingConfig
 
 
 class _Section(BaseModel):
@@ -54,6 +55,8 @@ class TrainingConfig(_Section):
     """Where the exported model and the run summary go."""
     export: bool = True
     """Export the trained model as a Hugging Face folder at the end."""
+    resume: str = "auto"
+    """`auto`: continue from the newest valid checkpoint under `checkpoint.uri` if any; `never`; or a checkpoint URI."""
 
 
 class RunConfig(_Section):
@@ -64,6 +67,8 @@ class RunConfig(_Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     optimizer: OptimizerConfig = Field(default_factory=lambda: OptimizerConfig(lr=1e-3, warmup_steps=5))
+    checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(uri="runs/checkpoints", every_steps=50))
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
 
 def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

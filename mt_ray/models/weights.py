@@ -106,6 +106,7 @@ def export_hf(spec: ModelSpec, state: dict[str, torch.Tensor], out_dir: str | Pa
     tmp.mkdir(parents=True)
     config = copy.deepcopy(spec.config)
     config.dtype = dtype
+    config.architectures = [type(spec.skeleton).__name__]
     config.save_pretrained(tmp)
     shards = _plan_shards(state, dtype, max_shard_bytes)
     weight_map = {}

@@ -71,8 +71,9 @@ class Trainer:
             self.engine.load_random(seed=self.cfg.training.seed)
 
     def fit(self) -> dict[str, Any]:
-        """Train to the configured step count; returns the run summary."""
+        """Train to the configured step count (resuming first if asked); returns the run summary."""
         t = self.cfg.training
+        self._maybe_resume()
         for cb in self.callbacks:
             cb.on_train_start(self)
         bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
@@ -98,6 +99,14 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_train_end(self, summary)
         return summary
+
+    def _maybe_resume(self) -> None:
+        mode = self.cfg.training.resume
+        if mode == "never":
+            return
+        for cb in self.callbacks:
+            if hasattr(cb, "maybe_resume"):
+                cb.maybe_resume(self, None if mode == "auto" else mode)
 
     def _metrics(self, result, tokens_per_s: float) -> dict[str, float]:
         # .item() syncs with the device: only here, on the logging cadence.
