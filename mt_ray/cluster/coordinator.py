@@ -203,6 +203,13 @@ class Coordinator:
             self.optimizers[unit].set_step(snap.step)
         return snap.step
 
+    def units_summed(self, step: int) -> int:
+        """How many units of `step` have every worker's gradient in (for monitoring and tests)."""
+        with self._cond:
+            if step in self._ended:
+                return len(self.unit_order)
+            return len(self._norm_sq.get(step, {}))
+
     def ping(self) -> int:
         return self.generation
 

@@ -77,7 +77,10 @@ def test_killed_worker_mid_step_is_replaced_and_nothing_is_lost(local_ray, clip)
 
     def kill_worker_in_step_2(step, trainer):
         if step == 2 and not trainer.events:
-            time.sleep(0.05)  # let the step get going first
+            # Kill mid-backward: once the head's summed gradient is in (unclipped: already applied).
+            deadline = time.monotonic() + 30
+            while local_ray.get(trainer.coordinator.units_summed.remote(2)) == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
             local_ray.kill(trainer.workers[0])
 
     cluster = ClusterConfig(snapshot_every=2)
@@ -85,5 +88,7 @@ def test_killed_worker_mid_step_is_replaced_and_nothing_is_lost(local_ray, clip)
     assert len(result.events) == 1
     event = result.events[0]
     assert event.step == 2 and event.lost_ranks == [0] and event.resumed_at in (2, 3)
+    if clip == 0.0 and event.resumed_at == 2:  # units were updated, so the snapshot of step 2 was restored
+        assert "snapshot" in event.action
     assert result.losses == pytest.approx(ref_losses, rel=1e-5)
     assert_same_weights(state, ref_state)
