@@ -29,6 +29,7 @@ from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import HostStore
 from mt_ray.engine.optimizer import UnitOptimizer, lr_at
 from mt_ray.engine.optimizer_worker import OptimizerWorker
+from mt_ray.engine.seams import GradSink, WeightSource
 from mt_ray.engine.sizing import grad_buffer_bytes
 from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
 from mt_ray.engine.transfer import GradBuffers, StreamSet, WeightStreamer
@@ -50,9 +51,17 @@ class StepResult:
 
 
 class StreamingEngine:
-    """Trains a model held in host memory by streaming its units through one device."""
+    """Trains a model held in host memory by streaming its units through one device.
 
-    def __init__(self, spec: ModelSpec, cfg: EngineConfig, opt_cfg: OptimizerConfig, total_steps: int):
+    `grad_sink` and `weight_source` (given together) replace the local optimizer thread and
+    host store, for a trainer that keeps the weights elsewhere (mt_ray.cluster); the engine
+    then allocates no master weights or moments of its own.
+    """
+
+    def __init__(self, spec: ModelSpec, cfg: EngineConfig, opt_cfg: OptimizerConfig, total_steps: int,
+                 grad_sink: GradSink | None = None, weight_source: WeightSource | None = None):
+        if (grad_sink is None) != (weight_source is None):
+            raise ValueError("grad_sink and weight_source are given together or not at all")
         self.spec = spec
         self.cfg = cfg
         self.opt_cfg = opt_cfg
@@ -67,17 +76,19 @@ class StreamingEngine:
         numels = {u.name: u.numel for u in spec.units}
         clips = opt_cfg.max_grad_norm > 0
         grad_bytes = grad_buffer_bytes(numels, grad_dtype, clips, cfg.grad_slabs)
-        self.store = HostStore(spec, copy_dtype, pin, grad_bytes, cfg.host_memory_limit_gb)
+        local = grad_sink is None
+        self.store = HostStore(spec, copy_dtype, pin, grad_bytes, cfg.host_memory_limit_gb) if local else None
         self.grad_buffers = GradBuffers(numels, grad_dtype, pin, per_unit=clips, slabs=cfg.grad_slabs)
-        self.optimizers = {u.name: UnitOptimizer(self.store, u, opt_cfg) for u in spec.units}
+        self.optimizers = {u.name: UnitOptimizer(self.store, u, opt_cfg) for u in spec.units} if local else {}
         threads = cfg.optimizer_threads or max(1, (os.cpu_count() or 1) - 1)
-        self.worker = OptimizerWorker(
+        self.worker = grad_sink if not local else OptimizerWorker(
             self.store, self.optimizers, self.grad_buffers, [u.name for u in spec.units],
             opt_cfg.max_grad_norm, threads if pin else None,
         )
         self.streams = StreamSet(self.device)
         depth = cfg.prefetch_units or cfg.checkpoint_every
-        self.streamer = WeightStreamer(self.store, self.streams, self.dtype, depth, self.worker.wait_updated)
+        source = self.store if local else weight_source
+        self.streamer = WeightStreamer(source, self.streams, self.dtype, depth, (weight_source or self.worker).wait_updated)
         self.templates = build_templates(spec, self.device)
         self.context = LayerContextBuilder(spec, self.device)
         self.layer_templates = [self.templates[u.kind] for u in spec.layer_units]
@@ -88,11 +99,17 @@ class StreamingEngine:
 
     # ------------------------------------------------------------------ public API
 
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
-        """One optimizer step over `micro_batches` (the loss is normalised over all of them)."""
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], loss_normaliser: int | None = None) -> StepResult:
+        """One optimizer step over `micro_batches` (the loss is normalised over all of them).
+
+        `loss_normaliser` replaces this step's own loss-token count: a data-parallel worker
+        passes the count over the whole global batch, so the workers' gradients sum to the
+        gradient of the global mean loss.
+        """
         mbs = [prepare_micro_batch(b, self.device) for b in micro_batches]
         n_loss = sum(mb.num_loss_tokens for mb in mbs)
-        if n_loss == 0:
+        n_norm = n_loss if loss_normaliser is None else loss_normaliser
+        if n_norm == 0:
             raise ValueError("this step has no token that carries loss (every label is -100)")
         lr = lr_at(self.step_idx, self.opt_cfg, self.total_steps)
         self.streamer.start(self._upload_plan(), version=self.step_idx)
@@ -100,7 +117,7 @@ class StreamingEngine:
         self._lr = lr
 
         hiddens, contexts, checkpoints = self._forward(mbs)
-        grads, loss_sum = self._head(hiddens, mbs, 1.0 / n_loss)
+        grads, loss_sum = self._head(hiddens, mbs, 1.0 / n_norm)
         for b in reversed(range(len(checkpoints))):
             grads = self._backward_block(b, checkpoints.pop(), grads, contexts)
         self._backward_embed(grads, mbs)
@@ -112,7 +129,7 @@ class StreamingEngine:
             norm_ready = self.streams.record(self.streams.d2h)
         self.worker.end_step(self._norm_sq_host, norm_ready, lr)
         self.step_idx += 1
-        return StepResult(loss_sum / n_loss, self._norm_sq.sqrt(), lr, sum(m.num_tokens for m in mbs), n_loss)
+        return StepResult(loss_sum / n_norm, self._norm_sq.sqrt(), lr, sum(m.num_tokens for m in mbs), n_loss)
 
     def synchronize(self) -> None:
         """Wait until every update of the steps run so far is in the master weights."""
@@ -169,7 +186,8 @@ class StreamingEngine:
     def close(self) -> None:
         self.worker.close()
         self.grad_buffers.close()
-        self.store.close()
+        if self.store is not None:
+            self.store.close()
 
     # ------------------------------------------------------------------ schedule
 

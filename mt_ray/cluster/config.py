@@ -1,0 +1,38 @@
+"""Typed configuration of a data-parallel run on Ray."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ClusterConfig(BaseModel):
+    """How the data-parallel trainer places its actors and survives a lost worker."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    address: str | None = Field(
+        None, description="Ray address to join; None: 'auto' when RAY_ADDRESS is set, else start Ray in-process."
+    )
+    gpus_per_worker: float | None = Field(
+        None, ge=0, description="GPUs each worker actor reserves; None: 1 when the cluster has GPUs, else 0 (CPU)."
+    )
+    cpus_per_worker: float = Field(1.0, ge=0, description="CPUs each worker actor reserves.")
+    coordinator_cpus: float = Field(
+        0.0, ge=0, description="CPUs the coordinator reserves (its optimizer threads are set by engine.optimizer_threads)."
+    )
+    object_store_memory_gb: float | None = Field(
+        None, gt=0, description="Object store size when Ray is started in-process; None: planned from the model "
+        "(two versions of the compute-dtype weights plus one fp32 gradient of the model per worker)."
+    )
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of an in-process Ray; None: all of them.")
+    snapshot_every: int = Field(
+        10, ge=0, description="Keep an in-memory copy of master weights and moments every N steps (doubles the "
+        "coordinator's 12 B/param); a worker lost mid-update is recovered from it. 0: no snapshots."
+    )
+    max_restarts: int = Field(3, ge=0, description="Worker failures survived before the run gives up.")
+    recovery_grace_s: float = Field(
+        30.0, ge=0, description="After a failure, how long the other workers get to finish the step and be kept."
+    )
+    step_timeout_s: float | None = Field(
+        None, gt=0, description="Treat a step that takes longer than this as failed (a hung worker); None: wait."
+    )

@@ -1,0 +1,278 @@
+"""The driver: places the coordinator and the workers, runs steps, replaces lost workers.
+
+Each global batch (a list of micro-batches) is split across the workers; every worker scales
+its loss by the global loss-token count, so the coordinator's sum of their gradients is the
+gradient one engine would compute on the whole batch. A worker lost mid-step (its actor died,
+or the step timed out) ends that step on the coordinator (see `Coordinator.recover`); new
+workers are started and the steps since the resume point are replayed from the batches kept
+here, so no data and no update is lost or applied twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
+
+from mt_ray.cluster.config import ClusterConfig
+from mt_ray.cluster.coordinator import Coordinator
+from mt_ray.cluster.errors import ClusterError
+from mt_ray.cluster.worker import EngineWorker
+from mt_ray.engine.batch import IGNORE_INDEX
+from mt_ray.engine.config import EngineConfig, OptimizerConfig
+from mt_ray.models.discovery import ModelSpec, discover
+
+log = logging.getLogger(__name__)
+
+Batch = list[dict[str, torch.Tensor]]
+_LOST_WORKER = (RayActorError, GetTimeoutError, ObjectLostError)
+
+
+@dataclass
+class FailureEvent:
+    """A lost worker and what the driver did about it."""
+
+    step: int
+    error: str
+    lost_ranks: list[int]
+    resumed_at: int
+    action: str
+
+
+@dataclass
+class DataParallelResult:
+    """What a data-parallel run returns; `state_dict` is None unless asked for."""
+
+    losses: list[float]
+    grad_norms: list[float]
+    events: list[FailureEvent] = field(default_factory=list)
+    state_dict: dict[str, torch.Tensor] | None = None
+    seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)  # driver wall time of each kept step
+
+
+def count_loss_tokens(batch: Batch) -> int:
+    """Tokens whose next-token label carries loss, counted as the engine counts them."""
+    return sum(int((mb.get("labels", mb["input_ids"])[:, 1:] != IGNORE_INDEX).sum()) for mb in batch)
+
+
+def shard_batch(batch: Batch, num_workers: int) -> list[Batch]:
+    """Split a global batch: whole micro-batches when they divide evenly, else rows of each."""
+    m = len(batch)
+    if m % num_workers == 0:
+        per = m // num_workers
+        return [batch[r * per : (r + 1) * per] for r in range(num_workers)]
+    shards: list[Batch] = [[] for _ in range(num_workers)]
+    for mb in batch:
+        pieces = {k: torch.tensor_split(v, num_workers) for k, v in mb.items()}
+        for r in range(num_workers):
+            piece = {k: p[r].clone() for k, p in pieces.items()}  # clone: a view would ship the whole tensor
+            if piece["input_ids"].shape[0]:
+                shards[r].append(piece)
+    if any(not s for s in shards):
+        rows = sum(mb["input_ids"].shape[0] for mb in batch)
+        raise ClusterError(f"a global batch of {rows} rows cannot feed {num_workers} workers; use fewer workers")
+    return shards
+
+
+def plan_object_store_bytes(spec: ModelSpec, cfg: EngineConfig, num_workers: int) -> int:
+    """Two versions of the compute-dtype weights, plus one wire-dtype gradient of the model per worker."""
+    weight = torch.empty((), dtype=cfg.dtype).element_size()
+    grad = 4 if cfg.grad_dtype == "fp32" else weight
+    return int(spec.num_params * (2 * weight + num_workers * grad) * 1.1) + (256 << 20)
+
+
+def init_ray(cfg: ClusterConfig, object_store_bytes: int) -> bool:
+    """Join the configured cluster, 'auto' under RAY_ADDRESS, else start Ray here. True if we started it."""
+    if ray.is_initialized():
+        return False
+    address = cfg.address or ("auto" if os.environ.get("RAY_ADDRESS") else None)
+    if address is not None:
+        ray.init(address=address)
+        return True
+    store = int(cfg.object_store_memory_gb * 2**30) if cfg.object_store_memory_gb else object_store_bytes
+    ray.init(num_cpus=cfg.num_cpus, object_store_memory=store, include_dashboard=False)
+    return True
+
+
+class DataParallelTrainer:
+    """Controller of one run: a coordinator, `num_workers` engine workers, and the step loop.
+
+    `after_launch(step, trainer)` runs right after a step's work is handed to the workers (a
+    seam for tests and fault injection).
+    """
+
+    def __init__(self, model, engine_cfg: EngineConfig, opt_cfg: OptimizerConfig, num_workers: int,
+                 total_steps: int, cluster: ClusterConfig | None = None, weights: int | str | dict = 0,
+                 after_launch: Callable[[int, DataParallelTrainer], None] | None = None):
+        self.model = model.config if isinstance(model, ModelSpec) else model
+        self.engine_cfg = engine_cfg
+        self.opt_cfg = opt_cfg
+        self.num_workers = num_workers
+        self.total_steps = total_steps
+        self.cluster = cluster or ClusterConfig()
+        self.after_launch = after_launch
+        self.events: list[FailureEvent] = []
+        self._started_ray = init_ray(self.cluster, plan_object_store_bytes(discover(self.model), engine_cfg, num_workers))
+        self.coordinator = self._build_coordinator(weights)
+        self.generation = ray.get(self.coordinator.start.remote(0))
+        self.workers = list(self._build_workers(0).values())
+
+    def _build_coordinator(self, weights: int | str | dict):
+        actor = ray.remote(Coordinator).options(
+            num_cpus=self.cluster.coordinator_cpus, max_concurrency=8 + 4 * self.num_workers,
+        ).remote(self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps,
+                 self.num_workers, self.cluster.snapshot_every)
+        if isinstance(weights, int):
+            ray.get(actor.load_random.remote(weights))
+        elif isinstance(weights, (str, Path)):
+            ray.get(actor.load_pretrained.remote(str(weights)))
+        else:
+            ray.get(actor.load_state_dict.remote(weights))
+        return actor
+
+    def _build_workers(self, start_step: int, ranks: list[int] | None = None) -> dict[int, object]:
+        gpus = self.cluster.gpus_per_worker
+        if gpus is None:
+            gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+        cls = ray.remote(EngineWorker).options(num_gpus=gpus, num_cpus=self.cluster.cpus_per_worker, max_restarts=0)
+        ranks = range(self.num_workers) if ranks is None else ranks
+        return {r: cls.remote(r, self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(),
+                              self.total_steps, self.coordinator, self.generation, start_step) for r in ranks}
+
+    def train(self, batches: Iterable[Batch]) -> DataParallelResult:
+        """Run until `total_steps` or the batches end; returns losses, norms and failure events."""
+        t0 = time.perf_counter()
+        source = iter(batches)
+        kept: dict[int, Batch] = {}  # batches a recovery may have to replay
+        losses: dict[int, float] = {}
+        times: dict[int, float] = {}
+        step = 0
+        while step < self.total_steps:
+            if step not in kept:
+                batch = next(source, None)
+                if batch is None:
+                    break
+                kept[step] = batch
+            t_step = time.perf_counter()
+            try:
+                losses[step] = self._run_step(step, kept[step])
+            except _LOST_WORKER as e:
+                step = self._recover(step, e, kept)
+                losses = {s: v for s, v in losses.items() if s < step}
+                continue
+            times[step] = time.perf_counter() - t_step
+            step += 1
+            self._forget(kept, step)
+        norms = ray.get(self.coordinator.finish.remote(step))
+        return DataParallelResult([losses[s] for s in range(step)], [norms[s] for s in range(step)],
+                                  list(self.events), seconds=time.perf_counter() - t0,
+                                  step_seconds=[times[s] for s in range(step)])
+
+    def _run_step(self, step: int, batch: Batch) -> float:
+        shards = shard_batch(batch, self.num_workers)
+        n_global = count_loss_tokens(batch)
+        self._inflight = [w.train_step.remote(step, s, n_global) for w, s in zip(self.workers, shards, strict=True)]
+        if self.after_launch is not None:
+            self.after_launch(step, self)
+        # The only place the driver waits: for every worker to finish its share of the step.
+        outs = ray.get(self._inflight, timeout=self.cluster.step_timeout_s)
+        return sum(o["loss"] for o in outs)
+
+    def _forget(self, kept: dict[int, Batch], step: int) -> None:
+        """Drop batches no recovery can need: those before the snapshot before last."""
+        every = self.cluster.snapshot_every
+        oldest = step if every == 0 else max(0, (step // every - 1) * every)
+        for s in [s for s in kept if s < oldest]:
+            del kept[s]
+
+    def _recover(self, step: int, error: BaseException, kept: dict[int, Batch]) -> int:
+        healthy, lost = self._sort_workers()
+        if len(self.events) >= self.cluster.max_restarts:
+            raise ClusterError(f"step {step} failed ({error}) after {len(self.events)} restarts; giving up") from error
+        for rank, w in enumerate(self.workers):
+            if rank not in healthy:
+                ray.kill(w, no_restart=True)
+        try:
+            resume, self.generation, action = ray.get(self.coordinator.recover.remote(step))
+        except RayActorError as e:
+            raise ClusterError("the coordinator was lost with the training state; restart from a checkpoint") from e
+        if resume < min(kept):
+            raise ClusterError(f"cannot replay from step {resume}: its batch is no longer kept")
+        event = FailureEvent(step, f"{type(error).__name__}: {error}".splitlines()[0], lost, resume, action)
+        self.events.append(event)
+        log.warning("worker(s) %s lost in step %d (%s); %s; resuming at step %d", lost, step, event.error, action, resume)
+        # Workers that finished the step are healthy: they rejoin (no restart, no re-import); the rest are replaced.
+        fresh = self._build_workers(resume, [r for r in range(self.num_workers) if r not in healthy])
+        ray.get([self.workers[r].rejoin.remote(self.generation, resume) for r in healthy])
+        self.workers = [fresh.get(r, w) for r, w in enumerate(self.workers)]
+        return resume
+
+    def _sort_workers(self) -> tuple[list[int], list[int]]:
+        """Ranks whose share of the failed step came back (healthy), and ranks whose actor died (lost)."""
+        # Survivors never wait on a lost worker within a step, so they finish; the grace bounds a hung one.
+        done, _ = ray.wait(self._inflight, num_returns=len(self._inflight), timeout=self.cluster.recovery_grace_s)
+        healthy, lost = [], []
+        for rank, ref in enumerate(self._inflight):
+            if ref not in done:
+                continue
+            try:
+                ray.get(ref)
+                healthy.append(rank)
+            except RayActorError:
+                lost.append(rank)
+            except Exception:  # failed some other way: replaced, not counted as lost
+                pass
+        return healthy, lost
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights by Hugging Face name (fetched from the coordinator)."""
+        return ray.get(self.coordinator.state_dict.remote())
+
+    def export(self, out_dir: str | Path, dtype: str = "fp32") -> str:
+        """Write a Hugging Face folder, on the coordinator's node."""
+        return ray.get(self.coordinator.export.remote(str(out_dir), dtype))
+
+    def close(self) -> None:
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        ray.kill(self.coordinator, no_restart=True)
+        if self._started_ray:
+            ray.shutdown()
+
+
+def run_data_parallel(model, engine_cfg: EngineConfig, opt_cfg: OptimizerConfig,
+                      batches: Iterable[Batch] | Callable[[], Iterable[Batch]], num_workers: int,
+                      total_steps: int | None = None, weights: int | str | dict = 0,
+                      cluster: ClusterConfig | None = None, return_state: bool = False,
+                      export_dir: str | Path | None = None) -> DataParallelResult:
+    """Train `model` data-parallel on `num_workers` engine workers (one per GPU, or CPU workers).
+
+    model: a ModelSpec, a transformers config, a config dict with model_type, or a local folder.
+    batches: global batches (each a list of micro-batches), or a factory returning them.
+    weights: a random-init seed, a safetensors folder, or a state dict by Hugging Face name.
+    Ray is started in-process unless already running, `cluster.address` is set, or RAY_ADDRESS is.
+    """
+    if callable(batches):
+        batches = batches()
+    if total_steps is None:
+        if not hasattr(batches, "__len__"):
+            raise ClusterError("total_steps is needed when the batches have no length (it sets the LR schedule)")
+        total_steps = len(batches)
+    trainer = DataParallelTrainer(model, engine_cfg, opt_cfg, num_workers, total_steps, cluster, weights)
+    try:
+        result = trainer.train(batches)
+        if return_state:
+            result.state_dict = trainer.state_dict()
+        if export_dir is not None:
+            trainer.export(export_dir)
+        return result
+    finally:
+        trainer.close()

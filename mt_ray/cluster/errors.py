@@ -1,0 +1,11 @@
+"""Errors of the cluster layer."""
+
+from mt_ray.errors import MtRayError
+
+
+class ClusterError(MtRayError, RuntimeError):
+    """The data-parallel run cannot continue (too many failures, a lost coordinator, a bad batch)."""
+
+
+class StaleGenerationError(MtRayError, RuntimeError):
+    """A worker of an aborted generation asked for weights; it is about to be replaced."""

@@ -1,0 +1,39 @@
+"""The two seams through which a trainer other than the local one plugs into the engine.
+
+By default the engine sends finished gradients to its own `OptimizerWorker` and streams
+weights from its own `HostStore`. A data-parallel trainer (mt_ray.cluster) passes objects with
+the same methods instead, so the step schedule stays one piece of code.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class GradSink(Protocol):
+    """Where the engine hands each finished unit gradient (the `OptimizerWorker` surface)."""
+
+    unit_order: list[str]
+
+    def submit(self, unit: str, grad: torch.Tensor, landed: torch.cuda.Event | None, lr: float) -> None:
+        """`grad` is a host buffer that is valid once `landed` has completed (None on CPU)."""
+
+    def end_step(self, norm_sq: torch.Tensor, ready: torch.cuda.Event | None, lr: float) -> None:
+        """Every unit of the step has been submitted; `norm_sq` is this engine's local norm squared."""
+
+    def wait_updated(self, unit: str, version: int) -> None:
+        """Block until `unit` holds the weights after `version` optimizer steps."""
+
+    def close(self) -> None: ...
+
+
+class WeightSource(Protocol):
+    """Where the engine reads each unit's streamed (compute-dtype) weights (the `HostStore` surface)."""
+
+    def wait_updated(self, unit: str, version: int) -> None:
+        """Block until `streamed_of(unit)` returns the weights after `version` optimizer steps."""
+
+    def streamed_of(self, unit: str) -> torch.Tensor:
+        """The unit's flat host weights; the engine only reads them."""
