@@ -7,7 +7,7 @@ PIP = $(PY) -m pip
 # a machine that has torch installed (e.g. a CUDA build) keeps it.
 install:
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev,tracking]" -c constraints.txt
+	$(PIP) install -q -e ".[dev,tracking,cluster]" -c constraints.txt
 
 demo:
 	$(PY) -m jobs.train

@@ -39,3 +39,17 @@ def test_cli_info_and_calc(capsys):
     assert main(["calc", "--preset", "qwen2.5-7b", "--json"]) == 0
     rec = json.loads(capsys.readouterr().out)
     assert rec["fits"] and rec["params"] == 7615616512
+
+
+def test_export_command_matches_trained_export(tmp_path):
+    run = tmp_path / "run"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"training:\n  steps: 4\n  output_dir: {run}\ncheckpoint:\n  uri: {tmp_path / 'ckpt'}\n"
+                   "tracking:\n  enabled: false\nengine:\n  device: cpu\ndata:\n  max_seq_len: 64\n")
+    proc = subprocess.run([sys.executable, "-m", "mt_ray.cli.main", "train", "--config", str(cfg)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert main(["export", "--config", str(cfg), "--out", str(tmp_path / "exported")]) == 0
+    a = AutoModelForCausalLM.from_pretrained(run / "hf_model").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
