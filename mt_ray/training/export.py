@@ -9,14 +9,13 @@ from mt_ray.engine.host_store import plan_layout
 from mt_ray.errors import CheckpointError
 from mt_ray.models.weights import export_hf
 from mt_ray.tracking import CheckpointManager
-from mt_ray.training.trainer import _padded_vocab, build_model_spec, load_tokenizer
+from mt_ray.training.trainer import load_model_and_tokenizer
 
 
 def export_checkpoint(config_path: str, checkpoint: str | None, out: str) -> Path:
     """Export the given checkpoint (default: the run's newest valid one) of the configured model."""
     cfg = load_run_config(config_path)
-    tokenizer = load_tokenizer(cfg)
-    spec = build_model_spec(cfg, vocab_size=_padded_vocab(tokenizer))
+    spec, tokenizer = load_model_and_tokenizer(cfg)
     manager = CheckpointManager(cfg.checkpoint)
     if checkpoint is None and manager.latest() is None:
         raise CheckpointError(f"no checkpoint under {cfg.checkpoint.uri}; train first or pass --checkpoint")

@@ -44,14 +44,19 @@ def load_tokenizer(cfg: RunConfig):
     return AutoTokenizer.from_pretrained(source, local_files_only=True)
 
 
+def load_model_and_tokenizer(cfg: RunConfig) -> tuple[ModelSpec, object]:
+    """The tokenizer, then the model spec (the tiny preset's vocabulary sized to that tokenizer)."""
+    tokenizer = load_tokenizer(cfg)
+    return build_model_spec(cfg, vocab_size=_padded_vocab(tokenizer)), tokenizer
+
+
 class Trainer:
     """Runs `cfg.training.steps` optimizer steps of the streaming engine on the configured data."""
 
     def __init__(self, cfg: RunConfig, callbacks: list[Callback] | None = None):
         self.cfg = cfg
         self.callbacks = list(callbacks or [])
-        self.tokenizer = load_tokenizer(cfg)
-        self.spec = build_model_spec(cfg, vocab_size=_padded_vocab(self.tokenizer))
+        self.spec, self.tokenizer = load_model_and_tokenizer(cfg)
         self.engine = StreamingEngine(self.spec, cfg.engine, cfg.optimizer, total_steps=cfg.training.steps)
         self._init_weights()
         t = cfg.training
