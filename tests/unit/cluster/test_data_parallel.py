@@ -18,8 +18,11 @@ ENGINE = EngineConfig(device="cpu", compute_dtype="fp32", checkpoint_every=2)
 
 
 def global_batches(steps=STEPS):
-    """Each step: 3 micro-batches of 2 rows, so 2 workers split rows (3 is not a multiple of 2)."""
-    batches = [tiny_batches(n_micro=3, seed=s) for s in range(steps)]
+    """Each step: 3 micro-batches of 2 rows, so 2 workers split rows (3 is not a multiple of 2).
+
+    Step 2 has long rows so its backward lasts long enough for a test to kill a worker inside it.
+    """
+    batches = [tiny_batches(n_micro=3, seed=s, seq=384 if s == 2 else 12) for s in range(steps)]
     for mb in batches[1]:
         mb["labels"][1, :] = -100  # step 1: worker 1's rows carry no loss at all
     return batches
@@ -87,7 +90,9 @@ def test_killed_worker_mid_step_is_replaced_and_nothing_is_lost(local_ray, clip)
     result, state = data_parallel(opt, cluster=cluster, after_launch=kill_worker_in_step_2)
     assert len(result.events) == 1
     event = result.events[0]
-    assert event.step == 2 and event.lost_ranks == [0] and event.resumed_at in (2, 3)
+    # A slow machine may let worker 0 finish step 2 before the kill lands: the loss then shows in step 3.
+    assert event.step in (2, 3) and event.lost_ranks == [0]
+    assert event.resumed_at in (event.step, event.step + 1)
     if clip == 0.0 and event.resumed_at == 2:  # units were updated, so the snapshot of step 2 was restored
         assert "snapshot" in event.action
     assert result.losses == pytest.approx(ref_losses, rel=1e-5)
