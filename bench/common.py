@@ -37,11 +37,60 @@ def attention_flops(cfg: PretrainedConfig, tokens: int, seq: int) -> float:
     return 3 * per_token * tokens
 
 
+def metrics(args, cfg, n_params: int, step_s: float, system: str) -> dict:
+    """Throughput of one system: model TFLOPS = 6 x params x tokens / step time (MegaTrain's formula)."""
+    tokens = args.batch * args.seq
+    model_flops = 6 * n_params * tokens
+    return {
+        "system": system, "shape": args.shape, "params_b": n_params / 1e9, "batch": args.batch, "micro": args.micro,
+        "seq": args.seq, "step_s": step_s, "tokens_per_s": tokens / step_s, "model_tflops": model_flops / step_s / 1e12,
+        "tflops_with_attn": (model_flops + attention_flops(cfg, tokens, args.seq)) / step_s / 1e12,
+    }
+
+
 def peak_rss_bytes() -> int:
     for line in Path(f"/proc/{os.getpid()}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+class HostMemorySampler:
+    """Peak growth of the host's used memory (MemTotal - MemAvailable) while the block runs.
+
+    Counts what a process pins with cudaHostAlloc as well as its ordinary pages, which is
+    what decides whether a run fits the host; sampled every `interval` seconds.
+    """
+
+    def __init__(self, interval: float = 0.2):
+        self.interval = interval
+        self.peak_bytes = 0
+
+    @staticmethod
+    def used_bytes() -> int:
+        info = {}
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, value = line.split(":", 1)
+            info[key] = int(value.split()[0]) * 1024
+        return info["MemTotal"] - info["MemAvailable"]
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak_bytes = max(self.peak_bytes, self.used_bytes() - self.base)
+
+    def __enter__(self):
+        import threading
+
+        self.base = self.used_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes() - self.base)
 
 
 class Timer:

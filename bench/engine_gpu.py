@@ -1,4 +1,4 @@
-"""Benchmark of the streaming engine on one GPU, against plain in-GPU PyTorch in the same run.
+"""Benchmark of the streaming engine on one GPU: throughput, memory and where the step time goes.
 
 Reports model TFLOPS as 6 x params x tokens / step time with the optimizer inside the step
 (MegaTrain's formula), the attention-inclusive figure, host bytes/param (peak RSS), peak GPU
@@ -6,7 +6,8 @@ memory, and the time split of one profiled step (H2D, compute, D2H busy time fro
 optimizer thread's CPU time; GPU idle = step time minus compute-stream busy time).
 
     python bench/engine_gpu.py --shape qwen2.5-7b --batch 128 --micro 16 --out results.json
-    python bench/engine_gpu.py --shape qwen2.5-1.5b --batch 64 --micro 8 --baseline
+
+Side-by-side runs against DeepSpeed, FSDP2 and plain PyTorch are `bench/compare.py`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (  # noqa: E402
     Timer,
-    attention_flops,
+    metrics,
     peak_rss_bytes,
     print_table,
     random_micro_batches,
@@ -130,58 +131,8 @@ def _union(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def run_plain(args, cfg) -> dict:
-    """Ceiling: the whole model on the GPU, fp32 params, bf16 autocast, fused GPU AdamW, HF loss."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).cuda()
-    model.gradient_checkpointing_enable()
-    model.config.use_cache = False
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": OPT.weight_decay}, {"params": rest, "weight_decay": 0}],
-                            lr=OPT.lr, fused=True)
-    mbs = [{k: v.cuda() for k, v in mb.items()} for mb in random_micro_batches(cfg.vocab_size, args.batch, args.micro, args.seq)]
-    n_items = sum(mb["input_ids"][:, 1:].numel() for mb in mbs)
-    losses = []
-
-    def step():
-        total = torch.zeros((), device="cuda")
-        for mb in mbs:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(input_ids=mb["input_ids"], labels=mb["input_ids"], num_items_in_batch=n_items).loss
-            loss.backward()
-            total += loss.detach()
-        if args.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(total)
-
-    for _ in range(args.warmup):
-        step()
-    torch.cuda.reset_peak_memory_stats()
-    with Timer() as t:
-        for _ in range(args.steps):
-            step()
-    row = metrics(args, cfg, sum(p.numel() for p in model.parameters()), t.seconds / args.steps, "plain-pytorch")
-    row.update(losses=[float(x) for x in losses], peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30)
-    return row
-
-
-def metrics(args, cfg, n_params: int, step_s: float, system: str) -> dict:
-    tokens = args.batch * args.seq
-    model_flops = 6 * n_params * tokens
-    return {
-        "system": system, "shape": args.shape, "params_b": n_params / 1e9, "batch": args.batch, "micro": args.micro,
-        "seq": args.seq, "step_s": step_s, "tokens_per_s": tokens / step_s, "model_tflops": model_flops / step_s / 1e12,
-        "tflops_with_attn": (model_flops + attention_flops(cfg, tokens, args.seq)) / step_s / 1e12,
-    }
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """Model shape, batch and engine options, shared with the side-by-side comparison."""
     p.add_argument("--shape", default="qwen2.5-7b")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=128)
@@ -194,18 +145,19 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="profile one extra step for the time split")
-    p.add_argument("--baseline", action="store_true", help="also run plain in-GPU PyTorch (model must fit)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(p)
     p.add_argument("--out", default="bench/results/engine_gpu.json")
     args = p.parse_args()
 
     cfg = shape_config(args.shape)
     rows = [run_engine(args, cfg)]
-    if args.baseline:
-        rows.append(run_plain(args, cfg))
-        rows[0]["ratio_vs_plain"] = rows[0]["step_s"] and rows[1]["step_s"] / rows[0]["step_s"]
     cols = ["system", "shape", "params_b", "batch", "seq", "step_s", "tokens_per_s", "model_tflops", "tflops_with_attn",
             "peak_gpu_gib", "calc_gpu_gib", "host_bytes_per_param", "h2d_busy_s", "compute_busy_s", "d2h_busy_s", "optimizer_s",
-            "gpu_idle_frac", "gpu_step_s", "calc_step_s", "ratio_vs_plain"]
+            "gpu_idle_frac", "gpu_step_s", "calc_step_s"]
     print_table(rows, cols)
     write_json(args.out, {"args": vars(args), "device": torch.cuda.get_device_name(), "rows": rows})
 

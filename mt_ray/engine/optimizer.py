@@ -102,5 +102,5 @@ def _build(groups: list[dict], cfg: OptimizerConfig, use_deepspeed: bool) -> tor
     if use_deepspeed:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, adamw_mode=True, fp32_optim_states=True)
+        return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, adamw_mode=True, fp32_optimizer_states=True)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)

@@ -1,0 +1,103 @@
+"""What holds GPU memory at the peak of one engine step: the data behind the calculator's model.
+
+Records the CUDA caching allocator's history over one steady-state step, replays the trace to
+the moment of peak allocation and groups the live blocks by the line of mt-ray (or
+transformers/torch, when no mt-ray frame is on the stack) that allocated them.
+
+    python bench/memory_profile.py --shape qwen2.5-7b --batch 128 --micro 16 --out mem.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import print_table, random_micro_batches, shape_config, write_json  # noqa: E402
+from bench.engine_gpu import OPT  # noqa: E402
+from mt_ray.engine import EngineConfig, StreamingEngine  # noqa: E402
+from mt_ray.engine.sizing import device_bytes  # noqa: E402
+from mt_ray.models.discovery import discover  # noqa: E402
+
+
+def site(frames: list[dict]) -> str:
+    """The most telling frame of an allocation: the first in mt_ray, else the first in transformers."""
+    for marker in ("mt_ray/", "transformers/", "torch/"):
+        for f in frames:
+            if marker in f["filename"]:
+                return f"{f['filename'].split(marker)[-1]}:{f['line']} {f['name']}"
+    return "?"
+
+
+def live_at_peak(trace: list[dict]) -> tuple[int, Counter]:
+    """Replay alloc/free events; the peak allocated bytes and the live bytes by site at that moment."""
+    live: dict[int, dict] = {}
+    total = peak = peak_idx = 0
+    for i, ev in enumerate(trace):
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+            total += ev["size"]
+            if total > peak:
+                peak, peak_idx = total, i
+        elif ev["action"] == "free_completed" and ev["addr"] in live:
+            total -= live.pop(ev["addr"])["size"]
+    live.clear()
+    for ev in trace[: peak_idx + 1]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+        elif ev["action"] == "free_completed":
+            live.pop(ev["addr"], None)
+    by_site: Counter = Counter()
+    for ev in live.values():
+        by_site[site(ev.get("frames", []))] += ev["size"]
+    return peak, by_site
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen2.5-7b")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--micro", type=int, default=16)
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", default="bench/results/memory_profile.json")
+    args = p.parse_args()
+
+    cfg = shape_config(args.shape)
+    spec = discover(cfg)
+    ecfg = EngineConfig(device="cuda", compute_dtype="bf16", checkpoint_every=args.k, stream_master=True,
+                        grad_dtype="compute")
+    engine = StreamingEngine(spec, ecfg, OPT, total_steps=4)
+    try:
+        engine.load_random(seed=0)
+        mbs = random_micro_batches(cfg.vocab_size, args.batch, args.micro, args.seq)
+        engine.train_step(mbs)
+        engine.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+        engine.train_step(mbs)
+        engine.synchronize()
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        measured = torch.cuda.max_memory_allocated()
+    finally:
+        engine.close()
+    peak, by_site = live_at_peak(snap["device_traces"][0])
+    rows = [{"site": s, "gib": b / 2**30} for s, b in by_site.most_common(args.top)]
+    print(f"peak allocated {measured / 2**30:.2f} GiB (replayed {(base + peak) / 2**30:.2f}, "
+          f"{base / 2**30:.2f} held before the step)")
+    print_table(rows, ["site", "gib"])
+    predicted = device_bytes(spec, ecfg, args.micro, args.seq, args.batch)
+    write_json(args.out, {"args": vars(args), "measured_peak_gib": measured / 2**30, "held_before_gib": base / 2**30,
+                          "by_site": rows, "calc_gib": {k: v / 2**30 for k, v in predicted.items()}})
+
+
+if __name__ == "__main__":
+    main()
