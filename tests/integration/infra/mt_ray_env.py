@@ -1,0 +1,44 @@
+"""What mt-ray's own clients resolve to in a given environment: the proof that the variables a cluster
+definition sets are ones mt-ray (through boto3 and MLflow) actually reads.
+
+mt-ray has no variables of its own: with `checkpoint.endpoint_url`, `checkpoint.region` and
+`tracking.tracking_uri` unset it defers to boto3 (`AWS_ENDPOINT_URL_S3`, `AWS_REGION`, the
+credential chain) and MLflow (`MLFLOW_TRACKING_URI`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import pytest
+
+from mt_ray.tracking import CheckpointConfig, MlflowTracker, TrackingConfig
+from mt_ray.tracking.ckpt_s3 import build_s3_client
+
+
+@dataclass(frozen=True)
+class ResolvedClients:
+    s3_endpoint: str
+    s3_region: str | None
+    access_key: str | None
+    tracking_uri: str
+
+
+def resolve_clients(env: Mapping[str, str], monkeypatch: pytest.MonkeyPatch) -> ResolvedClients:
+    """Build the clients a default-configured run builds, with `env` as the only AWS/MLflow environment."""
+    import boto3
+
+    for key in [k for k in os.environ if k.startswith(("AWS_", "MLFLOW_"))]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")  # no profile on this machine leaks in
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    s3 = build_s3_client(CheckpointConfig(uri="s3://bucket/run"))
+    credentials = boto3.session.Session().get_credentials()
+    tracker = MlflowTracker(TrackingConfig())
+    return ResolvedClients(s3.meta.endpoint_url, s3.meta.region_name,
+                           credentials.access_key if credentials else None, tracker.client.tracking_uri)
