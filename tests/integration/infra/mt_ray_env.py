@@ -26,17 +26,30 @@ class ResolvedClients:
     tracking_uri: str
 
 
+# Nothing from this machine (a profile, an instance role) may stand in for what the environment lacks.
+NO_AMBIENT_AWS = {"AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+                  "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+def only_env(env: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment with its AWS/MLflow settings replaced by `env`."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MLFLOW_"))}
+    return {**base, **NO_AMBIENT_AWS, **env}
+
+
+def use_only_env(env: Mapping[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`only_env` applied to this process (undone by `monkeypatch`)."""
+    for key in [k for k in os.environ if k.startswith(("AWS_", "MLFLOW_"))]:
+        monkeypatch.delenv(key)
+    for key, value in {**NO_AMBIENT_AWS, **env}.items():
+        monkeypatch.setenv(key, value)
+
+
 def resolve_clients(env: Mapping[str, str], monkeypatch: pytest.MonkeyPatch) -> ResolvedClients:
     """Build the clients a default-configured run builds, with `env` as the only AWS/MLflow environment."""
     import boto3
 
-    for key in [k for k in os.environ if k.startswith(("AWS_", "MLFLOW_"))]:
-        monkeypatch.delenv(key)
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")  # no profile on this machine leaks in
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+    use_only_env(env, monkeypatch)
     s3 = build_s3_client(CheckpointConfig(uri="s3://bucket/run"))
     credentials = boto3.session.Session().get_credentials()
     tracker = MlflowTracker(TrackingConfig())
