@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import importlib.util
 import io
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from mt_ray.errors import ConfigError
 from tests.integration.infra.compose import ROOT
 
 TRAIN_MODULE = "jobs.train"
+_DOCUMENTED = re.compile(r"python -m jobs\.train\b[^\"`\n]*")
 
 
 @dataclass
@@ -73,3 +75,11 @@ def _in_repository(module: str) -> bool:
         return False
     spec = importlib.util.find_spec(module)
     return spec is not None and spec.origin is not None and Path(spec.origin).resolve().is_relative_to(ROOT)
+
+
+def documented_commands(text: str) -> list[str]:
+    """`python -m jobs.train ...` written in prose or comments (`#` stripped, `\\` continuations joined),
+    up to a closing quote or backtick; ones with a `...` placeholder are left out."""
+    lines = [re.sub(r"^\s*#\s?", "", line) for line in text.splitlines()]
+    joined = re.sub(r"\\\n\s*", " ", "\n".join(lines))
+    return [c for c in (m.group(0).strip() for m in _DOCUMENTED.finditer(joined)) if "..." not in c]
