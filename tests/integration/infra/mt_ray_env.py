@@ -21,6 +21,7 @@ from mt_ray.tracking.ckpt_s3 import build_s3_client
 @dataclass(frozen=True)
 class ResolvedClients:
     s3_endpoint: str
+    s3_object_url: str  # where a GET of s3://mt-ray/key goes: path-style, as MinIO without a domain needs
     s3_region: str | None
     access_key: str | None
     tracking_uri: str
@@ -53,5 +54,6 @@ def resolve_clients(env: Mapping[str, str], monkeypatch: pytest.MonkeyPatch) -> 
     s3 = build_s3_client(CheckpointConfig(uri="s3://bucket/run"))
     credentials = boto3.session.Session().get_credentials()
     tracker = MlflowTracker(TrackingConfig())
-    return ResolvedClients(s3.meta.endpoint_url, s3.meta.region_name,
+    url = s3.generate_presigned_url("get_object", Params={"Bucket": "mt-ray", "Key": "key"})
+    return ResolvedClients(s3.meta.endpoint_url, url.split("?")[0], s3.meta.region_name,
                            credentials.access_key if credentials else None, tracker.client.tracking_uri)

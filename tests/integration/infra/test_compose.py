@@ -77,6 +77,7 @@ def test_ray_nodes_env_is_what_mt_ray_reads(compose, monkeypatch):
     for node in stack.ray_nodes():
         resolved = resolve_clients(env_of(compose["services"][node]), monkeypatch)
         assert resolved.s3_endpoint == stack.minio_url() == "http://minio:9000"
+        assert resolved.s3_object_url == "http://minio:9000/mt-ray/key"
         assert resolved.s3_region == "us-east-1" and resolved.access_key == minio["MINIO_ROOT_USER"]
         assert resolved.tracking_uri == "http://mlflow:5000"
         monkeypatch.undo()
