@@ -87,8 +87,10 @@ def run_sweep(num_samples: int = 4, steps: int = 8, model: dict | str | None = N
     tuner = tune.Tuner(
         trainable,
         param_space=space or default_space(),
+        # reuse_actors: a trial starts in a process that has already imported torch and the engine
+        # (and, on a GPU, made its CUDA context): half the wall time of a short sweep.
         tune_config=tune.TuneConfig(metric="loss", mode="min", scheduler=scheduler, num_samples=num_samples,
-                                    search_alg=BasicVariantGenerator(random_state=seed)),
+                                    search_alg=BasicVariantGenerator(random_state=seed), reuse_actors=True),
         run_config=tune.RunConfig(name="mt-ray-sweep", storage_path=storage_path or tempfile.mkdtemp(prefix="mt-ray-tune-"),
                                   verbose=0),
     )

@@ -41,11 +41,16 @@ def run(cfg: RunConfig) -> dict:
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; the infra tests parse cluster entrypoints with it too."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--config", default=None, help="YAML run config; default: the embedded demo")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         run(load_run_config(args.config, args.overrides))
     except MtRayError as e:
