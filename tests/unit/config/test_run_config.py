@@ -39,6 +39,8 @@ def test_bad_value_is_named():
         load_run_config(None, ["engine.checkpoint_every=0"])
     with pytest.raises(ConfigError, match=r"optimizer\.schedule: "):
         load_run_config(None, ["optimizer.schedule=exponential"])
+    with pytest.raises(ConfigError, match=r"engine\.device: .*pattern"):
+        load_run_config(None, ["engine.device=tpu"])
 
 
 def test_malformed_override_and_yaml(tmp_path):
