@@ -126,12 +126,16 @@ class ObjectStoreGrads:
     def wait_updated(self, unit: str, version: int) -> None:
         self.weights.wait_updated(unit, version)
 
-    def flush(self) -> None:
-        """Return once the coordinator has received every gradient submitted so far."""
+    def flush(self) -> float | None:
+        """Return once the coordinator has received every gradient submitted so far.
+
+        Returns the step's global gradient norm if one of this worker's gradients completed the step.
+        """
         self._queue.join()
         self._raise_if_failed()
-        ray.get(self._sent)
+        norms = [n for n in ray.get(self._sent) if n is not None]
         self._sent.clear()
+        return norms[0] if norms else None
 
     def close(self) -> None:
         self._queue.put(None)
@@ -181,9 +185,8 @@ class EngineWorker:
             raise ClusterError(f"worker {self.rank} is at step {self.engine.step_idx}, asked for step {step}")
         self.grads.step = step
         result = self.engine.train_step(micro_batches, loss_normaliser=loss_normaliser)
-        self.grads.flush()  # every gradient of the step is with the coordinator before we answer
-        return {"loss": float(result.loss), "num_tokens": result.num_tokens,
-                "num_loss_tokens": result.num_loss_tokens}
+        grad_norm = self.grads.flush()  # every gradient of the step is with the coordinator before we answer
+        return {"loss": float(result.loss), "num_tokens": result.num_tokens, "grad_norm": grad_norm}
 
     def rejoin(self, generation: int, step: int) -> None:
         """Serve a new generation after another worker was lost: forget the old generation's weights."""
