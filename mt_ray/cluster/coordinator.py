@@ -1,7 +1,7 @@
 """The coordinator: fp32 master weights and Adam state of a data-parallel run, in host memory.
 
-Workers hand each finished unit gradient over through the object store. Once every worker's
-gradient of a unit is in, the coordinator sums them in fp32, in rank order (so the result does
+Workers hand each finished unit gradient over through the object store (on a run over several
+nodes, each node's reducer hands over its workers' sum instead). Once every gradient of a unit is in, the coordinator sums them in fp32, in rank order (so the result does
 not depend on arrival order), and passes the sum to the engine's own `OptimizerWorker`, which
 updates the unit while the workers' backward pass goes on. With clipping, the clip coefficient
 comes from the norm of the summed gradient. After each update a publisher thread puts the
@@ -42,18 +42,20 @@ class _Snapshot:
 class Coordinator:
     """Owns the training state of one run; a Ray actor with concurrent (threaded) calls."""
 
-    def __init__(self, model, engine_cfg: dict, opt_cfg: dict, total_steps: int, num_workers: int,
-                 snapshot_every: int):
+    def __init__(self, model, engine_cfg: dict, opt_cfg: dict, total_steps: int, num_senders: int,
+                 snapshot_every: int, node_sums: bool = False):
+        """`num_senders` gradients of each unit make a step: the workers' own, or with `node_sums`
+        the fp32 sums of the node reducers (mt_ray.cluster.reducer), one per node."""
         self.spec = discover(model)
         self.cfg = EngineConfig(**engine_cfg)
         self.opt_cfg = OptimizerConfig(**opt_cfg)
         self.total_steps = total_steps
-        self.num_workers = num_workers
+        self.num_senders = num_senders
         self.snapshot_every = snapshot_every
         self.unit_order = [u.name for u in self.spec.units]
         self.numels = {u.name: u.numel for u in self.spec.units}
         self.clips = self.opt_cfg.max_grad_norm > 0
-        self.wire_dtype = torch.float32 if self.cfg.grad_dtype == "fp32" else self.cfg.dtype
+        self.wire_dtype = torch.float32 if node_sums or self.cfg.grad_dtype == "fp32" else self.cfg.dtype
         copy_dtype = None if self.cfg.dtype == torch.float32 else self.cfg.dtype
         grad_bytes = 4 * (sum(self.numels.values()) if self.clips else 3 * max(self.numels.values()))
         self.store = HostStore(self.spec, copy_dtype, False, grad_bytes, self.cfg.host_memory_limit_gb)
@@ -142,13 +144,13 @@ class Coordinator:
                 return None  # a worker of an aborted generation: its step is being redone
             got = self._arrived.setdefault((step, unit), {})
             got[rank] = grad
-            if len(got) < self.num_workers:
+            if len(got) < self.num_senders:
                 return None
             del self._arrived[(step, unit)]
             buffers = self.grad_buffers
         summed = buffers.acquire(unit)  # may block until the optimizer frees a slab (no clipping)
         summed.copy_(from_numpy(got[0], self.wire_dtype))
-        for r in range(1, self.num_workers):
+        for r in range(1, self.num_senders):
             summed.add_(from_numpy(got[r], self.wire_dtype))
         del got  # the workers' objects can be freed now
         norm_sq = torch.linalg.vector_norm(summed).square()

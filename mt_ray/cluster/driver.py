@@ -6,6 +6,10 @@ gradient one engine would compute on the whole batch. A worker lost mid-step (it
 or the step timed out) ends that step on the coordinator (see `Coordinator.recover`); new
 workers are started and the steps since the resume point are replayed from the batches kept
 here, so no data and no update is lost or applied twice.
+
+With `cluster.num_nodes > 1` the workers sit in a placement group, the same number on each
+node, next to a reducer (mt_ray.cluster.reducer): only per-node gradient sums reach the
+coordinator. A lost worker is replaced on its node; a lost node (its reducer) ends the run.
 """
 
 from __future__ import annotations
@@ -21,10 +25,13 @@ from pathlib import Path
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mt_ray.cluster.config import ClusterConfig
 from mt_ray.cluster.coordinator import Coordinator
 from mt_ray.cluster.errors import ClusterError
+from mt_ray.cluster.reducer import NodeReducer
 from mt_ray.cluster.wire import from_numpy, to_numpy
 from mt_ray.cluster.worker import EngineWorker
 from mt_ray.engine.batch import IGNORE_INDEX
@@ -134,16 +141,52 @@ class DataParallelTrainer:
         self.events: list[FailureEvent] = []
         self.step_idx = 0
         self._kept: dict[int, Batch] = {}  # batches a recovery may have to replay
+        nodes = self.cluster.num_nodes
+        if num_workers % nodes:
+            raise ClusterError(f"{num_workers} workers cannot spread evenly over {nodes} nodes")
+        self.workers_per_node = num_workers // nodes
         self._started_ray = init_ray(self.cluster, plan_object_store_bytes(self.spec, engine_cfg, num_workers))
+        self.placement = self._build_placement()
         self.coordinator = self._build_coordinator(weights)
+        self.reducers = self._build_reducers()
         self.generation = ray.get(self.coordinator.start.remote(0))
         self.workers = list(self._build_workers(0).values())
 
+    def _gpus_per_worker(self) -> float:
+        gpus = self.cluster.gpus_per_worker
+        if gpus is None:
+            gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+        return gpus
+
+    def _build_placement(self) -> PlacementGroup | None:
+        """One bundle per node (STRICT_SPREAD) holding its workers; None on one node, where Ray places freely."""
+        nodes = self.cluster.num_nodes
+        if nodes == 1:
+            return None
+        per = self.workers_per_node
+        bundle = {k: v * per for k, v in (("CPU", self.cluster.cpus_per_worker), ("GPU", self._gpus_per_worker())) if v}
+        if not bundle:
+            raise ClusterError("workers spread over nodes must reserve something there: set cluster.cpus_per_worker > 0")
+        pg = placement_group([bundle] * nodes, strategy="STRICT_SPREAD", name="mt-ray-nodes")
+        ready, _ = ray.wait([pg.ready()], timeout=self.cluster.placement_timeout_s)
+        if not ready:
+            remove_placement_group(pg)
+            raise ClusterError(f"the cluster did not offer {nodes} separate nodes with {bundle} each within "
+                               f"{self.cluster.placement_timeout_s:.0f} s; add nodes or lower cluster.num_nodes")
+        return pg
+
+    def _on_node(self, node: int) -> dict:
+        """Actor options that pin an actor to `node`'s bundle (nothing on a single-node run)."""
+        if self.placement is None:
+            return {}
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=node)}
+
     def _build_coordinator(self, weights: int | str | dict):
+        node_sums = self.placement is not None
         actor = ray.remote(Coordinator).options(
             num_cpus=self.cluster.coordinator_cpus, max_concurrency=8 + 4 * self.num_workers,
         ).remote(self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps,
-                 self.num_workers, self.cluster.snapshot_every)
+                 self.cluster.num_nodes if node_sums else self.num_workers, self.cluster.snapshot_every, node_sums)
         if isinstance(weights, int):
             ray.get(actor.load_random.remote(weights))
         elif isinstance(weights, (str, Path)):
@@ -152,14 +195,27 @@ class DataParallelTrainer:
             ray.get(actor.load_state_dict.remote(weights))
         return actor
 
+    def _build_reducers(self) -> list:
+        """A reducer on each node of a multi-node run (none on one node: workers send to the coordinator)."""
+        if self.placement is None:
+            return []
+        cls = ray.remote(NodeReducer)
+        return [cls.options(num_cpus=0, max_concurrency=4 + 4 * self.workers_per_node, max_restarts=0,
+                            **self._on_node(n)).remote(self.coordinator, n, self.workers_per_node,
+                                                       self.engine_cfg.model_dump())
+                for n in range(self.cluster.num_nodes)]
+
     def _build_workers(self, start_step: int, ranks: list[int] | None = None) -> dict[int, object]:
-        gpus = self.cluster.gpus_per_worker
-        if gpus is None:
-            gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-        cls = ray.remote(EngineWorker).options(num_gpus=gpus, num_cpus=self.cluster.cpus_per_worker, max_restarts=0)
+        cls = ray.remote(EngineWorker)
         ranks = range(self.num_workers) if ranks is None else ranks
-        return {r: cls.remote(r, self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(),
-                              self.total_steps, self.coordinator, self.generation, start_step) for r in ranks}
+        workers = {}
+        for r in ranks:
+            node = r // self.workers_per_node
+            workers[r] = cls.options(num_gpus=self._gpus_per_worker(), num_cpus=self.cluster.cpus_per_worker,
+                                     max_restarts=0, **self._on_node(node)).remote(
+                r, self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps,
+                self.coordinator, self.generation, start_step, self.reducers[node] if self.reducers else None)
+        return workers
 
     def train(self, batches: Iterable[Batch]) -> DataParallelResult:
         """Run until `total_steps` or the batches end; returns losses, norms and failure events."""
@@ -226,6 +282,10 @@ class DataParallelTrainer:
         for rank, w in enumerate(self.workers):
             if rank not in healthy:
                 ray.kill(w, no_restart=True)
+        try:
+            ray.get([r.node_id.remote() for r in self.reducers])
+        except RayActorError as e:
+            raise ClusterError("a node's reducer was lost (did the node fail?); restart from a checkpoint") from e
         try:
             resume, self.generation, action = ray.get(self.coordinator.recover.remote(step))
         except RayActorError as e:
@@ -301,9 +361,10 @@ class DataParallelTrainer:
         return {"host_bytes_per_param": ray.get(self.coordinator.rss_bytes_per_param.remote())}
 
     def close(self) -> None:
-        for w in self.workers:
-            ray.kill(w, no_restart=True)
-        ray.kill(self.coordinator, no_restart=True)
+        for actor in [*self.workers, *self.reducers, self.coordinator]:
+            ray.kill(actor, no_restart=True)
+        if self.placement is not None:
+            remove_placement_group(self.placement)
         if self._started_ray:
             ray.shutdown()
 

@@ -91,15 +91,17 @@ class ObjectStoreWeights:
 
 
 class ObjectStoreGrads:
-    """GradSink: each finished gradient goes into the object store and on to the coordinator.
+    """GradSink: each finished gradient goes into the object store and on to its receiver.
+
+    The receiver is the coordinator, or on a multi-node run this node's reducer (same `put_grad`).
 
     A thread does the shipping so the engine's thread never waits for a device->host copy:
     it waits for the copy's event, copies the host buffer into shared memory once, returns the
-    buffer to the engine's pool and tells the coordinator where the object is.
+    buffer to the engine's pool and tells the receiver where the object is.
     """
 
-    def __init__(self, coordinator, rank: int, generation: int, weights: ObjectStoreWeights, unit_order: list[str]):
-        self.coordinator = coordinator
+    def __init__(self, receiver, rank: int, generation: int, weights: ObjectStoreWeights, unit_order: list[str]):
+        self.receiver = receiver
         self.rank = rank
         self.generation = generation
         self.weights = weights
@@ -153,7 +155,7 @@ class ObjectStoreGrads:
                     landed.synchronize()  # the device->host copy of this gradient has finished
                 ref = ray.put(to_numpy(grad))  # the one host copy: into shared memory
                 self.buffers.release(unit)
-                self._sent.append(self.coordinator.put_grad.remote(self.generation, step, self.rank, unit, ref))
+                self._sent.append(self.receiver.put_grad.remote(self.generation, step, self.rank, unit, ref))
             except BaseException as e:  # surfaced to the engine thread by submit/flush
                 self._error = e
             finally:
@@ -165,7 +167,8 @@ class EngineWorker:
     """A Ray actor running the engine's forward/backward on its shard of each global batch."""
 
     def __init__(self, rank: int, model, engine_cfg: dict, opt_cfg: dict, total_steps: int, coordinator,
-                 generation: int, start_step: int):
+                 generation: int, start_step: int, reducer=None):
+        """Weights come from `coordinator`; gradients go to this node's `reducer` if any, else to it too."""
         spec = discover(model)
         cfg = EngineConfig(**engine_cfg)
         # The coordinator clips the summed gradient; this engine never clips, so its gradients
@@ -174,7 +177,8 @@ class EngineWorker:
         self.rank = rank
         self.pins = HostPins(cfg.resolve_device().type == "cuda")
         self.weights = ObjectStoreWeights(coordinator, generation, cfg.dtype, self.pins)
-        self.grads = ObjectStoreGrads(coordinator, rank, generation, self.weights, [u.name for u in spec.units])
+        self.grads = ObjectStoreGrads(reducer or coordinator, rank, generation, self.weights,
+                                      [u.name for u in spec.units])
         self.engine = StreamingEngine(spec, cfg, opt, total_steps, grad_sink=self.grads, weight_source=self.weights)
         self.grads.bind(self.engine.grad_buffers)
         self.engine.step_idx = start_step  # weight versions and the LR schedule follow the coordinator
@@ -197,6 +201,9 @@ class EngineWorker:
 
     def device(self) -> str:
         return str(self.engine.device)
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
     def close(self) -> None:
         self.engine.close()

@@ -68,6 +68,12 @@ class ClusterRunConfig(ClusterConfig):
         "process, no Ray. Above 1: Ray workers and a coordinator holding the fp32 state (mt_ray.cluster)."
     )
 
+    @model_validator(mode="after")
+    def _whole_nodes(self) -> ClusterRunConfig:
+        if self.num_workers % self.num_nodes:
+            raise ValueError(f"num_workers ({self.num_workers}) must be a multiple of num_nodes ({self.num_nodes})")
+        return self
+
 
 class RunConfig(_Section):
     """Everything one training run needs; every key has a default (the embedded demo)."""

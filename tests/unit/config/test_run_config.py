@@ -74,6 +74,8 @@ def test_cluster_workers_must_be_able_to_share_the_batch():
         load_run_config(None, ["cluster.num_workers=8", "training.micro_batch_size=4", "training.grad_accum_steps=2"])
     with pytest.raises(ConfigError, match=r"cluster\.num_workers: "):
         load_run_config(None, ["cluster.num_workers=0"])
+    with pytest.raises(ConfigError, match=r"cluster: num_workers \(3\) must be a multiple of num_nodes \(2\)"):
+        load_run_config(None, ["cluster.num_workers=3", "cluster.num_nodes=2"])
 
 
 def test_the_cluster_config_does_not_import_ray():
