@@ -55,3 +55,8 @@ def test_two_workers_match_one_engine_and_resume_exactly(local_ray, tmp_path):
     _, resumed_history, resumed_weights, _ = train(tmp_path, "resumed", 2, f"training.resume={step2.uri}")
     assert [h["loss"] for h in resumed_history] == [h["loss"] for h in dp_history]
     assert_close_weights(resumed_weights, dp_weights, atol=0)
+
+    # The checkpoint has the single engine's format: one engine carries the 2-worker run on.
+    _, single_history, single_weights, _ = train(tmp_path, "single", 1, f"training.resume={step2.uri}")
+    assert [h["loss"] for h in single_history] == pytest.approx([h["loss"] for h in dp_history], abs=1e-5)
+    assert_close_weights(single_weights, dp_weights, atol=1e-5)
