@@ -90,9 +90,6 @@ def run_sweep(num_samples: int = 4, steps: int = 8, model: dict | str | None = N
              "engine": engine or {"device": "auto", "compute_dtype": "fp32"}}
     space = space or default_space()
     parent = MlflowTracker(tracking or TrackingConfig(enabled=False))
-    parent.start({"sweep": {"num_samples": num_samples, "steps": steps, "seed": seed,
-                            "space": {k: str(v) for k, v in space.items()}},
-                  "model": fixed["model"], "engine": fixed["engine"]})
     trial_runs = TrialRunsCallback(parent)
     # with_parameters: the shared values travel once through the object store, not in each config.
     trainable = tune.with_resources(tune.with_parameters(train_trial, fixed=fixed), {"cpu": cpus_per_trial, "gpu": gpus_per_trial})
@@ -106,6 +103,9 @@ def run_sweep(num_samples: int = 4, steps: int = 8, model: dict | str | None = N
         run_config=tune.RunConfig(name="mt-ray-sweep", storage_path=storage_path or tempfile.mkdtemp(prefix="mt-ray-tune-"),
                                   verbose=0, callbacks=[trial_runs]),
     )
+    parent.start({"sweep": {"num_samples": num_samples, "steps": steps, "seed": seed,
+                            "space": {k: str(v) for k, v in space.items()}},
+                  "model": fixed["model"], "engine": fixed["engine"]})
     try:
         results = tuner.fit()
         best = results.get_best_result(metric="loss", mode="min", scope="last")

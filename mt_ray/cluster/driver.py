@@ -323,13 +323,17 @@ class DataParallelTrainer:
         ray.get(self.coordinator.wait_updated.remote(self.step_idx))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights by Hugging Face name (read-only views of the fetched object)."""
-        self.synchronize()
-        return {k: from_numpy(a, torch.float32) for k, a in ray.get(self.coordinator.state_dict.remote()).items()}
+        """fp32 master weights by Hugging Face name (copies: they outlive the trainer and its Ray)."""
+        return {k: v.clone() for k, v in self._fetch_state().items()}
 
     def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32) -> Path:
         """Write a Hugging Face folder here, on the driver's node (where checkpoints and MLflow are)."""
-        return export_hf(self.spec, self.state_dict(), out_dir, tokenizer, dtype)
+        return export_hf(self.spec, self._fetch_state(), out_dir, tokenizer, dtype)
+
+    def _fetch_state(self) -> dict[str, torch.Tensor]:
+        """Master weights as read-only views of the object fetched from the coordinator."""
+        self.synchronize()
+        return {k: from_numpy(a, torch.float32) for k, a in ray.get(self.coordinator.state_dict.remote()).items()}
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """The engine's checkpoint tensors and meta (same layout, so either kind of run resumes from it).
