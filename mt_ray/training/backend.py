@@ -18,6 +18,8 @@ from mt_ray.models.discovery import ModelSpec
 
 
 class TrainingBackend(Protocol):
+    """The training surface `StreamingEngine` and `DataParallelTrainer` share."""
+
     step_idx: int
     """Optimizer steps taken (the next step's index)."""
 
