@@ -1,6 +1,8 @@
 """Ray job / CLI entry point: `python -m jobs.train --config jobs/configs/demo.yaml [key=value ...]`.
 
 With no arguments it trains the built-in tiny model on the demo data (CPU when no GPU).
+`cluster.num_workers=N` (N > 1) runs the same loop on N Ray engine workers around a coordinator:
+it joins `cluster.address` or RAY_ADDRESS (as under `ray job submit`), else starts Ray in-process.
 """
 
 from __future__ import annotations
