@@ -3,7 +3,6 @@ ask for GPUs, the job targets the cluster and its entrypoint resolves in the ima
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 
@@ -11,6 +10,7 @@ import jsonschema
 import pytest
 import yaml
 
+from tests.integration.infra.breaks import assert_rejects
 from tests.integration.infra.clis import ray_start_params
 from tests.integration.infra.compose import ROOT
 from tests.integration.infra.docker_context import Dockerfile, DockerIgnore
@@ -128,7 +128,4 @@ BREAKS = {
 @pytest.mark.parametrize("name", BREAKS)
 def test_checks_reject_a_broken_copy(docs, name):
     mutate, expected = BREAKS[name]
-    broken = copy.deepcopy(docs)
-    mutate(broken)
-    problems = kuberay_problems(broken)
-    assert any(expected in p for p in problems), problems
+    assert_rejects(docs, mutate, expected, kuberay_problems)
