@@ -146,6 +146,11 @@ class DataParallelTrainer:
             raise ClusterError(f"{num_workers} workers cannot spread evenly over {nodes} nodes")
         self.workers_per_node = num_workers // nodes
         self._started_ray = init_ray(self.cluster, plan_object_store_bytes(self.spec, engine_cfg, num_workers))
+        if engine_cfg.compute_dtype == "auto":
+            # Decided once, from where the workers run: a coordinator on a CPU-only node would
+            # otherwise pick fp32 while GPU workers send bf16 gradients.
+            dtype = "bf16" if self._gpus_per_worker() > 0 else "fp32"
+            self.engine_cfg = engine_cfg = engine_cfg.model_copy(update={"compute_dtype": dtype})
         self.placement = self._build_placement()
         self.coordinator = self._build_coordinator(weights)
         self.reducers = self._build_reducers()

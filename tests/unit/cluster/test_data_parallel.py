@@ -39,9 +39,12 @@ def single_engine(opt=OPT, steps=STEPS):
 
 
 def data_parallel(opt=OPT, steps=STEPS, cluster=None, after_launch=None):
-    trainer = DataParallelTrainer(tiny_config("llama"), ENGINE, opt, num_workers=2, total_steps=steps,
+    # "auto" is pinned once for coordinator and workers alike: fp32 here, where workers have no GPU.
+    engine = ENGINE.model_copy(update={"compute_dtype": "auto"})
+    trainer = DataParallelTrainer(tiny_config("llama"), engine, opt, num_workers=2, total_steps=steps,
                                   cluster=cluster, weights=0, after_launch=after_launch)
     try:
+        assert trainer.engine_cfg.compute_dtype == "fp32"
         result = trainer.train(global_batches(steps))
         return result, trainer.state_dict()
     finally:
