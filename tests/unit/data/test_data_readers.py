@@ -27,20 +27,17 @@ def write_parquet(path: Path) -> Path:
     return path
 
 
-def write_arrow_file(path: Path) -> Path:
+def write_arrow(path: Path, new_writer=pa.ipc.new_file) -> Path:
+    """Arrow IPC in record batches of 2 rows: the file format, or the stream format with `pa.ipc.new_stream`."""
     table = pa.Table.from_pylist(ROWS)
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+    with pa.OSFile(str(path), "wb") as sink, new_writer(sink, table.schema) as writer:
         for batch in table.to_batches(max_chunksize=2):
             writer.write_batch(batch)
     return path
 
 
 def write_arrow_stream(path: Path) -> Path:
-    table = pa.Table.from_pylist(ROWS)
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
-        for batch in table.to_batches(max_chunksize=2):
-            writer.write_batch(batch)
-    return path
+    return write_arrow(path, pa.ipc.new_stream)
 
 
 WRITERS = {
@@ -48,7 +45,7 @@ WRITERS = {
     "data.jsonl": lambda p: write_jsonl(p, ROWS),
     "lines.json": lambda p: write_jsonl(p, ROWS),
     "data.parquet": write_parquet,
-    "file.arrow": write_arrow_file,
+    "file.arrow": write_arrow,
     "stream.arrow": write_arrow_stream,
 }
 
