@@ -55,7 +55,7 @@ class Coordinator:
         self.unit_order = [u.name for u in self.spec.units]
         self.numels = {u.name: u.numel for u in self.spec.units}
         self.clips = self.opt_cfg.max_grad_norm > 0
-        self.wire_dtype = torch.float32 if node_sums or self.cfg.grad_dtype == "fp32" else self.cfg.dtype
+        self.wire_dtype = torch.float32 if node_sums else self.cfg.grad_torch_dtype
         copy_dtype = None if self.cfg.dtype == torch.float32 else self.cfg.dtype
         grad_bytes = 4 * (sum(self.numels.values()) if self.clips else 3 * max(self.numels.values()))
         self.store = HostStore(self.spec, copy_dtype, False, grad_bytes, self.cfg.host_memory_limit_gb)

@@ -101,8 +101,7 @@ def shard_batch(batch: Batch, num_workers: int) -> list[Batch]:
 
 def plan_object_store_bytes(spec: ModelSpec, cfg: EngineConfig, num_workers: int) -> int:
     """Two versions of the compute-dtype weights, plus one wire-dtype gradient of the model per worker."""
-    weight = torch.empty((), dtype=cfg.dtype).element_size()
-    grad = 4 if cfg.grad_dtype == "fp32" else weight
+    weight, grad = cfg.dtype.itemsize, cfg.grad_torch_dtype.itemsize
     return int(spec.num_params * (2 * weight + num_workers * grad) * 1.1) + (256 << 20)
 
 
@@ -146,10 +145,11 @@ class DataParallelTrainer:
             raise ClusterError(f"{num_workers} workers cannot spread evenly over {nodes} nodes")
         self.workers_per_node = num_workers // nodes
         self._started_ray = init_ray(self.cluster, plan_object_store_bytes(self.spec, engine_cfg, num_workers))
+        self.gpus_per_worker = self._resolve_gpus_per_worker()
         if engine_cfg.compute_dtype == "auto":
             # Decided once, from where the workers run: a coordinator on a CPU-only node would
             # otherwise pick fp32 while GPU workers send bf16 gradients.
-            dtype = "bf16" if self._gpus_per_worker() > 0 else "fp32"
+            dtype = "bf16" if self.gpus_per_worker > 0 else "fp32"
             self.engine_cfg = engine_cfg = engine_cfg.model_copy(update={"compute_dtype": dtype})
         self.placement = self._build_placement()
         self.coordinator = self._build_coordinator(weights)
@@ -157,7 +157,8 @@ class DataParallelTrainer:
         self.generation = ray.get(self.coordinator.start.remote(0))
         self.workers = list(self._build_workers(0).values())
 
-    def _gpus_per_worker(self) -> float:
+    def _resolve_gpus_per_worker(self) -> float:
+        """The configured GPUs per worker, else one when the cluster has GPUs (decided once per run)."""
         gpus = self.cluster.gpus_per_worker
         if gpus is None:
             gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
@@ -169,7 +170,7 @@ class DataParallelTrainer:
         if nodes == 1:
             return None
         per = self.workers_per_node
-        bundle = {k: v * per for k, v in (("CPU", self.cluster.cpus_per_worker), ("GPU", self._gpus_per_worker())) if v}
+        bundle = {k: v * per for k, v in (("CPU", self.cluster.cpus_per_worker), ("GPU", self.gpus_per_worker)) if v}
         if not bundle:
             raise ClusterError("workers spread over nodes must reserve something there: set cluster.cpus_per_worker > 0")
         pg = placement_group([bundle] * nodes, strategy="STRICT_SPREAD", name="mt-ray-nodes")
@@ -216,7 +217,7 @@ class DataParallelTrainer:
         workers = {}
         for r in ranks:
             node = r // self.workers_per_node
-            workers[r] = cls.options(num_gpus=self._gpus_per_worker(), num_cpus=self.cluster.cpus_per_worker,
+            workers[r] = cls.options(num_gpus=self.gpus_per_worker, num_cpus=self.cluster.cpus_per_worker,
                                      max_restarts=0, **self._on_node(node)).remote(
                 r, self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps,
                 self.coordinator, self.generation, start_step, self.reducers[node] if self.reducers else None)

@@ -27,7 +27,7 @@ class NodeReducer:
         self.coordinator = coordinator
         self.node = node
         self.num_local = num_local
-        self.wire_dtype = torch.float32 if cfg.grad_dtype == "fp32" else cfg.dtype
+        self.wire_dtype = cfg.grad_torch_dtype
         self.generation = 0
         self._lock = threading.Lock()
         self._arrived: dict[tuple[int, str], dict[int, np.ndarray]] = {}

@@ -53,6 +53,11 @@ class EngineConfig(_Strict):
             return torch.bfloat16 if self.resolve_device().type == "cuda" else torch.float32
         return _DTYPES[self.compute_dtype]
 
+    @property
+    def grad_torch_dtype(self) -> torch.dtype:
+        """dtype gradients leave the device in (and travel between Ray actors in)."""
+        return torch.float32 if self.grad_dtype == "fp32" else self.dtype
+
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")

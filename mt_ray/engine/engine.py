@@ -71,7 +71,7 @@ class StreamingEngine:
         spec.config._attn_implementation = cfg.attn_implementation
         pin = self.device.type == "cuda"
         copy_dtype = None if cfg.stream_master or self.dtype == torch.float32 else self.dtype
-        self.grad_dtype = grad_dtype = torch.float32 if cfg.grad_dtype == "fp32" else self.dtype
+        self.grad_dtype = grad_dtype = cfg.grad_torch_dtype
         numels = {u.name: u.numel for u in spec.units}
         clips = opt_cfg.max_grad_norm > 0
         grad_bytes = grad_buffer_bytes(numels, grad_dtype, clips, cfg.grad_slabs)

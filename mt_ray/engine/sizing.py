@@ -40,9 +40,8 @@ def host_bytes(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig) -> int:
     """Exactly what the engine allocates in host memory for state and gradient buffers."""
     dtype = cfg.dtype
     copy = None if cfg.stream_master or dtype == torch.float32 else dtype
-    grad_dtype = torch.float32 if cfg.grad_dtype == "fp32" else dtype
     numels = {u.name: u.numel for u in spec.units}
-    return plan_layout(spec, copy).nbytes + grad_buffer_bytes(numels, grad_dtype, opt.max_grad_norm > 0, cfg.grad_slabs)
+    return plan_layout(spec, copy).nbytes + grad_buffer_bytes(numels, cfg.grad_torch_dtype, opt.max_grad_norm > 0, cfg.grad_slabs)
 
 
 def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2) -> int:
