@@ -34,28 +34,37 @@ def site(frames: list[dict]) -> str:
     return "?"
 
 
-def live_at_peak(trace: list[dict]) -> tuple[int, Counter]:
-    """Replay alloc/free events; the peak allocated bytes and the live bytes by site at that moment."""
+def replay(trace: list[dict], start: int) -> tuple[Counter, int, Counter]:
+    """Replay alloc/free events: live bytes by site at event `start`, then the peak after it and
+    the live bytes by site at that peak."""
     live: dict[int, dict] = {}
-    total = peak = peak_idx = 0
+    held = peak = peak_idx = total = 0
     for i, ev in enumerate(trace):
+        if i == start:
+            held = total
+            held_by_site = _by_site(live.values())
         if ev["action"] == "alloc":
             live[ev["addr"]] = ev
             total += ev["size"]
-            if total > peak:
+            if i >= start and total > peak:
                 peak, peak_idx = total, i
         elif ev["action"] == "free_completed" and ev["addr"] in live:
             total -= live.pop(ev["addr"])["size"]
-    live.clear()
+    live = {}
     for ev in trace[: peak_idx + 1]:
         if ev["action"] == "alloc":
             live[ev["addr"]] = ev
         elif ev["action"] == "free_completed":
             live.pop(ev["addr"], None)
-    by_site: Counter = Counter()
-    for ev in live.values():
-        by_site[site(ev.get("frames", []))] += ev["size"]
-    return peak, by_site
+    assert held >= 0
+    return held_by_site, peak, _by_site(live.values())
+
+
+def _by_site(events) -> Counter:
+    out: Counter = Counter()
+    for ev in events:
+        out[site(ev.get("frames", []))] += ev["size"]
+    return out
 
 
 def main() -> None:
@@ -77,11 +86,12 @@ def main() -> None:
     try:
         engine.load_random(seed=0)
         mbs = random_micro_batches(cfg.vocab_size, args.batch, args.micro, args.seq)
+        # Recording starts before the first step, so what stays allocated between steps is seen too.
+        torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
         engine.train_step(mbs)
         engine.synchronize()
+        between = len(torch.cuda.memory._snapshot()["device_traces"][0])
         torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
         engine.train_step(mbs)
         engine.synchronize()
         snap = torch.cuda.memory._snapshot()
@@ -89,14 +99,16 @@ def main() -> None:
         measured = torch.cuda.max_memory_allocated()
     finally:
         engine.close()
-    peak, by_site = live_at_peak(snap["device_traces"][0])
-    rows = [{"site": s, "gib": b / 2**30} for s, b in by_site.most_common(args.top)]
-    print(f"peak allocated {measured / 2**30:.2f} GiB (replayed {(base + peak) / 2**30:.2f}, "
-          f"{base / 2**30:.2f} held before the step)")
-    print_table(rows, ["site", "gib"])
+    held, peak, at_peak = replay(snap["device_traces"][0], between)
+    tables = {name: [{"site": s, "gib": b / 2**30} for s, b in c.most_common(args.top)]
+              for name, c in (("between_steps", held), ("at_peak", at_peak))}
+    print(f"peak allocated {measured / 2**30:.2f} GiB (replayed {peak / 2**30:.2f})")
+    for name, rows in tables.items():
+        print(name)
+        print_table(rows, ["site", "gib"])
     predicted = device_bytes(spec, ecfg, args.micro, args.seq, args.batch)
-    write_json(args.out, {"args": vars(args), "measured_peak_gib": measured / 2**30, "held_before_gib": base / 2**30,
-                          "by_site": rows, "calc_gib": {k: v / 2**30 for k, v in predicted.items()}})
+    write_json(args.out, {"args": vars(args), "measured_peak_gib": measured / 2**30, **tables,
+                          "calc_gib": {k: v / 2**30 for k, v in predicted.items()}})
 
 
 if __name__ == "__main__":

@@ -160,9 +160,13 @@ def deepspeed_step(cfg, mbs: list[dict], opt: OptimizerConfig, chunk_tokens: int
 
     _single_process_group()
     deepspeed.init_distributed(dist_backend="nccl")
+    from transformers.integrations import HfDeepSpeedConfig
+
     ds_cfg = deepspeed_config(opt, mbs[0]["input_ids"].shape[0], len(mbs), super_offload)
-    with deepspeed.zero.Init(config_dict_or_path=ds_cfg, remote_device="cpu", pin_memory=True):
-        model = build_lm(cfg, chunk_tokens)
+    # While this object lives, transformers builds the model partitioned (zero.Init) and runs its
+    # own weight init on gathered parameters, so DeepSpeed trains the same model as the others.
+    hf_ds = HfDeepSpeedConfig(ds_cfg)
+    model = build_lm(cfg, chunk_tokens)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, opt), config=ds_cfg)
     mbs = [mb["input_ids"].cuda() for mb in mbs]
     micro_items = mbs[0][:, 1:].numel()  # DeepSpeed divides each micro-batch loss by the accumulation steps
@@ -176,6 +180,7 @@ def deepspeed_step(cfg, mbs: list[dict], opt: OptimizerConfig, chunk_tokens: int
             total += loss.detach() / len(mbs)
         return total
 
+    step.keep_alive = hf_ds
     return step
 
 
