@@ -1,7 +1,10 @@
 PY ?= python3
 PIP = $(PY) -m pip
+IMAGE ?= mt-ray:0.1.0
+# GPU=1 gives the compose stack's Ray worker the machine's GPUs (NVIDIA Container Toolkit needed).
+COMPOSE = docker compose -p mt-ray -f infra/compose.yaml $(if $(GPU),-f infra/compose.gpu.yaml)
 
-.PHONY: install demo test lint bench
+.PHONY: install demo test lint bench image cluster-up cluster-down notebooks
 
 # torch first, pinned to the CPU build already on disk on CPU machines (no CUDA wheels);
 # a machine that has torch installed (e.g. a CUDA build) keeps it.
@@ -16,7 +19,22 @@ test:
 	$(PY) -m pytest -q tests
 
 lint:
-	$(PY) -m ruff check mt_ray tests jobs bench
+	$(PY) -m ruff check mt_ray tests jobs bench notebooks
 
 bench:
 	$(PY) bench/engine_gpu.py
+
+# The mt-ray image (CUDA + the package), as used by infra/compose.yaml, infra/ray and infra/k8s.
+image:
+	docker build -f infra/Dockerfile -t $(IMAGE) .
+
+# Ray head + worker, MLflow (Postgres, MinIO artifacts) and MinIO on this machine; see infra/compose.yaml.
+cluster-up:
+	$(COMPOSE) up -d --build
+
+cluster-down:
+	$(COMPOSE) down
+
+# Runs every notebook top to bottom in a scratch directory; executed copies go to outputs/notebooks/.
+notebooks:
+	$(PY) notebooks/execute.py --out outputs/notebooks

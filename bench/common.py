@@ -10,13 +10,31 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from mt_ray.engine import OptimizerConfig
 from mt_ray.models.presets import preset_config
+
+# Every benchmark's optimizer: AdamW as in fine-tuning, global-norm clipping on.
+OPT = OptimizerConfig(lr=1e-5, weight_decay=0.01, max_grad_norm=1.0, schedule="constant")
 
 
 def shape_config(name: str, attn: str = "sdpa") -> PretrainedConfig:
     cfg = preset_config(name)
     cfg._attn_implementation = attn
     return cfg
+
+
+def cuda_engine(shape: str, k: int, total_steps: int):
+    """A randomly initialised engine on the GPU in the benchmarks' memory-lean setting
+    (stream the fp32 master, bf16 gradients); returns (config, spec, engine)."""
+    from mt_ray.engine import EngineConfig, StreamingEngine
+    from mt_ray.models.discovery import discover
+
+    cfg = shape_config(shape)
+    spec = discover(cfg)
+    ecfg = EngineConfig(device="cuda", compute_dtype="bf16", checkpoint_every=k, stream_master=True, grad_dtype="compute")
+    engine = StreamingEngine(spec, ecfg, OPT, total_steps=total_steps)
+    engine.load_random(seed=0)
+    return cfg, spec, engine
 
 
 def count_params(cfg: PretrainedConfig) -> int:

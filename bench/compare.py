@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (  # noqa: E402
+    OPT,
     HostMemorySampler,
     Timer,
     count_params,
@@ -35,7 +36,7 @@ from bench.common import (  # noqa: E402
     shape_config,
     write_json,
 )
-from bench.engine_gpu import OPT, add_run_args, run_engine  # noqa: E402
+from bench.engine_gpu import add_run_args, run_engine  # noqa: E402
 from bench.peers import PEERS, deepspeed_host_bytes  # noqa: E402
 from mt_ray.engine.host_store import available_host_bytes  # noqa: E402
 

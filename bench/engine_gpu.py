@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (  # noqa: E402
+    OPT,
     Timer,
     metrics,
     peak_rss_bytes,
@@ -30,11 +31,9 @@ from bench.common import (  # noqa: E402
     shape_config,
     write_json,
 )
-from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine  # noqa: E402
+from mt_ray.engine import EngineConfig, StreamingEngine  # noqa: E402
 from mt_ray.engine.sizing import device_bytes, predicted_step_seconds  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
-
-OPT = OptimizerConfig(lr=1e-5, weight_decay=0.01, max_grad_norm=1.0, schedule="constant")
 
 
 def run_engine(args, cfg) -> dict:

@@ -17,10 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Timer, metrics, print_table, random_micro_batches, shape_config, write_json  # noqa: E402
-from bench.engine_gpu import OPT  # noqa: E402
-from mt_ray.engine import EngineConfig, StreamingEngine  # noqa: E402
-from mt_ray.models.discovery import discover  # noqa: E402
+from bench.common import Timer, cuda_engine, metrics, print_table, random_micro_batches, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -33,12 +30,7 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/long_context.json")
     args = p.parse_args()
 
-    cfg = shape_config(args.shape)
-    spec = discover(cfg)
-    ecfg = EngineConfig(device="cuda", compute_dtype="bf16", checkpoint_every=args.k, stream_master=True,
-                        grad_dtype="compute")
-    engine = StreamingEngine(spec, ecfg, OPT, total_steps=64)
-    engine.load_random(seed=0)
+    cfg, spec, engine = cuda_engine(args.shape, args.k, total_steps=64)
     rows = []
     try:
         for seq in map(int, args.seqs.split(",")):

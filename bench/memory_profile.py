@@ -18,11 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, random_micro_batches, shape_config, write_json  # noqa: E402
-from bench.engine_gpu import OPT  # noqa: E402
-from mt_ray.engine import EngineConfig, StreamingEngine  # noqa: E402
+from bench.common import cuda_engine, print_table, random_micro_batches, write_json  # noqa: E402
 from mt_ray.engine.sizing import device_bytes  # noqa: E402
-from mt_ray.models.discovery import discover  # noqa: E402
 
 
 def site(frames: list[dict]) -> str:
@@ -78,13 +75,8 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/memory_profile.json")
     args = p.parse_args()
 
-    cfg = shape_config(args.shape)
-    spec = discover(cfg)
-    ecfg = EngineConfig(device="cuda", compute_dtype="bf16", checkpoint_every=args.k, stream_master=True,
-                        grad_dtype="compute")
-    engine = StreamingEngine(spec, ecfg, OPT, total_steps=4)
+    cfg, spec, engine = cuda_engine(args.shape, args.k, total_steps=4)
     try:
-        engine.load_random(seed=0)
         mbs = random_micro_batches(cfg.vocab_size, args.batch, args.micro, args.seq)
         # Recording starts before the first step, so what stays allocated between steps is seen too.
         torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
@@ -106,7 +98,7 @@ def main() -> None:
     for name, rows in tables.items():
         print(name)
         print_table(rows, ["site", "gib"])
-    predicted = device_bytes(spec, ecfg, args.micro, args.seq, args.batch)
+    predicted = device_bytes(spec, engine.cfg, args.micro, args.seq, args.batch)
     write_json(args.out, {"args": vars(args), "measured_peak_gib": measured / 2**30, **tables,
                           "calc_gib": {k: v / 2**30 for k, v in predicted.items()}})
 

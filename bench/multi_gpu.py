@@ -28,13 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, random_micro_batches, shape_config, write_json  # noqa: E402
+from bench.common import OPT, print_table, random_micro_batches, shape_config, write_json  # noqa: E402
 from mt_ray.cluster import ClusterConfig, DataParallelTrainer  # noqa: E402
 from mt_ray.cluster.driver import plan_object_store_bytes  # noqa: E402
-from mt_ray.engine import EngineConfig, OptimizerConfig  # noqa: E402
+from mt_ray.engine import EngineConfig  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
-
-OPT = OptimizerConfig(lr=1e-5, weight_decay=0.01, max_grad_norm=1.0, schedule="constant")
 
 
 def engine_config(args) -> EngineConfig:

@@ -70,14 +70,24 @@ def param_groups(model: torch.nn.Module, opt: OptimizerConfig) -> list[dict]:
 def plain_step(cfg, mbs: list[dict], opt: OptimizerConfig, chunk_tokens: int) -> Step:
     model = build_lm(cfg, chunk_tokens).cuda()
     optim = torch.optim.AdamW(param_groups(model, opt), lr=opt.lr, betas=opt.betas, eps=opt.eps, fused=True)
+
+    def forward(i: int, ids: torch.Tensor, n_items: int) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return model(ids, n_items)
+
+    return accumulating_step(model, optim, mbs, opt, forward)
+
+
+def accumulating_step(model: torch.nn.Module, optim: torch.optim.Optimizer, mbs: list[dict], opt: OptimizerConfig,
+                      forward: Callable[[int, torch.Tensor, int], torch.Tensor]) -> Step:
+    """A step of plain PyTorch shape: backward per micro-batch, clip, optimizer step."""
     mbs = [mb["input_ids"].cuda() for mb in mbs]
     n_items = sum(ids[:, 1:].numel() for ids in mbs)
 
     def step() -> torch.Tensor:
         total = torch.zeros((), device="cuda")
-        for ids in mbs:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(ids, n_items)
+        for i, ids in enumerate(mbs):
+            loss = forward(i, ids, n_items)
             loss.backward()
             total += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), opt.max_grad_norm)
@@ -109,22 +119,12 @@ def fsdp2_step(cfg, mbs: list[dict], opt: OptimizerConfig, chunk_tokens: int) ->
         fully_shard(layer, **policy)
     fully_shard(model, **policy)
     optim = torch.optim.AdamW(param_groups(model, opt), lr=opt.lr, betas=opt.betas, eps=opt.eps)
-    mbs = [mb["input_ids"].cuda() for mb in mbs]
-    n_items = sum(ids[:, 1:].numel() for ids in mbs)
 
-    def step() -> torch.Tensor:
-        total = torch.zeros((), device="cuda")
-        for i, ids in enumerate(mbs):
-            model.set_requires_gradient_sync(i == len(mbs) - 1)
-            loss = model(ids, n_items)
-            loss.backward()
-            total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), opt.max_grad_norm)
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        return total
+    def forward(i: int, ids: torch.Tensor, n_items: int) -> torch.Tensor:
+        model.set_requires_gradient_sync(i == len(mbs) - 1)  # reduce (and offload) once per step
+        return model(ids, n_items)
 
-    return step
+    return accumulating_step(model, optim, mbs, opt, forward)
 
 
 def deepspeed_config(opt: OptimizerConfig, micro: int, n_micro: int, super_offload: bool = False) -> dict:

@@ -1,6 +1,8 @@
 """Ray job / CLI entry point: `python -m jobs.train --config jobs/configs/demo.yaml [key=value ...]`.
 
 With no arguments it trains the built-in tiny model on the demo data (CPU when no GPU).
+`cluster.num_workers=N` (N > 1) runs the same loop on N Ray engine workers around a coordinator:
+it joins `cluster.address` or RAY_ADDRESS (as under `ray job submit`), else starts Ray in-process.
 """
 
 from __future__ import annotations
@@ -41,11 +43,16 @@ def run(cfg: RunConfig) -> dict:
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; the infra tests parse cluster entrypoints with it too."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--config", default=None, help="YAML run config; default: the embedded demo")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         run(load_run_config(args.config, args.overrides))
     except MtRayError as e:

@@ -1,29 +1,60 @@
 """Fixtures shared across test folders."""
 
+import contextlib
 import os
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# Prestarted Ray workers import the engine in the background while a test does its own work.
+PRELOAD = {"preload_python_modules": ["mt_ray.cluster.worker"]}
+
+
+@contextlib.contextmanager
+def repo_on_worker_path():
+    """Ray workers started meanwhile import this checkout's mt_ray (PYTHONPATH), whatever copy is installed.
+
+    Through the environment rather than a runtime_env, so Ray's prestarted workers qualify.
+    """
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), old) if p)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """A small in-process Ray (2 CPUs, 200 MB object store), started once per test module.
+    """A small in-process Ray (2 CPUs, 200 MB object store), started once per test module."""
+    ray = pytest.importorskip("ray")
+    with repo_on_worker_path():
+        ray.init(address="local", num_cpus=2, object_store_memory=200 << 20, include_dashboard=False,
+                 log_to_driver=False, _system_config=PRELOAD)
+        yield ray
+        ray.shutdown()
 
-    Its workers import this checkout's mt_ray (PYTHONPATH), whatever copy is installed.
+
+@pytest.fixture(scope="module")
+def two_node_ray():
+    """Two Ray nodes on this machine (2 CPUs and a 100 MB object store each), joined by this process.
+
+    Both raylets share the test machine's cores, so a busy machine can delay a heartbeat for long;
+    the health check tolerates a few minutes of silence instead of declaring the node dead.
     """
     ray = pytest.importorskip("ray")
-    # Through the environment rather than a runtime_env, so Ray's prestarted workers qualify and
-    # import the engine in the background (preload) while a test does its own work.
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), old) if p)
-    ray.init(address="local", num_cpus=2, object_store_memory=200 << 20, include_dashboard=False,
-             log_to_driver=False, _system_config={"preload_python_modules": ["mt_ray.cluster.worker"]})
-    yield ray
-    ray.shutdown()
-    if old is None:
-        os.environ.pop("PYTHONPATH")
-    else:
-        os.environ["PYTHONPATH"] = old
+    from ray.cluster_utils import Cluster
+
+    patient = {**PRELOAD, "health_check_failure_threshold": 60, "health_check_timeout_ms": 30_000}
+    with repo_on_worker_path():
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 2, "object_store_memory": 100 << 20, "include_dashboard": False, "_system_config": patient})
+        cluster.add_node(num_cpus=2, object_store_memory=100 << 20)
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield ray
+        ray.shutdown()
+        cluster.shutdown()

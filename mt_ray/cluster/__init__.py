@@ -2,20 +2,28 @@
 
 Public surface: `run_data_parallel` (one call), `DataParallelTrainer` (the controller, for
 callers that want the loop), `ClusterConfig`, `DataParallelResult`, `FailureEvent`, `ClusterError`.
+The names that need Ray are imported on first use, so the run config can hold a `ClusterConfig`
+without importing Ray (an optional dependency) when no cluster is used.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 from mt_ray.cluster.config import ClusterConfig
-from mt_ray.cluster.driver import (
-    DataParallelResult,
-    DataParallelTrainer,
-    FailureEvent,
-    count_loss_tokens,
-    run_data_parallel,
-    shard_batch,
-)
 from mt_ray.cluster.errors import ClusterError
 
-__all__ = [
-    "ClusterConfig", "ClusterError", "DataParallelResult", "DataParallelTrainer", "FailureEvent",
-    "count_loss_tokens", "run_data_parallel", "shard_batch",
-]
+_DRIVER_NAMES = {
+    "DataParallelResult", "DataParallelTrainer", "FailureEvent", "count_loss_tokens", "run_data_parallel",
+    "shard_batch",
+}
+
+__all__ = ["ClusterConfig", "ClusterError", *sorted(_DRIVER_NAMES)]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DRIVER_NAMES:
+        from mt_ray.cluster import driver
+
+        return getattr(driver, name)
+    raise AttributeError(f"module 'mt_ray.cluster' has no attribute {name!r}")

@@ -16,6 +16,14 @@ class ClusterConfig(BaseModel):
     gpus_per_worker: float | None = Field(
         None, ge=0, description="GPUs each worker actor reserves; None: 1 when the cluster has GPUs, else 0 (CPU)."
     )
+    num_nodes: int = Field(
+        1, ge=1, description="Nodes the workers spread over, the same number on each (a STRICT_SPREAD placement "
+        "group); a reducer per node sums its workers' gradients, so one sum per node travels to the coordinator. "
+        "1: Ray places workers freely and each sends its gradients to the coordinator."
+    )
+    placement_timeout_s: float = Field(
+        300.0, gt=0, description="How long to wait for the cluster to offer num_nodes nodes with room for their workers."
+    )
     cpus_per_worker: float = Field(1.0, ge=0, description="CPUs each worker actor reserves.")
     coordinator_cpus: float = Field(
         0.0, ge=0, description="CPUs the coordinator reserves (its optimizer threads are set by engine.optimizer_threads)."

@@ -1,21 +1,20 @@
 """The coordinator: fp32 master weights and Adam state of a data-parallel run, in host memory.
 
-Workers hand each finished unit gradient over through the object store. Once every worker's
-gradient of a unit is in, the coordinator sums them in fp32, in rank order (so the result does
+Workers hand each finished unit gradient over through the object store (on a run over several
+nodes, each node's reducer hands over its workers' sum instead). Once every gradient of a unit is in, the coordinator sums them in fp32, in rank order (so the result does
 not depend on arrival order), and passes the sum to the engine's own `OptimizerWorker`, which
 updates the unit while the workers' backward pass goes on. With clipping, the clip coefficient
 comes from the norm of the summed gradient. After each update a publisher thread puts the
 unit's compute-dtype weights in the object store, where workers read them zero-copy.
 
-A failed step is ended by `recover`: a new generation of workers starts, and anything an old
-worker still sends is dropped.
+A failed step is ended by `recover`, and a checkpoint is restored by `load_checkpoint_state`:
+either way a new generation of workers starts, and anything an old worker still sends is dropped.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import ray
@@ -29,7 +28,7 @@ from mt_ray.engine.optimizer import UnitOptimizer, lr_at
 from mt_ray.engine.optimizer_worker import OptimizerWorker
 from mt_ray.engine.transfer import GradBuffers
 from mt_ray.models.discovery import discover
-from mt_ray.models.weights import export_hf, init_random, load_safetensors
+from mt_ray.models.weights import init_random, load_safetensors
 
 _WAKE_ALL = 1 << 62  # a version no unit reaches: wakes threads blocked on a retired optimizer worker
 
@@ -37,37 +36,35 @@ _WAKE_ALL = 1 << 62  # a version no unit reaches: wakes threads blocked on a ret
 @dataclass
 class _Snapshot:
     step: int
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    tensors: dict[str, torch.Tensor]  # copies of the store's flat_state()
 
 
 class Coordinator:
     """Owns the training state of one run; a Ray actor with concurrent (threaded) calls."""
 
-    def __init__(self, model, engine_cfg: dict, opt_cfg: dict, total_steps: int, num_workers: int,
-                 snapshot_every: int):
+    def __init__(self, model, engine_cfg: dict, opt_cfg: dict, total_steps: int, num_senders: int,
+                 snapshot_every: int, node_sums: bool = False):
+        """`num_senders` gradients of each unit make a step: the workers' own, or with `node_sums`
+        the fp32 sums of the node reducers (mt_ray.cluster.reducer), one per node."""
         self.spec = discover(model)
         self.cfg = EngineConfig(**engine_cfg)
         self.opt_cfg = OptimizerConfig(**opt_cfg)
         self.total_steps = total_steps
-        self.num_workers = num_workers
+        self.num_senders = num_senders
         self.snapshot_every = snapshot_every
         self.unit_order = [u.name for u in self.spec.units]
         self.numels = {u.name: u.numel for u in self.spec.units}
         self.clips = self.opt_cfg.max_grad_norm > 0
-        self.wire_dtype = torch.float32 if self.cfg.grad_dtype == "fp32" else self.cfg.dtype
+        self.wire_dtype = torch.float32 if node_sums or self.cfg.grad_dtype == "fp32" else self.cfg.dtype
         copy_dtype = None if self.cfg.dtype == torch.float32 else self.cfg.dtype
         grad_bytes = 4 * (sum(self.numels.values()) if self.clips else 3 * max(self.numels.values()))
         self.store = HostStore(self.spec, copy_dtype, False, grad_bytes, self.cfg.host_memory_limit_gb)
         self.optimizers = {u.name: UnitOptimizer(self.store, u, self.opt_cfg) for u in self.spec.units}
         self.generation = 0
-        self.step = 0  # the step whose weights are published (versions count optimizer steps)
         self._cond = threading.Condition()
         self._published: dict[str, tuple[int, ray.ObjectRef]] = {}
         self._snapshot: _Snapshot | None = None
         self._error: BaseException | None = None
-        self.grad_norms: dict[int, float] = {}
         self.opt_worker: OptimizerWorker | None = None
 
     # ------------------------------------------------------------------ weights in and out
@@ -82,16 +79,32 @@ class Coordinator:
         for unit in self.spec.units:
             self.store.load_named(unit, state)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights by Hugging Face name, after every queued update (copies)."""
-        self.wait_updated(self.step)
-        return {k: v.clone() for k, v in self.store.state_dict().items()}
+    # The readers below run between steps, once `wait_updated` has returned: nothing is updating.
+    # Arrays, not tensors: a numpy view pickles only its own bytes and is mapped zero-copy on arrival.
 
-    def export(self, out_dir: str, dtype: str = "fp32") -> str:
-        """Write the master weights as a Hugging Face folder on the coordinator's node."""
-        self.wait_updated(self.step)
-        torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-        return str(export_hf(self.spec, self.store.state_dict(), Path(out_dir), None, torch_dtype))
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """fp32 master weights by Hugging Face name."""
+        return {k: to_numpy(v) for k, v in self.store.state_dict().items()}
+
+    def checkpoint_state(self) -> dict[str, np.ndarray]:
+        """The flat fp32 master and moment buffers (the engine's checkpoint tensors, same layout)."""
+        return {k: to_numpy(v) for k, v in self.store.flat_state().items()}
+
+    def load_checkpoint_state(self, tensors: dict[str, np.ndarray], meta: dict) -> int:
+        """Restore a checkpoint (a data-parallel run's or a single engine's) and publish its weights.
+
+        Returns the new generation, which the workers rejoin at `meta["step"]`.
+        """
+        self.store.layout.check_matches(meta["layout"])
+        self._end_generation()
+        self._snapshot = None  # a snapshot from before the restore must never be restored after it
+        self._set_state({k: from_numpy(a, torch.float32) for k, a in tensors.items()}, meta["step"])
+        with self._cond:
+            self._start_generation(meta["step"])
+            return self.generation
+
+    def rss_bytes_per_param(self) -> float:
+        return self.store.rss_bytes_per_param()
 
     def start(self, step: int = 0) -> int:
         """Publish the weights of `step` and accept gradients; returns the generation workers use."""
@@ -103,11 +116,6 @@ class Coordinator:
         """Block until every unit has had `version` optimizer steps."""
         for unit in self.unit_order:
             self.opt_worker.wait_updated(unit, version)
-
-    def finish(self, steps: int) -> dict[int, float]:
-        """Wait for the updates of `steps` steps; returns the global gradient norm of each step."""
-        self.wait_updated(steps)
-        return dict(self.grad_norms)
 
     # ------------------------------------------------------------------ called by workers
 
@@ -125,35 +133,38 @@ class Coordinator:
             raise ClusterError(f"worker asked for {unit} after {version} steps, coordinator holds {v}")
         return [ref]
 
-    def put_grad(self, generation: int, step: int, rank: int, unit: str, grad: np.ndarray) -> None:
-        """One worker's gradient of `unit` for `step` (a read-only view of the object store)."""
+    def put_grad(self, generation: int, step: int, rank: int, unit: str, grad: np.ndarray) -> float | None:
+        """One worker's gradient of `unit` for `step` (a read-only view of the object store).
+
+        Returns the step's global gradient norm from the one call whose gradient completed the
+        step (so the driver learns it with the workers' answers, at no extra round trip), else None.
+        """
         with self._cond:
             if generation != self.generation:
-                return  # a worker of an aborted generation: its step is being redone
+                return None  # a worker of an aborted generation: its step is being redone
             got = self._arrived.setdefault((step, unit), {})
             got[rank] = grad
-            if len(got) < self.num_workers:
-                return
+            if len(got) < self.num_senders:
+                return None
             del self._arrived[(step, unit)]
             buffers = self.grad_buffers
         summed = buffers.acquire(unit)  # may block until the optimizer frees a slab (no clipping)
         summed.copy_(from_numpy(got[0], self.wire_dtype))
-        for r in range(1, self.num_workers):
+        for r in range(1, self.num_senders):
             summed.add_(from_numpy(got[r], self.wire_dtype))
         del got  # the workers' objects can be freed now
         norm_sq = torch.linalg.vector_norm(summed).square()
         with self._cond:
             if generation != self.generation:
-                return
+                return None
             lr = lr_at(step, self.opt_cfg, self.total_steps)
             self.opt_worker.submit(unit, summed, None, lr)
             self._touched.add(step)
             norms = self._norm_sq.setdefault(step, {})
             norms[unit] = norm_sq
-            if len(norms) == len(self.unit_order):
-                self._end_step(step, norms, lr)
+            return self._end_step(step, norms, lr) if len(norms) == len(self.unit_order) else None
 
-    def _end_step(self, step: int, norms: dict[str, torch.Tensor], lr: float) -> None:
+    def _end_step(self, step: int, norms: dict[str, torch.Tensor], lr: float) -> float:
         # Summed in unit order, not arrival order, so a rerun clips with the same coefficient.
         total = torch.zeros((), dtype=torch.float32)
         for unit in self.unit_order:
@@ -161,7 +172,7 @@ class Coordinator:
         del self._norm_sq[step]
         self.opt_worker.end_step(total, None, lr)
         self._ended.add(step)
-        self.grad_norms[step] = float(total.sqrt())
+        return float(total.sqrt())
 
     # ------------------------------------------------------------------ failure
 
@@ -172,12 +183,7 @@ class Coordinator:
         is simply redone; a step whose gradients were all in completes; otherwise (no clipping,
         some units already updated) the last snapshot is restored and the steps since it replayed.
         """
-        with self._cond:
-            self.generation += 1  # stale workers' calls are refused from here on
-            self._cond.notify_all()
-        old = self.opt_worker
-        old.close()  # drains queued updates: a step whose gradients were all in completes
-        old.reset_versions(_WAKE_ALL)  # the old publisher wakes, sees its generation is over, exits
+        self._end_generation()  # a step whose gradients were all in completes
         if failed_step in self._ended:
             resume, how = failed_step + 1, "step had every gradient; completed"
         elif self.clips or failed_step not in self._touched:
@@ -195,13 +201,14 @@ class Coordinator:
                 f"step {failed_step} was partly applied when a worker was lost and there is no snapshot; "
                 "set cluster.snapshot_every > 0 (or enable clipping, whose steps are all-or-nothing)"
             )
-        self.store.master.copy_(snap.master)
-        self.store.exp_avg.copy_(snap.exp_avg)
-        self.store.exp_avg_sq.copy_(snap.exp_avg_sq)
-        for unit in self.unit_order:
-            self.store.refresh_copy(unit)
-            self.optimizers[unit].set_step(snap.step)
+        self._set_state(snap.tensors, snap.step)
         return snap.step
+
+    def _set_state(self, tensors: dict[str, torch.Tensor], step: int) -> None:
+        """Master, moments and optimizer step counts as they were after `step` steps."""
+        self.store.load_flat_state(tensors)
+        for opt in self.optimizers.values():
+            opt.set_step(step)
 
     def units_summed(self, step: int) -> int:
         """How many units of `step` have every worker's gradient in (for monitoring and tests)."""
@@ -219,9 +226,17 @@ class Coordinator:
 
     # ------------------------------------------------------------------ generations and publishing
 
+    def _end_generation(self) -> None:
+        """Refuse the current workers' calls from now on and drain the optimizer's queued updates."""
+        with self._cond:
+            self.generation += 1
+            self._cond.notify_all()
+        old = self.opt_worker
+        old.close()
+        old.reset_versions(_WAKE_ALL)  # the old publisher wakes, sees its generation is over, exits
+
     def _start_generation(self, step: int) -> None:
         """Fresh optimizer worker and step bookkeeping at `step`; publishes the weights of `step`."""
-        self.step = step
         self.grad_buffers = GradBuffers(self.numels, torch.float32, False, per_unit=self.clips, slabs=3)
         self.opt_worker = OptimizerWorker(self.store, self.optimizers, self.grad_buffers, self.unit_order,
                                           self.opt_cfg.max_grad_norm, self.cfg.optimizer_threads)
@@ -266,13 +281,12 @@ class Coordinator:
                     self._cond.notify_all()
 
     def _take_snapshot(self, step: int) -> None:
-        snap = self._snapshot
-        if snap is None:
-            self._snapshot = snap = _Snapshot(step, *(torch.empty_like(self.store.master) for _ in range(3)))
-        snap.master.copy_(self.store.master)
-        snap.exp_avg.copy_(self.store.exp_avg)
-        snap.exp_avg_sq.copy_(self.store.exp_avg_sq)
-        snap.step = step
+        live = self.store.flat_state()
+        if self._snapshot is None:
+            self._snapshot = _Snapshot(step, {k: torch.empty_like(v) for k, v in live.items()})
+        for name, buf in live.items():
+            self._snapshot.tensors[name].copy_(buf)
+        self._snapshot.step = step
 
     def _raise_if_stale(self, generation: int) -> None:
         if generation != self.generation:

@@ -6,10 +6,15 @@ gradient one engine would compute on the whole batch. A worker lost mid-step (it
 or the step timed out) ends that step on the coordinator (see `Coordinator.recover`); new
 workers are started and the steps since the resume point are replayed from the batches kept
 here, so no data and no update is lost or applied twice.
+
+With `cluster.num_nodes > 1` the workers sit in a placement group, the same number on each
+node, next to a reducer (mt_ray.cluster.reducer): only per-node gradient sums reach the
+coordinator. A lost worker is replaced on its node; a lost node (its reducer) ends the run.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -20,14 +25,22 @@ from pathlib import Path
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mt_ray.cluster.config import ClusterConfig
 from mt_ray.cluster.coordinator import Coordinator
 from mt_ray.cluster.errors import ClusterError
+from mt_ray.cluster.reducer import NodeReducer
+from mt_ray.cluster.wire import from_numpy, to_numpy
 from mt_ray.cluster.worker import EngineWorker
 from mt_ray.engine.batch import IGNORE_INDEX
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
+from mt_ray.engine.engine import StepResult
+from mt_ray.engine.host_store import plan_layout
+from mt_ray.engine.optimizer import lr_at
 from mt_ray.models.discovery import ModelSpec, discover
+from mt_ray.models.weights import export_hf
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +68,7 @@ class DataParallelResult:
     events: list[FailureEvent] = field(default_factory=list)
     state_dict: dict[str, torch.Tensor] | None = None
     seconds: float = 0.0
-    step_seconds: list[float] = field(default_factory=list)  # driver wall time of each kept step
+    step_seconds: list[float] = field(default_factory=list)  # driver wall time of each step, recoveries included
 
 
 def count_loss_tokens(batch: Batch) -> int:
@@ -64,16 +77,20 @@ def count_loss_tokens(batch: Batch) -> int:
 
 
 def shard_batch(batch: Batch, num_workers: int) -> list[Batch]:
-    """Split a global batch: whole micro-batches when they divide evenly, else rows of each."""
+    """Split a global batch: whole micro-batches when they divide evenly, else rows of each.
+
+    Every piece is a copy: a view (of the loader's step batch, say) would ship its whole storage.
+    """
     m = len(batch)
     if m % num_workers == 0:
         per = m // num_workers
-        return [batch[r * per : (r + 1) * per] for r in range(num_workers)]
+        return [[{k: v.clone() for k, v in mb.items()} for mb in batch[r * per : (r + 1) * per]]
+                for r in range(num_workers)]
     shards: list[Batch] = [[] for _ in range(num_workers)]
     for mb in batch:
         pieces = {k: torch.tensor_split(v, num_workers) for k, v in mb.items()}
         for r in range(num_workers):
-            piece = {k: p[r].clone() for k, p in pieces.items()}  # clone: a view would ship the whole tensor
+            piece = {k: p[r].clone() for k, p in pieces.items()}
             if piece["input_ids"].shape[0]:
                 shards[r].append(piece)
     if any(not s for s in shards):
@@ -105,14 +122,16 @@ def init_ray(cfg: ClusterConfig, object_store_bytes: int) -> bool:
 class DataParallelTrainer:
     """Controller of one run: a coordinator, `num_workers` engine workers, and the step loop.
 
-    `after_launch(step, trainer)` runs right after a step's work is handed to the workers (a
-    seam for tests and fault injection).
+    It trains like a `StreamingEngine` (`train_step`, `checkpoint_state`, `export`, ...), so the
+    `Trainer` drives either. `after_launch(step, trainer)` runs right after a step's work is
+    handed to the workers (a seam for tests and fault injection).
     """
 
     def __init__(self, model, engine_cfg: EngineConfig, opt_cfg: OptimizerConfig, num_workers: int,
                  total_steps: int, cluster: ClusterConfig | None = None, weights: int | str | dict = 0,
                  after_launch: Callable[[int, DataParallelTrainer], None] | None = None):
-        self.model = model.config if isinstance(model, ModelSpec) else model
+        self.spec = model if isinstance(model, ModelSpec) else discover(model)
+        self.model = self.spec.config  # what the actors rediscover the spec from
         self.engine_cfg = engine_cfg
         self.opt_cfg = opt_cfg
         self.num_workers = num_workers
@@ -120,16 +139,54 @@ class DataParallelTrainer:
         self.cluster = cluster or ClusterConfig()
         self.after_launch = after_launch
         self.events: list[FailureEvent] = []
-        self._started_ray = init_ray(self.cluster, plan_object_store_bytes(discover(self.model), engine_cfg, num_workers))
+        self.step_idx = 0
+        self._kept: dict[int, Batch] = {}  # batches a recovery may have to replay
+        nodes = self.cluster.num_nodes
+        if num_workers % nodes:
+            raise ClusterError(f"{num_workers} workers cannot spread evenly over {nodes} nodes")
+        self.workers_per_node = num_workers // nodes
+        self._started_ray = init_ray(self.cluster, plan_object_store_bytes(self.spec, engine_cfg, num_workers))
+        self.placement = self._build_placement()
         self.coordinator = self._build_coordinator(weights)
+        self.reducers = self._build_reducers()
         self.generation = ray.get(self.coordinator.start.remote(0))
         self.workers = list(self._build_workers(0).values())
 
+    def _gpus_per_worker(self) -> float:
+        gpus = self.cluster.gpus_per_worker
+        if gpus is None:
+            gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+        return gpus
+
+    def _build_placement(self) -> PlacementGroup | None:
+        """One bundle per node (STRICT_SPREAD) holding its workers; None on one node, where Ray places freely."""
+        nodes = self.cluster.num_nodes
+        if nodes == 1:
+            return None
+        per = self.workers_per_node
+        bundle = {k: v * per for k, v in (("CPU", self.cluster.cpus_per_worker), ("GPU", self._gpus_per_worker())) if v}
+        if not bundle:
+            raise ClusterError("workers spread over nodes must reserve something there: set cluster.cpus_per_worker > 0")
+        pg = placement_group([bundle] * nodes, strategy="STRICT_SPREAD", name="mt-ray-nodes")
+        ready, _ = ray.wait([pg.ready()], timeout=self.cluster.placement_timeout_s)
+        if not ready:
+            remove_placement_group(pg)
+            raise ClusterError(f"the cluster did not offer {nodes} separate nodes with {bundle} each within "
+                               f"{self.cluster.placement_timeout_s:.0f} s; add nodes or lower cluster.num_nodes")
+        return pg
+
+    def _on_node(self, node: int) -> dict:
+        """Actor options that pin an actor to `node`'s bundle (nothing on a single-node run)."""
+        if self.placement is None:
+            return {}
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=node)}
+
     def _build_coordinator(self, weights: int | str | dict):
+        node_sums = self.placement is not None
         actor = ray.remote(Coordinator).options(
             num_cpus=self.cluster.coordinator_cpus, max_concurrency=8 + 4 * self.num_workers,
         ).remote(self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps,
-                 self.num_workers, self.cluster.snapshot_every)
+                 self.cluster.num_nodes if node_sums else self.num_workers, self.cluster.snapshot_every, node_sums)
         if isinstance(weights, int):
             ray.get(actor.load_random.remote(weights))
         elif isinstance(weights, (str, Path)):
@@ -138,45 +195,67 @@ class DataParallelTrainer:
             ray.get(actor.load_state_dict.remote(weights))
         return actor
 
+    def _build_reducers(self) -> list:
+        """A reducer on each node of a multi-node run (none on one node: workers send to the coordinator)."""
+        if self.placement is None:
+            return []
+        cls = ray.remote(NodeReducer)
+        return [cls.options(num_cpus=0, max_concurrency=4 + 4 * self.workers_per_node, max_restarts=0,
+                            **self._on_node(n)).remote(self.coordinator, n, self.workers_per_node,
+                                                       self.engine_cfg.model_dump())
+                for n in range(self.cluster.num_nodes)]
+
     def _build_workers(self, start_step: int, ranks: list[int] | None = None) -> dict[int, object]:
-        gpus = self.cluster.gpus_per_worker
-        if gpus is None:
-            gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-        cls = ray.remote(EngineWorker).options(num_gpus=gpus, num_cpus=self.cluster.cpus_per_worker, max_restarts=0)
+        cls = ray.remote(EngineWorker)
         ranks = range(self.num_workers) if ranks is None else ranks
-        return {r: cls.remote(r, self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(),
-                              self.total_steps, self.coordinator, self.generation, start_step) for r in ranks}
+        workers = {}
+        for r in ranks:
+            node = r // self.workers_per_node
+            workers[r] = cls.options(num_gpus=self._gpus_per_worker(), num_cpus=self.cluster.cpus_per_worker,
+                                     max_restarts=0, **self._on_node(node)).remote(
+                r, self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps,
+                self.coordinator, self.generation, start_step, self.reducers[node] if self.reducers else None)
+        return workers
 
     def train(self, batches: Iterable[Batch]) -> DataParallelResult:
         """Run until `total_steps` or the batches end; returns losses, norms and failure events."""
         t0 = time.perf_counter()
-        source = iter(batches)
-        kept: dict[int, Batch] = {}  # batches a recovery may have to replay
-        losses: dict[int, float] = {}
-        times: dict[int, float] = {}
-        step = 0
-        while step < self.total_steps:
-            if step not in kept:
-                batch = next(source, None)
-                if batch is None:
-                    break
-                kept[step] = batch
+        results, times = [], []
+        for batch in itertools.islice(batches, self.total_steps - self.step_idx):
             t_step = time.perf_counter()
-            try:
-                losses[step] = self._run_step(step, kept[step])
-            except _LOST_WORKER as e:
-                step = self._recover(step, e, kept)
-                losses = {s: v for s, v in losses.items() if s < step}
-                continue
-            times[step] = time.perf_counter() - t_step
-            step += 1
-            self._forget(kept, step)
-        norms = ray.get(self.coordinator.finish.remote(step))
-        return DataParallelResult([losses[s] for s in range(step)], [norms[s] for s in range(step)],
-                                  list(self.events), seconds=time.perf_counter() - t0,
-                                  step_seconds=[times[s] for s in range(step)])
+            results.append(self.train_step(batch))
+            times.append(time.perf_counter() - t_step)
+        self.synchronize()
+        return DataParallelResult([r.loss.item() for r in results], [r.grad_norm.item() for r in results],
+                                  list(self.events), seconds=time.perf_counter() - t0, step_seconds=times)
 
-    def _run_step(self, step: int, batch: Batch) -> float:
+    def train_step(self, micro_batches: Batch) -> StepResult:
+        """One global step over `micro_batches` (split across the workers); returns when all are done.
+
+        If a worker is lost, the step ends on the coordinator, new workers start, and the steps
+        since the coordinator's resume point are replayed from the batches kept here, so no data
+        and no update is lost or applied twice. Should the coordinator complete this very step
+        from the gradients already in, its loss is unknown (the lost worker held a share): NaN.
+        """
+        target = self.step_idx
+        self._kept[target] = micro_batches
+        result = None
+        while self.step_idx <= target:
+            try:
+                outcome = self._run_step(self.step_idx, self._kept[self.step_idx])
+            except _LOST_WORKER as e:
+                self.step_idx = self._recover(self.step_idx, e)
+                continue
+            if self.step_idx == target:
+                result = outcome
+            self.step_idx += 1
+        self._forget()
+        if result is None:
+            nan = torch.tensor(float("nan"))
+            return StepResult(nan, nan, lr_at(target, self.opt_cfg, self.total_steps), 0, count_loss_tokens(micro_batches))
+        return result
+
+    def _run_step(self, step: int, batch: Batch) -> StepResult:
         shards = shard_batch(batch, self.num_workers)
         n_global = count_loss_tokens(batch)
         self._inflight = [w.train_step.remote(step, s, n_global) for w, s in zip(self.workers, shards, strict=True)]
@@ -184,16 +263,19 @@ class DataParallelTrainer:
             self.after_launch(step, self)
         # The only place the driver waits: for every worker to finish its share of the step.
         outs = ray.get(self._inflight, timeout=self.cluster.step_timeout_s)
-        return sum(o["loss"] for o in outs)
+        [grad_norm] = [o["grad_norm"] for o in outs if o["grad_norm"] is not None]  # one call ended the step
+        loss = sum(o["loss"] for o in outs)  # each worker's loss is its share of the global mean
+        return StepResult(torch.tensor(loss, dtype=torch.float64), torch.tensor(grad_norm, dtype=torch.float64),
+                          lr_at(step, self.opt_cfg, self.total_steps), sum(o["num_tokens"] for o in outs), n_global)
 
-    def _forget(self, kept: dict[int, Batch], step: int) -> None:
+    def _forget(self) -> None:
         """Drop batches no recovery can need: those before the snapshot before last."""
-        every = self.cluster.snapshot_every
+        every, step = self.cluster.snapshot_every, self.step_idx
         oldest = step if every == 0 else max(0, (step // every - 1) * every)
-        for s in [s for s in kept if s < oldest]:
-            del kept[s]
+        for s in [s for s in self._kept if s < oldest]:
+            del self._kept[s]
 
-    def _recover(self, step: int, error: BaseException, kept: dict[int, Batch]) -> int:
+    def _recover(self, step: int, error: BaseException) -> int:
         healthy, lost = self._sort_workers()
         if len(self.events) >= self.cluster.max_restarts:
             raise ClusterError(f"step {step} failed ({error}) after {len(self.events)} restarts; giving up") from error
@@ -201,10 +283,14 @@ class DataParallelTrainer:
             if rank not in healthy:
                 ray.kill(w, no_restart=True)
         try:
+            ray.get([r.node_id.remote() for r in self.reducers])
+        except RayActorError as e:
+            raise ClusterError("a node's reducer was lost (did the node fail?); restart from a checkpoint") from e
+        try:
             resume, self.generation, action = ray.get(self.coordinator.recover.remote(step))
         except RayActorError as e:
             raise ClusterError("the coordinator was lost with the training state; restart from a checkpoint") from e
-        if resume < min(kept):
+        if resume < min(self._kept):
             raise ClusterError(f"cannot replay from step {resume}: its batch is no longer kept")
         event = FailureEvent(step, f"{type(error).__name__}: {error}".splitlines()[0], lost, resume, action)
         self.events.append(event)
@@ -232,18 +318,57 @@ class DataParallelTrainer:
                 pass
         return healthy, lost
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights by Hugging Face name (fetched from the coordinator)."""
-        return ray.get(self.coordinator.state_dict.remote())
+    def synchronize(self) -> None:
+        """Wait until every update of the steps run so far is in the coordinator's master weights."""
+        ray.get(self.coordinator.wait_updated.remote(self.step_idx))
 
-    def export(self, out_dir: str | Path, dtype: str = "fp32") -> str:
-        """Write a Hugging Face folder, on the coordinator's node."""
-        return ray.get(self.coordinator.export.remote(str(out_dir), dtype))
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights by Hugging Face name (copies: they outlive the trainer and its Ray)."""
+        return {k: v.clone() for k, v in self._fetch_state().items()}
+
+    def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32) -> Path:
+        """Write a Hugging Face folder here, on the driver's node (where checkpoints and MLflow are)."""
+        return export_hf(self.spec, self._fetch_state(), out_dir, tokenizer, dtype)
+
+    def _fetch_state(self) -> dict[str, torch.Tensor]:
+        """Master weights as read-only views of the object fetched from the coordinator."""
+        self.synchronize()
+        return {k: from_numpy(a, torch.float32) for k, a in ray.get(self.coordinator.state_dict.remote()).items()}
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The engine's checkpoint tensors and meta (same layout, so either kind of run resumes from it).
+
+        The tensors are read-only views of one object fetched from the coordinator: while a
+        checkpoint is written, the driver's node holds the 12 B/param of master and moments.
+        """
+        self.synchronize()
+        arrays = ray.get(self.coordinator.checkpoint_state.remote())
+        meta = {"step": self.step_idx, "layout": plan_layout(self.spec, None).describe()}
+        return {k: from_numpy(a, torch.float32) for k, a in arrays.items()}, meta
+
+    def checkpoint_buffers(self) -> None:
+        """None: a checkpoint is read into new tensors here, then shipped to the coordinator."""
+        return None
+
+    def load_checkpoint_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Restore `checkpoint_state()` output on the coordinator; the workers rejoin at its step."""
+        plan_layout(self.spec, None).check_matches(meta["layout"])
+        self.synchronize()
+        arrays = {k: to_numpy(v.contiguous()) for k, v in tensors.items()}
+        self.generation = ray.get(self.coordinator.load_checkpoint_state.remote(arrays, meta))
+        ray.get([w.rejoin.remote(self.generation, meta["step"]) for w in self.workers])
+        self.step_idx = meta["step"]
+        self._kept.clear()
+
+    def memory_metrics(self) -> dict[str, float]:
+        """Peak host bytes per parameter of the coordinator, the process holding the state."""
+        return {"host_bytes_per_param": ray.get(self.coordinator.rss_bytes_per_param.remote())}
 
     def close(self) -> None:
-        for w in self.workers:
-            ray.kill(w, no_restart=True)
-        ray.kill(self.coordinator, no_restart=True)
+        for actor in [*self.workers, *self.reducers, self.coordinator]:
+            ray.kill(actor, no_restart=True)
+        if self.placement is not None:
+            remove_placement_group(self.placement)
         if self._started_ray:
             ray.shutdown()
 

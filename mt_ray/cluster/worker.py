@@ -91,15 +91,17 @@ class ObjectStoreWeights:
 
 
 class ObjectStoreGrads:
-    """GradSink: each finished gradient goes into the object store and on to the coordinator.
+    """GradSink: each finished gradient goes into the object store and on to its receiver.
+
+    The receiver is the coordinator, or on a multi-node run this node's reducer (same `put_grad`).
 
     A thread does the shipping so the engine's thread never waits for a device->host copy:
     it waits for the copy's event, copies the host buffer into shared memory once, returns the
-    buffer to the engine's pool and tells the coordinator where the object is.
+    buffer to the engine's pool and tells the receiver where the object is.
     """
 
-    def __init__(self, coordinator, rank: int, generation: int, weights: ObjectStoreWeights, unit_order: list[str]):
-        self.coordinator = coordinator
+    def __init__(self, receiver, rank: int, generation: int, weights: ObjectStoreWeights, unit_order: list[str]):
+        self.receiver = receiver
         self.rank = rank
         self.generation = generation
         self.weights = weights
@@ -126,12 +128,16 @@ class ObjectStoreGrads:
     def wait_updated(self, unit: str, version: int) -> None:
         self.weights.wait_updated(unit, version)
 
-    def flush(self) -> None:
-        """Return once the coordinator has received every gradient submitted so far."""
+    def flush(self) -> float | None:
+        """Return once the coordinator has received every gradient submitted so far.
+
+        Returns the step's global gradient norm if one of this worker's gradients completed the step.
+        """
         self._queue.join()
         self._raise_if_failed()
-        ray.get(self._sent)
+        norms = [n for n in ray.get(self._sent) if n is not None]
         self._sent.clear()
+        return norms[0] if norms else None
 
     def close(self) -> None:
         self._queue.put(None)
@@ -149,7 +155,7 @@ class ObjectStoreGrads:
                     landed.synchronize()  # the device->host copy of this gradient has finished
                 ref = ray.put(to_numpy(grad))  # the one host copy: into shared memory
                 self.buffers.release(unit)
-                self._sent.append(self.coordinator.put_grad.remote(self.generation, step, self.rank, unit, ref))
+                self._sent.append(self.receiver.put_grad.remote(self.generation, step, self.rank, unit, ref))
             except BaseException as e:  # surfaced to the engine thread by submit/flush
                 self._error = e
             finally:
@@ -161,7 +167,8 @@ class EngineWorker:
     """A Ray actor running the engine's forward/backward on its shard of each global batch."""
 
     def __init__(self, rank: int, model, engine_cfg: dict, opt_cfg: dict, total_steps: int, coordinator,
-                 generation: int, start_step: int):
+                 generation: int, start_step: int, reducer=None):
+        """Weights come from `coordinator`; gradients go to this node's `reducer` if any, else to it too."""
         spec = discover(model)
         cfg = EngineConfig(**engine_cfg)
         # The coordinator clips the summed gradient; this engine never clips, so its gradients
@@ -170,7 +177,8 @@ class EngineWorker:
         self.rank = rank
         self.pins = HostPins(cfg.resolve_device().type == "cuda")
         self.weights = ObjectStoreWeights(coordinator, generation, cfg.dtype, self.pins)
-        self.grads = ObjectStoreGrads(coordinator, rank, generation, self.weights, [u.name for u in spec.units])
+        self.grads = ObjectStoreGrads(reducer or coordinator, rank, generation, self.weights,
+                                      [u.name for u in spec.units])
         self.engine = StreamingEngine(spec, cfg, opt, total_steps, grad_sink=self.grads, weight_source=self.weights)
         self.grads.bind(self.engine.grad_buffers)
         self.engine.step_idx = start_step  # weight versions and the LR schedule follow the coordinator
@@ -181,9 +189,8 @@ class EngineWorker:
             raise ClusterError(f"worker {self.rank} is at step {self.engine.step_idx}, asked for step {step}")
         self.grads.step = step
         result = self.engine.train_step(micro_batches, loss_normaliser=loss_normaliser)
-        self.grads.flush()  # every gradient of the step is with the coordinator before we answer
-        return {"loss": float(result.loss), "num_tokens": result.num_tokens,
-                "num_loss_tokens": result.num_loss_tokens}
+        grad_norm = self.grads.flush()  # every gradient of the step is with the coordinator before we answer
+        return {"loss": float(result.loss), "num_tokens": result.num_tokens, "grad_norm": grad_norm}
 
     def rejoin(self, generation: int, step: int) -> None:
         """Serve a new generation after another worker was lost: forget the old generation's weights."""
@@ -194,6 +201,9 @@ class EngineWorker:
 
     def device(self) -> str:
         return str(self.engine.device)
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
     def close(self) -> None:
         self.engine.close()

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from mt_ray.cluster.config import ClusterConfig
 from mt_ray.data import DataConfig
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.errors import ConfigError
@@ -59,6 +60,21 @@ class TrainingConfig(_Section):
     """`auto`: continue from the newest valid checkpoint under `checkpoint.uri` if any; `never`; or a checkpoint URI."""
 
 
+class ClusterRunConfig(ClusterConfig):
+    """The `cluster` section: how many engine workers share each step; the rest is `ClusterConfig`."""
+
+    num_workers: int = Field(
+        1, ge=1, description="Engine workers (one per GPU) that split each global batch; 1: a single engine in this "
+        "process, no Ray. Above 1: Ray workers and a coordinator holding the fp32 state (mt_ray.cluster)."
+    )
+
+    @model_validator(mode="after")
+    def _whole_nodes(self) -> ClusterRunConfig:
+        if self.num_workers % self.num_nodes:
+            raise ValueError(f"num_workers ({self.num_workers}) must be a multiple of num_nodes ({self.num_nodes})")
+        return self
+
+
 class RunConfig(_Section):
     """Everything one training run needs; every key has a default (the embedded demo)."""
 
@@ -69,6 +85,19 @@ class RunConfig(_Section):
     optimizer: OptimizerConfig = Field(default_factory=lambda: OptimizerConfig(lr=1e-3, warmup_steps=5))
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(uri="runs/checkpoints", every_steps=50))
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    cluster: ClusterRunConfig = Field(default_factory=ClusterRunConfig)
+
+    @model_validator(mode="after")
+    def _workers_can_share_the_batch(self) -> RunConfig:
+        """Mirror `shard_batch`: whole micro-batches per worker, or every micro-batch cut into rows."""
+        n, t = self.cluster.num_workers, self.training
+        if t.grad_accum_steps % n and n > t.micro_batch_size:
+            raise ValueError(
+                f"cluster.num_workers: {n} workers cannot share a step of {t.grad_accum_steps} micro-batches of "
+                f"{t.micro_batch_size} rows; use at most {t.micro_batch_size} workers, or a "
+                f"training.grad_accum_steps that is a multiple of {n}"
+            )
+        return self
 
 
 def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -108,7 +137,8 @@ def validate_run_config(values: dict[str, Any]) -> RunConfig:
         for err in e.errors():
             key = ".".join(str(p) for p in err["loc"])
             hint = " (unknown key)" if err["type"] == "extra_forbidden" else ""
-            lines.append(f"{key}: {err['msg']}{hint}")
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{key}: {msg}{hint}" if key else msg)  # a cross-section check names its own keys
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 

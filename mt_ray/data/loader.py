@@ -6,6 +6,11 @@ rows are shuffled with a seed fixed by the window's index. A window is a pure fu
 the mixer state at its start, so ``state_dict()`` is that state plus how many rows of the
 window were already used; ``load_state_dict()`` rebuilds the window and skips those rows,
 giving exactly the batches an uninterrupted run would have seen.
+
+A run has one loader, in the driver process, even when data-parallel: the driver cuts each step
+batch across the workers (``mt_ray.cluster.shard_batch``), so the loader needs no rank/world-size
+knob, its state is the whole run's data position, and a resume with another worker count sees
+the same batches.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ class _Strict(BaseModel):
 class EngineConfig(_Strict):
     """How the engine moves a model through the device."""
 
-    device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+                        description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
     compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="dtype of weights and activations on the device ('auto': bf16 on GPU, fp32 on CPU, "
         "where bf16 matmuls are slow); master weights stay fp32."

@@ -33,7 +33,6 @@ from mt_ray.engine.seams import GradSink, WeightSource
 from mt_ray.engine.sizing import grad_buffer_bytes
 from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
 from mt_ray.engine.transfer import GradBuffers, GradOutbox, StreamSet, WeightStreamer
-from mt_ray.errors import CheckpointError
 from mt_ray.models.context import LayerContextBuilder, LayerKwargs
 from mt_ray.models.discovery import ModelSpec
 from mt_ray.models.weights import export_hf, init_random, load_safetensors
@@ -165,23 +164,29 @@ class StreamingEngine:
         The tensors are the live buffers (no copies); call between steps.
         """
         self.synchronize()
-        tensors = {"master": self.store.master, "exp_avg": self.store.exp_avg, "exp_avg_sq": self.store.exp_avg_sq}
-        layout = {u: [self.store.layout.offsets[u], self.store.layout.numels[u]] for u in self.store.layout.offsets}
-        return tensors, {"step": self.step_idx, "layout": layout}
+        return self.store.flat_state(), {"step": self.step_idx, "layout": self.store.layout.describe()}
+
+    def checkpoint_buffers(self) -> dict[str, torch.Tensor]:
+        """The live buffers a checkpoint is read into in place, so a resume holds the state once."""
+        return self.checkpoint_state()[0]
 
     def load_checkpoint_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """Restore buffers and step from `checkpoint_state()` output, so training continues exactly."""
         self.synchronize()
-        layout = {u: [self.store.layout.offsets[u], self.store.layout.numels[u]] for u in self.store.layout.offsets}
-        if meta["layout"] != layout:
-            raise CheckpointError("checkpoint layout does not match this model (different architecture or config)")
-        for name in ("master", "exp_avg", "exp_avg_sq"):
-            getattr(self.store, name).copy_(tensors[name])
-        for unit in self.spec.units:
-            self.store.refresh_copy(unit.name)
-            self.optimizers[unit.name].set_step(meta["step"])
+        self.store.layout.check_matches(meta["layout"])
+        self.store.load_flat_state(tensors)
+        for opt in self.optimizers.values():
+            opt.set_step(meta["step"])
         self.step_idx = meta["step"]
         self.worker.reset_versions(self.step_idx)
+
+    def memory_metrics(self) -> dict[str, float]:
+        """Peak device memory (CUDA only) and peak host bytes per parameter, for the run's metrics."""
+        metrics = {}
+        if self.device.type == "cuda":
+            metrics["gpu_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        metrics["host_bytes_per_param"] = self.store.rss_bytes_per_param()
+        return metrics
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights by Hugging Face name, after all pending updates."""

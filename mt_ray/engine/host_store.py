@@ -17,7 +17,7 @@ import psutil
 import torch
 
 from mt_ray.engine.pinning import register_pinned, unregister_pinned
-from mt_ray.errors import InsufficientMemoryError
+from mt_ray.errors import CheckpointError, InsufficientMemoryError
 from mt_ray.models.discovery import ModelSpec, UnitSpec
 
 GIB = 1024**3
@@ -40,6 +40,14 @@ class StoreLayout:
     @property
     def nbytes(self) -> int:
         return int(self.total * self.bytes_per_param)
+
+    def describe(self) -> dict[str, list[int]]:
+        """Each unit's [offset, numel]: stored with a checkpoint, which loads only into the same layout."""
+        return {u: [off, self.numels[u]] for u, off in self.offsets.items()}
+
+    def check_matches(self, saved: dict[str, list[int]]) -> None:
+        if saved != self.describe():
+            raise CheckpointError("checkpoint layout does not match this model (different architecture or config)")
 
 
 def plan_layout(spec: ModelSpec, copy_dtype: torch.dtype | None) -> StoreLayout:
@@ -137,6 +145,17 @@ class HostStore:
         for unit in self.spec.units:
             out.update(self.named_views(unit))
         return out
+
+    def flat_state(self) -> dict[str, torch.Tensor]:
+        """The fp32 buffers a checkpoint holds: master and both moments (the live buffers, no copies)."""
+        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def load_flat_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy in buffers shaped like `flat_state()` and re-derive the streamed copy from the master."""
+        for name, buf in self.flat_state().items():
+            buf.copy_(tensors[name])
+        if self.copy is not None:
+            self.copy.copy_(self.master)
 
     def load_named(self, unit: UnitSpec, tensors: dict[str, torch.Tensor]) -> None:
         """Copy one unit's weights (by Hugging Face name) into the master and the streamed copy."""

@@ -191,12 +191,21 @@ class MlflowTracker:
             self.client.log_artifacts(self.run_id, str(local), artifact_path)
         return f"runs:/{self.run_id}/{artifact_path}"
 
+    def start_child(self, name: str, run_config: Mapping[str, Any] | None = None,
+                    tags: Mapping[str, str] | None = None) -> MlflowTracker:
+        """Open a nested run (one Ray Tune trial) and return its tracker; the caller closes it.
+
+        Inactive, like this tracker, when this run is not open.
+        """
+        child = MlflowTracker(self.config.model_copy(update={"run_name": name}), self._client)
+        if self.active:
+            child.start(run_config or {}, tags=tags, parent_run_id=self.run_id)
+        return child
+
     @contextlib.contextmanager
     def child_run(self, name: str, run_config: Mapping[str, Any] | None = None) -> Iterator[MlflowTracker]:
         """A nested run (one Ray Tune trial), closed FINISHED, or FAILED if the block raises."""
-        child = MlflowTracker(self.config.model_copy(update={"run_name": name}), self._client)
-        if self.active:
-            child.start(run_config or {}, parent_run_id=self.run_id)
+        child = self.start_child(name, run_config)
         try:
             yield child
         except BaseException:

@@ -43,8 +43,8 @@ class CheckpointCallback(Callback):
     def maybe_resume(self, trainer: Trainer, uri: str | None = None) -> bool:
         if uri is None and self.manager.latest() is None:
             return False
-        live, _ = trainer.engine.checkpoint_state()
-        tensors, meta = self.manager.load(uri, out=live)  # fills the engine's buffers in place
+        live = trainer.engine.checkpoint_buffers()
+        tensors, meta = self.manager.load(uri, out=live)  # fills a single engine's buffers in place
         trainer.engine.load_checkpoint_state(tensors, meta)
         restore_trainer_state(trainer, meta["trainer"])
         log.info("resumed at step %d from %s", meta["step"], uri or self.manager.latest())

@@ -1,7 +1,9 @@
-"""The training loop: config -> model spec, tokenizer, engine, loader; then step, log, export.
+"""The training loop: config -> model spec, tokenizer, backend, loader; then step, log, export.
 
-The loop reads device values only every `log_every` steps (each read is a sync point); in
-between, `train_step` returns as soon as the step's work is queued.
+The backend is one streaming engine, or Ray workers around a coordinator when
+`cluster.num_workers > 1` (see `backend.py`); the loop is the same. It reads device values only
+every `log_every` steps (each read is a sync point); in between, a single engine's `train_step`
+returns as soon as the step's work is queued.
 """
 
 from __future__ import annotations
@@ -11,15 +13,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from mt_ray.config.run import RunConfig
 from mt_ray.data import build_dataloader, load_tiny_tokenizer, split_micro_batches
-from mt_ray.engine import StreamingEngine
 from mt_ray.models.discovery import ModelSpec, discover, load_config
 from mt_ray.models.presets import preset_config
+from mt_ray.training.backend import TrainingBackend, build_backend
 from mt_ray.training.callbacks import Callback
 
 
@@ -51,14 +52,13 @@ def load_model_and_tokenizer(cfg: RunConfig) -> tuple[ModelSpec, object]:
 
 
 class Trainer:
-    """Runs `cfg.training.steps` optimizer steps of the streaming engine on the configured data."""
+    """Runs `cfg.training.steps` optimizer steps on the configured data (one engine, or a Ray cluster)."""
 
     def __init__(self, cfg: RunConfig, callbacks: list[Callback] | None = None):
         self.cfg = cfg
         self.callbacks = list(callbacks or [])
         self.spec, self.tokenizer = load_model_and_tokenizer(cfg)
-        self.engine = StreamingEngine(self.spec, cfg.engine, cfg.optimizer, total_steps=cfg.training.steps)
-        self._init_weights()
+        self.engine: TrainingBackend = build_backend(cfg, self.spec)
         t = cfg.training
         self.loader = build_dataloader(cfg.data, self.tokenizer, t.micro_batch_size, t.grad_accum_steps, seed=t.seed)
         self.history: list[dict[str, float]] = []
@@ -66,14 +66,6 @@ class Trainer:
     @property
     def step(self) -> int:
         return self.engine.step_idx
-
-    def _init_weights(self) -> None:
-        path = self.cfg.model.path
-        has_weights = path is not None and any(Path(path).glob("*.safetensors"))
-        if self.cfg.model.init == "pretrained" or (self.cfg.model.init == "auto" and has_weights):
-            self.engine.load_pretrained(path)
-        else:
-            self.engine.load_random(seed=self.cfg.training.seed)
 
     def fit(self) -> dict[str, Any]:
         """Train to the configured step count (resuming first if asked); returns the run summary."""
@@ -121,10 +113,8 @@ class Trainer:
             "lr": result.lr,
             "tokens_per_s": tokens_per_s,
             "model_tflops": 6 * self.spec.num_params * tokens_per_s / 1e12,
+            **self.engine.memory_metrics(),
         }
-        if torch.cuda.is_available() and self.engine.device.type == "cuda":
-            metrics["gpu_mem_gib"] = torch.cuda.max_memory_allocated(self.engine.device) / 2**30
-        metrics["host_bytes_per_param"] = self.engine.store.rss_bytes_per_param()
         self.history.append({"step": self.step, **metrics})
         return metrics
 

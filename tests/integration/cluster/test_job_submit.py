@@ -1,4 +1,4 @@
-"""`ray job submit` round trip: a head started here runs a job that trains 2 data-parallel steps."""
+"""`ray job submit` round trip: a head started here runs `python -m jobs.train` on 2 Ray workers."""
 
 import json
 import os
@@ -14,18 +14,6 @@ import pytest
 from tests.conftest import ROOT
 
 pytest.importorskip("ray")
-
-JOB = """
-import json
-from mt_ray.cluster import ClusterConfig, run_data_parallel
-from mt_ray.engine import EngineConfig, OptimizerConfig
-from tests.tiny_models import tiny_batches, tiny_config
-
-result = run_data_parallel(tiny_config("llama"), EngineConfig(device="cpu", compute_dtype="fp32"),
-                           OptimizerConfig(lr=1e-3), [tiny_batches(seed=s) for s in range(2)], num_workers=2,
-                           cluster=ClusterConfig(cpus_per_worker=1))
-print("MT_RAY_JOB_RESULT " + json.dumps({"losses": result.losses, "events": len(result.events)}))
-"""
 
 
 def free_port() -> int:
@@ -61,17 +49,19 @@ def ray_head():
 
 
 def test_job_submit_trains_two_steps(ray_head, tmp_path):
-    script = tmp_path / "train_job.py"
-    script.write_text(JOB)
+    out = tmp_path / "run"
+    train = [sys.executable, "-m", "jobs.train", "--config", str(ROOT / "jobs/configs/demo.yaml"), "training.steps=2",
+             "data.max_seq_len=64", "engine.device=cpu", "tracking.enabled=false", "cluster.num_workers=2",
+             f"checkpoint.uri={tmp_path / 'ckpt'}", f"training.output_dir={out}"]
     env = json.dumps({"env_vars": {"PYTHONPATH": str(ROOT)}})
     submitted = ray_cli("job", "submit", f"--address={ray_head}", "--submission-id=mt-ray-test", "--no-wait",
-                        f"--runtime-env-json={env}", "--", sys.executable, str(script), check=False)
+                        f"--runtime-env-json={env}", "--", *train, check=False)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
 
     # Bounded wait: --follow returns when the job ends; the timeout ends a hung one.
     logs = ray_cli("job", "logs", f"--address={ray_head}", "--follow", "mt-ray-test", timeout=240, check=False).stdout
     status = ray_cli("job", "status", f"--address={ray_head}", "mt-ray-test", check=False)
     assert "succeeded" in status.stdout + status.stderr, logs[-3000:] + status.stdout + status.stderr
-    line = next(ln for ln in logs.splitlines() if ln.startswith("MT_RAY_JOB_RESULT "))
-    result = json.loads(line.split(" ", 1)[1])
-    assert len(result["losses"]) == 2 and result["events"] == 0
+    assert "done: 2 steps" in logs
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and (out / "hf_model" / "model.safetensors").exists()

@@ -1,5 +1,7 @@
 """YAML configs validate into typed sections; bad keys and values are named by dotted path."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,8 @@ def test_bad_value_is_named():
         load_run_config(None, ["engine.checkpoint_every=0"])
     with pytest.raises(ConfigError, match=r"optimizer\.schedule: "):
         load_run_config(None, ["optimizer.schedule=exponential"])
+    with pytest.raises(ConfigError, match=r"engine\.device: .*pattern"):
+        load_run_config(None, ["engine.device=tpu"])
 
 
 def test_malformed_override_and_yaml(tmp_path):
@@ -55,3 +59,27 @@ def test_every_key_is_documented():
     for line in text.splitlines():
         if line.startswith("  "):
             assert "# " in line and not line.rstrip().endswith("#"), line
+
+
+def test_cluster_section_defaults_to_one_in_process_engine():
+    cfg = load_run_config()
+    assert cfg.cluster.num_workers == 1 and cfg.cluster.snapshot_every == 10
+    cfg = load_run_config(None, ["cluster.num_workers=2", "cluster.cpus_per_worker=0.5"])
+    assert cfg.cluster.num_workers == 2 and cfg.cluster.cpus_per_worker == 0.5
+    assert "\n  num_workers: 1  # " in describe_config()
+
+
+def test_cluster_workers_must_be_able_to_share_the_batch():
+    # 2 micro-batches of 4 rows: 2 workers take whole micro-batches, 4 take a row each of both.
+    load_run_config(None, ["cluster.num_workers=4", "training.micro_batch_size=4", "training.grad_accum_steps=2"])
+    with pytest.raises(ConfigError, match=r"cluster\.num_workers: 8 workers cannot share .* at most 4 workers"):
+        load_run_config(None, ["cluster.num_workers=8", "training.micro_batch_size=4", "training.grad_accum_steps=2"])
+    with pytest.raises(ConfigError, match=r"cluster\.num_workers: "):
+        load_run_config(None, ["cluster.num_workers=0"])
+    with pytest.raises(ConfigError, match=r"cluster: num_workers \(3\) must be a multiple of num_nodes \(2\)"):
+        load_run_config(None, ["cluster.num_workers=3", "cluster.num_nodes=2"])
+
+
+def test_the_cluster_config_does_not_import_ray():
+    code = "import sys; from mt_ray.cluster import ClusterConfig; assert 'ray' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[3])

@@ -1,0 +1,73 @@
+"""What the Trainer drives: one `StreamingEngine` in this process, or a `DataParallelTrainer` on Ray.
+
+Both train one global batch per `train_step` and own the fp32 state (here, or on the cluster's
+coordinator), with the same checkpoint tensors; the Trainer, its checkpoints and its tracking
+see only `TrainingBackend`, so a run switches between them with `cluster.num_workers` alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from mt_ray.config.run import RunConfig
+from mt_ray.engine import StepResult, StreamingEngine
+from mt_ray.models.discovery import ModelSpec
+
+
+class TrainingBackend(Protocol):
+    """The training surface `StreamingEngine` and `DataParallelTrainer` share."""
+
+    step_idx: int
+    """Optimizer steps taken (the next step's index)."""
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+        """One optimizer step over a global batch; loss and norm are read only when logging."""
+
+    def synchronize(self) -> None:
+        """Wait until every update so far is in the master weights."""
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Flat fp32 master/moment tensors and meta (step, layout); call between steps."""
+
+    def checkpoint_buffers(self) -> dict[str, torch.Tensor] | None:
+        """Buffers a checkpoint is read into in place, or None to read it into new tensors."""
+
+    def load_checkpoint_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Continue exactly from `checkpoint_state()` output."""
+
+    def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32) -> Path:
+        """Write the master weights as a Hugging Face folder on this node."""
+
+    def memory_metrics(self) -> dict[str, float]:
+        """Memory figures worth logging (peak host bytes per parameter, GPU memory where known)."""
+
+    def close(self) -> None: ...
+
+
+def initial_weights(cfg: RunConfig) -> int | str:
+    """The pretrained folder when the config asks for it (`auto`: when it holds safetensors), else the init seed."""
+    path = cfg.model.path
+    has_weights = path is not None and any(Path(path).glob("*.safetensors"))
+    if cfg.model.init == "pretrained" or (cfg.model.init == "auto" and has_weights):
+        return path
+    return cfg.training.seed
+
+
+def build_backend(cfg: RunConfig, spec: ModelSpec) -> TrainingBackend:
+    """A single engine for `cluster.num_workers == 1`, else Ray workers and a coordinator; weights loaded."""
+    weights = initial_weights(cfg)
+    steps = cfg.training.steps
+    if cfg.cluster.num_workers > 1:
+        from mt_ray.cluster import DataParallelTrainer  # Ray is needed only here
+
+        return DataParallelTrainer(spec, cfg.engine, cfg.optimizer, cfg.cluster.num_workers, steps,
+                                   cluster=cfg.cluster, weights=weights)
+    engine = StreamingEngine(spec, cfg.engine, cfg.optimizer, total_steps=steps)
+    if isinstance(weights, int):
+        engine.load_random(seed=weights)
+    else:
+        engine.load_pretrained(weights)
+    return engine

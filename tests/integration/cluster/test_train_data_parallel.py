@@ -1,0 +1,62 @@
+"""`jobs.train` with cluster.num_workers=2 trains the demo as one engine does, and resumes exactly.
+
+Per-step metrics are read back from the final checkpoint's trainer state, which is what the
+MLflow callback was given; the weights from each run's exported Hugging Face folder.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from jobs.train import main
+from mt_ray.tracking import CheckpointConfig, CheckpointManager
+
+pytest.importorskip("ray")
+
+STEPS = 4
+
+
+def train(tmp_path, name, workers, *extra):
+    """One `python -m jobs.train` run of the demo config (in this process, joining the test's Ray)."""
+    out, ckpt = tmp_path / name, tmp_path / f"{name}-ckpt"
+    argv = ["--config", "jobs/configs/demo.yaml", f"training.steps={STEPS}", "training.log_every=1",
+            "data.max_seq_len=64", "engine.device=cpu", "tracking.enabled=false", "checkpoint.every_steps=2",
+            f"checkpoint.uri={ckpt}", f"training.output_dir={out}", f"cluster.num_workers={workers}", *extra]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    _, meta = CheckpointManager(CheckpointConfig(uri=str(ckpt))).load()
+    weights = load_file(out / "hf_model" / "model.safetensors")
+    return summary, meta["trainer"]["history"], weights, ckpt
+
+
+def assert_close_weights(a, b, atol):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=name)
+
+
+def test_two_workers_match_one_engine_and_resume_exactly(local_ray, tmp_path):
+    one_summary, one_history, one_weights, _ = train(tmp_path, "one", 1)
+    dp_summary, dp_history, dp_weights, dp_ckpt = train(tmp_path, "dp", 2)
+
+    assert dp_summary["steps"] == one_summary["steps"] == STEPS
+    assert [h["step"] for h in dp_history] == list(range(1, STEPS + 1))
+    assert [h["loss"] for h in dp_history] == pytest.approx([h["loss"] for h in one_history], abs=1e-5)
+    assert [h["grad_norm"] for h in dp_history] == pytest.approx([h["grad_norm"] for h in one_history], rel=1e-5)
+    assert [h["lr"] for h in dp_history] == [h["lr"] for h in one_history]
+    assert all(h["host_bytes_per_param"] > 0 for h in dp_history)
+    assert_close_weights(dp_weights, one_weights, atol=1e-5)
+
+    # Resume the 2-worker run from its step-2 checkpoint: the same losses and bit-identical weights.
+    step2 = CheckpointManager(CheckpointConfig(uri=str(dp_ckpt))).list()[0]
+    assert step2.step == 2
+    _, resumed_history, resumed_weights, _ = train(tmp_path, "resumed", 2, f"training.resume={step2.uri}")
+    assert [h["loss"] for h in resumed_history] == [h["loss"] for h in dp_history]
+    assert_close_weights(resumed_weights, dp_weights, atol=0)
+
+    # The checkpoint has the single engine's format: one engine carries the 2-worker run on.
+    _, single_history, single_weights, _ = train(tmp_path, "single", 1, f"training.resume={step2.uri}")
+    assert [h["loss"] for h in single_history] == pytest.approx([h["loss"] for h in dp_history], abs=1e-5)
+    assert_close_weights(single_weights, dp_weights, atol=1e-5)
