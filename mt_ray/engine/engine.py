@@ -32,7 +32,7 @@ from mt_ray.engine.optimizer_worker import OptimizerWorker
 from mt_ray.engine.seams import GradSink, WeightSource
 from mt_ray.engine.sizing import grad_buffer_bytes
 from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
-from mt_ray.engine.transfer import GradBuffers, StreamSet, WeightStreamer
+from mt_ray.engine.transfer import GradBuffers, GradOutbox, StreamSet, WeightStreamer
 from mt_ray.models.context import LayerContextBuilder, LayerKwargs
 from mt_ray.models.discovery import ModelSpec
 from mt_ray.models.weights import export_hf, init_random, load_safetensors
@@ -87,7 +87,11 @@ class StreamingEngine:
         self.streams = StreamSet(self.device)
         depth = cfg.prefetch_units or cfg.checkpoint_every
         source = self.store if local else weight_source
-        self.streamer = WeightStreamer(source, self.streams, self.dtype, depth, (weight_source or self.worker).wait_updated)
+        # The consumer holds at most one block of K units at once, or the head with a tied embedding.
+        hold = max(cfg.checkpoint_every, 2)
+        self.streamer = WeightStreamer(source, self.streams, self.dtype, depth, hold,
+                                       (weight_source or self.worker).wait_updated)
+        self.outbox = GradOutbox(self.streams)
         self.templates = build_templates(spec, self.device)
         self.context = LayerContextBuilder(spec, self.device)
         self.layer_templates = [self.templates[u.kind] for u in spec.layer_units]
@@ -126,6 +130,7 @@ class StreamingEngine:
             self.streams.wait(self.streams.d2h, self.streams.record(self.streams.compute))
             self._norm_sq_host.copy_(self._norm_sq, non_blocking=True)
             norm_ready = self.streams.record(self.streams.d2h)
+        self.outbox.add(self._norm_sq, norm_ready)  # a later step must not reuse it before the copy
         self.worker.end_step(self._norm_sq_host, norm_ready, lr)
         self.step_idx += 1
         return StepResult(loss_sum / n_norm, self._norm_sq.sqrt(), lr, sum(m.num_tokens for m in mbs), n_loss)
@@ -312,9 +317,8 @@ class StreamingEngine:
         with self.streams.on(self.streams.d2h):
             self.streams.wait(self.streams.d2h, done_on_compute)  # gradient fully computed
             host.copy_(grad, non_blocking=True)
-            if self.streams.cuda:
-                grad.record_stream(self.streams.d2h)  # keep it alive until the copy has read it
             landed = self.streams.record(self.streams.d2h)
+        self.outbox.add(grad, landed)  # keeps it alive until the copy has read it
         self.worker.submit(unit, host, landed, self._lr)
 
 

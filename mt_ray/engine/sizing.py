@@ -64,9 +64,10 @@ def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int,
     d, k, n_layers = c.hidden_size, cfg.checkpoint_every, spec.num_layers
     layer = max(u.numel for u in spec.layer_units)
     depth = cfg.prefetch_units or k
+    hold = max(k, 2)  # units the schedule uses at once (a block, or the head with a tied embedding)
     tokens, mb_tokens = global_batch * seq, micro_batch * seq
     parts = {
-        "weights": (depth + k) * layer * 2 + (layer * 4 if cfg.stream_master else 0),
+        "weights": (depth + hold) * layer * 2 + (layer * 4 if cfg.stream_master else 0),
         "checkpoints": math.ceil(n_layers / k) * tokens * d * 2,
         "hidden_and_grad": 2 * tokens * d * 2,
         "recompute": k * mb_tokens * activation_bytes_per_token(spec),

@@ -56,42 +56,59 @@ class _Upload:
 class WeightStreamer:
     """Uploads units in a known order, keeping `depth` uploads in flight ahead of the consumer.
 
+    Device memory stays bounded although the CPU runs ahead of the GPU: a unit handed out
+    is held until `hold` more units have been handed out (the consumer never uses more than
+    `hold` units at once), then the upload stream waits for the compute work queued so far
+    and the buffer is dropped. Buffers are allocated and freed on the upload stream, so the
+    caching allocator reuses them in that stream's order, after the wait: no `record_stream`,
+    whose deferred frees let a CPU far ahead of the GPU pile up every layer of the step.
+
     `wait_updated(unit, version)` blocks (on the CPU only) until the optimizer has written
     the version of the unit that this step must read: the only place a step waits for the
     optimizer of the previous one.
     """
 
-    def __init__(self, store: HostStore, streams: StreamSet, dtype: torch.dtype, depth: int,
+    def __init__(self, store: HostStore, streams: StreamSet, dtype: torch.dtype, depth: int, hold: int,
                  wait_updated: Callable[[str, int], None]):
         self.store = store
         self.streams = streams
         self.dtype = dtype
         self.depth = depth
+        self.hold = hold
         self.wait_updated = wait_updated
         self._plan: Iterator[str] = iter(())
         self._inflight: deque[_Upload] = deque()
+        self._lent: deque[torch.Tensor] = deque()
         self._version = 0
 
     def start(self, plan: list[str], version: int) -> None:
         """Begin a step: `plan` is every unit the step will read, in order of use."""
         if self._inflight:
             raise RuntimeError(f"previous step left {len(self._inflight)} uploads unused")
+        self._release(keep=0)
         self._plan = iter(plan)
         self._version = version
         self._top_up()
 
     def next(self, unit: str) -> torch.Tensor:
         """The next unit's flat weights in the compute dtype, usable on the compute stream."""
+        self._release(keep=self.hold - 1)
         up = self._inflight.popleft()
         if up.unit != unit:
             raise RuntimeError(f"upload order broken: expected {unit}, streamed {up.unit}")
         # The compute stream waits for this upload only, not for the whole copy queue.
         self.streams.wait(self.streams.compute, up.ready)
-        if self.streams.cuda:
-            # The buffer was allocated on h2d; tell the allocator compute uses it until it is freed.
-            up.flat.record_stream(self.streams.compute)
+        self._lent.append(up.flat)
         self._top_up()
         return up.flat
+
+    def _release(self, keep: int) -> None:
+        """Give back all but the `keep` most recently lent buffers, once compute is done with them."""
+        if len(self._lent) <= keep:
+            return
+        self.streams.wait(self.streams.h2d, self.streams.record(self.streams.compute))
+        while len(self._lent) > keep:
+            self._lent.popleft()
 
     def _top_up(self) -> None:
         while len(self._inflight) < self.depth:
@@ -112,6 +129,26 @@ class WeightStreamer:
                 flat = flat.to(self.dtype)  # stream_master: cast fp32 -> compute dtype on the device
             ready = self.streams.record(self.streams.h2d)
         return _Upload(unit, flat, ready)
+
+
+class GradOutbox:
+    """Device gradients on their way to the host, freed only once their copy has run.
+
+    Like the weight streamer, it bounds device memory without `record_stream`: after `keep`
+    newer gradients are queued, the compute stream waits for the oldest one's copy (long
+    finished by then) before its buffer is dropped back to the compute stream's pool.
+    """
+
+    def __init__(self, streams: StreamSet, keep: int = 2):
+        self.streams = streams
+        self.keep = keep
+        self._queue: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()
+
+    def add(self, grad: torch.Tensor, copied: torch.cuda.Event | None) -> None:
+        self._queue.append((grad, copied))
+        while len(self._queue) > self.keep:
+            _, event = self._queue.popleft()
+            self.streams.wait(self.streams.compute, event)
 
 
 class GradBuffers:
