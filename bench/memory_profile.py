@@ -76,12 +76,15 @@ def main() -> None:
     args = p.parse_args()
 
     cfg, spec, engine = cuda_engine(args.shape, args.k, total_steps=4)
+    stages = {"after_setup_gib": torch.cuda.memory_allocated() / 2**30}
     try:
         mbs = random_micro_batches(cfg.vocab_size, args.batch, args.micro, args.seq)
         # Recording starts before the first step, so what stays allocated between steps is seen too.
         torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
         engine.train_step(mbs)
         engine.synchronize()
+        torch.cuda.synchronize()
+        stages["after_first_step_gib"] = torch.cuda.memory_allocated() / 2**30
         between = len(torch.cuda.memory._snapshot()["device_traces"][0])
         torch.cuda.reset_peak_memory_stats()
         engine.train_step(mbs)
@@ -94,12 +97,13 @@ def main() -> None:
     held, peak, at_peak = replay(snap["device_traces"][0], between)
     tables = {name: [{"site": s, "gib": b / 2**30} for s, b in c.most_common(args.top)]
               for name, c in (("between_steps", held), ("at_peak", at_peak))}
-    print(f"peak allocated {measured / 2**30:.2f} GiB (replayed {peak / 2**30:.2f})")
+    stages.update(replayed_peak_gib=peak / 2**30, measured_peak_gib=measured / 2**30)
+    print(", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
     for name, rows in tables.items():
         print(name)
         print_table(rows, ["site", "gib"])
     predicted = device_bytes(spec, engine.cfg, args.micro, args.seq, args.batch)
-    write_json(args.out, {"args": vars(args), "measured_peak_gib": measured / 2**30, **tables,
+    write_json(args.out, {"args": vars(args), **stages, **tables,
                           "calc_gib": {k: v / 2**30 for k, v in predicted.items()}})
 
 

@@ -160,13 +160,12 @@ def deepspeed_step(cfg, mbs: list[dict], opt: OptimizerConfig, chunk_tokens: int
 
     _single_process_group()
     deepspeed.init_distributed(dist_backend="nccl")
-    from transformers.integrations import HfDeepSpeedConfig
-
     ds_cfg = deepspeed_config(opt, mbs[0]["input_ids"].shape[0], len(mbs), super_offload)
-    # While this object lives, transformers builds the model partitioned (zero.Init) and runs its
-    # own weight init on gathered parameters, so DeepSpeed trains the same model as the others.
-    hf_ds = HfDeepSpeedConfig(ds_cfg)
-    model = build_lm(cfg, chunk_tokens)
+    # Built with transformers' own init on the GPU, then partitioned and offloaded by initialize:
+    # zero.Init (also what HfDeepSpeedConfig turns on) skips that init in transformers 5, and
+    # building on the host would add the fp32 model to DeepSpeed's peak host memory.
+    with torch.device("cuda"):
+        model = build_lm(cfg, chunk_tokens)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, opt), config=ds_cfg)
     mbs = [mb["input_ids"].cuda() for mb in mbs]
     micro_items = mbs[0][:, 1:].numel()  # DeepSpeed divides each micro-batch loss by the accumulation steps
@@ -180,7 +179,6 @@ def deepspeed_step(cfg, mbs: list[dict], opt: OptimizerConfig, chunk_tokens: int
             total += loss.detach() / len(mbs)
         return total
 
-    step.keep_alive = hf_ds
     return step
 
 

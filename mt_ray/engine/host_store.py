@@ -157,8 +157,13 @@ class HostStore:
         if self.copy is not None:
             self.copy.copy_(self.master)
 
+    @torch.no_grad()
     def load_named(self, unit: UnitSpec, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy one unit's weights (by Hugging Face name) into the master and the streamed copy."""
+        """Copy one unit's weights (by Hugging Face name) into the master and the streamed copy.
+
+        Without autograd: copying a parameter into a view would make the master a node of
+        its graph, keeping every source tensor (a freshly initialised model on the GPU) alive.
+        """
         views = self.named_views(unit)
         for name, view in views.items():
             view.copy_(tensors[name])
