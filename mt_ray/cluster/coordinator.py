@@ -30,6 +30,7 @@ from mt_ray.engine.transfer import GradBuffers
 from mt_ray.models.discovery import discover
 from mt_ray.models.weights import init_random, load_safetensors
 
+SUM_THREADS = 4  # per gradient being summed; several units' sums may run at once
 _WAKE_ALL = 1 << 62  # a version no unit reaches: wakes threads blocked on a retired optimizer worker
 
 
@@ -148,6 +149,9 @@ class Coordinator:
                 return None
             del self._arrived[(step, unit)]
             buffers = self.grad_buffers
+        # Ray runs actor threads with OMP_NUM_THREADS=1; one core cannot sum a 7B layer as fast
+        # as a GPU computes it (the setting is per thread, so it leaves the optimizer's alone).
+        torch.set_num_threads(SUM_THREADS)
         summed = buffers.acquire(unit)  # may block until the optimizer frees a slab (no clipping)
         summed.copy_(from_numpy(got[0], self.wire_dtype))
         for r in range(1, self.num_senders):
@@ -239,7 +243,7 @@ class Coordinator:
         """Fresh optimizer worker and step bookkeeping at `step`; publishes the weights of `step`."""
         self.grad_buffers = GradBuffers(self.numels, torch.float32, False, per_unit=self.clips, slabs=3)
         self.opt_worker = OptimizerWorker(self.store, self.optimizers, self.grad_buffers, self.unit_order,
-                                          self.opt_cfg.max_grad_norm, self.cfg.optimizer_threads)
+                                          self.opt_cfg.max_grad_norm, self.cfg.optimizer_thread_count)
         self.opt_worker.reset_versions(step)
         self._arrived: dict[tuple[int, str], dict[int, np.ndarray]] = {}
         self._norm_sq: dict[int, dict[str, torch.Tensor]] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import torch
@@ -52,6 +53,15 @@ class EngineConfig(_Strict):
         if self.compute_dtype == "auto":
             return torch.bfloat16 if self.resolve_device().type == "cuda" else torch.float32
         return _DTYPES[self.compute_dtype]
+
+    @property
+    def optimizer_thread_count(self) -> int:
+        """`optimizer_threads`, else every core this process may run on but one.
+
+        Set explicitly on the optimizer thread: Ray starts actors with OMP_NUM_THREADS=1,
+        which would leave a coordinator's Adam on one core (8x slower at 7B on an H200 host).
+        """
+        return self.optimizer_threads or max(1, len(os.sched_getaffinity(0)) - 1)
 
     @property
     def grad_torch_dtype(self) -> torch.dtype:

@@ -18,7 +18,6 @@ Tensor shape key: B batch, T tokens, D hidden, N selected tokens, V vocabulary.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,10 +78,9 @@ class StreamingEngine:
         self.store = HostStore(spec, copy_dtype, pin, grad_bytes, cfg.host_memory_limit_gb) if local else None
         self.grad_buffers = GradBuffers(numels, grad_dtype, pin, per_unit=clips, slabs=cfg.grad_slabs)
         self.optimizers = {u.name: UnitOptimizer(self.store, u, opt_cfg) for u in spec.units} if local else {}
-        threads = cfg.optimizer_threads or max(1, (os.cpu_count() or 1) - 1)
         self.worker = grad_sink if not local else OptimizerWorker(
             self.store, self.optimizers, self.grad_buffers, [u.name for u in spec.units],
-            opt_cfg.max_grad_norm, threads if pin else None,
+            opt_cfg.max_grad_norm, cfg.optimizer_thread_count if pin else None,
         )
         self.streams = StreamSet(self.device)
         depth = cfg.prefetch_units or cfg.checkpoint_every

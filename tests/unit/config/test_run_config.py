@@ -83,3 +83,15 @@ def test_cluster_workers_must_be_able_to_share_the_batch():
 def test_the_cluster_config_does_not_import_ray():
     code = "import sys; from mt_ray.cluster import ClusterConfig; assert 'ray' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[3])
+
+
+def test_optimizer_threads_default_to_the_cores_this_process_may_use(monkeypatch):
+    # Not OMP_NUM_THREADS or torch's own count: Ray sets those to 1 in actors that reserve no CPU.
+    from mt_ray.engine import EngineConfig
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert EngineConfig().optimizer_thread_count == 15
+    assert EngineConfig(optimizer_threads=3).optimizer_thread_count == 3
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    assert EngineConfig().optimizer_thread_count == 1
