@@ -132,13 +132,14 @@ def main() -> None:
         payload["bandwidth"] = ray.get(probe.remote(int(args.bandwidth_gb * 2**30), 10))
         print_table([payload["bandwidth"]], ["bytes", "pageable_gbps", "register_s", "registered",
                                              "registered_gbps", "torch_pinned_gbps"])
-    rows = [run_scaling(args, cfg, n) for n in counts]
-    base = next((r for r in rows if r["gpus"] == 1), None)
-    for r in rows:
-        r["scaling_efficiency"] = r["tokens_per_s"] / (r["gpus"] * base["tokens_per_s"]) if base else None
-    print_table(rows, ["gpus", "step_s", "tokens_per_s", "tflops_per_gpu", "scaling_efficiency"])
-    payload["scaling"] = rows
-    write_json(args.out, payload)
+    payload["scaling"] = rows = []
+    for n in counts:  # each row is written as it lands: a long run cut short keeps what it measured
+        rows.append(run_scaling(args, cfg, n))
+        base = next((r for r in rows if r["gpus"] == 1), None)
+        for r in rows:
+            r["scaling_efficiency"] = r["tokens_per_s"] / (r["gpus"] * base["tokens_per_s"]) if base else None
+        print_table(rows, ["gpus", "step_s", "tokens_per_s", "tflops_per_gpu", "scaling_efficiency"])
+        write_json(args.out, payload)
     ray.shutdown()
 
 
