@@ -19,6 +19,9 @@ from mt_ray.engine.host_store import plan_layout
 from mt_ray.models.discovery import ModelSpec
 
 GIB = 1024**3
+# Larger micro-batches gain nothing measurable on an H100 (7B: 16 x 1k and 1 x 16k run alike), while
+# the backward's temporaries, which the device model does not count, grow with them.
+MAX_MICRO_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -52,29 +55,40 @@ def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2) -> int:
     q = c.num_attention_heads * head_dim
     kv = c.num_key_value_heads * head_dim
     inter = getattr(c, "intermediate_size", 4 * d)
-    norms = 2 * 3 * d * 4  # two RMSNorms, each keeping fp32 input, rsqrt-scaled copy and output
+    norms = 2 * d * (4 + 4 + dtype_bytes)  # two RMSNorms: fp32 input, fp32 normalised, its cast back
     attn = (d + 3 * q + 4 * kv + d) * dtype_bytes  # qkv, rotary temporaries, attention out, o_proj in
     mlp = (d + 4 * inter) * dtype_bytes  # gate, up, act(gate), act*up
     return norms + attn + mlp
+
+
+def logit_bytes(dtype_bytes: int) -> int:
+    """Device bytes per (token, vocab entry) of one loss chunk: logits, fp32 log-probabilities and
+    their gradient; below fp32 also the logits' fp32 upcast and the gradient cast back."""
+    return dtype_bytes + 4 + 4 + (4 + dtype_bytes if dtype_bytes < 4 else 0)
 
 
 def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int, global_batch: int) -> dict[str, int]:
     """Peak device memory of a step, by part (bytes)."""
     c = spec.config
     d, k, n_layers = c.hidden_size, cfg.checkpoint_every, spec.num_layers
+    size = torch.empty((), dtype=cfg.dtype).element_size()
+    grad_size = torch.empty((), dtype=cfg.grad_torch_dtype).element_size()
     layer = max(u.numel for u in spec.layer_units)
     depth = cfg.prefetch_units or k
     hold = max(k, 2)  # units the schedule uses at once (a block, or the head with a tied embedding)
     tokens, mb_tokens = global_batch * seq, micro_batch * seq
     parts = {
-        "weights": (depth + hold) * layer * 2 + (layer * 4 if cfg.stream_master else 0),
-        "checkpoints": math.ceil(n_layers / k) * tokens * d * 2,
-        "hidden_and_grad": 2 * tokens * d * 2,
-        "recompute": k * mb_tokens * activation_bytes_per_token(spec),
-        "grad_accumulators": k * layer * 4 + layer * 2 * 2,
+        "weights": (depth + hold) * layer * size + (layer * 4 if cfg.stream_master else 0),
+        "checkpoints": math.ceil(n_layers / k) * tokens * d * size,
+        "hidden_and_grad": 2 * tokens * d * size,
+        "recompute": k * mb_tokens * activation_bytes_per_token(spec, size),
+        # fp32 sums of a block, plus the gradients on their way out (cast, or the sums themselves)
+        "grad_accumulators": k * layer * 4 + (2 * layer * grad_size if grad_size < 4 else 0),
     }
-    embed = spec.unit("embed").numel
-    head_phase = embed * (2 + 4) + cfg.loss_chunk_tokens * c.vocab_size * 12
+    # The loss phase instead holds the head's fp32 gradient sum and one autograd gradient, and one
+    # chunk of logits; the peak is whichever phase is larger.
+    lm_head = spec.unit("embed" if spec.tied else "head").numel
+    head_phase = lm_head * (4 + size) + min(cfg.loss_chunk_tokens, mb_tokens) * c.vocab_size * logit_bytes(size)
     parts["head_or_embed_extra"] = max(0, head_phase - parts["recompute"] - parts["grad_accumulators"])
     parts["total"] = sum(parts.values())
     return parts
@@ -92,20 +106,23 @@ def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_
 
 
 def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, host_mem_gb: float,
-              cfg: EngineConfig | None = None, opt: OptimizerConfig | None = None) -> dict:
-    """The largest micro-batch (and best K) that fit the GPU, plus host needs and step time."""
+              cfg: EngineConfig | None = None, opt: OptimizerConfig | None = None,
+              max_micro_tokens: int = MAX_MICRO_TOKENS) -> dict:
+    """The largest micro-batch (up to `max_micro_tokens` tokens) that fits the GPU, with K=4 (the
+    measured default; prefetch depth follows K) unless only another K fits it; host needs and step time."""
     cfg = cfg or EngineConfig(device="cpu", compute_dtype="bf16")
     opt = opt or OptimizerConfig()
     budget = gpu_mem_gb * GIB * 0.9  # headroom for the allocator and the CUDA context
+    sizes = [mb for mb in _divisors_desc(global_batch) if mb * seq <= max_micro_tokens] or [1]
     best = None
-    for k in (1, 2, 4, 8):
-        kc = cfg.model_copy(update={"checkpoint_every": k})
-        for mb in _divisors_desc(global_batch):
-            need = device_bytes(spec, kc, mb, seq, global_batch)["total"]
+    for mb in sizes:
+        for k in (4, 2, 8, 1):
+            need = device_bytes(spec, cfg.model_copy(update={"checkpoint_every": k}), mb, seq, global_batch)["total"]
             if need <= budget:
-                if best is None or mb > best[1] or (mb == best[1] and need < best[2]):
-                    best = (k, mb, need)
+                best = (k, mb, need)
                 break
+        if best:
+            break
     host = host_bytes(spec, cfg, opt)
     out = {
         "params": spec.num_params, "seq": seq, "global_batch": global_batch,

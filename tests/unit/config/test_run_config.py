@@ -18,6 +18,19 @@ def test_shipped_configs_validate(path):
     assert cfg.training.steps > 0
 
 
+@pytest.mark.parametrize("path", [p for p in CONFIGS if p.stem != "demo"], ids=lambda p: p.stem)
+def test_model_configs_carry_the_calculators_batch_for_an_80gb_gpu(path):
+    from mt_ray.engine.sizing import recommend
+    from mt_ray.models.discovery import discover
+    from mt_ray.models.presets import preset_config
+
+    cfg = load_run_config(path)
+    global_batch = cfg.training.micro_batch_size * cfg.training.grad_accum_steps
+    rec = recommend(discover(preset_config(cfg.model.preset)), cfg.data.max_seq_len, global_batch,
+                    gpu_mem_gb=80, host_mem_gb=1024, cfg=cfg.engine, opt=cfg.optimizer)
+    assert (cfg.training.micro_batch_size, cfg.engine.checkpoint_every) == (rec["micro_batch_size"], rec["checkpoint_every"])
+
+
 def test_defaults_are_the_embedded_demo():
     cfg = load_run_config()
     assert cfg.model.preset == "tiny" and cfg.model.path is None

@@ -1,6 +1,9 @@
-"""The calculator's host figure is the engine's own allocation; its batch choice fits its budget."""
+"""The calculator's host figure is the engine's own allocation, its device figure is within 10% of the
+measured peak, and its batch choice fits its budget."""
 
 import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
 
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine
 from mt_ray.engine.sizing import device_bytes, host_bytes, recommend
@@ -41,3 +44,40 @@ def test_impossible_shape_says_so():
     spec = discover(preset_config("qwen2.5-7b"))
     rec = recommend(spec, 32768, 64, gpu_mem_gb=8, host_mem_gb=128)
     assert not rec["fits"] and "does not fit" in rec["reason"]
+
+
+def _peak_step_bytes(engine: StreamingEngine, mbs: list[dict]) -> int:
+    """Peak bytes allocated during one step on CPU (the profiler's allocation events replayed in
+    time order), where every 'device' tensor is a CPU tensor and the host store exists beforehand."""
+    engine.train_step(mbs)  # warm-up: lazily built tables are not part of a step's peak
+    engine.synchronize()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        engine.train_step(mbs)
+        engine.synchronize()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize(("k", "micro", "tied", "chunk"), [
+    (2, 4, True, 256),  # recompute of a block dominates
+    (4, 2, False, 256),
+    (1, 4, False, 512),  # the loss chunk's logits dominate
+])
+def test_device_model_is_within_ten_percent_of_the_measured_peak(k, micro, tied, chunk):
+    cfg = tiny_config("qwen2", hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=8000, tie_word_embeddings=tied)
+    spec = discover(cfg)
+    ecfg = EngineConfig(device="cpu", compute_dtype="fp32", checkpoint_every=k, loss_chunk_tokens=chunk)
+    g = torch.Generator().manual_seed(0)
+    mbs = [{"input_ids": torch.randint(0, 8000, (micro, 256), generator=g)} for _ in range(4)]
+    engine = StreamingEngine(spec, ecfg, OptimizerConfig(), 4)
+    try:
+        engine.load_random(0)
+        measured = _peak_step_bytes(engine, mbs)
+    finally:
+        engine.close()
+    predicted = device_bytes(spec, ecfg, micro, 256, 4 * micro)["total"]
+    assert abs(predicted / measured - 1) <= 0.10, (predicted / 2**20, measured / 2**20)
