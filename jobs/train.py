@@ -27,6 +27,23 @@ def build_callbacks(cfg: RunConfig) -> list:
 
 
 def run(cfg: RunConfig) -> dict:
+    """Train; after losing the cluster's state (coordinator or node), start again from the newest checkpoint."""
+    from mt_ray.cluster import ClusterLostError
+
+    restarts = 0
+    while True:
+        try:
+            return run_once(cfg)
+        except ClusterLostError as e:
+            restarts += 1
+            if restarts > cfg.cluster.job_restarts:
+                raise
+            print(f"warning: {e}; restart {restarts}/{cfg.cluster.job_restarts} from the newest checkpoint under "
+                  f"{cfg.checkpoint.uri}", file=sys.stderr)
+            cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"resume": "auto"})})
+
+
+def run_once(cfg: RunConfig) -> dict:
     callbacks = build_callbacks(cfg)
     trainer = Trainer(cfg, callbacks)
     try:

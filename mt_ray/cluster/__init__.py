@@ -1,7 +1,7 @@
 """Data-parallel training on Ray: engine workers per GPU, a coordinator holding the state.
 
 Public surface: `run_data_parallel` (one call), `DataParallelTrainer` (the controller, for
-callers that want the loop), `ClusterConfig`, `DataParallelResult`, `FailureEvent`, `ClusterError`.
+callers that want the loop), `ClusterConfig`, `DataParallelResult`, `FailureEvent`, `ClusterError`, `ClusterLostError`.
 The names that need Ray are imported on first use, so the run config can hold a `ClusterConfig`
 without importing Ray (an optional dependency) when no cluster is used.
 """
@@ -11,14 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 from mt_ray.cluster.config import ClusterConfig
-from mt_ray.cluster.errors import ClusterError
+from mt_ray.cluster.errors import ClusterError, ClusterLostError
 
 _DRIVER_NAMES = {
     "DataParallelResult", "DataParallelTrainer", "FailureEvent", "count_loss_tokens", "run_data_parallel",
     "shard_batch",
 }
 
-__all__ = ["ClusterConfig", "ClusterError", *sorted(_DRIVER_NAMES)]
+__all__ = ["ClusterConfig", "ClusterError", "ClusterLostError", *sorted(_DRIVER_NAMES)]
 
 
 def __getattr__(name: str) -> Any:

@@ -38,6 +38,10 @@ class ClusterConfig(BaseModel):
         "coordinator's 12 B/param); a worker lost mid-update is recovered from it. 0: no snapshots."
     )
     max_restarts: int = Field(3, ge=0, description="Worker failures survived before the run gives up.")
+    job_restarts: int = Field(
+        1, ge=0, description="Times `jobs.train` starts a new cluster and resumes from the newest checkpoint after "
+        "losing the coordinator or a node (steps since that checkpoint are replayed exactly); 0: the job fails."
+    )
     recovery_grace_s: float = Field(
         30.0, ge=0, description="After a failure, how long the other workers get to finish the step and be kept."
     )

@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mt_ray.cluster.config import ClusterConfig
 from mt_ray.cluster.coordinator import Coordinator
-from mt_ray.cluster.errors import ClusterError
+from mt_ray.cluster.errors import ClusterError, ClusterLostError
 from mt_ray.cluster.reducer import NodeReducer
 from mt_ray.cluster.wire import from_numpy, to_numpy
 from mt_ray.cluster.worker import EngineWorker
@@ -291,11 +291,11 @@ class DataParallelTrainer:
         try:
             ray.get([r.node_id.remote() for r in self.reducers])
         except RayActorError as e:
-            raise ClusterError("a node's reducer was lost (did the node fail?); restart from a checkpoint") from e
+            raise ClusterLostError("a node's reducer was lost (did the node fail?); restart from a checkpoint") from e
         try:
             resume, self.generation, action = ray.get(self.coordinator.recover.remote(step))
         except RayActorError as e:
-            raise ClusterError("the coordinator was lost with the training state; restart from a checkpoint") from e
+            raise ClusterLostError("the coordinator was lost with the training state; restart from a checkpoint") from e
         if resume < min(self._kept):
             raise ClusterError(f"cannot replay from step {resume}: its batch is no longer kept")
         event = FailureEvent(step, f"{type(error).__name__}: {error}".splitlines()[0], lost, resume, action)

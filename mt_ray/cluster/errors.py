@@ -9,3 +9,8 @@ class ClusterError(MtRayError, RuntimeError):
 
 class StaleGenerationError(MtRayError, RuntimeError):
     """A worker of an aborted generation asked for weights; it is about to be replaced."""
+
+
+class ClusterLostError(ClusterError):
+    """A part that holds the run's state (the coordinator, or a node and its reducer) was lost:
+    the run goes on only from a checkpoint, with a new cluster (what `jobs.train` does)."""

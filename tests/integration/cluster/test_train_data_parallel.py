@@ -60,3 +60,32 @@ def test_two_workers_match_one_engine_and_resume_exactly(local_ray, tmp_path):
     _, single_history, single_weights, _ = train(tmp_path, "single", 1, f"training.resume={step2.uri}")
     assert [h["loss"] for h in single_history] == pytest.approx([h["loss"] for h in dp_history], abs=1e-5)
     assert_close_weights(single_weights, dp_weights, atol=1e-5)
+
+
+def test_lost_coordinator_restarts_the_job_from_its_checkpoint(local_ray, tmp_path, monkeypatch, capsys):
+    import ray
+
+    import jobs.train
+    from mt_ray.training.callbacks import Callback
+
+    class KillCoordinator(Callback):
+        """Kills the coordinator (the fp32 state) once, after step 3: step 4 cannot run."""
+
+        fired = False
+
+        def on_step_end(self, trainer, step):
+            if step == 3 and not KillCoordinator.fired:
+                KillCoordinator.fired = True
+                ray.kill(trainer.engine.coordinator, no_restart=True)
+
+    build = jobs.train.build_callbacks
+    monkeypatch.setattr(jobs.train, "build_callbacks", lambda cfg: [*build(cfg), KillCoordinator()])
+    _, history, weights, ckpt = train(tmp_path, "lost", 2)
+
+    assert KillCoordinator.fired
+    assert "restart 1/1 from the newest checkpoint" in capsys.readouterr().err
+    # Resumed at the step-2 checkpoint and replayed steps 3-4 on a new cluster: the same run as
+    # one with no failure (its losses come from the checkpointed history, then the replay).
+    _, clean_history, clean_weights, _ = train(tmp_path, "clean", 2)
+    assert [h["loss"] for h in history] == [h["loss"] for h in clean_history]
+    assert_close_weights(weights, clean_weights, atol=0)
