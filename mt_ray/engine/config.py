@@ -59,9 +59,10 @@ class EngineConfig(_Strict):
         """`optimizer_threads`, else every core this process may run on but one.
 
         Set explicitly on the optimizer thread: Ray starts actors with OMP_NUM_THREADS=1,
-        which would leave a coordinator's Adam on one core (8x slower at 7B on an H200 host).
+        which left a coordinator's Adam on one core (a 7B step took 1.9x as long on H200s).
         """
-        return self.optimizer_threads or max(1, len(os.sched_getaffinity(0)) - 1)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return self.optimizer_threads or max(1, cores - 1)
 
     @property
     def grad_torch_dtype(self) -> torch.dtype:
