@@ -292,10 +292,7 @@ class DataParallelTrainer:
             ray.get([r.node_id.remote() for r in self.reducers])
         except RayActorError as e:
             raise ClusterLostError("a node's reducer was lost (did the node fail?); restart from a checkpoint") from e
-        try:
-            resume, self.generation, action = ray.get(self.coordinator.recover.remote(step))
-        except RayActorError as e:
-            raise ClusterLostError("the coordinator was lost with the training state; restart from a checkpoint") from e
+        resume, self.generation, action = self._ask_coordinator(self.coordinator.recover.remote(step))
         if resume < min(self._kept):
             raise ClusterError(f"cannot replay from step {resume}: its batch is no longer kept")
         event = FailureEvent(step, f"{type(error).__name__}: {error}".splitlines()[0], lost, resume, action)
@@ -324,9 +321,17 @@ class DataParallelTrainer:
                 pass
         return healthy, lost
 
+    @staticmethod
+    def _ask_coordinator(ref: ray.ObjectRef):
+        """The answer of a coordinator call; losing the coordinator loses the run's state."""
+        try:
+            return ray.get(ref)
+        except RayActorError as e:
+            raise ClusterLostError("the coordinator was lost with the training state; restart from a checkpoint") from e
+
     def synchronize(self) -> None:
         """Wait until every update of the steps run so far is in the coordinator's master weights."""
-        ray.get(self.coordinator.wait_updated.remote(self.step_idx))
+        self._ask_coordinator(self.coordinator.wait_updated.remote(self.step_idx))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights by Hugging Face name (copies: they outlive the trainer and its Ray)."""
@@ -339,7 +344,7 @@ class DataParallelTrainer:
     def _fetch_state(self) -> dict[str, torch.Tensor]:
         """Master weights as read-only views of the object fetched from the coordinator."""
         self.synchronize()
-        return {k: from_numpy(a, torch.float32) for k, a in ray.get(self.coordinator.state_dict.remote()).items()}
+        return {k: from_numpy(a, torch.float32) for k, a in self._ask_coordinator(self.coordinator.state_dict.remote()).items()}
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """The engine's checkpoint tensors and meta (same layout, so either kind of run resumes from it).
@@ -348,7 +353,7 @@ class DataParallelTrainer:
         checkpoint is written, the driver's node holds the 12 B/param of master and moments.
         """
         self.synchronize()
-        arrays = ray.get(self.coordinator.checkpoint_state.remote())
+        arrays = self._ask_coordinator(self.coordinator.checkpoint_state.remote())
         meta = {"step": self.step_idx, "layout": plan_layout(self.spec, None).describe()}
         return {k: from_numpy(a, torch.float32) for k, a in arrays.items()}, meta
 
@@ -361,14 +366,14 @@ class DataParallelTrainer:
         plan_layout(self.spec, None).check_matches(meta["layout"])
         self.synchronize()
         arrays = {k: to_numpy(v.contiguous()) for k, v in tensors.items()}
-        self.generation = ray.get(self.coordinator.load_checkpoint_state.remote(arrays, meta))
+        self.generation = self._ask_coordinator(self.coordinator.load_checkpoint_state.remote(arrays, meta))
         ray.get([w.rejoin.remote(self.generation, meta["step"]) for w in self.workers])
         self.step_idx = meta["step"]
         self._kept.clear()
 
     def memory_metrics(self) -> dict[str, float]:
         """Peak host bytes per parameter of the coordinator, the process holding the state."""
-        return {"host_bytes_per_param": ray.get(self.coordinator.rss_bytes_per_param.remote())}
+        return {"host_bytes_per_param": self._ask_coordinator(self.coordinator.rss_bytes_per_param.remote())}
 
     def close(self) -> None:
         for actor in [*self.workers, *self.reducers, self.coordinator]:

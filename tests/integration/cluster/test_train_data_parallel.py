@@ -62,29 +62,34 @@ def test_two_workers_match_one_engine_and_resume_exactly(local_ray, tmp_path):
     assert_close_weights(single_weights, dp_weights, atol=1e-5)
 
 
-def test_lost_coordinator_restarts_the_job_from_its_checkpoint(local_ray, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("when", ["mid-step", "at-checkpoint"])
+def test_lost_coordinator_restarts_the_job_from_its_checkpoint(local_ray, tmp_path, monkeypatch, capsys, when):
+    """Killed after step 3 (step 4 fails; the step-2 checkpoint resumes), or after step 2 before
+    its checkpoint is written (the checkpoint fails; no checkpoint yet, so the job starts over)."""
     import ray
 
     import jobs.train
     from mt_ray.training.callbacks import Callback
 
+    kill_at = 3 if when == "mid-step" else 2
+    fired = []
+
     class KillCoordinator(Callback):
-        """Kills the coordinator (the fp32 state) once, after step 3: step 4 cannot run."""
-
-        fired = False
-
         def on_step_end(self, trainer, step):
-            if step == 3 and not KillCoordinator.fired:
-                KillCoordinator.fired = True
+            if step == kill_at and not fired:
+                fired.append(step)
                 ray.kill(trainer.engine.coordinator, no_restart=True)
 
     build = jobs.train.build_callbacks
-    monkeypatch.setattr(jobs.train, "build_callbacks", lambda cfg: [*build(cfg), KillCoordinator()])
-    _, history, weights, ckpt = train(tmp_path, "lost", 2)
+    if when == "mid-step":
+        monkeypatch.setattr(jobs.train, "build_callbacks", lambda cfg: [*build(cfg), KillCoordinator()])
+    else:
+        monkeypatch.setattr(jobs.train, "build_callbacks", lambda cfg: [KillCoordinator(), *build(cfg)])
+    _, history, weights, _ = train(tmp_path, "lost", 2)
 
-    assert KillCoordinator.fired
+    assert fired == [kill_at]
     assert "restart 1/1 from the newest checkpoint" in capsys.readouterr().err
-    # Resumed at the step-2 checkpoint and replayed steps 3-4 on a new cluster: the same run as
+    # Steps since the checkpoint (or since the start) replayed on a new cluster: the same run as
     # one with no failure (its losses come from the checkpointed history, then the replay).
     _, clean_history, clean_weights, _ = train(tmp_path, "clean", 2)
     assert [h["loss"] for h in history] == [h["loss"] for h in clean_history]
