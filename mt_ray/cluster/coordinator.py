@@ -21,7 +21,7 @@ import ray
 import torch
 
 from mt_ray.cluster.errors import ClusterError, StaleGenerationError
-from mt_ray.cluster.wire import from_numpy, to_numpy
+from mt_ray.cluster.wire import from_numpy, sum_fp32, to_numpy
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import HostStore
 from mt_ray.engine.optimizer import UnitOptimizer, lr_at
@@ -30,7 +30,6 @@ from mt_ray.engine.transfer import GradBuffers
 from mt_ray.models.discovery import discover
 from mt_ray.models.weights import init_random, load_safetensors
 
-SUM_THREADS = 4  # per gradient being summed; several units' sums may run at once
 _WAKE_ALL = 1 << 62  # a version no unit reaches: wakes threads blocked on a retired optimizer worker
 
 
@@ -149,13 +148,8 @@ class Coordinator:
                 return None
             del self._arrived[(step, unit)]
             buffers = self.grad_buffers
-        # Ray runs actor threads with OMP_NUM_THREADS=1; one core cannot sum a 7B layer as fast
-        # as a GPU computes it (the setting is per thread, so it leaves the optimizer's alone).
-        torch.set_num_threads(SUM_THREADS)
-        summed = buffers.acquire(unit)  # may block until the optimizer frees a slab (no clipping)
-        summed.copy_(from_numpy(got[0], self.wire_dtype))
-        for r in range(1, self.num_senders):
-            summed.add_(from_numpy(got[r], self.wire_dtype))
+        out = buffers.acquire(unit)  # may block until the optimizer frees a slab (no clipping)
+        summed = sum_fp32([got[r] for r in range(self.num_senders)], self.wire_dtype, out)
         del got  # the workers' objects can be freed now
         norm_sq = torch.linalg.vector_norm(summed).square()
         with self._cond:

@@ -13,9 +13,8 @@ import threading
 
 import numpy as np
 import ray
-import torch
 
-from mt_ray.cluster.wire import from_numpy, to_numpy
+from mt_ray.cluster.wire import sum_fp32, to_numpy
 from mt_ray.engine.config import EngineConfig
 
 
@@ -49,10 +48,7 @@ class NodeReducer:
             if len(got) < self.num_local:
                 return None
             del self._arrived[(step, unit)]
-        ranks = sorted(got)
-        summed = from_numpy(got[ranks[0]], self.wire_dtype).to(torch.float32, copy=True)
-        for r in ranks[1:]:
-            summed.add_(from_numpy(got[r], self.wire_dtype))
+        summed = sum_fp32([got[r] for r in sorted(got)], self.wire_dtype)
         del got  # the workers' objects can be freed now
         ref = ray.put(to_numpy(summed))  # the one copy that leaves this node
         return ray.get(self.coordinator.put_grad.remote(generation, step, self.node, unit, ref))

@@ -29,3 +29,21 @@ def from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         warnings.simplefilter("ignore", UserWarning)
         t = torch.from_numpy(a)
     return t.view(dtype) if t.dtype != dtype else t
+
+
+SUM_THREADS = 4  # per gradient being summed; several units' sums may run at once
+
+
+def sum_fp32(arrays: list[np.ndarray], dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum gradients read from the object store in fp32, in the order given (callers pass rank
+    order, so the sum does not depend on arrival order); into `out` when given.
+
+    Ray runs actor threads with OMP_NUM_THREADS=1, and one core cannot sum a 7B layer as fast as
+    a GPU computes it; the setting is per thread, so it leaves an optimizer thread's alone.
+    """
+    torch.set_num_threads(SUM_THREADS)
+    first = from_numpy(arrays[0], dtype)
+    out = first.to(torch.float32, copy=True) if out is None else out.copy_(first)
+    for a in arrays[1:]:
+        out.add_(from_numpy(a, dtype))
+    return out
