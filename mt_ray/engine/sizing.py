@@ -35,8 +35,7 @@ class Machine:
 
 def grad_buffer_bytes(numels: dict[str, int], dtype: torch.dtype, per_unit: bool, slabs: int) -> int:
     """Host bytes of gradient landing buffers (all units with clipping, else a few slabs)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return size * (sum(numels.values()) if per_unit else slabs * max(numels.values()))
+    return dtype.itemsize * (sum(numels.values()) if per_unit else slabs * max(numels.values()))
 
 
 def host_bytes(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig) -> int:
@@ -71,8 +70,7 @@ def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int,
     """Peak device memory of a step, by part (bytes)."""
     c = spec.config
     d, k, n_layers = c.hidden_size, cfg.checkpoint_every, spec.num_layers
-    size = torch.empty((), dtype=cfg.dtype).element_size()
-    grad_size = torch.empty((), dtype=cfg.grad_torch_dtype).element_size()
+    size, grad_size = cfg.dtype.itemsize, cfg.grad_torch_dtype.itemsize
     layer = max(u.numel for u in spec.layer_units)
     depth = cfg.prefetch_units or k
     hold = max(k, 2)  # units the schedule uses at once (a block, or the head with a tied embedding)
@@ -114,15 +112,12 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
     opt = opt or OptimizerConfig()
     budget = gpu_mem_gb * GIB * 0.9  # headroom for the allocator and the CUDA context
     sizes = [mb for mb in _divisors_desc(global_batch) if mb * seq <= max_micro_tokens] or [1]
-    best = None
-    for mb in sizes:
-        for k in (4, 2, 8, 1):
-            need = device_bytes(spec, cfg.model_copy(update={"checkpoint_every": k}), mb, seq, global_batch)["total"]
-            if need <= budget:
-                best = (k, mb, need)
-                break
-        if best:
-            break
+
+    def need(k: int, mb: int) -> int:
+        return device_bytes(spec, cfg.model_copy(update={"checkpoint_every": k}), mb, seq, global_batch)["total"]
+
+    candidates = ((k, mb, need(k, mb)) for mb in sizes for k in (4, 2, 8, 1))  # best first
+    best = next((c for c in candidates if c[2] <= budget), None)
     host = host_bytes(spec, cfg, opt)
     out = {
         "params": spec.num_params, "seq": seq, "global_batch": global_batch,
