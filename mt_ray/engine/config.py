@@ -24,6 +24,14 @@ class EngineConfig(_Strict):
         "auto", description="dtype of weights and activations on the device ('auto': bf16 on GPU, fp32 on CPU, "
         "where bf16 matmuls are slow); master weights stay fp32."
     )
+    schedule: Literal["stream", "resident"] = Field(
+        "stream",
+        description="'stream': weights stream through the device a block at a time and every K layers' "
+        "activations are recomputed in backward (8·N·T FLOPs a step; any model size). 'resident': the step's "
+        "compute-dtype weights and fp32 gradient sums stay on the device (6 bytes/param) and each micro-batch "
+        "runs forward and backward with nothing recomputed (6·N·T), for models whose weights and one "
+        "micro-batch's activations fit; the optimizer and master weights stay in host memory.",
+    )
     checkpoint_every: int = Field(
         4, ge=1, description="K: keep the hidden state every K layers and recompute blocks of K layers in backward."
     )

@@ -13,6 +13,11 @@ Schedule of a step (L layers, blocks of K layers, M micro-batches):
 So each unit's weights cross the bus twice a step (forward, backward), and the optimizer
 thread updates units while the backward pass continues.
 
+The resident schedule (`schedule: resident`, for models that fit) uploads each unit once a step
+and keeps it, with an fp32 gradient sum per unit, on the device; every micro-batch then runs
+embed -> layers -> head -> backward with its activations kept, so nothing is recomputed
+(6·N·T instead of 8·N·T FLOPs). Gradients leave during the last micro-batch's backward.
+
 Tensor shape key: B batch, T tokens, D hidden, N selected tokens, V vocabulary.
 """
 
@@ -85,8 +90,10 @@ class StreamingEngine:
         self.streams = StreamSet(self.device)
         depth = cfg.prefetch_units or cfg.checkpoint_every
         source = self.store if local else weight_source
-        # The consumer holds at most one block of K units at once, or the head with a tied embedding.
-        hold = max(cfg.checkpoint_every, 2)
+        self.resident = cfg.schedule == "resident"
+        # Streaming holds at most one block of K units at once, or the head with a tied embedding;
+        # the resident schedule holds every unit for the whole step.
+        hold = len(spec.units) if self.resident else max(cfg.checkpoint_every, 2)
         self.streamer = WeightStreamer(source, self.streams, self.dtype, depth, hold,
                                        (weight_source or self.worker).wait_updated)
         self.outbox = GradOutbox(self.streams)
@@ -116,12 +123,18 @@ class StreamingEngine:
         self.streamer.start(self._upload_plan(), version=self.step_idx)
         self._norm_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         self._lr = lr
+        self._grad_sums: dict[str, torch.Tensor] = {}
+        self._kept: dict[str, torch.Tensor] = {}
 
-        hiddens, contexts, checkpoints = self._forward(mbs)
-        grads, loss_sum = self._head(hiddens, mbs, 1.0 / n_norm)
-        for b in reversed(range(len(checkpoints))):
-            grads = self._backward_block(b, checkpoints.pop(), grads, contexts)
-        self._backward_embed(grads, mbs)
+        if self.resident:
+            loss_sum = self._resident_step(mbs, 1.0 / n_norm)
+        else:
+            hiddens, contexts, checkpoints = self._forward(mbs)
+            grads, loss_sum = self._head(hiddens, mbs, 1.0 / n_norm, final=True)
+            for b in reversed(range(len(checkpoints))):
+                grads = self._backward_block(b, checkpoints.pop(), grads, contexts)
+            self._backward_embed(grads, mbs, final=True)
+        self._kept.clear()
 
         with self.streams.on(self.streams.d2h):
             # The clip coefficient needs the global norm on the host; only the worker waits for it.
@@ -205,44 +218,71 @@ class StreamingEngine:
 
     def _upload_plan(self) -> list[str]:
         layers = [f"layers.{i}" for i in range(self.spec.num_layers)]
+        if self.resident:
+            return ["embed", *layers, "head"]
         plan = ["embed", *layers, "head"] + (["embed"] if self.spec.tied else [])
         for block in reversed(self._blocks()):
             plan += [f"layers.{i}" for i in block]
         return plan + ["embed"]
 
-    def _forward(self, mbs: list[MicroBatch]) -> tuple[list[torch.Tensor], list[list[LayerKwargs]], list[list]]:
+    def _weights(self, unit: str) -> torch.Tensor:
+        """The unit's flat device weights: the next upload, or the step's kept copy when resident."""
+        flat = self._kept.get(unit)
+        if flat is None:
+            flat = self.streamer.next(unit)
+            if self.resident:
+                self._kept[unit] = flat
+        return flat
+
+    def _embed(self, mbs: list[MicroBatch]) -> tuple[list[torch.Tensor], list[list[LayerKwargs]]]:
+        """Embedded inputs and per-layer attention context of each micro-batch (no graph)."""
         embed = self.templates["embed"]
-        w = embed.bind(self.streamer.next("embed"))
+        w = embed.bind(self._weights("embed"))
         hiddens, contexts = [], []
         with torch.no_grad():
             for mb in mbs:
                 h0, ctx = self.context(embed(w, mb.input_ids_BT), mb.position_ids_BT)
                 hiddens.append(h0)
                 contexts.append(ctx)
-            checkpoints = []
+        return hiddens, contexts
+
+    def _forward(self, mbs: list[MicroBatch]) -> tuple[list[torch.Tensor], list[list[LayerKwargs]], list[list]]:
+        hiddens, contexts = self._embed(mbs)
+        checkpoints = []
+        with torch.no_grad():
             for block in self._blocks():
                 checkpoints.append(list(hiddens))
                 for i in block:
-                    weights = self.layer_templates[i].bind(self.streamer.next(f"layers.{i}"))
+                    weights = self.layer_templates[i].bind(self._weights(f"layers.{i}"))
                     for j, ctx in enumerate(contexts):
                         hiddens[j] = _hidden(self.layer_templates[i](weights, hiddens[j], **ctx[i]))
         return hiddens, contexts, checkpoints
 
-    def _head(self, hiddens: list[torch.Tensor], mbs: list[MicroBatch], inv_n: float):
+    def _resident_step(self, mbs: list[MicroBatch], inv_n: float) -> torch.Tensor:
+        """Each micro-batch forward and backward in turn, activations kept, weights bound once."""
+        weights: dict[int, Weights] = {}
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for j, mb in enumerate(mbs):
+            final = j == len(mbs) - 1
+            [h], [ctx] = self._embed([mb])
+            segments = self._run_layers(range(self.spec.num_layers), h, ctx, weights)
+            [g], loss = self._head([segments[-1][2].detach()], [mb], inv_n, final)
+            g = self._backward_layers(segments, weights, g, final)
+            self._backward_embed([g], [mb], final)
+            loss_sum += loss
+        return loss_sum
+
+    def _head(self, hiddens: list[torch.Tensor], mbs: list[MicroBatch], inv_n: float, final: bool):
         """Loss over the final hidden states and its gradients, in chunks of selected tokens."""
         head = self.templates["head"]
-        flat = self.streamer.next("head")
-        weights = head.bind(flat, requires_grad=True)
-        acc = torch.zeros(flat.numel(), dtype=torch.float32, device=self.device)
-        n_own = self.spec.unit("head").numel
-        sizes = list(head.sizes)
+        weights = head.bind(self._weights("head"), requires_grad=True)
+        sums = list(self._grad_sum("head", self.spec.unit("head").numel).split(head.sizes))
         if self.spec.tied:
-            emb = self.streamer.next("embed")
+            emb = self._weights("embed")
             weights["lm_head.weight"] = emb.view(self._embed_shape).detach().requires_grad_()
-            acc = torch.zeros(n_own + emb.numel(), dtype=torch.float32, device=self.device)
-            sizes.append(emb.numel())
+            # The tied embedding's head gradient waits on the device for the embedding's own part.
+            sums.append(self._grad_sum("embed", emb.numel()))
         leaves = list(weights.values())
-        acc_views = list(acc.split(sizes))
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         grads = []
         chunk = self.cfg.loss_chunk_tokens
@@ -257,54 +297,77 @@ class StreamingEngine:
                     loss = torch.nn.functional.cross_entropy(logits_NV, mb.loss_target[s : s + chunk], reduction="sum")
                     g = torch.autograd.grad(loss * inv_n, [x, *leaves])
                 g_sel[s : s + chunk] = g[0]
-                torch._foreach_add_(acc_views, [t.reshape(-1) for t in g[1:]])
+                torch._foreach_add_(sums, [t.reshape(-1) for t in g[1:]])
                 loss_sum += loss.detach()
             grads.append(torch.zeros_like(h_ND).index_copy_(0, mb.loss_index, g_sel).view_as(h_BTD))
-        self._send_grad("head", acc[:n_own])
-        # The tied embedding's head gradient waits on the device for the embedding's own part.
-        self._tied_acc = acc[n_own:] if self.spec.tied else None
+        if final:
+            self._send_grad("head", self._grad_sums.pop("head"))
         return grads, loss_sum
 
     def _backward_block(self, b: int, checkpoint: list[torch.Tensor], grads: list[torch.Tensor],
                         contexts: list[list[LayerKwargs]]) -> list[torch.Tensor]:
         block = self._blocks()[b]
-        weights = [self.layer_templates[i].bind(self.streamer.next(f"layers.{i}"), requires_grad=True) for i in block]
-        accs = [None] * len(block)
+        weights: dict[int, Weights] = {}
         last = len(checkpoint) - 1
         for j, x in enumerate(checkpoint):
-            inputs, outputs = [], []
-            with torch.enable_grad():
-                for k, i in enumerate(block):
-                    x = x.detach().requires_grad_()
-                    inputs.append(x)
-                    x = _hidden(self.layer_templates[i](weights[k], x, **contexts[j][i]))
-                    outputs.append(x)
-            g = grads[j]
-            for k in reversed(range(len(block))):
-                leaves = list(weights[k].values())
-                gs = torch.autograd.grad(outputs[k], [inputs[k], *leaves], g)
-                g = gs[0]
-                accs[k] = _accumulate(accs[k], gs[1:])
-                if j == last:
-                    self._send_grad(f"layers.{block[k]}", accs[k])
-            grads[j] = g
+            segments = self._run_layers(block, x, contexts[j], weights)
+            grads[j] = self._backward_layers(segments, weights, grads[j], final=j == last)
             checkpoint[j] = None  # free this micro-batch's checkpoint as soon as it is used
         return grads
 
-    def _backward_embed(self, grads: list[torch.Tensor], mbs: list[MicroBatch]) -> None:
+    def _run_layers(self, layers: range, x: torch.Tensor, ctx: list[LayerKwargs],
+                    weights: dict[int, Weights]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Run `layers` with autograd, each from a detached input so each can go backward alone.
+
+        Weights missing from `weights` are bound as the loop reaches them, so a layer's compute
+        waits only for its own upload.
+        """
+        segments = []
+        with torch.enable_grad():
+            for i in layers:
+                if i not in weights:
+                    weights[i] = self.layer_templates[i].bind(self._weights(f"layers.{i}"), requires_grad=True)
+                x = x.detach().requires_grad_()
+                out = _hidden(self.layer_templates[i](weights[i], x, **ctx[i]))
+                segments.append((i, x, out))
+                x = out
+        return segments
+
+    def _backward_layers(self, segments: list[tuple[int, torch.Tensor, torch.Tensor]], weights: dict[int, Weights],
+                         g: torch.Tensor, final: bool) -> torch.Tensor:
+        """Backward through `_run_layers`' segments, last first, freeing each graph as it goes."""
+        while segments:
+            i, x, out = segments.pop()
+            gs = torch.autograd.grad(out, [x, *weights[i].values()], g)
+            g = gs[0]
+            self._add_grad(f"layers.{i}", gs[1:], final)
+        return g
+
+    def _backward_embed(self, grads: list[torch.Tensor], mbs: list[MicroBatch], final: bool) -> None:
         embed = self.templates["embed"]
-        weights = embed.bind(self.streamer.next("embed"), requires_grad=True)
+        weights = embed.bind(self._weights("embed"), requires_grad=True)
         leaves = list(weights.values())
-        acc = self._tied_acc
-        for g, mb in zip(grads, mbs, strict=True):
+        for j, (g, mb) in enumerate(zip(grads, mbs, strict=True)):
             with torch.enable_grad():
                 h0, _ = self.context(embed(weights, mb.input_ids_BT), mb.position_ids_BT)
                 gs = torch.autograd.grad(h0, leaves, g)
-            acc = _accumulate(acc, gs)
-        self._tied_acc = None
-        self._send_grad("embed", acc)
+            self._add_grad("embed", gs, final and j == len(mbs) - 1)
 
     # ------------------------------------------------------------------ gradients out
+
+    def _grad_sum(self, unit: str, numel: int) -> torch.Tensor:
+        """This step's fp32 gradient sum of `unit` on the device, zeroed on first use."""
+        if unit not in self._grad_sums:
+            self._grad_sums[unit] = torch.zeros(numel, dtype=torch.float32, device=self.device)
+        return self._grad_sums[unit]
+
+    def _add_grad(self, unit: str, grads, final: bool) -> None:
+        """Add a micro-batch's gradients to the unit's sum; the final contribution ships it."""
+        acc = _accumulate(self._grad_sums.pop(unit, None), grads)
+        if final:
+            self._send_grad(unit, acc)
+        else:
+            self._grad_sums[unit] = acc
 
     def _send_grad(self, unit: str, acc: torch.Tensor) -> None:
         """Ship a finished fp32 gradient to the host and queue its optimizer update."""

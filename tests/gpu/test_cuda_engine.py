@@ -17,7 +17,8 @@ OPT = OptimizerConfig(lr=2e-3, weight_decay=0.1, max_grad_norm=1.0, warmup_steps
 
 @pytest.mark.parametrize("family", ["llama", "qwen2-tied", "gemma3_text"])
 @pytest.mark.parametrize("clip", [1.0, 0.0])
-def test_cuda_streams_match_pytorch(family, clip):
+@pytest.mark.parametrize("schedule", ["stream", "resident"])
+def test_cuda_streams_match_pytorch(family, clip, schedule):
     cfg = tiny_config(family, num_hidden_layers=2 if family == "llama" else 5)
     opt = OPT.model_copy(update={"max_grad_norm": clip})
     torch.manual_seed(0)
@@ -27,7 +28,7 @@ def test_cuda_streams_match_pytorch(family, clip):
     mbs = tiny_batches()
     steps = [mbs] * 4
     engine = StreamingEngine(discover(cfg), EngineConfig(device="cuda", compute_dtype="fp32", checkpoint_every=2,
-                                                         grad_slabs=1), opt, total_steps=4)
+                                                         grad_slabs=1, schedule=schedule), opt, total_steps=4)
     try:
         engine.load_state_dict({k: v.cpu() for k, v in ref.state_dict().items()})
         results = [engine.train_step(mbs) for mbs in steps]
@@ -55,7 +56,8 @@ def test_bf16_stream_master_runs_and_learns():
     assert losses[-1] < losses[0]
 
 
-def test_qwen2_5_1_5b_shape_matches_pytorch_for_20_steps_in_bf16():
+@pytest.mark.parametrize("schedule", ["stream", "resident"])
+def test_qwen2_5_1_5b_shape_matches_pytorch_for_20_steps_in_bf16(schedule):
     """The full-size 1.5B shape, bf16 compute streamed from fp32 masters, against fp32 PyTorch."""
     from transformers import AutoModelForCausalLM
 
@@ -68,7 +70,8 @@ def test_qwen2_5_1_5b_shape_matches_pytorch_for_20_steps_in_bf16():
     ref = AutoModelForCausalLM.from_config(cfg).float().cuda()
     mbs = tiny_batches(n_micro=4, batch=2, seq=256, prompt=16)
     steps = [mbs] * 20  # one batch again and again: the loss must fall far, not just drift
-    engine = StreamingEngine(discover(cfg), EngineConfig(device="cuda", compute_dtype="bf16"), opt, total_steps=20)
+    engine = StreamingEngine(discover(cfg), EngineConfig(device="cuda", compute_dtype="bf16", schedule=schedule), opt,
+                             total_steps=20)
     try:
         engine.load_state_dict({k: v.cpu() for k, v in ref.state_dict().items()})
         losses = [engine.train_step(s).loss.item() for s in steps]
