@@ -38,7 +38,8 @@ from mt_ray.models.discovery import discover  # noqa: E402
 
 def run_engine(args, cfg) -> dict:
     spec = discover(cfg)
-    ecfg = EngineConfig(device="cuda", compute_dtype="bf16", checkpoint_every=args.k, stream_master=args.stream_master,
+    ecfg = EngineConfig(device="cuda", compute_dtype="bf16", schedule=args.schedule, checkpoint_every=args.k,
+                        stream_master=args.stream_master,
                         grad_dtype=args.grad_dtype, loss_chunk_tokens=args.loss_chunk)
     opt = OPT.model_copy(update={"max_grad_norm": args.clip})
     t0 = time.perf_counter()
@@ -136,6 +137,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--micro", type=int, default=16)
+    p.add_argument("--schedule", default="stream", choices=["stream", "resident"], help="engine schedule")
     p.add_argument("--k", type=int, default=4, help="checkpoint every K layers")
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--stream-master", action="store_true")

@@ -10,6 +10,7 @@ no peer is held back by transformers' full-vocabulary fp32 logits (the loss mt-r
 - `fsdp2`: PyTorch FSDP2 `fully_shard` per decoder layer with `CPUOffloadPolicy`, one GPU.
 - `deepspeed`: ZeRO-3 with parameters and optimizer offloaded to pinned CPU memory,
   DeepSpeedCPUAdam (JIT-built on first use), bf16; `deepspeed-superoffload` adds SuperOffload.
+- `plain-no-recompute`, `deepspeed-no-recompute`: the same without activation checkpointing.
 """
 
 from __future__ import annotations
@@ -50,13 +51,14 @@ class ChunkedLossLM(torch.nn.Module):
         return F.cross_entropy(self.lm.lm_head(h).float(), target, reduction="sum")
 
 
-def build_lm(cfg, chunk_tokens: int) -> ChunkedLossLM:
+def build_lm(cfg, chunk_tokens: int, recompute: bool = True) -> ChunkedLossLM:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     lm = AutoModelForCausalLM.from_config(cfg)
     lm.config.use_cache = False
-    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if recompute:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return ChunkedLossLM(lm, chunk_tokens)
 
 
@@ -67,8 +69,8 @@ def param_groups(model: torch.nn.Module, opt: OptimizerConfig) -> list[dict]:
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def plain_step(cfg, mbs: list[dict], opt: OptimizerConfig, chunk_tokens: int) -> Step:
-    model = build_lm(cfg, chunk_tokens).cuda()
+def plain_step(cfg, mbs: list[dict], opt: OptimizerConfig, chunk_tokens: int, recompute: bool = True) -> Step:
+    model = build_lm(cfg, chunk_tokens, recompute).cuda()
     optim = torch.optim.AdamW(param_groups(model, opt), lr=opt.lr, betas=opt.betas, eps=opt.eps, fused=True)
 
     def forward(i: int, ids: torch.Tensor, n_items: int) -> torch.Tensor:
@@ -155,7 +157,8 @@ def deepspeed_host_bytes(n_params: int) -> int:
     return 18 * n_params
 
 
-def deepspeed_step(cfg, mbs: list[dict], opt: OptimizerConfig, chunk_tokens: int, super_offload: bool = False) -> Step:
+def deepspeed_step(cfg, mbs: list[dict], opt: OptimizerConfig, chunk_tokens: int, super_offload: bool = False,
+                   recompute: bool = True) -> Step:
     import deepspeed
 
     _single_process_group()
@@ -165,7 +168,7 @@ def deepspeed_step(cfg, mbs: list[dict], opt: OptimizerConfig, chunk_tokens: int
     # zero.Init (also what HfDeepSpeedConfig turns on) skips that init in transformers 5, and
     # building on the host would add the fp32 model to DeepSpeed's peak host memory.
     with torch.device("cuda"):
-        model = build_lm(cfg, chunk_tokens)
+        model = build_lm(cfg, chunk_tokens, recompute)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, opt), config=ds_cfg)
     mbs = [mb["input_ids"].cuda() for mb in mbs]
     micro_items = mbs[0][:, 1:].numel()  # DeepSpeed divides each micro-batch loss by the accumulation steps
@@ -185,4 +188,7 @@ def deepspeed_step(cfg, mbs: list[dict], opt: OptimizerConfig, chunk_tokens: int
 PEERS: dict[str, Callable[..., Step]] = {
     "plain": plain_step, "fsdp2": fsdp2_step, "deepspeed": deepspeed_step,
     "deepspeed-superoffload": partial(deepspeed_step, super_offload=True),  # DeepSpeed >= 0.18, built for superchips
+    # Without activation checkpointing (6·N·T), the peers of mt-ray's resident schedule.
+    "plain-no-recompute": partial(plain_step, recompute=False),
+    "deepspeed-no-recompute": partial(deepspeed_step, recompute=False),
 }

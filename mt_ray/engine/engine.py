@@ -34,7 +34,7 @@ from mt_ray.engine.host_store import HostStore
 from mt_ray.engine.optimizer import UnitOptimizer, lr_at
 from mt_ray.engine.optimizer_worker import OptimizerWorker
 from mt_ray.engine.seams import GradSink, WeightSource
-from mt_ray.engine.sizing import grad_buffer_bytes
+from mt_ray.engine.sizing import grad_buffer_bytes, grad_buffers_per_unit
 from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
 from mt_ray.engine.transfer import GradBuffers, GradOutbox, StreamSet, WeightStreamer
 from mt_ray.models.context import LayerContextBuilder, LayerKwargs
@@ -77,11 +77,11 @@ class StreamingEngine:
         copy_dtype = None if cfg.stream_master or self.dtype == torch.float32 else self.dtype
         self.grad_dtype = grad_dtype = cfg.grad_torch_dtype
         numels = {u.name: u.numel for u in spec.units}
-        clips = opt_cfg.max_grad_norm > 0
-        grad_bytes = grad_buffer_bytes(numels, grad_dtype, clips, cfg.grad_slabs)
+        per_unit = grad_buffers_per_unit(cfg, opt_cfg)
+        grad_bytes = grad_buffer_bytes(numels, grad_dtype, per_unit, cfg.grad_slabs)
         local = grad_sink is None
         self.store = HostStore(spec, copy_dtype, pin, grad_bytes, cfg.host_memory_limit_gb) if local else None
-        self.grad_buffers = GradBuffers(numels, grad_dtype, pin, per_unit=clips, slabs=cfg.grad_slabs)
+        self.grad_buffers = GradBuffers(numels, grad_dtype, pin, per_unit=per_unit, slabs=cfg.grad_slabs)
         self.optimizers = {u.name: UnitOptimizer(self.store, u, opt_cfg) for u in spec.units} if local else {}
         self.worker = grad_sink if not local else OptimizerWorker(
             self.store, self.optimizers, self.grad_buffers, [u.name for u in spec.units],

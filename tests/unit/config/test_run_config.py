@@ -28,7 +28,8 @@ def test_model_configs_carry_the_calculators_batch_for_an_80gb_gpu(path):
     global_batch = cfg.training.micro_batch_size * cfg.training.grad_accum_steps
     rec = recommend(discover(preset_config(cfg.model.preset)), cfg.data.max_seq_len, global_batch,
                     gpu_mem_gb=80, host_mem_gb=1024, cfg=cfg.engine, opt=cfg.optimizer)
-    assert (cfg.training.micro_batch_size, cfg.engine.checkpoint_every) == (rec["micro_batch_size"], rec["checkpoint_every"])
+    ours = (cfg.engine.schedule, cfg.training.micro_batch_size, cfg.engine.checkpoint_every)
+    assert ours == (rec["schedule"], rec["micro_batch_size"], rec["checkpoint_every"])
 
 
 def test_defaults_are_the_embedded_demo():

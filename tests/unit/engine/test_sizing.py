@@ -32,12 +32,23 @@ def test_host_bytes_equal_engine_allocation(clip, kw):
 
 def test_recommendation_fits_and_grows_with_memory():
     spec = discover(preset_config("qwen2.5-7b"))
-    small = recommend(spec, 1024, 128, gpu_mem_gb=40, host_mem_gb=128)
-    big = recommend(spec, 1024, 128, gpu_mem_gb=140, host_mem_gb=128)
+    small = recommend(spec, 1024, 128, gpu_mem_gb=24, host_mem_gb=128)
+    big = recommend(spec, 1024, 128, gpu_mem_gb=80, host_mem_gb=128)
     assert small["fits"] and big["fits"]
-    assert big["micro_batch_size"] >= small["micro_batch_size"]
+    assert big["micro_batch_size"] > small["micro_batch_size"]
     cfg = EngineConfig(device="cpu", compute_dtype="bf16", checkpoint_every=small["checkpoint_every"])
-    assert device_bytes(spec, cfg, small["micro_batch_size"], 1024, 128)["total"] <= 40 * 0.9 * 2**30
+    assert device_bytes(spec, cfg, small["micro_batch_size"], 1024, 128)["total"] <= 24 * 0.9 * 2**30
+
+
+def test_recommendation_keeps_small_models_resident_and_streams_large_ones():
+    """The measured crossover: resident with 8k-token micro-batches (1.5B, 3B), streaming at 7B."""
+    for shape, batch, schedule in (("qwen2.5-1.5b", 64, "resident"), ("qwen2.5-3b", 88, "resident"),
+                                   ("qwen2.5-7b", 128, "stream")):
+        rec = recommend(discover(preset_config(shape)), 1024, batch, gpu_mem_gb=80, host_mem_gb=1024)
+        assert rec["schedule"] == schedule, shape
+        assert rec["micro_batch_size"] * 1024 >= (8192 if schedule == "resident" else 1024)
+    tight = recommend(discover(preset_config("qwen2.5-1.5b")), 1024, 64, gpu_mem_gb=24, host_mem_gb=1024)
+    assert tight["schedule"] == "stream"  # 24 GB: no 8k-token micro-batch fits beside the whole model
 
 
 def test_impossible_shape_says_so():
@@ -61,16 +72,20 @@ def _peak_step_bytes(engine: StreamingEngine, mbs: list[dict]) -> int:
     return peak
 
 
-@pytest.mark.parametrize(("k", "micro", "tied", "chunk"), [
-    (2, 4, True, 256),  # recompute of a block dominates
-    (4, 2, False, 256),
-    (1, 4, False, 512),  # the loss chunk's logits dominate
+@pytest.mark.parametrize(("schedule", "k", "micro", "tied", "chunk"), [
+    ("stream", 2, 4, True, 256),  # recompute of a block dominates
+    ("stream", 4, 2, False, 256),
+    ("stream", 1, 4, False, 512),  # the loss chunk's logits dominate
+    # The resident model errs high (H100: +6..+9% at 1.5B, 3B and 7B): never under, at most 20% over.
+    ("resident", 4, 4, True, 256),  # all layers' activations dominate
+    ("resident", 4, 2, False, 512),  # weights, gradient sums and the loss chunk weigh most
 ])
-def test_device_model_is_within_ten_percent_of_the_measured_peak(k, micro, tied, chunk):
+def test_device_model_is_close_to_the_measured_peak(schedule, k, micro, tied, chunk):
     cfg = tiny_config("qwen2", hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=8000, tie_word_embeddings=tied)
     spec = discover(cfg)
-    ecfg = EngineConfig(device="cpu", compute_dtype="fp32", checkpoint_every=k, loss_chunk_tokens=chunk)
+    ecfg = EngineConfig(device="cpu", compute_dtype="fp32", schedule=schedule, checkpoint_every=k,
+                        loss_chunk_tokens=chunk)
     g = torch.Generator().manual_seed(0)
     mbs = [{"input_ids": torch.randint(0, 8000, (micro, 256), generator=g)} for _ in range(4)]
     engine = StreamingEngine(spec, ecfg, OptimizerConfig(), 4)
@@ -80,4 +95,5 @@ def test_device_model_is_within_ten_percent_of_the_measured_peak(k, micro, tied,
     finally:
         engine.close()
     predicted = device_bytes(spec, ecfg, micro, 256, 4 * micro)["total"]
-    assert abs(predicted / measured - 1) <= 0.10, (predicted / 2**20, measured / 2**20)
+    low, high = (0.90, 1.10) if schedule == "stream" else (1.0, 1.20)
+    assert low <= predicted / measured <= high, (predicted / 2**20, measured / 2**20)
