@@ -39,8 +39,8 @@ from mt_ray.models.discovery import discover  # noqa: E402
 def run_engine(args, cfg) -> dict:
     spec = discover(cfg)
     ecfg = EngineConfig(device="cuda", compute_dtype="bf16", schedule=args.schedule, checkpoint_every=args.k,
-                        stream_master=args.stream_master,
-                        grad_dtype=args.grad_dtype, loss_chunk_tokens=args.loss_chunk)
+                        stream_master=args.stream_master, grad_dtype=args.grad_dtype, loss_chunk_tokens=args.loss_chunk,
+                        kernels=args.kernels)
     opt = OPT.model_copy(update={"max_grad_norm": args.clip})
     t0 = time.perf_counter()
     engine = StreamingEngine(spec, ecfg, opt, total_steps=args.warmup + args.steps + 4)
@@ -143,6 +143,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-master", action="store_true")
     p.add_argument("--grad-dtype", default="fp32", choices=["fp32", "compute"])
     p.add_argument("--loss-chunk", type=int, default=4096)
+    p.add_argument("--kernels", default="torch", choices=["torch", "liger"], help="mt-ray engine: fused Liger kernels")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="profile one extra step for the time split")

@@ -6,7 +6,7 @@ import os
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -49,12 +49,26 @@ class EngineConfig(_Strict):
     )
     loss_chunk_tokens: int = Field(4096, ge=1, description="Tokens per LM-head chunk; bounds the fp32 logits in memory.")
     attn_implementation: str = Field("sdpa", description="transformers attention backend: sdpa, eager, flash_attention_2.")
+    kernels: Literal["torch", "liger"] = Field(
+        "torch",
+        description="'liger': Liger's fused Triton kernels for RMSNorm, SwiGLU/GeGLU and rotary in every decoder "
+        "layer and the final norm, with the family's own settings (fewer activation bytes kept for backward and "
+        "fewer kernel launches; CUDA only; pip install liger-kernel). The loss stays the engine's chunked fp32 "
+        "cross-entropy. 'torch': the family's transformers code.",
+    )
     host_memory_limit_gb: float | None = Field(
         None, gt=0, description="Host memory this job may use; default: cgroup limit, else MemAvailable."
     )
     optimizer_threads: int | None = Field(
         None, ge=1, description="CPU threads for the optimizer; default: all cores but one (kept for launching GPU work)."
     )
+
+    @model_validator(mode="after")
+    def _liger_needs_cuda(self) -> EngineConfig:
+        if self.kernels == "liger" and self.device == "cpu":
+            raise ValueError("kernels: liger runs Triton kernels on CUDA only, but device is cpu; "
+                             "use kernels: torch, or device: cuda")
+        return self
 
     @property
     def dtype(self) -> torch.dtype:

@@ -39,6 +39,7 @@ from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
 from mt_ray.engine.transfer import GradBuffers, GradOutbox, StreamSet, WeightStreamer
 from mt_ray.models.context import LayerContextBuilder, LayerKwargs
 from mt_ray.models.discovery import ModelSpec
+from mt_ray.models.kernels import apply_kernels
 from mt_ray.models.weights import export_hf, init_random, load_safetensors
 
 
@@ -73,6 +74,7 @@ class StreamingEngine:
         self.dtype = cfg.dtype
         self.step_idx = 0
         spec.config._attn_implementation = cfg.attn_implementation
+        apply_kernels(spec, cfg.kernels, self.device)  # before any allocation, and before the templates
         pin = self.device.type == "cuda"
         copy_dtype = None if cfg.stream_master or self.dtype == torch.float32 else self.dtype
         self.grad_dtype = grad_dtype = cfg.grad_torch_dtype

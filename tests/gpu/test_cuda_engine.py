@@ -3,12 +3,15 @@
 Runs only where a GPU is present (the lent device machine); CPU CI skips it.
 """
 
+import importlib
+import importlib.util
+
 import pytest
 import torch
 
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine
 from mt_ray.models.discovery import discover
-from tests.tiny_models import reference_train, tiny_batches, tiny_config
+from tests.tiny_models import reference_model, reference_train, tiny_batches, tiny_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -80,3 +83,49 @@ def test_qwen2_5_1_5b_shape_matches_pytorch_for_20_steps_in_bf16(schedule):
     ref_losses = reference_train(ref, [[{k: v.cuda() for k, v in mb.items()} for mb in s] for s in steps], opt)
     assert ref_losses[-1] < 0.5 * ref_losses[0]
     assert losses == pytest.approx(ref_losses, rel=3e-2, abs=5e-2)
+
+
+@pytest.fixture
+def family_module_restored(monkeypatch):
+    """Liger patches the family's modeling module for the whole process (rotary function, classes);
+    put every name back after the test so later tests run transformers' own code."""
+    def keep(model_type: str) -> None:
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        for name, value in list(vars(module).items()):
+            if not name.startswith("__"):
+                monkeypatch.setattr(module, name, value)
+    return keep
+
+
+def _train_with_kernels(cfg, kernels: str, schedule: str, state: dict, steps: list, opt: OptimizerConfig):
+    ecfg = EngineConfig(device="cuda", compute_dtype="fp32", checkpoint_every=2, grad_slabs=1, schedule=schedule,
+                        kernels=kernels)
+    engine = StreamingEngine(discover(cfg), ecfg, opt, total_steps=len(steps))
+    try:
+        swapped = (engine.templates["head"].module.norm._get_name(), engine.layer_templates[0].module.mlp._get_name())
+        engine.load_state_dict(state)
+        losses = [engine.train_step(s).loss.item() for s in steps]
+        return losses, engine.state_dict(), swapped
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="needs liger-kernel")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("schedule", ["stream", "resident"])
+def test_liger_kernels_match_torch_kernels(family, schedule, family_module_restored):
+    """Liger's fused RMSNorm, SwiGLU and rotary train to the same losses and weights in fp32."""
+    cfg = tiny_config(family, num_hidden_layers=3)
+    family_module_restored(cfg.model_type)
+    state = {k: v.cpu() for k, v in reference_model(cfg).state_dict().items()}
+    steps = [tiny_batches()] * 4
+    # torch first: Liger's rotary swap would reach a torch engine built after it in this process.
+    ref_losses, ref_state, ref_names = _train_with_kernels(cfg, "torch", schedule, state, steps, OPT)
+    losses, liger_state, liger_names = _train_with_kernels(cfg, "liger", schedule, state, steps, OPT)
+    # The swap reached the templates and the attention's rotary function.
+    assert liger_names == ("LigerRMSNorm", "LigerSwiGLUMLP") != ref_names
+    modeling = importlib.import_module(f"transformers.models.{cfg.model_type}.modeling_{cfg.model_type}")
+    assert modeling.apply_rotary_pos_emb.__module__ == "liger_kernel.transformers.rope"
+    assert losses == pytest.approx(ref_losses, rel=5e-4)
+    for name, w in ref_state.items():
+        torch.testing.assert_close(liger_state[name], w, atol=5e-4, rtol=1e-3, msg=name)
