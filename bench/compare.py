@@ -59,7 +59,7 @@ def run_peer(args, cfg, system: str) -> dict:
     opt = OPT.model_copy(update={"max_grad_norm": args.clip})
     mbs = random_micro_batches(cfg.vocab_size, args.batch, args.micro, args.seq)
     t0 = time.perf_counter()
-    step = PEERS[system](cfg, mbs, opt, args.loss_chunk)
+    step = PEERS[system](cfg, mbs, opt, args.loss_chunk, kernels=args.kernels)
     setup_s = time.perf_counter() - t0
     losses = [step() for _ in range(args.warmup)]
     torch.cuda.reset_peak_memory_stats()

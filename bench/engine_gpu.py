@@ -143,7 +143,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-master", action="store_true")
     p.add_argument("--grad-dtype", default="fp32", choices=["fp32", "compute"])
     p.add_argument("--loss-chunk", type=int, default=4096)
-    p.add_argument("--kernels", default="torch", choices=["torch", "liger"], help="mt-ray engine: fused Liger kernels")
+    p.add_argument("--kernels", default="torch", choices=["torch", "liger"], help="fused Liger kernels (mt-ray and every peer)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="profile one extra step for the time split")

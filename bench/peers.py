@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from mt_ray.engine import OptimizerConfig
+from mt_ray.models.kernels import apply_liger
 
 Step = Callable[[], torch.Tensor]
 
@@ -51,12 +52,14 @@ class ChunkedLossLM(torch.nn.Module):
         return F.cross_entropy(self.lm.lm_head(h).float(), target, reduction="sum")
 
 
-def build_lm(cfg, chunk_tokens: int, recompute: bool = True) -> ChunkedLossLM:
+def build_lm(cfg, chunk_tokens: int, recompute: bool = True, kernels: str = "torch") -> ChunkedLossLM:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     lm = AutoModelForCausalLM.from_config(cfg)
     lm.config.use_cache = False
+    if kernels == "liger":  # the same fused kernels as mt-ray's `kernels: liger`
+        apply_liger(lm, cfg.model_type)
     if recompute:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return ChunkedLossLM(lm, chunk_tokens)
@@ -69,8 +72,9 @@ def param_groups(model: torch.nn.Module, opt: OptimizerConfig) -> list[dict]:
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def plain_step(cfg, mbs: list[dict], opt: OptimizerConfig, chunk_tokens: int, recompute: bool = True) -> Step:
-    model = build_lm(cfg, chunk_tokens, recompute).cuda()
+def plain_step(cfg, mbs: list[dict], opt: OptimizerConfig, chunk_tokens: int, kernels: str = "torch",
+               recompute: bool = True) -> Step:
+    model = build_lm(cfg, chunk_tokens, recompute, kernels).cuda()
     optim = torch.optim.AdamW(param_groups(model, opt), lr=opt.lr, betas=opt.betas, eps=opt.eps, fused=True)
 
     def forward(i: int, ids: torch.Tensor, n_items: int) -> torch.Tensor:
@@ -109,12 +113,12 @@ def _single_process_group() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
 
 
-def fsdp2_step(cfg, mbs: list[dict], opt: OptimizerConfig, chunk_tokens: int) -> Step:
+def fsdp2_step(cfg, mbs: list[dict], opt: OptimizerConfig, chunk_tokens: int, kernels: str = "torch") -> Step:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     _single_process_group()
     torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", 0))
-    model = build_lm(cfg, chunk_tokens)
+    model = build_lm(cfg, chunk_tokens, kernels=kernels)
     policy = dict(offload_policy=CPUOffloadPolicy(pin_memory=True),
                   mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     for layer in model.lm.model.layers:
@@ -157,8 +161,8 @@ def deepspeed_host_bytes(n_params: int) -> int:
     return 18 * n_params
 
 
-def deepspeed_step(cfg, mbs: list[dict], opt: OptimizerConfig, chunk_tokens: int, super_offload: bool = False,
-                   recompute: bool = True) -> Step:
+def deepspeed_step(cfg, mbs: list[dict], opt: OptimizerConfig, chunk_tokens: int, kernels: str = "torch",
+                   super_offload: bool = False, recompute: bool = True) -> Step:
     import deepspeed
 
     _single_process_group()
@@ -168,7 +172,7 @@ def deepspeed_step(cfg, mbs: list[dict], opt: OptimizerConfig, chunk_tokens: int
     # zero.Init (also what HfDeepSpeedConfig turns on) skips that init in transformers 5, and
     # building on the host would add the fp32 model to DeepSpeed's peak host memory.
     with torch.device("cuda"):
-        model = build_lm(cfg, chunk_tokens, recompute)
+        model = build_lm(cfg, chunk_tokens, recompute, kernels)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, opt), config=ds_cfg)
     mbs = [mb["input_ids"].cuda() for mb in mbs]
     micro_items = mbs[0][:, 1:].numel()  # DeepSpeed divides each micro-batch loss by the accumulation steps

@@ -50,17 +50,9 @@ def apply_kernels(spec: ModelSpec, kernels: str, device: torch.device,
             f"kernels: liger runs Triton kernels on CUDA only, but the engine's device is {device}; "
             "use kernels: torch, or a CUDA device"
         )
-    fns = load_liger_fns() if liger_fns is None else liger_fns
-    apply = _apply_fn_for(spec.config.model_type, fns)
     params_before = _param_shapes(spec.skeleton)
     rotary_before = _rotary_fns(spec.skeleton)
-    try:
-        apply(model=spec.skeleton, **_loss_flags_off(apply))
-    except Exception as e:
-        raise ModelNotSupportedError(
-            f"Liger's {getattr(apply, '__name__', 'apply function')} failed on this "
-            f"'{spec.config.model_type}' model ({type(e).__name__}: {e}); use kernels: torch"
-        ) from e
+    apply_liger(spec.skeleton, spec.config.model_type, liger_fns)
     if _param_shapes(spec.skeleton) != params_before:
         raise ModelNotSupportedError(
             f"Liger changed the parameter names or shapes of this '{spec.config.model_type}' model, so the "
@@ -73,6 +65,19 @@ def apply_kernels(spec: ModelSpec, kernels: str, device: torch.device,
         )
     logger.info("liger kernels: %s", ", ".join(_collapse_layer_indices(swapped)))
     return swapped
+
+
+def apply_liger(model: nn.Module, model_type: str, liger_fns: Mapping[str, ApplyFn] | None = None) -> None:
+    """Liger's own swap for the family, loss kernels off, on any instance (the engine's skeleton, or a
+    benchmark peer's whole model so both run the same kernels)."""
+    apply = _apply_fn_for(model_type, load_liger_fns() if liger_fns is None else liger_fns)
+    try:
+        apply(model=model, **_loss_flags_off(apply))
+    except Exception as e:
+        raise ModelNotSupportedError(
+            f"Liger's {getattr(apply, '__name__', 'apply function')} failed on this "
+            f"'{model_type}' model ({type(e).__name__}: {e}); use kernels: torch"
+        ) from e
 
 
 def load_liger_fns() -> Mapping[str, ApplyFn]:
