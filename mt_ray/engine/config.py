@@ -111,8 +111,9 @@ class OptimizerConfig(_Strict):
     schedule: Literal["constant", "cosine", "linear"] = Field("cosine", description="LR schedule after warmup.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps from 0 to lr.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Floor of cosine/linear decay, as a fraction of lr.")
-    impl: Literal["auto", "torch", "deepspeed"] = Field(
-        "auto", description="'auto' uses DeepSpeed CPUAdam when installed, else torch's fused CPU AdamW."
+    impl: Literal["torch", "deepspeed"] = Field(
+        "torch", description="'torch': torch's fused CPU AdamW; 'deepspeed': DeepSpeed's CPUAdam (JIT-built). torch "
+        "is the default because it measured faster on the H100 host (3B step, bf16 gradients: 1.59 s vs 1.83 s)."
     )
 
     @field_validator("betas")

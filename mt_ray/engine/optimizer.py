@@ -14,6 +14,7 @@ from torch import nn
 
 from mt_ray.engine.config import OptimizerConfig
 from mt_ray.engine.host_store import HostStore
+from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import UnitSpec
 
 
@@ -49,7 +50,10 @@ class UnitOptimizer:
         m, v = store.moments_of(unit.name)
         n_decay = sum(p.numel for p in unit.params if p.decays)
         self.unit = unit.name
-        self.use_ds = cfg.impl == "deepspeed" or (cfg.impl == "auto" and deepspeed_available())
+        self.use_ds = cfg.impl == "deepspeed"
+        if self.use_ds and not deepspeed_available():
+            raise ConfigError("optimizer.impl: deepspeed needs DeepSpeed's CPUAdam, which does not import or build "
+                              "here; pip install deepspeed (with a C++ toolchain), or use impl: torch")
         groups = []
         for lo, hi, wd in ((0, n_decay, cfg.weight_decay), (n_decay, unit.numel, 0.0)):
             for c_lo in range(lo, hi, chunk_numel):

@@ -7,6 +7,7 @@ from transformers import get_scheduler
 from mt_ray.engine.config import OptimizerConfig
 from mt_ray.engine.host_store import HostStore
 from mt_ray.engine.optimizer import UnitOptimizer, deepspeed_available, lr_at
+from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import discover
 from tests.tiny_models import tiny_config
 
@@ -80,3 +81,11 @@ def test_chunked_steps_with_bf16_grads_and_clip_match_one_piece():
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
     expected_m = 0.1 * 0.5 * g.float() * (1 + 0.9)
     torch.testing.assert_close(results[0][1], expected_m, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(deepspeed_available(), reason="checks the message shown where DeepSpeed is missing")
+def test_deepspeed_adam_without_deepspeed_says_how_to_fix():
+    spec = discover(tiny_config("llama"))
+    store, unit = HostStore(spec, None, pin=False), spec.unit("layers.0")
+    with pytest.raises(ConfigError, match="pip install deepspeed.*impl: torch"):
+        UnitOptimizer(store, unit, OptimizerConfig(impl="deepspeed"))
