@@ -10,6 +10,7 @@ from the machine's matmul rate and link bandwidth (defaults: the lent H100's mea
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -180,7 +181,7 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
 
     resident = (option("resident", cfg.checkpoint_every, mb) for mb in sizes if mb * seq >= RESIDENT_MIN_MICRO_TOKENS)
     streamed = (option("stream", k, mb) for mb in sizes for k in (4, 2, 8, 1))
-    best = next((o for o in (*resident, *streamed) if o[2] <= budget), None)  # best first
+    best = next((o for o in itertools.chain(resident, streamed) if o[2] <= budget), None)  # best first
     chosen = best[0] if best else cfg
     host = host_bytes(spec, chosen, opt)
     out = {
