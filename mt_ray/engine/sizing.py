@@ -49,7 +49,9 @@ def grad_buffers_per_unit(cfg: EngineConfig, opt: OptimizerConfig) -> bool:
 
     With clipping every gradient waits for the global norm. In the resident schedule all gradients
     leave within the last micro-batch's backward, much faster than the optimizer drains slabs, so
-    the engine thread would block on a slab and leave the GPU idle (measured: 3B, 6.06 s vs 5.9 s).
+    the engine thread could block on a slab while the GPU waits. That is reasoning, not a measured
+    gain: on the H100 the 3B resident step without clipping (micro 4) took 6.06 s with slabs and
+    6.31 s with per-unit buffers, both slower than the 5.9 s with clipping, for a cause not found.
     """
     return opt.max_grad_norm > 0 or cfg.schedule == "resident"
 
