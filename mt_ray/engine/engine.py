@@ -1,17 +1,20 @@
 """The streaming engine: one training step of a model whose state lives in host memory.
 
 Schedule of a step (L layers, blocks of K layers, M micro-batches):
-  forward   embed -> layer 0 .. L-1 -> head, every micro-batch through a unit while its weights
-            are resident (one upload serves the whole batch); the hidden state entering each
-            block is kept (the checkpoints).
+  forward   embed every micro-batch, then block by block: every micro-batch through the block's
+            K layers while their weights are resident (one upload serves the whole batch); the
+            hidden state entering each block is parked (the checkpoints), and so is the last
+            block's output.
   head      final norm + LM head + loss, forward and backward together, in token chunks so
-            full-vocabulary fp32 logits never exist.
+            full-vocabulary fp32 logits never exist; each micro-batch's gradient is parked.
   backward  block by block from the last: upload the block's K layers once, then per
             micro-batch recompute the block from its checkpoint and run it backward layer by
-            layer. A layer's gradient leaves the device as soon as the last micro-batch has
-            contributed to it. Finally the embedding.
+            layer, parking the gradient for the block before. A layer's gradient leaves the
+            device as soon as the last micro-batch has contributed to it. Finally the embedding.
 So each unit's weights cross the bus twice a step (forward, backward), and the optimizer
-thread updates units while the backward pass continues.
+thread updates units while the backward pass continues. Parked hidden states wait on the
+device or in pinned host memory (`checkpoint_placement`, see activations.py); slot b < L/K holds
+block b's checkpoint, slot L/K the last block's output and then the gradient flowing back.
 
 The resident schedule (`schedule: resident`, for models that fit) uploads each unit once a step
 and keeps it, with an fp32 gradient sum per unit, on the device; every micro-batch then runs
@@ -23,11 +26,13 @@ Tensor shape key: B batch, T tokens, D hidden, N selected tokens, V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from mt_ray.engine.activations import Op, build_activation_store
 from mt_ray.engine.batch import MicroBatch, prepare_micro_batch
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import HostStore
@@ -36,7 +41,7 @@ from mt_ray.engine.optimizer_worker import OptimizerWorker
 from mt_ray.engine.seams import GradSink, WeightSource
 from mt_ray.engine.sizing import grad_buffer_bytes, grad_buffers_per_unit
 from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
-from mt_ray.engine.transfer import GradBuffers, GradOutbox, StreamSet, WeightStreamer
+from mt_ray.engine.transfer import GradBuffers, Outbox, StreamSet, WeightStreamer
 from mt_ray.models.context import LayerContextBuilder, LayerKwargs
 from mt_ray.models.discovery import ModelSpec
 from mt_ray.models.kernels import apply_kernels
@@ -98,11 +103,14 @@ class StreamingEngine:
         hold = len(spec.units) if self.resident else max(cfg.checkpoint_every, 2)
         self.streamer = WeightStreamer(source, self.streams, self.dtype, depth, hold,
                                        (weight_source or self.worker).wait_updated)
-        self.outbox = GradOutbox(self.streams)
+        self.outbox = Outbox(self.streams)
+        self.activations = build_activation_store(cfg.checkpoint_placement, self.streams, self.dtype,
+                                                  cfg.host_memory_limit_gb)
         self.templates = build_templates(spec, self.device)
         self.context = LayerContextBuilder(spec, self.device)
         self.layer_templates = [self.templates[u.kind] for u in spec.layer_units]
         self._embed_shape = next(p.shape for p in spec.unit("embed").params if p.local_name == "weight")
+        self._hidden_size = spec.config.hidden_size
         # Reused every step: with clipping, step t+1 cannot finish its forward before the worker
         # has read step t's norm (layer updates wait for it), so it is never overwritten early.
         self._norm_sq_host = torch.zeros((), dtype=torch.float32, pin_memory=pin)
@@ -131,11 +139,14 @@ class StreamingEngine:
         if self.resident:
             loss_sum = self._resident_step(mbs, 1.0 / n_norm)
         else:
-            hiddens, contexts, checkpoints = self._forward(mbs)
-            grads, loss_sum = self._head(hiddens, mbs, 1.0 / n_norm, final=True)
-            for b in reversed(range(len(checkpoints))):
-                grads = self._backward_block(b, checkpoints.pop(), grads, contexts)
-            self._backward_embed(grads, mbs, final=True)
+            park, carry, n = self.activations, len(self._blocks()), range(len(mbs))
+            park.start(self._activation_plan(len(mbs)), [mb.input_ids_BT.numel() * self._hidden_size for mb in mbs])
+            contexts = self._forward(mbs)
+            loss_sum = self._head((park.get((carry, j)) for j in n), mbs, 1.0 / n_norm, True,
+                                  lambda j, g: park.put((carry, j), g))
+            for b in reversed(range(carry)):
+                self._backward_block(b, contexts)
+            self._backward_embed((park.get((carry, j)) for j in n), mbs, final=True)
         self._kept.clear()
 
         with self.streams.on(self.streams.d2h):
@@ -208,6 +219,7 @@ class StreamingEngine:
 
     def close(self) -> None:
         self.worker.close()
+        self.activations.close()
         self.grad_buffers.close()
         if self.store is not None:
             self.store.close()
@@ -236,29 +248,43 @@ class StreamingEngine:
                 self._kept[unit] = flat
         return flat
 
-    def _embed(self, mbs: list[MicroBatch]) -> tuple[list[torch.Tensor], list[list[LayerKwargs]]]:
-        """Embedded inputs and per-layer attention context of each micro-batch (no graph)."""
-        embed = self.templates["embed"]
-        w = embed.bind(self._weights("embed"))
-        hiddens, contexts = [], []
-        with torch.no_grad():
-            for mb in mbs:
-                h0, ctx = self.context(embed(w, mb.input_ids_BT), mb.position_ids_BT)
-                hiddens.append(h0)
-                contexts.append(ctx)
-        return hiddens, contexts
+    def _activation_plan(self, n_micro: int) -> list[Op]:
+        """Every put and get of the streamed step's parked hidden states, in the order the step makes them."""
+        carry, mbs = len(self._blocks()), range(n_micro)
+        plan: list[Op] = [("put", (0, j)) for j in mbs]
+        for b in range(carry):
+            plan += [op for j in mbs for op in (("get", (b, j)), ("put", (b + 1, j)))]
+        plan += [op for j in mbs for op in (("get", (carry, j)), ("put", (carry, j)))]  # the head
+        for b in reversed(range(carry)):
+            plan += [op for j in mbs for op in (("get", (b, j)), ("get", (carry, j)), ("put", (carry, j)))]
+        return plan + [("get", (carry, j)) for j in mbs]  # the embedding's backward
 
-    def _forward(self, mbs: list[MicroBatch]) -> tuple[list[torch.Tensor], list[list[LayerKwargs]], list[list]]:
-        hiddens, contexts = self._embed(mbs)
-        checkpoints = []
+    def _embed(self, weights: Weights, mb: MicroBatch) -> tuple[torch.Tensor, list[LayerKwargs]]:
+        """A micro-batch's embedded input and per-layer attention context (no graph)."""
         with torch.no_grad():
-            for block in self._blocks():
-                checkpoints.append(list(hiddens))
-                for i in block:
-                    weights = self.layer_templates[i].bind(self._weights(f"layers.{i}"))
-                    for j, ctx in enumerate(contexts):
-                        hiddens[j] = _hidden(self.layer_templates[i](weights, hiddens[j], **ctx[i]))
-        return hiddens, contexts, checkpoints
+            return self.context(self.templates["embed"](weights, mb.input_ids_BT), mb.position_ids_BT)
+
+    def _forward(self, mbs: list[MicroBatch]) -> list[list[LayerKwargs]]:
+        """Park every micro-batch's embedding, then run each block over every micro-batch in turn,
+        parking its output (the next block's checkpoint); returns each micro-batch's layer context."""
+        park, contexts = self.activations, []
+        embed = self.templates["embed"].bind(self._weights("embed"))
+        for j, mb in enumerate(mbs):
+            h0, ctx = self._embed(embed, mb)
+            contexts.append(ctx)
+            park.put((0, j), h0)
+        del embed  # the streamer may free the embedding before the head needs the device memory
+        with torch.no_grad():
+            for b, block in enumerate(self._blocks()):
+                weights: dict[int, Weights] = {}
+                for j, ctx in enumerate(contexts):
+                    x = park.get((b, j))
+                    for i in block:
+                        if i not in weights:  # bound when first reached: compute waits for this upload only
+                            weights[i] = self.layer_templates[i].bind(self._weights(f"layers.{i}"))
+                        x = _hidden(self.layer_templates[i](weights[i], x, **ctx[i]))
+                    park.put((b + 1, j), x)
+        return contexts
 
     def _resident_step(self, mbs: list[MicroBatch], inv_n: float) -> torch.Tensor:
         """Each micro-batch forward and backward in turn, activations kept, weights bound once."""
@@ -266,16 +292,18 @@ class StreamingEngine:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for j, mb in enumerate(mbs):
             final = j == len(mbs) - 1
-            [h], [ctx] = self._embed([mb])
+            h, ctx = self._embed(self.templates["embed"].bind(self._weights("embed")), mb)
             segments = self._run_layers(range(self.spec.num_layers), h, ctx, weights)
-            [g], loss = self._head([segments[-1][2].detach()], [mb], inv_n, final)
-            g = self._backward_layers(segments, weights, g, final)
+            grads: list[torch.Tensor] = []
+            loss_sum += self._head([segments[-1][2].detach()], [mb], inv_n, final, lambda _, g: grads.append(g))
+            g = self._backward_layers(segments, weights, grads.pop(), final)
             self._backward_embed([g], [mb], final)
-            loss_sum += loss
         return loss_sum
 
-    def _head(self, hiddens: list[torch.Tensor], mbs: list[MicroBatch], inv_n: float, final: bool):
-        """Loss over the final hidden states and its gradients, in chunks of selected tokens."""
+    def _head(self, hiddens: Iterable[torch.Tensor], mbs: list[MicroBatch], inv_n: float, final: bool,
+              on_grad: Callable[[int, torch.Tensor], None]) -> torch.Tensor:
+        """Loss over each micro-batch's final hidden state, in chunks of selected tokens; hands each
+        micro-batch's gradient to `on_grad` as soon as it is complete and returns the loss sum."""
         head = self.templates["head"]
         weights = head.bind(self._weights("head"), requires_grad=True)
         sums = list(self._grad_sum("head", self.spec.unit("head").numel).split(head.sizes))
@@ -286,9 +314,8 @@ class StreamingEngine:
             sums.append(self._grad_sum("embed", emb.numel()))
         leaves = list(weights.values())
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        grads = []
         chunk = self.cfg.loss_chunk_tokens
-        for h_BTD, mb in zip(hiddens, mbs, strict=True):
+        for j, (h_BTD, mb) in enumerate(zip(hiddens, mbs, strict=True)):
             h_ND = h_BTD.reshape(-1, h_BTD.shape[-1])
             sel_ND = h_ND.index_select(0, mb.loss_index)
             g_sel = torch.empty_like(sel_ND)
@@ -301,21 +328,22 @@ class StreamingEngine:
                 g_sel[s : s + chunk] = g[0]
                 torch._foreach_add_(sums, [t.reshape(-1) for t in g[1:]])
                 loss_sum += loss.detach()
-            grads.append(torch.zeros_like(h_ND).index_copy_(0, mb.loss_index, g_sel).view_as(h_BTD))
+            on_grad(j, torch.zeros_like(h_ND).index_copy_(0, mb.loss_index, g_sel).view_as(h_BTD))
         if final:
             self._send_grad("head", self._grad_sums.pop("head"))
-        return grads, loss_sum
+        return loss_sum
 
-    def _backward_block(self, b: int, checkpoint: list[torch.Tensor], grads: list[torch.Tensor],
-                        contexts: list[list[LayerKwargs]]) -> list[torch.Tensor]:
+    def _backward_block(self, b: int, contexts: list[list[LayerKwargs]]) -> None:
+        """Recompute block b from each micro-batch's checkpoint and run it backward, parking the
+        gradient of its input for the block before."""
+        park, carry = self.activations, len(self._blocks())
         block = self._blocks()[b]
         weights: dict[int, Weights] = {}
-        last = len(checkpoint) - 1
-        for j, x in enumerate(checkpoint):
-            segments = self._run_layers(block, x, contexts[j], weights)
-            grads[j] = self._backward_layers(segments, weights, grads[j], final=j == last)
-            checkpoint[j] = None  # free this micro-batch's checkpoint as soon as it is used
-        return grads
+        last = len(contexts) - 1
+        for j, ctx in enumerate(contexts):
+            segments = self._run_layers(block, park.get((b, j)), ctx, weights)
+            g = self._backward_layers(segments, weights, park.get((carry, j)), final=j == last)
+            park.put((carry, j), g)
 
     def _run_layers(self, layers: range, x: torch.Tensor, ctx: list[LayerKwargs],
                     weights: dict[int, Weights]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -345,7 +373,7 @@ class StreamingEngine:
             self._add_grad(f"layers.{i}", gs[1:], final)
         return g
 
-    def _backward_embed(self, grads: list[torch.Tensor], mbs: list[MicroBatch], final: bool) -> None:
+    def _backward_embed(self, grads: Iterable[torch.Tensor], mbs: list[MicroBatch], final: bool) -> None:
         embed = self.templates["embed"]
         weights = embed.bind(self._weights("embed"), requires_grad=True)
         leaves = list(weights.values())
