@@ -52,6 +52,9 @@ class TrainingConfig(_Section):
     """Seed for weight init and data order."""
     log_every: int = Field(5, ge=1)
     """Read metrics from the device every N steps (reading forces a sync)."""
+    eval_every: int | None = Field(None, ge=1)
+    """Evaluate on the held-out split (`data.val_size` or `data.eval_datasets`) every N steps; a run with a split
+    is always evaluated at its end."""
     output_dir: str = "runs/latest"
     """Where the exported model and the run summary go."""
     export: bool = True
@@ -86,6 +89,13 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(uri="runs/checkpoints", every_steps=50))
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     cluster: ClusterRunConfig = Field(default_factory=ClusterRunConfig)
+
+    @model_validator(mode="after")
+    def _eval_needs_a_split(self) -> RunConfig:
+        if self.training.eval_every is not None and not self.data.has_eval_split:
+            raise ValueError("training.eval_every: there is nothing to evaluate on; hold out rows with data.val_size "
+                             "(e.g. 0.1 or 200) or name data.eval_datasets, or unset training.eval_every")
+        return self
 
     @model_validator(mode="after")
     def _workers_can_share_the_batch(self) -> RunConfig:

@@ -49,6 +49,20 @@ class UnitTemplate:
         return functional_call(self.module, weights, args, kwargs, tie_weights=False)
 
 
+class _HandBack:
+    """Stands in for the decoder body's forward: returns the hidden states it was handed.
+
+    A separate object, so the body copy refers to no HeadModule (no reference cycle keeps the
+    templates alive after the engine is gone).
+    """
+
+    def __init__(self) -> None:
+        self.hidden: torch.Tensor | None = None
+
+    def __call__(self, *args, **kwargs) -> MoeModelOutputWithPast:
+        return MoeModelOutputWithPast(last_hidden_state=self.hidden)
+
+
 class HeadModule(nn.Module):
     """Final norm, then the family's own causal-LM forward on selected tokens.
 
@@ -64,21 +78,17 @@ class HeadModule(nn.Module):
         self.lm_head = spec.skeleton.get_output_embeddings()
         body_path = next(n for n, m in spec.skeleton.named_modules() if m is spec.base)
         feeder = shallow_copy(spec.base)  # keeps the body's attributes: the head may read them
-        feeder.forward = self._hand_back
+        feeder.forward = self.__dict__["_hand_back"] = _HandBack()
         # Kept out of `_modules`, so binding sees only norm and lm_head (which the copy shares).
         self.__dict__["_causal_lm"] = _with_submodule(spec.skeleton, body_path, feeder)
-        self.__dict__["_normed"] = None
-
-    def _hand_back(self, *args, **kwargs) -> MoeModelOutputWithPast:
-        return MoeModelOutputWithPast(last_hidden_state=self._normed)
 
     def forward(self, h_ND: torch.Tensor) -> torch.Tensor:
         normed = self.norm(h_ND)
-        self.__dict__["_normed"] = normed.reshape(1, -1, normed.shape[-1])  # as one row of N tokens
+        self._hand_back.hidden = normed.reshape(1, -1, normed.shape[-1])  # as one row of N tokens
         try:
             logits = self._causal_lm(use_cache=False).logits
         finally:
-            self.__dict__["_normed"] = None
+            self._hand_back.hidden = None
         return logits.view(*h_ND.shape[:-1], -1)
 
 
