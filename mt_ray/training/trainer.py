@@ -8,9 +8,8 @@ returns as soon as the step's work is queued.
 
 from __future__ import annotations
 
-import json
+import logging
 import time
-from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -21,7 +20,10 @@ from mt_ray.data import build_dataloader, load_tiny_tokenizer, split_micro_batch
 from mt_ray.models.discovery import ModelSpec, discover, load_config
 from mt_ray.models.presets import preset_config
 from mt_ray.training.backend import TrainingBackend, build_backend
-from mt_ray.training.callbacks import Callback
+from mt_ray.training.callbacks import Callback, ResumePoint
+from mt_ray.training.run_dir import EXPORT_DIR, RunDir
+
+log = logging.getLogger(__name__)
 
 
 def build_model_spec(cfg: RunConfig, vocab_size: int | None = None) -> ModelSpec:
@@ -52,24 +54,42 @@ def load_model_and_tokenizer(cfg: RunConfig) -> tuple[ModelSpec, object]:
 
 
 class Trainer:
-    """Runs `cfg.training.steps` optimizer steps on the configured data (one engine, or a Ray cluster)."""
+    """Runs `cfg.training.steps` optimizer steps on the configured data (one engine, or a Ray cluster).
 
-    def __init__(self, cfg: RunConfig, callbacks: list[Callback] | None = None):
+    The run's outputs go to its directory (`run`, by default `RunDir(cfg)`), which it claims first:
+    a different config under the same run name is refused before anything is built.
+    """
+
+    def __init__(self, cfg: RunConfig, callbacks: list[Callback] | None = None, run: RunDir | None = None):
         self.cfg = cfg
         self.callbacks = list(callbacks or [])
-        self.spec, self.tokenizer = load_model_and_tokenizer(cfg)
-        self.engine: TrainingBackend = build_backend(cfg, self.spec)
-        t = cfg.training
-        self.loader = build_dataloader(cfg.data, self.tokenizer, t.micro_batch_size, t.grad_accum_steps, seed=t.seed)
+        self.run = run if run is not None else RunDir(cfg)
+        self.run.claim(cfg)
         self.history: list[dict[str, float]] = []
+        self.resumed_from: ResumePoint | None = None
+        # A finished run (its summary is written last) has nothing to continue, so nothing is built for it.
+        self.finished = self.run.read_summary() if cfg.training.resume == "auto" else None
+        if self.finished is None:
+            self.spec, self.tokenizer = load_model_and_tokenizer(cfg)
+            self.engine: TrainingBackend = build_backend(cfg, self.spec)
+            t = cfg.training
+            self.loader = build_dataloader(cfg.data, self.tokenizer, t.micro_batch_size, t.grad_accum_steps,
+                                           seed=t.seed)
 
     @property
     def step(self) -> int:
         return self.engine.step_idx
 
     def fit(self) -> dict[str, Any]:
-        """Train to the configured step count (resuming first if asked); returns the run summary."""
+        """Train to the configured step count (resuming first if asked); returns the run summary.
+
+        A run that already finished (its summary written at the end) trains nothing and returns that summary.
+        """
         t = self.cfg.training
+        if self.finished is not None:
+            print(f"run {self.run.name} already finished its {t.steps} steps; its outputs are in {self.run.uri}. "
+                  "To train it again, give it another training.run_name or delete that folder.", flush=True)
+            return self.finished
         self._maybe_resume()
         for cb in self.callbacks:
             cb.on_train_start(self)
@@ -95,15 +115,19 @@ class Trainer:
         summary = self._finish()
         for cb in self.callbacks:
             cb.on_train_end(self, summary)
+        self.run.write_summary(summary)  # last: a run with a summary is complete
         return summary
 
     def _maybe_resume(self) -> None:
-        mode = self.cfg.training.resume
-        if mode == "never":
-            return
+        """Let the checkpoint callback restore the state; say where from, on the console and in the log."""
         for cb in self.callbacks:
-            if hasattr(cb, "maybe_resume"):
-                cb.maybe_resume(self, None if mode == "auto" else mode)
+            point = cb.maybe_resume(self, self.cfg.training.resume) if hasattr(cb, "maybe_resume") else None
+            if point is not None:
+                self.resumed_from = point
+                message = (f"resuming run {self.run.name} from {point.uri} "
+                           f"(step {point.step} of {self.cfg.training.steps})")
+                print(message, flush=True)
+                log.info(message)
 
     def _metrics(self, result, tokens_per_s: float) -> dict[str, float]:
         # .item() syncs with the device: only here, on the logging cadence.
@@ -120,9 +144,9 @@ class Trainer:
 
     def _finish(self) -> dict[str, Any]:
         self.engine.synchronize()
-        out = Path(self.cfg.training.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
         summary: dict[str, Any] = {
+            "run": self.run.name,
+            "run_dir": self.run.uri,
             "steps": self.step,
             "params": self.spec.num_params,
             "first_loss": self.history[0]["loss"] if self.history else None,
@@ -130,12 +154,16 @@ class Trainer:
             "data": self.loader.stats(),
         }
         if self.cfg.training.export:
-            summary["exported_model"] = str(self.engine.export(out / "hf_model", self.tokenizer))
-        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+            self.engine.export(self.run.staging / EXPORT_DIR, self.tokenizer)
+            summary["exported_model"] = self.run.publish(EXPORT_DIR)
         return summary
 
     def close(self) -> None:
-        self.engine.close()
+        try:
+            if self.finished is None:
+                self.engine.close()
+        finally:
+            self.run.close()
 
 
 def _padded_vocab(tokenizer) -> int:
