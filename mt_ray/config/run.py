@@ -72,6 +72,9 @@ class TrainingConfig(_Section):
     """Seed for weight init and data order."""
     log_every: int = Field(5, ge=1)
     """Read metrics from the device every N steps (reading forces a sync)."""
+    eval_every: int | None = Field(None, ge=1)
+    """Evaluate on the held-out split (`data.val_size` or `data.eval_datasets`) every N steps; a run with a split
+    is always evaluated at its end."""
     run_name: str | None = None
     """The run's name and folder under `storage`; default: `<model>-<datasets>-<fingerprint of the training keys>`."""
     storage: str = "runs"
@@ -137,6 +140,13 @@ class RunConfig(_Section):
         for section, key in SET_BY_THE_RUN:
             if key in getattr(self, section).model_fields_set:
                 raise ValueError(f"{section}.{key}: {SET_BY_THE_RUN[section, key]}")
+        return self
+
+    @model_validator(mode="after")
+    def _eval_needs_a_split(self) -> RunConfig:
+        if self.training.eval_every is not None and not self.data.has_eval_split:
+            raise ValueError("training.eval_every: there is nothing to evaluate on; hold out rows with data.val_size "
+                             "(e.g. 0.1 or 200) or name data.eval_datasets, or unset training.eval_every")
         return self
 
     @model_validator(mode="after")

@@ -89,6 +89,11 @@ class S3Storage:
         self._call(lambda: self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._key(""), MaxKeys=1),
                    f"listing {self.root_uri}")
 
+    def __reduce__(self):
+        # A boto3 client does not pickle: another process (a data-parallel shard writing its part)
+        # rebuilds one from the same config.
+        return S3Storage, (self.root_uri, self.config)
+
     def uri(self, dir_name: str) -> str:
         return f"{self.root_uri}/{dir_name}"
 

@@ -23,6 +23,7 @@ def trainer_state(trainer: Trainer) -> dict[str, Any]:
         "loader": trainer.loader.state_dict(),
         "torch_rng": base64.b64encode(torch.random.get_rng_state().numpy().tobytes()).decode(),
         "history": trainer.history,
+        "eval_history": trainer.eval_history,
     }
 
 
@@ -31,6 +32,7 @@ def restore_trainer_state(trainer: Trainer, state: dict[str, Any]) -> None:
     rng = torch.frombuffer(bytearray(base64.b64decode(state["torch_rng"])), dtype=torch.uint8)
     torch.random.set_rng_state(rng)
     trainer.history = list(state["history"])
+    trainer.eval_history = list(state.get("eval_history", []))  # absent in checkpoints older than evaluation
 
 
 class CheckpointCallback(Callback):
@@ -114,6 +116,9 @@ class MlflowCallback(Callback):
                            dataset=",".join(cfg.data.datasets))
 
     def on_log(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        self.tracker.log_metrics(step, metrics)
+
+    def on_evaluate(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         self.tracker.log_metrics(step, metrics)
 
     def on_checkpoint(self, trainer: Trainer, uri: str) -> None:

@@ -3,20 +3,29 @@
 The backend is one streaming engine, or Ray workers around a coordinator when
 `cluster.num_workers > 1` (see `backend.py`); the loop is the same. It reads device values only
 every `log_every` steps (each read is a sync point); in between, a single engine's `train_step`
-returns as soon as the step's work is queued.
+returns as soon as the step's work is queued. With a held-out split it evaluates (forward only)
+every `eval_every` steps and at the end.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from mt_ray.config.run import RunConfig
-from mt_ray.data import build_dataloader, load_tiny_tokenizer, split_micro_batches
+from mt_ray.data import (
+    build_dataloader,
+    build_eval_batches,
+    load_tiny_tokenizer,
+    plan_split,
+    split_micro_batches,
+)
 from mt_ray.models.discovery import ModelSpec, discover, load_config
 from mt_ray.models.presets import preset_config
 from mt_ray.training.backend import TrainingBackend, build_backend
@@ -66,15 +75,22 @@ class Trainer:
         self.run = run if run is not None else RunDir(cfg)
         self.run.claim(cfg)
         self.history: list[dict[str, float]] = []
+        self.eval_history: list[dict[str, float]] = []
+        self._postfix: dict[str, str] = {}
         self.resumed_from: ResumePoint | None = None
         # A finished run (its summary is written last) has nothing to continue, so nothing is built for it.
         self.finished = self.run.read_summary() if cfg.training.resume == "auto" else None
         if self.finished is None:
-            self.spec, self.tokenizer = load_model_and_tokenizer(cfg)
-            self.engine: TrainingBackend = build_backend(cfg, self.spec)
-            t = cfg.training
-            self.loader = build_dataloader(cfg.data, self.tokenizer, t.micro_batch_size, t.grad_accum_steps,
-                                           seed=t.seed)
+            self._build()
+
+    def _build(self) -> None:
+        cfg, t = self.cfg, self.cfg.training
+        self.spec, self.tokenizer = load_model_and_tokenizer(cfg)
+        data = cfg.data.model_copy(update={"seed": t.seed})
+        held_out = plan_split(data)  # drawn once: the loader skips exactly the rows the eval set scores
+        self.loader = build_dataloader(data, self.tokenizer, t.micro_batch_size, t.grad_accum_steps, held_out=held_out)
+        self.eval_batches = build_eval_batches(data, self.tokenizer, t.micro_batch_size, held_out=held_out)
+        self.engine: TrainingBackend = build_backend(cfg, self.spec)
 
     @property
     def step(self) -> int:
@@ -104,12 +120,16 @@ class Trainer:
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     elapsed = time.perf_counter() - window_start
                     metrics = self._metrics(result, window_tokens / elapsed)
-                    bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                    self._show(bar, loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
                     for cb in self.callbacks:
                         cb.on_log(self, self.step, metrics)
                     window_start, window_tokens = time.perf_counter(), 0
+                if t.eval_every and self.step % t.eval_every == 0:
+                    self._evaluate(bar)
                 for cb in self.callbacks:
                     cb.on_step_end(self, self.step)
+            if self.eval_batches and (not self.eval_history or self.eval_history[-1]["step"] != self.step):
+                self._evaluate(bar)  # every run with a split ends with its eval loss
         finally:
             bar.close()
         summary = self._finish()
@@ -117,6 +137,32 @@ class Trainer:
             cb.on_train_end(self, summary)
         self.run.write_summary(summary)  # last: a run with a summary is complete
         return summary
+
+    def evaluate(self) -> dict[str, float]:
+        """Loss and perplexity on the held-out split under the current weights (forward only; training state unchanged).
+
+        The split is scored `grad_accum_steps` micro-batches at a time (one weight pass each), so
+        an evaluation holds no more activations than a training step.
+        """
+        group = self.cfg.training.grad_accum_steps
+        results = [self.engine.evaluate(self.eval_batches[i:i + group]) for i in range(0, len(self.eval_batches), group)]
+        # .item() waits for the device: once per evaluation.
+        loss_sum = torch.stack([r.loss_sum.double().cpu() for r in results]).sum().item()
+        tokens = sum(r.num_loss_tokens for r in results)
+        loss = loss_sum / tokens
+        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)), "eval_tokens": tokens}
+
+    def _evaluate(self, bar) -> None:
+        metrics = self.evaluate()
+        self.eval_history.append({"step": self.step, **metrics})
+        self._show(bar, eval_loss=f"{metrics['eval_loss']:.3f}")
+        for cb in self.callbacks:
+            cb.on_evaluate(self, self.step, metrics)
+
+    def _show(self, bar, **values: str) -> None:
+        """Update the progress bar's postfix, keeping the values not given (the last loss, the last eval loss)."""
+        self._postfix.update(values)
+        bar.set_postfix(self._postfix)
 
     def _maybe_resume(self) -> None:
         """Let the checkpoint callback restore the state; say where from, on the console and in the log."""
@@ -153,6 +199,9 @@ class Trainer:
             "final_loss": self.history[-1]["loss"] if self.history else None,
             "data": self.loader.stats(),
         }
+        if self.eval_history:
+            last = self.eval_history[-1]
+            summary.update({k: last[k] for k in ("eval_loss", "eval_perplexity", "eval_tokens")})
         if self.cfg.training.export:
             self.engine.export(self.run.staging / EXPORT_DIR, self.tokenizer)
             summary["exported_model"] = self.run.publish(EXPORT_DIR)
