@@ -20,7 +20,7 @@ def run_config(tmp_path, *overrides: str):
     return load_run_config(None, [
         "training.steps=4", "training.micro_batch_size=2", "training.grad_accum_steps=2", "training.log_every=1",
         "data.max_seq_len=64", "data.val_size=24", "engine.device=cpu", f"training.storage={tmp_path}",
-        "training.run_name=run", f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        "training.run_name=run",  # the MLflow store: <storage>/mlflow.db
         "tracking.experiment=eval", *overrides])
 
 
