@@ -9,8 +9,8 @@ from mt_ray.engine.host_store import plan_layout
 from mt_ray.errors import CheckpointError
 from mt_ray.models.weights import export_hf
 from mt_ray.tracking import CheckpointManager
+from mt_ray.training.model_source import load_model_and_tokenizer
 from mt_ray.training.run_dir import RunDir
-from mt_ray.training.trainer import load_model_and_tokenizer
 
 
 def export_checkpoint(config_path: str, checkpoint: str | None, out: str) -> Path:

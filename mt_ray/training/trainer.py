@@ -16,50 +16,15 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
 from mt_ray.config.run import RunConfig
-from mt_ray.data import (
-    build_dataloader,
-    build_eval_batches,
-    load_tiny_tokenizer,
-    plan_split,
-    split_micro_batches,
-)
-from mt_ray.models.discovery import ModelSpec, discover, load_config
-from mt_ray.models.presets import preset_config
+from mt_ray.data import build_dataloader, build_eval_batches, plan_split, split_micro_batches
 from mt_ray.training.backend import TrainingBackend, build_backend
 from mt_ray.training.callbacks import Callback, ResumePoint
+from mt_ray.training.model_source import load_model_and_tokenizer
 from mt_ray.training.run_dir import EXPORT_DIR, RunDir
 
 log = logging.getLogger(__name__)
-
-
-def build_model_spec(cfg: RunConfig, vocab_size: int | None = None) -> ModelSpec:
-    """Discover the configured model (local folder or preset shape, with overrides)."""
-    overrides = dict(cfg.model.overrides)
-    if cfg.model.path:
-        config = load_config(cfg.model.path)
-        for k, v in overrides.items():
-            setattr(config, k, v)
-    else:
-        if vocab_size is not None and cfg.model.preset == "tiny":
-            overrides.setdefault("vocab_size", vocab_size)
-        config = preset_config(cfg.model.preset, **overrides)
-    return discover(config)
-
-
-def load_tokenizer(cfg: RunConfig):
-    source = cfg.model.tokenizer or cfg.model.path
-    if source is None:
-        return load_tiny_tokenizer()
-    return AutoTokenizer.from_pretrained(source, local_files_only=True)
-
-
-def load_model_and_tokenizer(cfg: RunConfig) -> tuple[ModelSpec, object]:
-    """The tokenizer, then the model spec (the tiny preset's vocabulary sized to that tokenizer)."""
-    tokenizer = load_tokenizer(cfg)
-    return build_model_spec(cfg, vocab_size=_padded_vocab(tokenizer)), tokenizer
 
 
 class Trainer:
@@ -214,7 +179,3 @@ class Trainer:
         finally:
             self.run.close()
 
-
-def _padded_vocab(tokenizer) -> int:
-    """Vocabulary rounded up to a multiple of 64 (tensor-core friendly), covering every token id."""
-    return (len(tokenizer) + 63) // 64 * 64
