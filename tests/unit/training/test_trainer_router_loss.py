@@ -27,7 +27,7 @@ def test_router_aux_loss_is_logged(tmp_path):
     cfg = load_run_config(None, [
         f"model.path={tmp_path / 'moe'}", f"model.tokenizer={tiny_tokenizer_path()}", "training.steps=2",
         "training.micro_batch_size=2", "training.log_every=1", "data.max_seq_len=64", "engine.device=cpu",
-        "training.export=false", f"training.output_dir={tmp_path / 'run'}"])
+        "training.export=false", f"training.storage={tmp_path}", "training.run_name=moe"])
     recorder = Recorder()
     trainer = Trainer(cfg, [recorder])
     try:
