@@ -13,65 +13,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from mt_ray.data.packing import collate
-from mt_ray.data.schema import TokenizedExample
-from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine
 from mt_ray.errors import ConfigError
-from mt_ray.models.discovery import discover
-from tests.tiny_models import CHECKPOINT_FAMILIES, VOCAB, checkpoint_config, reference_train, tiny_batches
-
-# eps = 1 makes Adam's first update ~ lr * gradient (not lr * sign), so comparing one step's weights
-# compares the gradients themselves; clipping and decay are on, as in training.
-OPT = OptimizerConfig(lr=0.1, eps=1.0, weight_decay=0.01, max_grad_norm=1.0)
-ROW = 24
-DOCUMENTS = [(9, 3), (6, 2), (7, 3), (13, 4), (11, 5)]  # (length, prompt tokens): rows [9 6 7 +2 pad], [13 11]
-
-
-def documents(seed: int = 0) -> list[TokenizedExample]:
-    g = torch.Generator().manual_seed(seed)
-    docs = []
-    for n, prompt in DOCUMENTS:
-        ids = torch.randint(3, VOCAB, (n,), generator=g).tolist()
-        docs.append(TokenizedExample(tuple(ids), tuple([-100] * prompt + ids[prompt:])))
-    return docs
-
-
-def packed_micro_batch(docs: list[TokenizedExample]) -> dict[str, torch.Tensor]:
-    batch = collate([docs[:3], docs[3:]], ROW, pad_id=0)  # the data pipeline's own packing
-    return {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
-
-
-def save_checkpoint(family: str, folder, **overrides) -> None:
-    """A random model of `family` written by transformers; saved buffers (DeepSeek-V3's per-layer
-    routing bias) get random values, so a layer computing with another layer's values shows."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(checkpoint_config(family, **overrides))
-    saved = model.state_dict(keep_vars=True)
-    for name, buf in model.named_buffers():
-        if name in saved and buf.is_floating_point():
-            buf.normal_()
-    model.save_pretrained(folder)
-
-
-def engine_step(folder, micro_batches, **engine_kw):
-    engine = StreamingEngine(discover(str(folder)), EngineConfig(device="cpu", **engine_kw), OPT, total_steps=1)
-    try:
-        engine.load_pretrained(folder)
-        result = engine.train_step(micro_batches)
-        return result, {k: v.clone() for k, v in engine.state_dict().items()}
-    finally:
-        engine.close()
-
-
-def eager_reference(folder) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").float()
-
-
-def assert_same_step(state, ref, before, loss, ref_loss):
-    assert loss == pytest.approx(ref_loss, rel=1e-5)
-    for name, w in ref.state_dict().items():
-        if name in state:  # a tied head is the embedding
-            torch.testing.assert_close(state[name] - before[name], w - before[name], rtol=1e-4, atol=3e-7, msg=name)
+from tests.family_checks import (
+    OPT,
+    assert_same_step,
+    documents,
+    eager_reference,
+    engine_step,
+    packed_micro_batch,
+    reference_step,
+    save_checkpoint,
+)
+from tests.tiny_models import CHECKPOINT_FAMILIES, reference_train, tiny_batches
 
 
 @pytest.mark.parametrize("family", list(CHECKPOINT_FAMILIES))
@@ -79,12 +32,8 @@ def test_family_trains_from_its_checkpoint_on_packed_rows(family, tmp_path):
     save_checkpoint(family, tmp_path)
     docs = documents()
     result, state = engine_step(tmp_path, [packed_micro_batch(docs)])
-
-    ref = eager_reference(tmp_path)
-    before = {k: v.clone() for k, v in ref.state_dict().items()}
-    alone = [{"input_ids": torch.tensor([d.input_ids]), "labels": torch.tensor([d.labels])} for d in docs]
-    [ref_loss] = reference_train(ref, [alone], OPT)
-    assert_same_step(state, ref, before, result.loss.item(), ref_loss)
+    ref_loss, before, ref_state = reference_step(tmp_path, docs)
+    assert_same_step(state, before, ref_state, result.loss.item(), ref_loss)
 
 
 def test_softcapping_is_not_dropped(tmp_path):
@@ -148,4 +97,4 @@ def test_router_aux_loss_is_added_as_transformers_adds_it(family, tmp_path):
 
     [ref_loss] = reference_train(ref, [mbs], OPT, objective=weighted)
     assert result.aux_loss.item() == pytest.approx(sum(auxes), rel=1e-5)
-    assert_same_step(state, ref, before, result.loss.item(), ref_loss)
+    assert_same_step(state, before, ref.state_dict(), result.loss.item(), ref_loss)
