@@ -27,6 +27,16 @@ from tests.family_checks import (
 from tests.tiny_models import CHECKPOINT_FAMILIES, reference_train, tiny_batches
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Models this small gain nothing from intra-op threads; on a shared 2-core machine their wake-ups
+    (the engine's optimizer thread runs beside the step) made this module 10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("family", list(CHECKPOINT_FAMILIES))
 def test_family_trains_from_its_checkpoint_on_packed_rows(family, tmp_path):
     save_checkpoint(family, tmp_path)
@@ -36,25 +46,39 @@ def test_family_trains_from_its_checkpoint_on_packed_rows(family, tmp_path):
     assert_same_step(state, before, ref_state, result.loss.item(), ref_loss)
 
 
-def test_softcapping_is_not_dropped(tmp_path):
-    """Gemma 2's attention soft-capping changes its loss (so the test above would see SDPA dropping it);
-    `auto` runs it with eager attention, and naming SDPA for it is refused."""
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next", "falcon_h1", "deepseek_v3"])
+@pytest.mark.parametrize("engine_kw", [{"schedule": "resident"}, {"checkpoint_every": 1}], ids=["resident", "K1"])
+def test_schedules_keep_documents_apart_across_micro_batches(family, engine_kw, tmp_path):
+    """The same step, each packed row its own micro-batch: resident (no recompute), or a recompute per layer."""
+    save_checkpoint(family, tmp_path)
+    docs = documents()
+    packed = packed_micro_batch(docs)
+    rows = [{k: v[r : r + 1] for k, v in packed.items()} for r in range(2)]
+    result, state = engine_step(tmp_path, rows, **engine_kw)
+    ref_loss, before, ref_state = reference_step(tmp_path, docs)
+    assert_same_step(state, before, ref_state, result.loss.item(), ref_loss)
+
+
+def test_softcapping_changes_what_gemma2_computes(tmp_path):
+    """So the family test above would see SDPA dropping it: `auto` runs Gemma 2 with eager attention."""
     save_checkpoint("gemma2", tmp_path)
     mb = packed_micro_batch(documents())
-    ref = eager_reference(tmp_path)
-    uncapped = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").float()
     with torch.no_grad():
-        capped_logits = ref(**mb, use_cache=False).logits
-        assert not torch.allclose(capped_logits, uncapped(**mb, use_cache=False).logits, rtol=1e-3, atol=1e-4)
-    with pytest.raises(ConfigError, match="engine.attn_implementation: 'sdpa' does not implement the attention "
-                                          "soft-capping that 'gemma2' uses"):
-        engine_step(tmp_path, [mb], attn_implementation="sdpa")
+        capped = eager_reference(tmp_path)(**mb, use_cache=False).logits
+        uncapped = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").float()
+        assert not torch.allclose(capped, uncapped(**mb, use_cache=False).logits, rtol=1e-3, atol=1e-4)
 
 
-def test_gpt_oss_sinks_are_refused_where_the_backend_lacks_them(tmp_path):
-    save_checkpoint("gpt_oss", tmp_path)
-    with pytest.raises(ConfigError, match="does not implement the attention sinks that 'gpt_oss' uses"):
-        engine_step(tmp_path, [packed_micro_batch(documents())], attn_implementation="flash_attention_2")
+@pytest.mark.parametrize(("family", "backend", "message"), [
+    ("gemma2", "sdpa", "'sdpa' does not implement the attention soft-capping that 'gemma2' uses"),
+    ("gpt_oss", "flash_attention_2", "'flash_attention_2' does not implement the attention sinks that 'gpt_oss' uses"),
+    ("gpt_oss", "sdpa", "'sdpa' does not implement the attention sinks that 'gpt_oss' uses"),
+    ("llama", "flex_attention", "'flex_attention' trains on CUDA only"),
+])
+def test_an_attention_backend_that_cannot_train_the_family_is_refused(tmp_path, family, backend, message):
+    save_checkpoint(family, tmp_path)
+    with pytest.raises(ConfigError, match=f"engine.attn_implementation: {message}"):
+        engine_step(tmp_path, [packed_micro_batch(documents())], attn_implementation=backend)
 
 
 def test_transformers_own_packed_rows_leak_where_the_engine_isolates(tmp_path):
