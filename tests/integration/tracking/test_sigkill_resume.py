@@ -11,7 +11,6 @@ import uuid
 
 import pytest
 import torch
-
 from mlflow import MlflowClient
 
 from mt_ray.tracking import CheckpointConfig, CheckpointManager
