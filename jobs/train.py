@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 
 from mt_ray.config.run import RunConfig, load_run_config
 from mt_ray.errors import MtRayError
-from mt_ray.training import Trainer
+from mt_ray.training import Callback, Trainer
 
 
 def build_callbacks(cfg: RunConfig) -> list:
@@ -26,14 +27,17 @@ def build_callbacks(cfg: RunConfig) -> list:
     return callbacks
 
 
-def run(cfg: RunConfig) -> dict:
-    """Train; after losing the cluster's state (coordinator or node), start again from the newest checkpoint."""
+def run(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
+    """Train; after losing the cluster's state (coordinator or node), start again from the newest checkpoint.
+
+    `extra_callbacks` join the run's own (a sweep's trial reports its evaluations to Tune through one).
+    """
     from mt_ray.cluster import ClusterLostError
 
     restarts = 0
     while True:
         try:
-            return run_once(cfg)
+            return run_once(cfg, extra_callbacks)
         except ClusterLostError as e:
             restarts += 1
             if restarts > cfg.cluster.job_restarts:
@@ -43,8 +47,8 @@ def run(cfg: RunConfig) -> dict:
             cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"resume": "auto"})})
 
 
-def run_once(cfg: RunConfig) -> dict:
-    callbacks = build_callbacks(cfg)
+def run_once(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
+    callbacks = build_callbacks(cfg) + list(extra_callbacks)
     trainer = Trainer(cfg, callbacks)
     try:
         summary = trainer.fit()

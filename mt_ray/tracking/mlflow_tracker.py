@@ -74,6 +74,12 @@ class TrackingConfig(BaseModel):
     run_name: str | None = None
     """Run name shown in the UI; ``None`` lets MLflow pick one."""
 
+    parent_run_id: str | None = None
+    """Nest the run under this MLflow run (a sweep sets it: each trial is a child of the sweep's run)."""
+
+    tags: dict[str, str] = Field(default_factory=dict)
+    """Extra tags on the run (a sweep tags each trial with its trial id and sampled values)."""
+
     log_every: int = Field(default=10, ge=1)
     """Log step metrics every this many optimizer steps (see ``should_log``)."""
 
@@ -97,11 +103,12 @@ class MlflowTracker:
               tags: Mapping[str, str] | None = None, parent_run_id: str | None = None) -> str | None:
         """Open the run: params from ``run_config`` (flattened, redacted), tags for model, dataset,
         git commit and hardware. ``parent_run_id`` nests it (a Ray Tune trial in its own process).
-        Returns the run id, or ``None`` with tracking off."""
+        ``parent_run_id`` and ``tags`` default to the config's. Returns the run id, or ``None`` with tracking off."""
         if not self.config.enabled:
             return None
         client = self.client
-        all_tags = {**run_tags(model, dataset), **(tags or {})}
+        all_tags = {**run_tags(model, dataset), **self.config.tags, **(tags or {})}
+        parent_run_id = parent_run_id or self.config.parent_run_id
         if parent_run_id is not None:
             all_tags["mlflow.parentRunId"] = parent_run_id
         run = client.create_run(self._experiment_id(), run_name=self.config.run_name, tags=all_tags)
@@ -109,6 +116,12 @@ class MlflowTracker:
         self._log_params(flatten_params(run_config))
         self._log_json(redact(run_config), "config.json")
         return self.run_id
+
+    def attach(self, run_id: str) -> None:
+        """Log to an existing run from now on (a resumed sweep's run), marked RUNNING again."""
+        if self.config.enabled:
+            self.client.update_run(run_id, status="RUNNING")
+            self.run_id = run_id
 
     @property
     def client(self) -> MlflowClient:
@@ -241,11 +254,17 @@ class MlflowTracker:
         for i in range(0, len(items), _PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=items[i:i + _PARAMS_PER_BATCH])
 
-    def _log_json(self, payload: Any, name: str) -> None:
+    def log_text(self, text: str, name: str) -> None:
+        """Store ``text`` as the artifact file ``name``."""
+        if not self.active:
+            return
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / name
-            path.write_text(json.dumps(payload, indent=2, default=str))
+            path.write_text(text)
             self.client.log_artifact(self.run_id, str(path))
+
+    def _log_json(self, payload: Any, name: str) -> None:
+        self.log_text(json.dumps(payload, indent=2, default=str), name)
 
 
 def is_secret(key: str, value: Any) -> bool:
