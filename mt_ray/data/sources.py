@@ -28,7 +28,7 @@ _LOGGED_BAD_ROWS = 5
 
 @dataclass
 class SourceState:
-    """Where a source stands: rows consumed this epoch, valid ones among them, bad rows ever."""
+    """Where a source stands: rows consumed this epoch, valid ones among them, bad rows in the data (each once)."""
 
     epoch: int = 0
     position: int = 0
@@ -105,6 +105,8 @@ class DatasetSource:
         return block
 
     def _count_bad_row(self, error: DatasetError) -> None:
+        if self.state.epoch > 0:
+            return  # every epoch reads the same rows: each bad one was counted (and shown) in the first
         self.state.bad_rows += 1
         if self.state.bad_rows <= _LOGGED_BAD_ROWS:
             logger.warning("skipping bad row: %s", error)

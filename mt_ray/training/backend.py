@@ -16,6 +16,7 @@ from mt_ray.config.run import RunConfig
 from mt_ray.engine import EvalResult, StepResult, StreamingEngine
 from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import ModelSpec
+from mt_ray.training.model_source import pretrained_weights
 
 
 class TrainingBackend(Protocol):
@@ -52,12 +53,9 @@ class TrainingBackend(Protocol):
 
 
 def initial_weights(cfg: RunConfig) -> int | str:
-    """The pretrained folder when the config asks for it (`auto`: when it holds safetensors), else the init seed."""
-    path = cfg.model.path
-    has_weights = path is not None and any(Path(path).glob("*.safetensors"))
-    if cfg.model.init == "pretrained" or (cfg.model.init == "auto" and has_weights):
-        return path
-    return cfg.training.seed
+    """The folder to load pretrained weights from (see `pretrained_weights`), else the random-init seed."""
+    folder = pretrained_weights(cfg)
+    return folder if folder is not None else cfg.training.seed
 
 
 def check_evaluation_supported(cfg: RunConfig) -> None:

@@ -9,82 +9,69 @@ every `eval_every` steps and at the end.
 
 from __future__ import annotations
 
-import json
+import logging
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
 from mt_ray.config.run import RunConfig
-from mt_ray.data import (
-    build_dataloader,
-    build_eval_batches,
-    load_tiny_tokenizer,
-    plan_split,
-    split_micro_batches,
-)
-from mt_ray.models.discovery import ModelSpec, discover, load_config
-from mt_ray.models.presets import preset_config
+from mt_ray.data import build_dataloader, build_eval_batches, plan_split, split_micro_batches
 from mt_ray.training.backend import TrainingBackend, build_backend
-from mt_ray.training.callbacks import Callback
+from mt_ray.training.callbacks import Callback, ResumePoint
+from mt_ray.training.model_source import load_model_and_tokenizer
+from mt_ray.training.run_dir import EXPORT_DIR, RunDir
 
-
-def build_model_spec(cfg: RunConfig, vocab_size: int | None = None) -> ModelSpec:
-    """Discover the configured model (local folder or preset shape, with overrides)."""
-    overrides = dict(cfg.model.overrides)
-    if cfg.model.path:
-        config = load_config(cfg.model.path)
-        for k, v in overrides.items():
-            setattr(config, k, v)
-    else:
-        if vocab_size is not None and cfg.model.preset == "tiny":
-            overrides.setdefault("vocab_size", vocab_size)
-        config = preset_config(cfg.model.preset, **overrides)
-    return discover(config)
-
-
-def load_tokenizer(cfg: RunConfig):
-    source = cfg.model.tokenizer or cfg.model.path
-    if source is None:
-        return load_tiny_tokenizer()
-    return AutoTokenizer.from_pretrained(source, local_files_only=True)
-
-
-def load_model_and_tokenizer(cfg: RunConfig) -> tuple[ModelSpec, object]:
-    """The tokenizer, then the model spec (the tiny preset's vocabulary sized to that tokenizer)."""
-    tokenizer = load_tokenizer(cfg)
-    return build_model_spec(cfg, vocab_size=_padded_vocab(tokenizer)), tokenizer
+log = logging.getLogger(__name__)
 
 
 class Trainer:
-    """Runs `cfg.training.steps` optimizer steps on the configured data (one engine, or a Ray cluster)."""
+    """Runs `cfg.training.steps` optimizer steps on the configured data (one engine, or a Ray cluster).
 
-    def __init__(self, cfg: RunConfig, callbacks: list[Callback] | None = None):
+    The run's outputs go to its directory (`run`, by default `RunDir(cfg)`), which it claims first:
+    a different config under the same run name is refused before anything is built.
+    """
+
+    def __init__(self, cfg: RunConfig, callbacks: list[Callback] | None = None, run: RunDir | None = None):
         self.cfg = cfg
         self.callbacks = list(callbacks or [])
+        self.run = run if run is not None else RunDir(cfg)
+        self.run.claim(cfg)
+        self.history: list[dict[str, float]] = []
+        self.eval_history: list[dict[str, float]] = []
+        self.stop_reason: str | None = None
+        self._postfix: dict[str, str] = {}
+        self.resumed_from: ResumePoint | None = None
+        # A finished run (its summary is written last) has nothing to continue, so nothing is built for it.
+        self.finished = self.run.read_summary() if cfg.training.resume == "auto" else None
+        if self.finished is None:
+            self._build()
+
+    def _build(self) -> None:
+        cfg, t = self.cfg, self.cfg.training
         self.spec, self.tokenizer = load_model_and_tokenizer(cfg)
-        t = cfg.training
         data = cfg.data.model_copy(update={"seed": t.seed})
         held_out = plan_split(data)  # drawn once: the loader skips exactly the rows the eval set scores
         self.loader = build_dataloader(data, self.tokenizer, t.micro_batch_size, t.grad_accum_steps, held_out=held_out)
         self.eval_batches = build_eval_batches(data, self.tokenizer, t.micro_batch_size, held_out=held_out)
         self.engine: TrainingBackend = build_backend(cfg, self.spec)
-        self.history: list[dict[str, float]] = []
-        self.eval_history: list[dict[str, float]] = []
-        self.stop_reason: str | None = None
-        self._postfix: dict[str, str] = {}
 
     @property
     def step(self) -> int:
         return self.engine.step_idx
 
     def fit(self) -> dict[str, Any]:
-        """Train to the configured step count (resuming first if asked); returns the run summary."""
+        """Train to the configured step count (resuming first if asked); returns the run summary.
+
+        A run that already finished (its summary written at the end) trains nothing and returns that summary.
+        """
         t = self.cfg.training
+        if self.finished is not None:
+            print(f"run {self.run.name} already finished its {t.steps} steps; its outputs are in {self.run.uri}. "
+                  "To train it again, give it another training.run_name or delete that folder.", flush=True)
+            return self.finished
         self._maybe_resume()
         for cb in self.callbacks:
             cb.on_train_start(self)
@@ -116,6 +103,7 @@ class Trainer:
         summary = self._finish()
         for cb in self.callbacks:
             cb.on_train_end(self, summary)
+        self.run.write_summary(summary)  # last: a run with a summary is complete
         return summary
 
     def request_stop(self, reason: str) -> None:
@@ -150,12 +138,15 @@ class Trainer:
         bar.set_postfix(self._postfix)
 
     def _maybe_resume(self) -> None:
-        mode = self.cfg.training.resume
-        if mode == "never":
-            return
+        """Let the checkpoint callback restore the state; say where from, on the console and in the log."""
         for cb in self.callbacks:
-            if hasattr(cb, "maybe_resume"):
-                cb.maybe_resume(self, None if mode == "auto" else mode)
+            point = cb.maybe_resume(self, self.cfg.training.resume) if hasattr(cb, "maybe_resume") else None
+            if point is not None:
+                self.resumed_from = point
+                message = (f"resuming run {self.run.name} from {point.uri} "
+                           f"(step {point.step} of {self.cfg.training.steps})")
+                print(message, flush=True)
+                log.info(message)
 
     def _metrics(self, result, tokens_per_s: float) -> dict[str, float]:
         # .item() syncs with the device: only here, on the logging cadence.
@@ -172,9 +163,9 @@ class Trainer:
 
     def _finish(self) -> dict[str, Any]:
         self.engine.synchronize()
-        out = Path(self.cfg.training.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
         summary: dict[str, Any] = {
+            "run": self.run.name,
+            "run_dir": self.run.uri,
             "steps": self.step,
             "params": self.spec.num_params,
             "first_loss": self.history[0]["loss"] if self.history else None,
@@ -187,14 +178,14 @@ class Trainer:
             last = self.eval_history[-1]
             summary.update({k: last[k] for k in ("eval_loss", "eval_perplexity", "eval_tokens")})
         if self.cfg.training.export and self.stop_reason is None:
-            summary["exported_model"] = str(self.engine.export(out / "hf_model", self.tokenizer))
-        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+            self.engine.export(self.run.staging / EXPORT_DIR, self.tokenizer)
+            summary["exported_model"] = self.run.publish(EXPORT_DIR)
         return summary
 
     def close(self) -> None:
-        self.engine.close()
+        try:
+            if self.finished is None:
+                self.engine.close()
+        finally:
+            self.run.close()
 
-
-def _padded_vocab(tokenizer) -> int:
-    """Vocabulary rounded up to a multiple of 64 (tensor-core friendly), covering every token id."""
-    return (len(tokenizer) + 63) // 64 * 64

@@ -13,13 +13,14 @@ from jobs.train import build_callbacks
 from mt_ray.config.run import load_run_config
 from mt_ray.errors import ConfigError
 from mt_ray.training import Trainer
+from mt_ray.training.run_dir import RunDir
 
 
 def run_config(tmp_path, *overrides: str):
     return load_run_config(None, [
         "training.steps=4", "training.micro_batch_size=2", "training.grad_accum_steps=2", "training.log_every=1",
-        "data.max_seq_len=64", "data.val_size=24", "engine.device=cpu", f"training.output_dir={tmp_path / 'run'}",
-        f"checkpoint.uri={tmp_path / 'ckpt'}", f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        "data.max_seq_len=64", "data.val_size=24", "engine.device=cpu", f"training.storage={tmp_path}",
+        "training.run_name=run",  # the MLflow store: <storage>/mlflow.db
         "tracking.experiment=eval", *overrides])
 
 
@@ -40,7 +41,8 @@ def test_eval_loss_is_logged_summarised_and_equals_transformers_loss(tmp_path):
     from mlflow import MlflowClient
 
     cfg = run_config(tmp_path, "training.eval_every=2")
-    trainer = Trainer(cfg, build_callbacks(cfg))
+    run = RunDir(cfg)
+    trainer = Trainer(cfg, build_callbacks(cfg, run), run)
     try:
         summary = trainer.fit()
     finally:
