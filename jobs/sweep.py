@@ -15,7 +15,8 @@ from typing import Any
 
 from mt_ray.errors import MtRayError
 
-_SWEEP_OPTIONS = ("name", "storage", "samples", "max_concurrent", "grace_steps", "search", "gpus_per_trial")
+_SWEEP_OPTIONS = ("name", "storage", "samples", "max_concurrent", "grace_steps", "reduction_factor", "search",
+                  "gpus_per_trial")
 
 
 def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,9 +27,11 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, help="trials to sample (default 4)")
     p.add_argument("--max-concurrent", type=int, help="trials at once (default: as many as fit)")
     p.add_argument("--grace-steps", type=int, help="steps before ASHA may stop a trial (default: training.eval_every)")
+    p.add_argument("--reduction-factor", type=float, help="ASHA keeps the best 1/N of the trials at each rung "
+                   "(default 2)")
     p.add_argument("--search", choices=["random", "optuna"], help="search algorithm (default random)")
     p.add_argument("--storage", help="folder or s3://bucket/prefix for the sweep's state and trials "
-                   "(default runs/sweeps)")
+                   "(default <training.storage>/sweeps)")
     p.add_argument("--name", help="the sweep's name: its folder under --storage and its MLflow run (default sweep)")
     p.add_argument("--gpus-per-trial", type=float, help="GPUs per single-engine trial (default: 1 where the "
                    "cluster has GPUs)")

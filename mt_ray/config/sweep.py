@@ -30,11 +30,11 @@ SAMPLERS = ("loguniform", "uniform", "choice", "grid")
 _EXAMPLE = "e.g. optimizer.lr: {loguniform: [1.0e-5, 1.0e-3]}"
 # Keys a trial's identity, outputs or ASHA's clock depend on: the sweep sets them, a space may not vary them.
 SET_BY_THE_SWEEP = {
-    "training.output_dir": "each trial writes to its own folder under the sweep's storage",
+    "training.storage": "each trial is a run under the sweep's storage (--storage)",
+    "training.run_name": "each trial is a run named after the sweep and its trial id",
     "training.resume": "a trial resumes its own checkpoints when a sweep is resumed",
     "training.steps": "ASHA measures trials in steps up to training.steps; set it in the run config",
     "training.eval_every": "ASHA compares trials at their evaluations; set it in the run config",
-    "checkpoint.uri": "each trial checkpoints under the sweep's storage",
     "tracking": "each trial is an MLflow child run of the sweep's run",
 }
 
@@ -46,8 +46,9 @@ class SweepConfig(BaseModel):
 
     name: str = Field("sweep", pattern=r"^[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}$")
     """The sweep's folder under `storage` and its MLflow run name; `--resume` continues the sweep of this name."""
-    storage: str = "runs/sweeps"
-    """Where Tune's state, every trial's checkpoints and outputs, and the best config go: a folder or s3://bucket/prefix."""
+    storage: str | None = None
+    """Where Tune's state, every trial's run (checkpoints, outputs) and the best config go: a folder or
+    s3://bucket/prefix; default: `<training.storage>/sweeps`."""
     samples: int = Field(4, ge=1)
     """Trials to sample (each `grid` multiplies them by its length)."""
     max_concurrent: int | None = Field(None, ge=1)

@@ -22,13 +22,14 @@ from typing import Any
 
 import yaml
 
-from mt_ray.config.run import RunConfig, set_key, validate_run_config
+from mt_ray.config.run import RunConfig, TrainingConfig, set_key, validate_run_config
 from mt_ray.config.sweep import Dimension, SweepConfig
 from mt_ray.errors import ConfigError, MtRayError
-from mt_ray.tracking import MlflowTracker
+from mt_ray.tracking import MlflowTracker, TrackingConfig
 from mt_ray.tracking.tune_runs import TrialRunsCallback, best_trial_run, open_sweep_run
 from mt_ray.training.backend import check_evaluation_supported
 from mt_ray.training.callbacks import Callback
+from mt_ray.training.run_dir import resolve_storage, run_tracking_config
 from mt_ray.training.sweep_storage import BEST_CONFIG, SweepStorage
 
 METRIC = "eval_loss"
@@ -41,16 +42,26 @@ class SweepInterruptedError(MtRayError):
 
 
 class TuneReportCallback(Callback):
-    """Reports each evaluation to Tune; when the scheduler stops the trial, the run ends there, cleanly."""
+    """Reports each evaluation but the last to Tune; when the scheduler stops the trial, the run ends there.
+
+    Tune ends a trial's process soon after stopping it (ASHA also stops every trial at its last
+    step), so the final evaluation is reported by `run_trial` only once the run is complete.
+    """
 
     def on_evaluate(self, trainer, step: int, metrics: dict[str, float]) -> None:
-        from ray import tune
-
+        if step >= trainer.cfg.training.steps:
+            return
         loss = trainer.history[-1]["loss"] if trainer.history else float("nan")
         try:
-            tune.report({**metrics, "step": step, "loss": loss})
+            report({**metrics, "step": step, "loss": loss})
         except SystemExit:  # how Tune stops a function trial: its report raises once the scheduler decided
             trainer.request_stop("stopped early by the ASHA scheduler")
+
+
+def report(metrics: dict[str, Any]) -> None:
+    from ray import tune
+
+    tune.report(metrics)
 
 
 @dataclass(frozen=True)
@@ -63,28 +74,38 @@ class TrialPlan:
     sweep_name: str
 
     def trial_config(self, sampled: dict[str, Any], trial_id: str) -> RunConfig:
-        """The base config with the sampled keys set, writing to the trial's own folder, as a child MLflow run."""
+        """The base config with the sampled keys set: a run of its own under `<sweep>/trials/`, a child MLflow run."""
         sampled = plain(sampled)
         values = apply_sampled(self.base, sampled)
-        folder = self.storage.trial_uri(trial_id)
-        outputs = f"{folder}/run" if not self.storage.is_s3 else "run"  # on S3: the trial's local folder
         tags = {"mt_ray.sweep": self.sweep_name, "mt_ray.sweep.trial_id": trial_id,
                 "mt_ray.sweep.sampled": yaml.safe_dump(sampled, default_flow_style=True).strip()}
-        for key, value in {"training.output_dir": outputs, "training.resume": "auto",
-                           "checkpoint.uri": f"{folder}/checkpoints",
-                           "tracking.run_name": f"{self.sweep_name}-{trial_id}",
+        for key, value in {"training.storage": self.storage.trials_uri, "training.run_name": trial_run_name(
+                           self.sweep_name, trial_id), "training.resume": "auto",
                            "tracking.parent_run_id": self.parent_run_id, "tracking.tags": tags}.items():
             set_key(values, key, value)
         return validate_run_config(values)
 
 
+def trial_run_name(sweep_name: str, trial_id: str) -> str:
+    """A trial's run name (its folder under `<sweep>/trials/` and its MLflow run name)."""
+    return f"{sweep_name}-{trial_id}"
+
+
 def run_trial(sampled: dict[str, Any], plan: TrialPlan) -> None:
-    """One Tune trial: an ordinary run of the trial's config, reporting each evaluation to Tune."""
+    """One Tune trial: an ordinary run of the trial's config, reporting its evaluations to Tune.
+
+    The final evaluation is reported from the run's summary, once checkpoint, export and MLflow
+    run are complete; also for a run that had finished before (a sweep killed before Tune
+    recorded it), which trains nothing again.
+    """
     from ray import tune
 
     from jobs.train import run
 
-    run(plan.trial_config(sampled, tune.get_context().get_trial_id()), extra_callbacks=[TuneReportCallback()])
+    summary = run(plan.trial_config(sampled, tune.get_context().get_trial_id()), extra_callbacks=[TuneReportCallback()])
+    if "stopped_early" not in summary:
+        report({k: summary[k] for k in ("eval_loss", "eval_perplexity", "eval_tokens")}
+               | {"step": summary["steps"], "loss": summary["final_loss"]})
 
 
 def plain(sampled: dict[str, Any]) -> dict[str, Any]:
@@ -104,21 +125,26 @@ def run_sweep(base: dict[str, Any], space: list[Dimension], sweep: SweepConfig, 
     """Run (or with `resume`, continue) the sweep; returns the best trial, its config file and counts.
 
     `base` is a run config's raw values (as `load_run_values` reads them), `space` the checked
-    dimensions (`load_space`). Ray is joined at `cluster.address` or RAY_ADDRESS, else started here.
+    dimensions (`load_space`). The sweep lives in `sweep.storage`, by default `<training.storage>/sweeps`;
+    its MLflow run and the trials' runs go to the run config's MLflow store (by default the one in
+    `training.storage`). Ray is joined at `cluster.address` or RAY_ADDRESS, else started here.
     """
     base = absolute_paths(base)
     cfg = validate_run_config(base)
     sweep = sweep.checked(cfg)
     check_evaluation_supported(cfg)
-    storage = SweepStorage(sweep.storage, sweep.name, cfg.checkpoint)
+    storage = SweepStorage(sweep.storage or f"{cfg.training.storage}/sweeps", sweep.name, cfg.checkpoint)
+    tracking = run_tracking_config(cfg.tracking, sweep.name, cfg.training.storage)
+    base = pin_tracking(base, tracking)
     record = check_resume(storage, resume, base, space)
-    tracker = MlflowTracker(cfg.tracking.model_copy(update={"run_name": sweep.name}))
+    tracker = MlflowTracker(tracking)
     with _ray(cfg):
         open_sweep_run(tracker, record, sweep_params(cfg, space, sweep), storage.uri)
         storage.write_record({"base": base, "space": [d.describe() for d in space], "keys": [d.key for d in space],
                               "run_id": tracker.run_id})
         try:
-            results = _tuner(TrialPlan(base, storage, tracker.run_id, sweep.name), cfg, space, sweep, resume).fit()
+            plan = TrialPlan(base, storage, tracker.run_id, sweep.name)
+            results = _tuner(plan, cfg, space, sweep, tracking, resume).fit()
             summary = summarize(results, base, cfg.training.steps, storage, tracker)
         except BaseException as e:
             tracker.close("KILLED" if isinstance(e, KeyboardInterrupt | SweepInterruptedError) else "FAILED")
@@ -128,17 +154,25 @@ def run_sweep(base: dict[str, Any], space: list[Dimension], sweep: SweepConfig, 
 
 
 def absolute_paths(base: dict[str, Any]) -> dict[str, Any]:
-    """`base` with relative local paths made absolute (trials run in folders of their own), and the MLflow store fixed."""
+    """`base` with local paths absolute (a trial runs in a folder of its own), `training.storage` resolved."""
     values = copy.deepcopy(base)
     for key in _PATH_KEYS:
         section, name = key.split(".")
         path = values.get(section, {}).get(name)
         if path and Path(path).exists():
             set_key(values, key, str(Path(path).resolve()))
-    tracking = values.get("tracking", {})
-    if tracking.get("enabled", True) and not tracking.get("tracking_uri") and not os.environ.get("MLFLOW_TRACKING_URI"):
-        # MLflow's default store is ./mlflow.db of whichever folder a process runs in: pin the driver's.
-        set_key(values, "tracking.tracking_uri", f"sqlite:///{Path('mlflow.db').resolve()}")
+    storage = values.get("training", {}).get("storage", TrainingConfig.model_fields["storage"].default)
+    set_key(values, "training.storage", resolve_storage(storage))
+    return values
+
+
+def pin_tracking(base: dict[str, Any], tracking: TrackingConfig) -> dict[str, Any]:
+    """`base` logging to the sweep's MLflow store, whatever storage root each trial gets."""
+    values = copy.deepcopy(base)
+    if tracking.enabled:
+        for key in ("tracking_uri", "artifact_location"):
+            if getattr(tracking, key) is not None:
+                set_key(values, f"tracking.{key}", getattr(tracking, key))
     return values
 
 
@@ -189,7 +223,8 @@ def summarize(results, base: dict[str, Any], steps: int, storage: SweepStorage, 
     return summary
 
 
-def _tuner(plan: TrialPlan, cfg: RunConfig, space: list[Dimension], sweep: SweepConfig, resume: bool):
+def _tuner(plan: TrialPlan, cfg: RunConfig, space: list[Dimension], sweep: SweepConfig, tracking: TrackingConfig,
+           resume: bool):
     """A new Tuner for the sweep, or the stored one restored (finished trials kept, unfinished ones restarted)."""
     import ray
     from ray import tune
@@ -214,7 +249,7 @@ def _tuner(plan: TrialPlan, cfg: RunConfig, space: list[Dimension], sweep: Sweep
                                     search_alg=_search(sweep, space, cfg.training.seed), reuse_actors=False),
         run_config=tune.RunConfig(name=sweep.name, storage_path=storage.tune_storage_path,
                                   storage_filesystem=storage.filesystem,
-                                  callbacks=[TrialRunsCallback(cfg.tracking, plan.parent_run_id, cfg.training.steps)]),
+                                  callbacks=[TrialRunsCallback(tracking, plan.parent_run_id, cfg.training.steps)]),
     )
 
 

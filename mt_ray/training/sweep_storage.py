@@ -6,7 +6,7 @@ store, reached with the run config's `checkpoint.endpoint_url` and `region`):
     <storage>/<name>/            Tune's experiment state (what `--resume` restores)
         sweep.json               the base config, the space and the sweep's MLflow run id
         best_config.yaml         the best trial's run config, ready for `mt-ray train --config`
-        trials/<trial id>/       each trial's checkpoints (and, on a local store, its outputs)
+        trials/<name>-<trial id>/  each trial's run folder (checkpoints, summary, export: see RunDir)
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 from mt_ray.errors import ConfigError
 from mt_ray.tracking import CheckpointConfig
+from mt_ray.training.run_dir import resolve_storage
 
 RECORD = "sweep.json"
 BEST_CONFIG = "best_config.yaml"
@@ -29,8 +30,7 @@ class SweepStorage:
 
     def __init__(self, storage: str, name: str, checkpoint: CheckpointConfig):
         self.is_s3 = storage.startswith("s3://")
-        root = storage.rstrip("/") if self.is_s3 else str(Path(storage).expanduser().resolve())
-        self.root = root  # Tune's storage_path
+        self.root = root = resolve_storage(storage)
         self.name = name
         self.uri = f"{root}/{name}"  # the experiment folder, as a URI
         self.filesystem = _s3_filesystem(checkpoint) if self.is_s3 else None
@@ -41,8 +41,10 @@ class SweepStorage:
         """Tune's `storage_path`: the bucket path without the scheme when a filesystem is given."""
         return self.root.removeprefix("s3://") if self.is_s3 else self.root
 
-    def trial_uri(self, trial_id: str) -> str:
-        return f"{self.uri}/trials/{trial_id}"
+    @property
+    def trials_uri(self) -> str:
+        """The trials' storage root: each trial is a run in a folder of its own there."""
+        return f"{self.uri}/trials"
 
     def read_record(self) -> dict[str, Any] | None:
         """The sweep's record, or None when no sweep of this name was started here."""

@@ -1,4 +1,4 @@
-"""The sweep the integration tests run: jobs/configs/demo.yaml made small, over jobs/configs/demo-space.yaml."""
+"""The sweep the integration tests run: jobs/configs/demo.yaml made small, over jobs/spaces/demo.yaml."""
 
 from tests.conftest import ROOT
 
@@ -8,4 +8,4 @@ DEMO_OVERRIDES = [f"training.steps={STEPS}", "training.eval_every=2", "data.val_
                   "training.micro_batch_size=2", "training.grad_accum_steps=1", "training.export=false",
                   "engine.device=cpu", "checkpoint.every_steps=2"]
 DEMO = str(ROOT / "jobs/configs/demo.yaml")
-SPACE = str(ROOT / "jobs/configs/demo-space.yaml")
+SPACE = str(ROOT / "jobs/spaces/demo.yaml")

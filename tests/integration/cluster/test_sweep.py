@@ -24,9 +24,9 @@ def sweep(local_ray, tmp_path_factory):
     """A 4-trial sweep over optimizer.lr and optimizer.warmup_steps, tracked in SQLite; returns (summary, store, tmp)."""
     tmp = tmp_path_factory.mktemp("sweep")
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
-    base = load_run_values(DEMO, [*DEMO_OVERRIDES, f"tracking.tracking_uri={uri}", "tracking.experiment=sweep"])
-    summary = run_sweep(base, load_space(SPACE, base), SweepConfig(samples=4, max_concurrent=1, name="demo",
-                                                                   storage=str(tmp / "sweeps")))
+    base = load_run_values(DEMO, [*DEMO_OVERRIDES, f"training.storage={tmp}", f"tracking.tracking_uri={uri}",
+                                  "tracking.experiment=sweep"])
+    summary = run_sweep(base, load_space(SPACE, base), SweepConfig(samples=4, max_concurrent=1, name="demo"))
     return summary, uri, tmp
 
 
@@ -86,10 +86,10 @@ def test_the_best_config_trains_with_mt_ray_train(sweep):
     summary, _, tmp = sweep
     best = yaml.safe_load(Path(summary["best_config_path"]).read_text())
     assert best["optimizer"]["lr"] == summary["best_config"]["optimizer.lr"]
-    out = tmp / "best-run"
-    assert main(["train", "--config", summary["best_config_path"], f"training.output_dir={out}",
-                 f"checkpoint.uri={tmp / 'best-ckpt'}", "tracking.enabled=false"]) == 0
-    trained = json.loads((out / "summary.json").read_text())
+    assert main(["train", "--config", summary["best_config_path"], f"training.storage={tmp / 'best'}",
+                 "tracking.enabled=false"]) == 0
+    [written] = (tmp / "best").glob("*/summary.json")
+    trained = json.loads(written.read_text())
     assert trained["steps"] == STEPS
     if summary["best_step"] == STEPS:  # the same run again: the same eval loss (up to thread-count rounding)
         assert trained["eval_loss"] == pytest.approx(summary["best_eval_loss"], rel=1e-3)

@@ -21,7 +21,7 @@ ENV = {"PYTHONPATH": str(ROOT)}
 
 def finished_trials(trials: Path) -> dict[Path, int]:
     """Each finished trial's summary.json and when it was written."""
-    return {p: p.stat().st_mtime_ns for p in trials.glob("*/run/summary.json")}
+    return {p: p.stat().st_mtime_ns for p in trials.glob("*/summary.json")}
 
 
 def wait_until(condition, head, job_id: str, timeout_s: float = 300) -> None:
@@ -42,17 +42,19 @@ def test_a_submitted_sweep_killed_after_two_trials_resumes_without_redoing_them(
     trials = storage / name / "trials"
     command = [sys.executable, "-m", "jobs.sweep", "--config", DEMO, "--space", SPACE, "--samples", "4",
                "--max-concurrent", "1", "--grace-steps", "30", "--storage", str(storage), "--name", name,
-               *DEMO_OVERRIDES, "training.steps=30", "training.eval_every=10", "tracking.enabled=false"]
+               *DEMO_OVERRIDES, "training.steps=30", "training.eval_every=10", f"training.storage={tmp_path}",
+               "tracking.enabled=false"]
     ray_head.submit("sweep-1", command, ENV)
 
     def third_trial_checkpointed() -> bool:
-        running = [t for t in trials.glob("*") if not (t / "run" / "summary.json").exists()]
+        running = [t for t in trials.glob("*") if not (t / "summary.json").exists()]
         return len(finished_trials(trials)) >= 2 and any((t / "checkpoints").glob("step-*") for t in running)
 
     wait_until(third_trial_checkpointed, ray_head, "sweep-1")
     kept = finished_trials(trials)
     ray_head.cli("job", "stop", f"--address={ray_head.address}", "sweep-1", timeout=120, check=False)
     assert "SUCCEEDED" not in ray_head.status("sweep-1").upper()
+    killed = [t.name for t in trials.glob("*") if not (t / "summary.json").exists() and any(t.glob("checkpoints/step-*"))]
 
     ray_head.submit("sweep-2", [*command, "--resume"], ENV)
     logs = ray_head.logs("sweep-2", follow=True, timeout=400)
@@ -61,3 +63,5 @@ def test_a_submitted_sweep_killed_after_two_trials_resumes_without_redoing_them(
     after = finished_trials(trials)
     assert len(after) == 4 and 2 <= len(kept) < 4
     assert {p: after[p] for p in kept} == kept  # the finished trials were not run again
+    for name in killed:  # a trial killed mid-run continued from its newest checkpoint
+        assert f"resuming run {name} from {trials / name}/checkpoints/step-" in logs

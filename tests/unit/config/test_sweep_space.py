@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from mt_ray.cli.main import main
 from mt_ray.config.run import load_run_config, load_run_values
 from mt_ray.config.sweep import SweepConfig, build_space, load_space, load_sweep_config
 from mt_ray.errors import ConfigError
+from tests.conftest import ROOT
 
 BASE = load_run_values(None, ["data.val_size=16", "training.eval_every=2", "training.steps=6"])
 
@@ -70,3 +72,18 @@ def test_bad_options_name_the_flag():
     with pytest.raises(ConfigError, match=r"--samples: Input should be greater than or equal to 1"):
         load_sweep_config({"samples": 0, "name": None})
     assert load_sweep_config({"samples": None, "search": "optuna"}) == SweepConfig(search="optuna")
+
+
+def test_the_shipped_space_fits_the_demo_config():
+    demo = load_run_values(ROOT / "jobs/configs/demo.yaml", ["data.val_size=0.05", "training.eval_every=10"])
+    assert [d.key for d in load_space(ROOT / "jobs/spaces/demo.yaml", demo)] == ["optimizer.lr", "optimizer.warmup_steps"]
+
+
+def test_the_cli_names_a_bad_space_key_in_one_line(tmp_path, capsys):
+    space = tmp_path / "space.yaml"
+    space.write_text("optimizer.lrr: {loguniform: [1.0e-5, 1.0e-3]}\n")
+    assert main(["sweep", "--config", str(ROOT / "jobs/configs/demo.yaml"), "--space", str(space),
+                 "data.val_size=16", "training.eval_every=2"]) == 2
+    err = capsys.readouterr().err
+    assert "mt-ray sweep: error: space key 'optimizer.lrr'" in err and "did you mean optimizer.lr?" in err
+    assert "Traceback" not in err

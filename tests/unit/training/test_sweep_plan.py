@@ -10,8 +10,15 @@ pytest.importorskip("ray")
 from mt_ray.config.run import load_run_config, load_run_values  # noqa: E402
 from mt_ray.config.sweep import SweepConfig, build_space  # noqa: E402
 from mt_ray.errors import ConfigError  # noqa: E402
-from mt_ray.tracking import CheckpointConfig  # noqa: E402
-from mt_ray.training.sweep import TrialPlan, absolute_paths, check_resume, trial_resources  # noqa: E402
+from mt_ray.tracking import CheckpointConfig, TrackingConfig  # noqa: E402
+from mt_ray.training.run_dir import run_tracking_config  # noqa: E402
+from mt_ray.training.sweep import (  # noqa: E402
+    TrialPlan,
+    absolute_paths,
+    check_resume,
+    pin_tracking,
+    trial_resources,
+)
 from mt_ray.training.sweep_storage import SweepStorage  # noqa: E402
 
 BASE = load_run_values(None, ["data.val_size=16", "training.eval_every=2", "training.steps=6"])
@@ -41,15 +48,18 @@ def test_resume_only_the_same_sweep(tmp_path):
         check_resume(storage, True, BASE, other)
 
 
-def test_a_trial_is_the_base_config_with_its_values_writing_to_its_own_folder(tmp_path):
-    storage = SweepStorage(str(tmp_path), "s", CheckpointConfig())
-    plan = TrialPlan(absolute_paths(BASE), storage, "parent-id", "s")
-    cfg = plan.trial_config({"optimizer.lr": np.float64(3e-3), "model.overrides.num_hidden_layers": np.int64(1)}, "t1")
+def test_a_trial_is_a_run_of_its_own_with_its_sampled_values(tmp_path):
+    storage = SweepStorage(str(tmp_path / "sweeps"), "s", CheckpointConfig())
+    base = absolute_paths({**BASE, "training": {**BASE["training"], "storage": str(tmp_path)}})
+    base = pin_tracking(base, run_tracking_config(TrackingConfig(), "s", str(tmp_path)))
+    cfg = TrialPlan(base, storage, "parent-id", "s").trial_config(
+        {"optimizer.lr": np.float64(3e-3), "model.overrides.num_hidden_layers": np.int64(1)}, "t1")
     assert cfg.optimizer.lr == 3e-3 and cfg.model.overrides == {"num_hidden_layers": 1}
-    assert cfg.checkpoint.uri == f"{tmp_path}/s/trials/t1/checkpoints" and cfg.training.resume == "auto"
-    assert cfg.training.output_dir == f"{tmp_path}/s/trials/t1/run"
+    assert cfg.training.storage == f"{tmp_path}/sweeps/s/trials" and cfg.training.run_name == "s-t1"
+    assert cfg.training.resume == "auto"
     assert cfg.tracking.parent_run_id == "parent-id" and cfg.tracking.tags["mt_ray.sweep.trial_id"] == "t1"
-    assert cfg.tracking.tracking_uri.startswith("sqlite:////")  # pinned: a trial runs in a folder of its own
+    # Every trial logs to the store of the sweep's storage root, not to one in its own run folder.
+    assert cfg.tracking.tracking_uri == f"sqlite:///{tmp_path}/mlflow.db"
     assert "optimizer" not in BASE and "model" not in BASE  # the base is untouched
 
 
