@@ -158,6 +158,8 @@ class Trainer:
             "model_tflops": 6 * self.spec.num_params * tokens_per_s / 1e12,
             **self.engine.memory_metrics(),
         }
+        if result.aux_loss is not None:  # the MoE router's load-balancing loss, when configured
+            metrics["aux_loss"] = result.aux_loss.item()
         self.history.append({"step": self.step, **metrics})
         return metrics
 
