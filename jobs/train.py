@@ -54,10 +54,10 @@ def run_once(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
     trainer = Trainer(cfg, callbacks, run)
     try:
         summary = trainer.fit()
-    except BaseException:
+    except BaseException as e:
         for cb in callbacks:
             if hasattr(cb, "tracker"):
-                cb.tracker.close("FAILED")
+                cb.tracker.close("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
     finally:
         trainer.close()
