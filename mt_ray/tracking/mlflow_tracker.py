@@ -118,39 +118,20 @@ class MlflowTracker:
               resume_run_id: str | None = None) -> str | None:
         """Open the run: params from ``run_config`` (flattened, redacted), tags for model, dataset,
         git commit and hardware. ``parent_run_id`` nests it (a Ray Tune trial in its own process).
-<<<<<<< HEAD
-        ``parent_run_id`` and ``tags`` default to the config's. Returns the run id, or ``None`` with tracking off."""
-        if not self.config.enabled:
-            return None
-        client = self.client
-        all_tags = {**run_tags(model, dataset), **self.config.tags, **(tags or {})}
-        parent_run_id = parent_run_id or self.config.parent_run_id
-        if parent_run_id is not None:
-            all_tags["mlflow.parentRunId"] = parent_run_id
-        run = client.create_run(self._experiment_id(), run_name=self.config.run_name, tags=all_tags)
-        self.run_id = run.info.run_id
-        self._log_params(flatten_params(run_config))
-        self._log_json(redact(run_config), "config.json")
-        return self.run_id
-
-    def attach(self, run_id: str) -> None:
-        """Log to an existing run from now on (a resumed sweep's run), marked RUNNING again."""
-        if self.config.enabled:
-            self.client.update_run(run_id, status="RUNNING")
-            self.run_id = run_id
-=======
+        ``parent_run_id`` and ``tags`` default to the config's (a sweep's trial sets them there).
         ``resume_run_id`` continues that run (a resumed training run: one run, continuous curves)
         when the store still has it. Other runs of this ``run_name`` left ``RUNNING`` by a process
         that died are marked ``KILLED`` first. Returns the run id, or ``None`` with tracking off."""
         if not self.config.enabled:
             return None
         experiment_id = self._experiment_id()
+        parent_run_id = parent_run_id or self.config.parent_run_id
         if self.config.run_name is not None and parent_run_id is None:
             self._end_abandoned(experiment_id, keep=resume_run_id)
         self.run_id = self._reopen(resume_run_id) if resume_run_id else None
         resumed = self.run_id is not None
         if not resumed:
-            all_tags = {**run_tags(model, dataset), **(tags or {})}
+            all_tags = {**run_tags(model, dataset), **self.config.tags, **(tags or {})}
             if parent_run_id is not None:
                 all_tags["mlflow.parentRunId"] = parent_run_id
             run = self.client.create_run(experiment_id, run_name=self.config.run_name, tags=all_tags)
@@ -167,7 +148,6 @@ class MlflowTracker:
             return
         self.client.set_tag(self.run_id, "mt_ray.resumed_from", f"{checkpoint} (step {step})")
         self.log_metrics(step, {"resumed_at_step": step})
->>>>>>> main
 
     @property
     def client(self) -> MlflowClient:

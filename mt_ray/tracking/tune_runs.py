@@ -24,11 +24,9 @@ BEST_CONFIG_ARTIFACT = "best_config.yaml"
 
 def open_sweep_run(tracker: MlflowTracker, record: dict[str, Any] | None, params: dict[str, Any],
                    storage_uri: str) -> None:
-    """Start the sweep's run, or continue the one in the record of a resumed sweep."""
-    if record is not None and record.get("run_id"):
-        tracker.attach(record["run_id"])
-    else:
-        tracker.start(params, tags={"mt_ray.sweep.storage": storage_uri})
+    """Start the sweep's run, or continue the one in the record of a resumed sweep (when the store still has it)."""
+    tracker.start(params, tags={"mt_ray.sweep.storage": storage_uri},
+                  resume_run_id=record.get("run_id") if record is not None else None)
 
 
 def trial_runs(client: MlflowClient, parent_run_id: str, trial_id: str, status: str | None = None) -> list:
@@ -49,8 +47,10 @@ def best_trial_run(tracker: MlflowTracker, trial_id: str, best_config: dict[str,
     runs = trial_runs(tracker.client, tracker.run_id, trial_id)
     if runs:
         links["best_run_id"] = run_id = runs[0].info.run_id
-        if tracker.client.list_artifacts(run_id, "model"):
-            links["best_model_uri"] = f"runs:/{run_id}/model"
+        models = tracker.client.search_logged_models([runs[0].info.experiment_id], f"source_run_id = '{run_id}'",
+                                                     max_results=1)
+        if models:
+            links["best_model_uri"] = f"models:/{models[0].model_id}"
     for key, value in links.items():
         tracker.client.set_tag(tracker.run_id, key, value)
     return links

@@ -21,11 +21,12 @@ from tests.integration.cluster.demo_sweep import DEMO, DEMO_OVERRIDES, SPACE, ST
 
 @pytest.fixture(scope="module")
 def sweep(local_ray, tmp_path_factory):
-    """A 4-trial sweep over optimizer.lr and optimizer.warmup_steps, tracked in SQLite; returns (summary, store, tmp)."""
+    """A 4-trial sweep over optimizer.lr and optimizer.warmup_steps, tracked in SQLite, trials exporting their
+    model; returns (summary, store URI, tmp)."""
     tmp = tmp_path_factory.mktemp("sweep")
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
-    base = load_run_values(DEMO, [*DEMO_OVERRIDES, f"training.storage={tmp}", f"tracking.tracking_uri={uri}",
-                                  "tracking.experiment=sweep"])
+    base = load_run_values(DEMO, [*DEMO_OVERRIDES, "training.export=true", f"training.storage={tmp}",
+                                  f"tracking.tracking_uri={uri}", "tracking.experiment=sweep"])
     summary = run_sweep(base, load_space(SPACE, base), SweepConfig(samples=4, max_concurrent=1, name="demo"))
     return summary, uri, tmp
 
@@ -74,6 +75,9 @@ def test_the_sweep_run_shows_the_space_readably_and_links_the_best_trial(sweep, 
     assert params["sweep.samples"] == "4" and "optimizer.lr" not in params  # no base value posing as the trials'
     assert not [v for v in params.values() if " object at 0x" in v]
     assert parent.info.status == "FINISHED" and parent.data.tags["best_run_id"] == summary["best_run_id"]
+    if summary["best_step"] == STEPS:  # trials that ran to the end exported their model; ASHA's stopped ones did not
+        [model] = client.search_logged_models([parent.info.experiment_id], f"source_run_id = '{summary['best_run_id']}'")
+        assert parent.data.tags["best_model_uri"] == summary["best_model_uri"] == f"models:/{model.model_id}"
     best = client.get_run(summary["best_run_id"])
     assert best.data.metrics["eval_loss"] == pytest.approx(summary["best_eval_loss"])
     assert summary["best_eval_loss"] == min(c.data.metrics["eval_loss"] for c in child_runs(client, summary["run_id"]))
