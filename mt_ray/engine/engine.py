@@ -265,6 +265,8 @@ class StreamingEngine:
         return self.store.state_dict()
 
     def close(self) -> None:
+        if self.router_loss is not None:
+            self.router_loss.close()
         self.worker.close()
         self.grad_buffers.close()
         if self.store is not None:
