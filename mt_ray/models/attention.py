@@ -45,6 +45,9 @@ def resolve_attention(spec: ModelSpec, requested: str, device: torch.device) -> 
             logger.info("attention: eager for '%s', which uses %s (SDPA drops it)", model_type, ", ".join(sorted(needs)))
             return "eager"
         return spec.skeleton.get_correct_attn_implementation(None)  # SDPA, or eager where the family lacks it
+    if requested == "flex_attention" and device.type != "cuda":
+        raise ConfigError("engine.attn_implementation: 'flex_attention' trains on CUDA only (torch's FlexAttention "
+                          f"has no backward on {device.type}); use 'auto'")
     implements = {f.removesuffix(f" on {device.type}") for f in _IMPLEMENTS.get(requested, ())}
     lacking = needs - implements
     if lacking:

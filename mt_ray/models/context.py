@@ -141,7 +141,7 @@ class LayerContextBuilder:
         seeing token 1? Flash attention takes the boundaries from the position ids instead."""
         if "flash" in spec.config._attn_implementation:
             return True
-        embeds = torch.zeros(1, 4, spec.config.hidden_size, device=device)
+        embeds = torch.zeros(1, 4, spec.skeleton.get_input_embeddings().weight.shape[-1], device=device)
         ids = torch.zeros(1, 4, dtype=torch.long, device=device)
         _, per_layer = self._record(embeds, ids, torch.tensor([[0, 1, 0, 1]], device=device))
         return all(_blocks(kw["attention_mask"], 2, 1) for kw in per_layer if "attention_mask" in kw)

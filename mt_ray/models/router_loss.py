@@ -42,15 +42,19 @@ class RouterLoss:
         self._index = getattr(recorder, "index", 0)
         self._captured: list[torch.Tensor] = []
         target = getattr(recorder, "target_class", recorder)
-        for layer in layer_modules:
-            for m in layer.modules():
-                if isinstance(m, target):
-                    m.register_forward_hook(self._capture)
+        self._hooks = [m.register_forward_hook(self._capture)
+                       for layer in layer_modules for m in layer.modules() if isinstance(m, target)]
 
     @staticmethod
     def wanted(spec: ModelSpec) -> bool:
         """Whether the config asks for the auxiliary loss (as transformers' forward decides it)."""
         return bool(getattr(spec.config, "output_router_logits", False))
+
+    def close(self) -> None:
+        """Take the hooks off the templates (the skeleton's own layer modules)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
 
     def _capture(self, module: nn.Module, args, output) -> None:
         self._captured.append(output[self._index] if isinstance(output, (tuple, list)) else output)

@@ -13,65 +13,28 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from mt_ray.data.packing import collate
-from mt_ray.data.schema import TokenizedExample
-from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine
 from mt_ray.errors import ConfigError
-from mt_ray.models.discovery import discover
-from tests.tiny_models import CHECKPOINT_FAMILIES, VOCAB, checkpoint_config, reference_train, tiny_batches
-
-# eps = 1 makes Adam's first update ~ lr * gradient (not lr * sign), so comparing one step's weights
-# compares the gradients themselves; clipping and decay are on, as in training.
-OPT = OptimizerConfig(lr=0.1, eps=1.0, weight_decay=0.01, max_grad_norm=1.0)
-ROW = 24
-DOCUMENTS = [(9, 3), (6, 2), (7, 3), (13, 4), (11, 5)]  # (length, prompt tokens): rows [9 6 7 +2 pad], [13 11]
-
-
-def documents(seed: int = 0) -> list[TokenizedExample]:
-    g = torch.Generator().manual_seed(seed)
-    docs = []
-    for n, prompt in DOCUMENTS:
-        ids = torch.randint(3, VOCAB, (n,), generator=g).tolist()
-        docs.append(TokenizedExample(tuple(ids), tuple([-100] * prompt + ids[prompt:])))
-    return docs
+from tests.family_checks import (
+    OPT,
+    assert_same_step,
+    documents,
+    eager_reference,
+    engine_step,
+    packed_micro_batch,
+    reference_step,
+    save_checkpoint,
+)
+from tests.tiny_models import CHECKPOINT_FAMILIES, reference_train, tiny_batches
 
 
-def packed_micro_batch(docs: list[TokenizedExample]) -> dict[str, torch.Tensor]:
-    batch = collate([docs[:3], docs[3:]], ROW, pad_id=0)  # the data pipeline's own packing
-    return {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
-
-
-def save_checkpoint(family: str, folder, **overrides) -> None:
-    """A random model of `family` written by transformers; saved buffers (DeepSeek-V3's per-layer
-    routing bias) get random values, so a layer computing with another layer's values shows."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(checkpoint_config(family, **overrides))
-    saved = model.state_dict(keep_vars=True)
-    for name, buf in model.named_buffers():
-        if name in saved and buf.is_floating_point():
-            buf.normal_()
-    model.save_pretrained(folder)
-
-
-def engine_step(folder, micro_batches, **engine_kw):
-    engine = StreamingEngine(discover(str(folder)), EngineConfig(device="cpu", **engine_kw), OPT, total_steps=1)
-    try:
-        engine.load_pretrained(folder)
-        result = engine.train_step(micro_batches)
-        return result, {k: v.clone() for k, v in engine.state_dict().items()}
-    finally:
-        engine.close()
-
-
-def eager_reference(folder) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").float()
-
-
-def assert_same_step(state, ref, before, loss, ref_loss):
-    assert loss == pytest.approx(ref_loss, rel=1e-5)
-    for name, w in ref.state_dict().items():
-        if name in state:  # a tied head is the embedding
-            torch.testing.assert_close(state[name] - before[name], w - before[name], rtol=1e-4, atol=3e-7, msg=name)
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Models this small gain nothing from intra-op threads; on a shared 2-core machine their wake-ups
+    (the engine's optimizer thread runs beside the step) made this module 10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("family", list(CHECKPOINT_FAMILIES))
@@ -79,33 +42,43 @@ def test_family_trains_from_its_checkpoint_on_packed_rows(family, tmp_path):
     save_checkpoint(family, tmp_path)
     docs = documents()
     result, state = engine_step(tmp_path, [packed_micro_batch(docs)])
-
-    ref = eager_reference(tmp_path)
-    before = {k: v.clone() for k, v in ref.state_dict().items()}
-    alone = [{"input_ids": torch.tensor([d.input_ids]), "labels": torch.tensor([d.labels])} for d in docs]
-    [ref_loss] = reference_train(ref, [alone], OPT)
-    assert_same_step(state, ref, before, result.loss.item(), ref_loss)
+    ref_loss, before, ref_state = reference_step(tmp_path, docs)
+    assert_same_step(state, before, ref_state, result.loss.item(), ref_loss)
 
 
-def test_softcapping_is_not_dropped(tmp_path):
-    """Gemma 2's attention soft-capping changes its loss (so the test above would see SDPA dropping it);
-    `auto` runs it with eager attention, and naming SDPA for it is refused."""
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next", "falcon_h1", "deepseek_v3"])
+@pytest.mark.parametrize("engine_kw", [{"schedule": "resident"}, {"checkpoint_every": 1}], ids=["resident", "K1"])
+def test_schedules_keep_documents_apart_across_micro_batches(family, engine_kw, tmp_path):
+    """The same step, each packed row its own micro-batch: resident (no recompute), or a recompute per layer."""
+    save_checkpoint(family, tmp_path)
+    docs = documents()
+    packed = packed_micro_batch(docs)
+    rows = [{k: v[r : r + 1] for k, v in packed.items()} for r in range(2)]
+    result, state = engine_step(tmp_path, rows, **engine_kw)
+    ref_loss, before, ref_state = reference_step(tmp_path, docs)
+    assert_same_step(state, before, ref_state, result.loss.item(), ref_loss)
+
+
+def test_softcapping_changes_what_gemma2_computes(tmp_path):
+    """So the family test above would see SDPA dropping it: `auto` runs Gemma 2 with eager attention."""
     save_checkpoint("gemma2", tmp_path)
     mb = packed_micro_batch(documents())
-    ref = eager_reference(tmp_path)
-    uncapped = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").float()
     with torch.no_grad():
-        capped_logits = ref(**mb, use_cache=False).logits
-        assert not torch.allclose(capped_logits, uncapped(**mb, use_cache=False).logits, rtol=1e-3, atol=1e-4)
-    with pytest.raises(ConfigError, match="engine.attn_implementation: 'sdpa' does not implement the attention "
-                                          "soft-capping that 'gemma2' uses"):
-        engine_step(tmp_path, [mb], attn_implementation="sdpa")
+        capped = eager_reference(tmp_path)(**mb, use_cache=False).logits
+        uncapped = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").float()
+        assert not torch.allclose(capped, uncapped(**mb, use_cache=False).logits, rtol=1e-3, atol=1e-4)
 
 
-def test_gpt_oss_sinks_are_refused_where_the_backend_lacks_them(tmp_path):
-    save_checkpoint("gpt_oss", tmp_path)
-    with pytest.raises(ConfigError, match="does not implement the attention sinks that 'gpt_oss' uses"):
-        engine_step(tmp_path, [packed_micro_batch(documents())], attn_implementation="flash_attention_2")
+@pytest.mark.parametrize(("family", "backend", "message"), [
+    ("gemma2", "sdpa", "'sdpa' does not implement the attention soft-capping that 'gemma2' uses"),
+    ("gpt_oss", "flash_attention_2", "'flash_attention_2' does not implement the attention sinks that 'gpt_oss' uses"),
+    ("gpt_oss", "sdpa", "'sdpa' does not implement the attention sinks that 'gpt_oss' uses"),
+    ("llama", "flex_attention", "'flex_attention' trains on CUDA only"),
+])
+def test_an_attention_backend_that_cannot_train_the_family_is_refused(tmp_path, family, backend, message):
+    save_checkpoint(family, tmp_path)
+    with pytest.raises(ConfigError, match=f"engine.attn_implementation: {message}"):
+        engine_step(tmp_path, [packed_micro_batch(documents())], attn_implementation=backend)
 
 
 def test_transformers_own_packed_rows_leak_where_the_engine_isolates(tmp_path):
@@ -148,4 +121,4 @@ def test_router_aux_loss_is_added_as_transformers_adds_it(family, tmp_path):
 
     [ref_loss] = reference_train(ref, [mbs], OPT, objective=weighted)
     assert result.aux_loss.item() == pytest.approx(sum(auxes), rel=1e-5)
-    assert_same_step(state, ref, before, result.loss.item(), ref_loss)
+    assert_same_step(state, before, ref.state_dict(), result.loss.item(), ref_loss)
