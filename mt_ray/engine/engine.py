@@ -191,7 +191,8 @@ class StreamingEngine:
         """Summed next-token loss of `micro_batches` under the weights after `step_idx` steps: forward only.
 
         No gradient is computed or sent, no optimizer state changes and the step count stays.
-        The templates run in eval mode (no dropout or router noise), as after `model.eval()`.
+        The templates run in eval mode (no dropout or router noise), as after `model.eval()`. The
+        loss is the token cross-entropy alone: a MoE router's auxiliary loss is a training term.
         Every micro-batch passes each unit while it is resident, so the activations of all of
         them are live at once: give as many as a training step holds.
         """

@@ -74,6 +74,12 @@ class TrackingConfig(BaseModel):
     run_name: str | None = None
     """Run name shown in the UI; ``None`` lets MLflow pick one."""
 
+    parent_run_id: str | None = None
+    """Nest the run under this MLflow run (a sweep sets it: each trial is a child of the sweep's run)."""
+
+    tags: dict[str, str] = Field(default_factory=dict)
+    """Extra tags on the run (a sweep tags each trial with its trial id and sampled values)."""
+
     artifact_location: str | None = None
     """Where an experiment created by this tracker keeps its artifacts; ``None``: the store's default."""
 
@@ -112,18 +118,20 @@ class MlflowTracker:
               resume_run_id: str | None = None) -> str | None:
         """Open the run: params from ``run_config`` (flattened, redacted), tags for model, dataset,
         git commit and hardware. ``parent_run_id`` nests it (a Ray Tune trial in its own process).
+        ``parent_run_id`` and ``tags`` default to the config's (a sweep's trial sets them there).
         ``resume_run_id`` continues that run (a resumed training run: one run, continuous curves)
         when the store still has it. Other runs of this ``run_name`` left ``RUNNING`` by a process
         that died are marked ``KILLED`` first. Returns the run id, or ``None`` with tracking off."""
         if not self.config.enabled:
             return None
         experiment_id = self._experiment_id()
+        parent_run_id = parent_run_id or self.config.parent_run_id
         if self.config.run_name is not None and parent_run_id is None:
             self._end_abandoned(experiment_id, keep=resume_run_id)
         self.run_id = self._reopen(resume_run_id) if resume_run_id else None
         resumed = self.run_id is not None
         if not resumed:
-            all_tags = {**run_tags(model, dataset), **(tags or {})}
+            all_tags = {**run_tags(model, dataset), **self.config.tags, **(tags or {})}
             if parent_run_id is not None:
                 all_tags["mlflow.parentRunId"] = parent_run_id
             run = self.client.create_run(experiment_id, run_name=self.config.run_name, tags=all_tags)
@@ -311,11 +319,17 @@ class MlflowTracker:
         for i in range(0, len(items), _PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=items[i:i + _PARAMS_PER_BATCH])
 
-    def _log_json(self, payload: Any, name: str) -> None:
+    def log_text(self, text: str, name: str) -> None:
+        """Store ``text`` as the artifact file ``name``."""
+        if not self.active:
+            return
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / name
-            path.write_text(json.dumps(payload, indent=2, default=str))
+            path.write_text(text)
             self.client.log_artifact(self.run_id, str(path))
+
+    def _log_json(self, payload: Any, name: str) -> None:
+        self.log_text(json.dumps(payload, indent=2, default=str), name)
 
 
 def is_secret(key: str, value: Any) -> bool:

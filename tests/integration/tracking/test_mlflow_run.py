@@ -7,22 +7,11 @@ import pytest
 
 import jobs.train
 from jobs.train import main
-from mt_ray.training.callbacks import Callback
+from tests.conftest import StopAt
 
 ARGS = ["training.steps=4", "checkpoint.every_steps=2", "data.max_seq_len=64", "engine.device=cpu",
         "training.log_every=1", "training.run_name=r", "tracking.system_metrics_interval_s=0.5",
         "tracking.register_as=tiny-demo"]
-
-
-class StopAt(Callback):
-    """Ctrl-C after `step`."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, trainer, step):
-        if step == self.step:
-            raise KeyboardInterrupt
 
 
 def test_an_interrupted_run_resumes_its_mlflow_run_and_logs_a_model_that_generates(tmp_path, monkeypatch, capsys):
