@@ -1,4 +1,4 @@
-"""`mt-ray`: train, calc, export, info."""
+"""`mt-ray`: train, sweep, calc, export, info."""
 
 from __future__ import annotations
 
@@ -17,6 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--config", help="YAML run config (see jobs/configs/)")
     train.add_argument("--help-config", action="store_true", help="list every config key with its default")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. training.steps=10")
+
+    sweep = sub.add_parser("sweep", help="Ray Tune sweep of a run config, judged on held-out eval loss (ASHA)")
+    from jobs.sweep import add_sweep_arguments
+
+    add_sweep_arguments(sweep)
 
     calc = sub.add_parser("calc", help="the fastest configuration that fits this GPU and host, as a config snippet")
     calc.add_argument("--config", help="YAML run config providing the model, engine and optimizer (or --preset/--path)")
@@ -62,6 +67,13 @@ def _train(args) -> int:
     return 0
 
 
+def _sweep(args) -> int:
+    from jobs.sweep import report, sweep
+
+    print(report(sweep(args)))
+    return 0
+
+
 def _calc(args) -> int:
     from mt_ray.engine.calculator import config_snippet, local_gpu_memory_gb, recommend, render_recommendation
     from mt_ray.engine.host_store import GIB, available_host_bytes
@@ -79,7 +91,7 @@ def _calc(args) -> int:
     if run:  # the config's engine, as it runs on a GPU (bf16 unless it names a dtype)
         dtype = "bf16" if run.engine.compute_dtype == "auto" else run.engine.compute_dtype
         engine = run.engine.model_copy(update={"device": "cpu", "compute_dtype": dtype})
-    rec = recommend(_spec(args), args.seq, args.global_batch, gpu, host, cfg=engine,
+    rec = recommend(_spec(args, run), args.seq, args.global_batch, gpu, host, cfg=engine,
                     opt=run.optimizer if run else None, machine=machine)
     model = run.model.model_dump(exclude_defaults=True) if run else {"path": args.path} if args.path else {
         "preset": args.preset or "tiny"}
@@ -112,20 +124,20 @@ def _run_config(args):
     return load_run_config(args.config)
 
 
-def _spec(args):
+def _spec(args, run=None):
     from mt_ray.models.discovery import discover
     from mt_ray.models.presets import preset_config
 
-    if getattr(args, "config", None):
+    if run is not None or getattr(args, "config", None):
         from mt_ray.training import build_model_spec
 
-        return build_model_spec(_run_config(args))
+        return build_model_spec(run or _run_config(args))
     if args.path:
         return discover(args.path)
     return discover(preset_config(args.preset or "tiny"))
 
 
-_COMMANDS = {"train": _train, "calc": _calc, "export": _export, "info": _info}
+_COMMANDS = {"train": _train, "sweep": _sweep, "calc": _calc, "export": _export, "info": _info}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,21 +13,32 @@ Schedule of a step (L layers, blocks of K layers, M micro-batches):
             device as soon as the last micro-batch has contributed to it. Finally the embedding.
 So each unit's weights cross the bus twice a step (forward, backward), and the optimizer
 thread updates units while the backward pass continues. Parked hidden states wait on the
-device or in pinned host memory (`checkpoint_placement`, see activations.py); slot b < L/K holds
-block b's checkpoint, slot L/K the last block's output and then the gradient flowing back.
+device or in pinned host memory (`checkpoint_placement`, see activations.py): slot b < L/K holds
+block b's checkpoint, slot L/K the last block's output, then the gradient flowing back.
+
+An evaluation (`evaluate`) is the forward and the head's chunked loss alone: one pass of the
+weights, no gradient, nothing for the optimizer, and the templates in eval mode; its hidden
+states are parked as a training step's are.
 
 The resident schedule (`schedule: resident`, for models that fit) uploads each unit once a step
 and keeps it, with an fp32 gradient sum per unit, on the device; every micro-batch then runs
 embed -> layers -> head -> backward with its activations kept, so nothing is recomputed
 (6·N·T instead of 8·N·T FLOPs). Gradients leave during the last micro-batch's backward.
 
+Packed rows keep their documents apart: attention through the masks transformers builds from
+the position ids, and layers with linear attention, short convolutions or Mamba by running each
+document through them alone (`LayerContext`). A MoE config with `output_router_logits` adds the
+family's router load-balancing loss (`RouterLoss`).
+
 Tensor shape key: B batch, T tokens, D hidden, N selected tokens, V vocabulary.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -42,21 +53,41 @@ from mt_ray.engine.seams import GradSink, WeightSource
 from mt_ray.engine.sizing import grad_buffer_bytes, grad_buffers_per_unit
 from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
 from mt_ray.engine.transfer import GradBuffers, Outbox, StreamSet, WeightStreamer
-from mt_ray.models.context import LayerContextBuilder, LayerKwargs
+from mt_ray.models.attention import resolve_attention
+from mt_ray.models.context import LayerContext, LayerContextBuilder
 from mt_ray.models.discovery import ModelSpec
 from mt_ray.models.kernels import apply_kernels
+from mt_ray.models.router_loss import RouterLoss
 from mt_ray.models.weights import export_hf, init_random, load_safetensors
+
+# One recomputed layer ready for backward: (layer index, its input, its output, its router logits).
+Segment = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 @dataclass
 class StepResult:
-    """What a step returns. Tensors stay on the device: read them only when logging."""
+    """What a step returns. Tensors stay on the device: read them only when logging.
+
+    `loss` is what the step minimised: the mean token cross-entropy, plus `router_aux_loss_coef`
+    times `aux_loss` where the MoE config asks for the router's load-balancing loss (as
+    transformers' own loss); `aux_loss` is that loss, its micro-batches weighted by loss tokens.
+    """
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
     lr: float
     num_tokens: int
     num_loss_tokens: int
+    aux_loss: torch.Tensor | None = None
+
+
+@dataclass
+class EvalResult:
+    """What `evaluate` returns: the summed token loss (on the device: read it once per eval) and its counts."""
+
+    loss_sum: torch.Tensor
+    num_loss_tokens: int
+    num_tokens: int
 
 
 class StreamingEngine:
@@ -78,7 +109,7 @@ class StreamingEngine:
         self.device = cfg.resolve_device()
         self.dtype = cfg.dtype
         self.step_idx = 0
-        spec.config._attn_implementation = cfg.attn_implementation
+        spec.config._attn_implementation = resolve_attention(spec, cfg.attn_implementation, self.device)
         apply_kernels(spec, cfg.kernels, self.device)  # before any allocation, and before the templates
         pin = self.device.type == "cuda"
         copy_dtype = None if cfg.stream_master or self.dtype == torch.float32 else self.dtype
@@ -109,8 +140,9 @@ class StreamingEngine:
         self.templates = build_templates(spec, self.device)
         self.context = LayerContextBuilder(spec, self.device)
         self.layer_templates = [self.templates[u.kind] for u in spec.layer_units]
+        kinds = [self.templates[k].module for k in spec.layer_kinds]
+        self.router_loss = RouterLoss(spec, kinds) if RouterLoss.wanted(spec) else None
         self._embed_shape = next(p.shape for p in spec.unit("embed").params if p.local_name == "weight")
-        self._hidden_size = spec.config.hidden_size
         # Reused every step: with clipping, step t+1 cannot finish its forward before the worker
         # has read step t's norm (layer updates wait for it), so it is never overwritten early.
         self._norm_sq_host = torch.zeros((), dtype=torch.float32, pin_memory=pin)
@@ -135,18 +167,21 @@ class StreamingEngine:
         self._lr = lr
         self._grad_sums: dict[str, torch.Tensor] = {}
         self._kept: dict[str, torch.Tensor] = {}
+        # Router loss: each micro-batch weighted by its share of the step's loss tokens.
+        self._aux_sum = torch.zeros((), dtype=torch.float32, device=self.device) if self.router_loss else None
+        aux_weights = [mb.num_loss_tokens / n_norm for mb in mbs]
 
         if self.resident:
-            loss_sum = self._resident_step(mbs, 1.0 / n_norm)
+            loss_sum = self._resident_step(mbs, 1.0 / n_norm, aux_weights)
         else:
-            park, carry, n = self.activations, len(self._blocks()), range(len(mbs))
-            park.start(self._activation_plan(len(mbs)), [mb.input_ids_BT.numel() * self._hidden_size for mb in mbs])
-            contexts = self._forward(mbs)
-            loss_sum = self._head((park.get((carry, j)) for j in n), mbs, 1.0 / n_norm, True,
+            park, carry = self.activations, len(self._blocks())
+            park.start(self._activation_plan(len(mbs), train=True), self._hidden_numels(mbs))
+            contexts, aux_grads = self._forward(mbs, aux_weights)
+            loss_sum = self._head(self._carried(len(mbs)), mbs, 1.0 / n_norm, True,
                                   lambda j, g: park.put((carry, j), g))
             for b in reversed(range(carry)):
-                self._backward_block(b, contexts)
-            self._backward_embed((park.get((carry, j)) for j in n), mbs, final=True)
+                self._backward_block(b, contexts, aux_grads)
+            self._backward_embed(self._carried(len(mbs)), mbs, final=True)
         self._kept.clear()
 
         with self.streams.on(self.streams.d2h):
@@ -157,7 +192,30 @@ class StreamingEngine:
         self.outbox.add(self._norm_sq, norm_ready)  # a later step must not reuse it before the copy
         self.worker.end_step(self._norm_sq_host, norm_ready, lr)
         self.step_idx += 1
-        return StepResult(loss_sum / n_norm, self._norm_sq.sqrt(), lr, sum(m.num_tokens for m in mbs), n_loss)
+        loss = loss_sum / n_norm
+        if self._aux_sum is not None:
+            loss = loss + self.router_loss.coef * self._aux_sum
+        return StepResult(loss, self._norm_sq.sqrt(), lr, sum(m.num_tokens for m in mbs), n_loss, self._aux_sum)
+
+    def evaluate(self, micro_batches: list[dict[str, torch.Tensor]]) -> EvalResult:
+        """Summed next-token loss of `micro_batches` under the weights after `step_idx` steps: forward only.
+
+        No gradient is computed or sent, no optimizer state changes and the step count stays.
+        The templates run in eval mode (no dropout or router noise), as after `model.eval()`. The
+        loss is the token cross-entropy alone: a MoE router's auxiliary loss is a training term.
+        Every micro-batch passes each block while it is resident, and their hidden states wait
+        where a training step's do: give as many as a training step holds.
+        """
+        mbs = [prepare_micro_batch(b, self.device) for b in micro_batches]
+        plan = ["embed", *(f"layers.{i}" for i in range(self.spec.num_layers)), "head"]
+        self.streamer.start(plan + (["embed"] if self.spec.tied and not self.resident else []), version=self.step_idx)
+        self._kept = {}
+        self.activations.start(self._activation_plan(len(mbs), train=False), self._hidden_numels(mbs))
+        with _eval_mode(t.module for t in self.templates.values()), torch.no_grad():
+            self._forward(mbs)
+            loss_sum = self._eval_head(self._carried(len(mbs)), mbs)
+        self._kept.clear()
+        return EvalResult(loss_sum, sum(mb.num_loss_tokens for mb in mbs), sum(mb.num_tokens for mb in mbs))
 
     def synchronize(self) -> None:
         """Wait until every update of the steps run so far is in the master weights."""
@@ -218,6 +276,8 @@ class StreamingEngine:
         return self.store.state_dict()
 
     def close(self) -> None:
+        if self.router_loss is not None:
+            self.router_loss.close()
         self.worker.close()
         self.activations.close()
         self.grad_buffers.close()
@@ -248,32 +308,45 @@ class StreamingEngine:
                 self._kept[unit] = flat
         return flat
 
-    def _activation_plan(self, n_micro: int) -> list[Op]:
-        """Every put and get of the streamed step's parked hidden states, in the order the step makes them."""
+    def _activation_plan(self, n_micro: int, train: bool) -> list[Op]:
+        """Every put and get of the streamed step's parked hidden states, in the order it makes them."""
         carry, mbs = len(self._blocks()), range(n_micro)
         plan: list[Op] = [("put", (0, j)) for j in mbs]
         for b in range(carry):
             plan += [op for j in mbs for op in (("get", (b, j)), ("put", (b + 1, j)))]
+        if not train:
+            return plan + [("get", (carry, j)) for j in mbs]  # the evaluation's loss
         plan += [op for j in mbs for op in (("get", (carry, j)), ("put", (carry, j)))]  # the head
         for b in reversed(range(carry)):
             plan += [op for j in mbs for op in (("get", (b, j)), ("get", (carry, j)), ("put", (carry, j)))]
         return plan + [("get", (carry, j)) for j in mbs]  # the embedding's backward
 
-    def _embed(self, weights: Weights, mb: MicroBatch) -> tuple[torch.Tensor, list[LayerKwargs]]:
-        """A micro-batch's embedded input and per-layer attention context (no graph)."""
-        with torch.no_grad():
-            return self.context(self.templates["embed"](weights, mb.input_ids_BT), mb.position_ids_BT)
+    def _hidden_numels(self, mbs: list[MicroBatch]) -> list[int]:
+        return [mb.input_ids_BT.numel() * self.spec.config.hidden_size for mb in mbs]
 
-    def _forward(self, mbs: list[MicroBatch]) -> list[list[LayerKwargs]]:
-        """Park every micro-batch's embedding, then run each block over every micro-batch in turn,
-        parking its output (the next block's checkpoint); returns each micro-batch's layer context."""
+    def _carried(self, n_micro: int) -> Iterator[torch.Tensor]:
+        """Each micro-batch's carry in turn (the last block's output, or the gradient flowing back)."""
+        carry = len(self._blocks())
+        return (self.activations.get((carry, j)) for j in range(n_micro))
+
+    def _embed(self, weights: Weights, mb: MicroBatch) -> tuple[torch.Tensor, LayerContext]:
+        """A micro-batch's embedded input and its layers' context (no graph)."""
+        with torch.no_grad():
+            h0 = self.templates["embed"](weights, mb.input_ids_BT)
+            return self.context(h0, mb.input_ids_BT, mb.position_ids_BT, mb.documents)
+
+    def _forward(self, mbs: list[MicroBatch], aux_weights: list[float] | None = None):
+        """Park every micro-batch's embedding, then run each block over every micro-batch in turn without a
+        graph, parking its output (the next block's checkpoint). Returns each micro-batch's layer context
+        and, given `aux_weights`, the router loss's gradients into each MoE layer's router logits."""
         park, contexts = self.activations, []
         embed = self.templates["embed"].bind(self._weights("embed"))
         for j, mb in enumerate(mbs):
             h0, ctx = self._embed(embed, mb)
             contexts.append(ctx)
             park.put((0, j), h0)
-        del embed  # the streamer may free the embedding before the head needs the device memory
+        del embed  # the streamer may free the embedding's upload before the layers need the memory
+        router_logits: list[dict[int, torch.Tensor]] = [{} for _ in mbs]
         with torch.no_grad():
             for b, block in enumerate(self._blocks()):
                 weights: dict[int, Weights] = {}
@@ -282,11 +355,15 @@ class StreamingEngine:
                     for i in block:
                         if i not in weights:  # bound when first reached: compute waits for this upload only
                             weights[i] = self.layer_templates[i].bind(self._weights(f"layers.{i}"))
-                        x = _hidden(self.layer_templates[i](weights[i], x, **ctx[i]))
+                        x, logits = self._layer(i, weights[i], x, ctx)
+                        if logits is not None:
+                            router_logits[j][i] = logits
                     park.put((b + 1, j), x)
-        return contexts
+        aux_grads = [] if aux_weights is None else [
+            self._router_loss_grads(lg, w) for lg, w in zip(router_logits, aux_weights, strict=True)]
+        return contexts, aux_grads
 
-    def _resident_step(self, mbs: list[MicroBatch], inv_n: float) -> torch.Tensor:
+    def _resident_step(self, mbs: list[MicroBatch], inv_n: float, aux_weights: list[float]) -> torch.Tensor:
         """Each micro-batch forward and backward in turn, activations kept, weights bound once."""
         weights: dict[int, Weights] = {}
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -294,25 +371,46 @@ class StreamingEngine:
             final = j == len(mbs) - 1
             h, ctx = self._embed(self.templates["embed"].bind(self._weights("embed")), mb)
             segments = self._run_layers(range(self.spec.num_layers), h, ctx, weights)
+            aux_grads = self._router_loss_grads({i: lg for i, _, _, lg in segments if lg is not None}, aux_weights[j])
             grads: list[torch.Tensor] = []
             loss_sum += self._head([segments[-1][2].detach()], [mb], inv_n, final, lambda _, g: grads.append(g))
-            g = self._backward_layers(segments, weights, grads.pop(), final)
+            g = self._backward_layers(segments, weights, grads.pop(), final, aux_grads)
             self._backward_embed([g], [mb], final)
         return loss_sum
+
+    def _layer(self, i: int, weights: Weights, x: torch.Tensor, ctx: LayerContext):
+        """Layer i's output hidden state, and its router logits when a router loss records them."""
+        out = ctx.run(partial(self.layer_templates[i], weights), i, x)
+        return out, self.router_loss.take() if self.router_loss else None
+
+    def _router_loss_grads(self, logits: dict[int, torch.Tensor], weight: float) -> dict[int, torch.Tensor]:
+        """One micro-batch's router loss, added to the step's; returns what it sends into each layer."""
+        if not logits:
+            return {}
+        aux, grads = self.router_loss.gradients(logits, weight)
+        self._aux_sum += aux * weight
+        return grads
+
+    def _bind_head(self, requires_grad: bool) -> Weights:
+        """The head's weights, with the embedding matrix as `lm_head.weight` when they are tied."""
+        weights = self.templates["head"].bind(self._weights("head"), requires_grad=requires_grad)
+        if self.spec.tied:
+            emb = self._weights("embed").view(self._embed_shape).detach()
+            weights["lm_head.weight"] = emb.requires_grad_() if requires_grad else emb
+        return weights
 
     def _head(self, hiddens: Iterable[torch.Tensor], mbs: list[MicroBatch], inv_n: float, final: bool,
               on_grad: Callable[[int, torch.Tensor], None]) -> torch.Tensor:
         """Loss over each micro-batch's final hidden state, in chunks of selected tokens; hands each
         micro-batch's gradient to `on_grad` as soon as it is complete and returns the loss sum."""
         head = self.templates["head"]
-        weights = head.bind(self._weights("head"), requires_grad=True)
-        sums = list(self._grad_sum("head", self.spec.unit("head").numel).split(head.sizes))
+        weights = self._bind_head(requires_grad=True)
+        leaves = head.leaves(weights)
+        sums = list(self._grad_sum("head", self.spec.unit("head").numel).split(head.sizes))[: len(leaves)]
         if self.spec.tied:
-            emb = self._weights("embed")
-            weights["lm_head.weight"] = emb.view(self._embed_shape).detach().requires_grad_()
+            leaves.append(weights["lm_head.weight"])
             # The tied embedding's head gradient waits on the device for the embedding's own part.
-            sums.append(self._grad_sum("embed", emb.numel()))
-        leaves = list(weights.values())
+            sums.append(self._grad_sum("embed", weights["lm_head.weight"].numel()))
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         chunk = self.cfg.loss_chunk_tokens
         for j, (h_BTD, mb) in enumerate(zip(hiddens, mbs, strict=True)):
@@ -322,8 +420,7 @@ class StreamingEngine:
             for s in range(0, mb.num_loss_tokens, chunk):
                 x = sel_ND[s : s + chunk].detach().requires_grad_()
                 with torch.enable_grad():
-                    logits_NV = head(weights, x).float()
-                    loss = torch.nn.functional.cross_entropy(logits_NV, mb.loss_target[s : s + chunk], reduction="sum")
+                    loss = _chunk_loss(head, weights, x, mb.loss_target[s : s + chunk])
                     g = torch.autograd.grad(loss * inv_n, [x, *leaves])
                 g_sel[s : s + chunk] = g[0]
                 torch._foreach_add_(sums, [t.reshape(-1) for t in g[1:]])
@@ -333,7 +430,19 @@ class StreamingEngine:
             self._send_grad("head", self._grad_sums.pop("head"))
         return loss_sum
 
-    def _backward_block(self, b: int, contexts: list[list[LayerKwargs]]) -> None:
+    def _eval_head(self, hiddens: Iterable[torch.Tensor], mbs: list[MicroBatch]) -> torch.Tensor:
+        """The summed loss of the final hidden states, in the training head's chunks, with no graph."""
+        head = self.templates["head"]
+        weights = self._bind_head(requires_grad=False)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        chunk = self.cfg.loss_chunk_tokens
+        for h_BTD, mb in zip(hiddens, mbs, strict=True):
+            sel_ND = h_BTD.reshape(-1, h_BTD.shape[-1]).index_select(0, mb.loss_index)
+            for s in range(0, mb.num_loss_tokens, chunk):
+                loss_sum += _chunk_loss(head, weights, sel_ND[s : s + chunk], mb.loss_target[s : s + chunk])
+        return loss_sum
+
+    def _backward_block(self, b: int, contexts: list[LayerContext], aux_grads: list[dict[int, torch.Tensor]]) -> None:
         """Recompute block b from each micro-batch's checkpoint and run it backward, parking the
         gradient of its input for the block before."""
         park, carry = self.activations, len(self._blocks())
@@ -342,11 +451,11 @@ class StreamingEngine:
         last = len(contexts) - 1
         for j, ctx in enumerate(contexts):
             segments = self._run_layers(block, park.get((b, j)), ctx, weights)
-            g = self._backward_layers(segments, weights, park.get((carry, j)), final=j == last)
+            g = self._backward_layers(segments, weights, park.get((carry, j)), j == last, aux_grads[j])
             park.put((carry, j), g)
 
-    def _run_layers(self, layers: range, x: torch.Tensor, ctx: list[LayerKwargs],
-                    weights: dict[int, Weights]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    def _run_layers(self, layers: range, x: torch.Tensor, ctx: LayerContext,
+                    weights: dict[int, Weights]) -> list[Segment]:
         """Run `layers` with autograd, each from a detached input so each can go backward alone.
 
         Weights missing from `weights` are bound as the loop reaches them, so a layer's compute
@@ -358,30 +467,34 @@ class StreamingEngine:
                 if i not in weights:
                     weights[i] = self.layer_templates[i].bind(self._weights(f"layers.{i}"), requires_grad=True)
                 x = x.detach().requires_grad_()
-                out = _hidden(self.layer_templates[i](weights[i], x, **ctx[i]))
-                segments.append((i, x, out))
+                out, logits = self._layer(i, weights[i], x, ctx)
+                segments.append((i, x, out, logits))
                 x = out
         return segments
 
-    def _backward_layers(self, segments: list[tuple[int, torch.Tensor, torch.Tensor]], weights: dict[int, Weights],
-                         g: torch.Tensor, final: bool) -> torch.Tensor:
-        """Backward through `_run_layers`' segments, last first, freeing each graph as it goes."""
+    def _backward_layers(self, segments: list[Segment], weights: dict[int, Weights], g: torch.Tensor, final: bool,
+                         aux_grads: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Backward through `_run_layers`' segments, last first, freeing each graph as it goes;
+        a MoE layer's router logits take the router loss's gradient with them."""
         while segments:
-            i, x, out = segments.pop()
-            gs = torch.autograd.grad(out, [x, *weights[i].values()], g)
+            i, x, out, logits = segments.pop()
+            template = self.layer_templates[i]
+            outputs, out_grads = ([out, logits], [g, aux_grads[i]]) if i in aux_grads else (out, g)
+            gs = torch.autograd.grad(outputs, [x, *template.leaves(weights[i])], out_grads)
             g = gs[0]
-            self._add_grad(f"layers.{i}", gs[1:], final)
+            self._add_grad(f"layers.{i}", gs[1:], final, template.frozen_numel)
         return g
 
     def _backward_embed(self, grads: Iterable[torch.Tensor], mbs: list[MicroBatch], final: bool) -> None:
         embed = self.templates["embed"]
         weights = embed.bind(self._weights("embed"), requires_grad=True)
-        leaves = list(weights.values())
+        leaves = embed.leaves(weights)
         for j, (g, mb) in enumerate(zip(grads, mbs, strict=True)):
             with torch.enable_grad():
-                h0, _ = self.context(embed(weights, mb.input_ids_BT), mb.position_ids_BT)
+                h0, _ = self.context(embed(weights, mb.input_ids_BT), mb.input_ids_BT, mb.position_ids_BT,
+                                     mb.documents)
                 gs = torch.autograd.grad(h0, leaves, g)
-            self._add_grad("embed", gs, final and j == len(mbs) - 1)
+            self._add_grad("embed", gs, final and j == len(mbs) - 1, embed.frozen_numel)
 
     # ------------------------------------------------------------------ gradients out
 
@@ -391,9 +504,9 @@ class StreamingEngine:
             self._grad_sums[unit] = torch.zeros(numel, dtype=torch.float32, device=self.device)
         return self._grad_sums[unit]
 
-    def _add_grad(self, unit: str, grads, final: bool) -> None:
+    def _add_grad(self, unit: str, grads, final: bool, frozen_numel: int = 0) -> None:
         """Add a micro-batch's gradients to the unit's sum; the final contribution ships it."""
-        acc = _accumulate(self._grad_sums.pop(unit, None), grads)
+        acc = _accumulate(self._grad_sums.pop(unit, None), grads, frozen_numel)
         if final:
             self._send_grad(unit, acc)
         else:
@@ -413,17 +526,35 @@ class StreamingEngine:
         self.worker.submit(unit, host, landed, self._lr)
 
 
-def _hidden(out) -> torch.Tensor:
-    """Decoder layers return a tensor in transformers 5 and a tuple in older releases."""
-    return out[0] if isinstance(out, tuple) else out
+def _chunk_loss(head: UnitTemplate, weights: Weights, x_ND: torch.Tensor, target_N: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of one chunk of selected tokens, from fp32 logits that live only for this chunk."""
+    logits_NV = head(weights, x_ND).float()
+    return torch.nn.functional.cross_entropy(logits_NV, target_N, reduction="sum")
 
 
-def _accumulate(acc: torch.Tensor | None, grads) -> torch.Tensor:
-    """Sum a unit's parameter gradients into one flat fp32 buffer (micro-batches add up here)."""
+@contextlib.contextmanager
+def _eval_mode(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
+    """Modules in eval mode for the block (dropout and router noise off), then back as they were."""
+    modules = list(modules)
+    was_training = [m.training for m in modules]
+    for m in modules:
+        m.train(False)
+    try:
+        yield
+    finally:
+        for m, mode in zip(modules, was_training, strict=True):
+            m.train(mode)
+
+
+def _accumulate(acc: torch.Tensor | None, grads, frozen_numel: int = 0) -> torch.Tensor:
+    """Sum a unit's parameter gradients into one flat fp32 buffer (micro-batches add up here);
+    the unit's frozen tail gets zeros, so the optimizer leaves it unchanged."""
     flat = torch.cat([g.reshape(-1) for g in grads]).float()
+    if frozen_numel:
+        flat = torch.nn.functional.pad(flat, (0, frozen_numel))
     if acc is None:
         return flat
     return acc.add_(flat)
 
 
-__all__ = ["StreamingEngine", "StepResult", "UnitTemplate", "Weights"]
+__all__ = ["EvalResult", "StreamingEngine", "StepResult", "UnitTemplate", "Weights"]

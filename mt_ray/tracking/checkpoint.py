@@ -19,9 +19,11 @@ See ``ckpt_format`` for the layout on disk and ``ckpt_storage`` / ``ckpt_s3`` fo
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -32,7 +34,9 @@ from mt_ray.tracking.ckpt_format import (
     CheckpointCorruptedError,
     FileRecord,
     Manifest,
+    Piece,
     ShardSource,
+    TensorRecord,
     check_meta,
     check_out_buffer,
     empty_tensor,
@@ -44,6 +48,7 @@ from mt_ray.tracking.ckpt_format import (
 from mt_ray.tracking.ckpt_storage import CheckpointStorage, CheckpointWriter, LocalStorage
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class CheckpointConfig(BaseModel):
@@ -100,15 +105,62 @@ class CheckpointConfig(BaseModel):
     @field_validator("uri")
     @classmethod
     def _check_uri(cls, value: str) -> str:
-        if value.startswith("s3://") and not value.removeprefix("s3://").split("/")[0]:
-            raise ValueError("an s3:// uri needs a bucket: s3://bucket/prefix")
-        if "://" in value and not value.startswith("s3://"):
-            raise ValueError("uri must be a local directory or s3://bucket/prefix")
-        return value
+        return check_storage_uri(value)
 
     def should_save(self, step: int) -> bool:
         """Whether the cadence asks for a checkpoint after optimizer step ``step``."""
         return self.every_steps is not None and step > 0 and step % self.every_steps == 0
+
+
+def check_storage_uri(value: str) -> str:
+    """A local directory or ``s3://bucket/prefix``; anything else raises ``ValueError`` (for pydantic)."""
+    if value.startswith("s3://") and not value.removeprefix("s3://").split("/")[0]:
+        raise ValueError("an s3:// uri needs a bucket: s3://bucket/prefix")
+    if "://" in value and not value.startswith("s3://"):
+        raise ValueError("uri must be a local directory or s3://bucket/prefix")
+    return value
+
+
+@dataclass(frozen=True)
+class StoredCheckpoint:
+    """One complete checkpoint folder and its manifest: what a reader needs, picklable."""
+
+    storage: CheckpointStorage
+    name: str
+    manifest: Manifest
+
+    @classmethod
+    def open(cls, storage: CheckpointStorage, name: str) -> StoredCheckpoint:
+        where = storage.uri(name)
+        return cls(storage, name, Manifest.from_json(storage.read_manifest(name), where))
+
+    @property
+    def where(self) -> str:
+        return self.storage.uri(self.name)
+
+    def read_range(self, tensor: str, lo: int, hi: int, dest: torch.Tensor) -> None:
+        """Elements ``[lo, hi)`` of the flattened ``tensor`` into the 1-D ``dest``, every piece verified.
+
+        Pieces inside the range are read straight into ``dest``; one that crosses its edge (the
+        checkpoint was cut for another number of writers) is read whole and its overlap copied.
+        """
+        record = self.manifest.tensors[tensor]
+        for piece in record.pieces:
+            a, b = max(lo, piece.start), min(hi, piece.start + piece.numel)
+            if a >= b and piece.numel:
+                continue
+            inside = a == piece.start and b == piece.start + piece.numel
+            buf = dest[a - lo:b - lo] if inside else torch.empty(piece.numel, dtype=dest.dtype)
+            self._read_piece(tensor, piece, buf)
+            if not inside:
+                dest[a - lo:b - lo] = buf[a - piece.start:b - piece.start]
+
+    def _read_piece(self, tensor: str, piece: Piece, dest: torch.Tensor) -> None:
+        files = self.manifest.files
+        if piece.file not in files:
+            raise CheckpointCorruptedError(f"{self.where}/{MANIFEST_NAME} lists no hash for {piece.file}")
+        self.storage.read_file(self.name, piece.file, lambda stream: read_shard_into(
+            stream, dest, piece, tensor, files[piece.file], f"{self.where}/{piece.file}"))
 
 
 @dataclass(frozen=True)
@@ -146,13 +198,23 @@ class CheckpointManager:
         any point leaves earlier checkpoints intact and loadable; older ones beyond ``keep_last``
         are deleted only after this one is complete.
         """
-        check_meta(meta)
         shards, records = plan_shards(tensors, self.config.shard_bytes)
+        return self.save_with(step, records, meta, lambda writer: self._write_shards(writer, shards))
+
+    def save_with(self, step: int, records: dict[str, TensorRecord], meta: dict,
+                  write: Callable[[CheckpointWriter], dict[str, FileRecord]]) -> str:
+        """``save`` where ``write`` stores the pieces ``records`` lists (e.g. each from the process
+        holding them, given the picklable writer) and returns their file records; the manifest is
+        written here, last, so the checkpoint is complete only once every writer has finished."""
+        check_meta(meta)
         self.storage.cleanup_incomplete()
         name = step_dir_name(step)
         writer = self.storage.begin(name)
         try:
-            files = self._write_shards(writer, shards)
+            files = write(writer)
+            missing = {p.file for r in records.values() for p in r.pieces} - set(files)
+            if missing:
+                raise CheckpointError(f"checkpoint {self.storage.uri(name)}: no writer stored {sorted(missing)[:3]}")
             writer.commit(Manifest(step=step, meta=meta, tensors=records, files=files).to_json())
         except OSError as e:
             writer.abort()
@@ -167,6 +229,15 @@ class CheckpointManager:
         """URI of the newest complete checkpoint (manifest present; shards are verified on load)."""
         names = self.storage.list_complete()
         return self.storage.uri(names[-1]) if names else None
+
+    def read_meta(self, uri: str) -> dict:
+        """The ``meta`` saved with checkpoint ``uri``, from its manifest alone (no tensor is read)."""
+        storage, name = self._locate(uri)
+        return Manifest.from_json(storage.read_manifest(name), storage.uri(name)).meta
+
+    def uri_of(self, step: int) -> str:
+        """The URI checkpoint ``step`` has (or would have) under this manager's root."""
+        return self.storage.uri(step_dir_name(step))
 
     def list(self) -> list[CheckpointInfo]:
         """Complete checkpoints, oldest step first."""
@@ -183,16 +254,25 @@ class CheckpointManager:
         read; a mismatch raises ``CheckpointError`` naming the file. After a failed load the
         ``out`` tensors hold partial data.
         """
+        return self.load_with(lambda stored: self._load_from(stored, out or {}), uri)
+
+    def load_with(self, read: Callable[[StoredCheckpoint], T], uri: str | None = None) -> T:
+        """``read`` one stored checkpoint (``uri``, or the newest that verifies) and return what it returns.
+
+        ``read`` gets the checkpoint's storage, folder and manifest (picklable, so the processes
+        holding a data-parallel run's state can each read their own range with ``read_range``);
+        a ``CheckpointCorruptedError`` it raises makes ``uri=None`` fall back to the previous one.
+        """
         if uri is not None:
             storage, name = self._locate(uri)
-            return self._load_from(storage, name, out or {})
+            return read(StoredCheckpoint.open(storage, name))
         names = self.storage.list_complete()
         if not names:
             raise CheckpointError(f"no complete checkpoint under {self.storage.root_uri}")
         problems = []
         for name in reversed(names):
             try:
-                return self._load_from(self.storage, name, out or {})
+                return read(StoredCheckpoint.open(self.storage, name))
             except CheckpointCorruptedError as e:
                 logger.warning("%s; falling back to the previous checkpoint", e)
                 problems.append(str(e))
@@ -203,30 +283,21 @@ class CheckpointManager:
             records = list(pool.map(writer.write_file, shards))
         return {shard.file: record for shard, record in zip(shards, records, strict=True)}
 
-    def _load_from(self, storage: CheckpointStorage, name: str,
+    def _load_from(self, stored: StoredCheckpoint,
                    out: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
-        where = storage.uri(name)
-        manifest = Manifest.from_json(storage.read_manifest(name), where)
+        manifest = stored.manifest
         unknown = set(out) - set(manifest.tensors)
         if unknown:
-            raise CheckpointError(f"{where} has no tensors {sorted(unknown)} to load into the out buffers")
+            raise CheckpointError(f"{stored.where} has no tensors {sorted(unknown)} to load into the out buffers")
         tensors = {}
         for tname, record in manifest.tensors.items():
             if tname in out:
                 check_out_buffer(tname, record, out[tname])
             tensors[tname] = out[tname] if tname in out else empty_tensor(record)
-
-        def read_piece(job: tuple) -> None:
-            tname, piece = job
-            if piece.file not in manifest.files:
-                raise CheckpointCorruptedError(f"{where}/{MANIFEST_NAME} lists no hash for {piece.file}")
-            dest = tensors[tname].view(-1)[piece.start:piece.start + piece.numel]
-            storage.read_file(name, piece.file, lambda stream: read_shard_into(
-                stream, dest, piece, tname, manifest.files[piece.file], f"{where}/{piece.file}"))
-
-        jobs = [(tname, p) for tname, record in manifest.tensors.items() for p in record.pieces]
+        jobs = [(tname, p.start, p.start + p.numel, tensors[tname].view(-1)[p.start:p.start + p.numel])
+                for tname, record in manifest.tensors.items() for p in record.pieces]  # one job per piece
         with ThreadPoolExecutor(self.config.io_workers, thread_name_prefix="ckpt-read") as pool:
-            list(pool.map(read_piece, jobs))
+            list(pool.map(lambda job: stored.read_range(*job), jobs))
         return tensors, manifest.meta
 
     def _locate(self, uri: str) -> tuple[CheckpointStorage, str]:

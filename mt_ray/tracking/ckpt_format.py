@@ -17,7 +17,9 @@ are ordinary safetensors files; ``safetensors.safe_open`` reads them.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
 import re
 import struct
 from collections.abc import Iterator
@@ -157,22 +159,33 @@ def plan_shards(tensors: dict[str, torch.Tensor],
     shards: list[ShardSource] = []
     records: dict[str, TensorRecord] = {}
     for name, tensor in tensors.items():
-        if not _TENSOR_NAME_RE.match(name):
-            raise CheckpointError(f"checkpoint tensor name {name!r} must match {_TENSOR_NAME_RE.pattern} "
-                                  "(it becomes a file name)")
-        if tensor.dtype not in _ST_DTYPES:
-            raise CheckpointError(f"checkpoint tensor {name!r} has unsupported dtype {tensor.dtype}")
         flat = tensor.detach().cpu().contiguous().view(-1)  # no copy for the engine's flat CPU buffers
-        per_piece = max(1, shard_bytes // flat.element_size())
-        starts = list(range(0, flat.numel(), per_piece)) or [0]
-        pieces = []
-        for i, start in enumerate(starts):
-            file = f"{name}.{i:05d}-of-{len(starts):05d}.safetensors"
-            piece = flat[start:start + per_piece]
-            shards.append(ShardSource(file, name, start, piece))
-            pieces.append(Piece(file=file, start=start, numel=piece.numel()))
-        records[name] = TensorRecord(dtype=_dtype_name(tensor.dtype), shape=list(tensor.shape), pieces=pieces)
+        records[name] = plan_pieces(name, tensor.dtype, list(tensor.shape), shard_bytes)
+        shards += [ShardSource(p.file, name, p.start, flat[p.start:p.start + p.numel]) for p in records[name].pieces]
     return shards, records
+
+
+def plan_pieces(name: str, dtype: torch.dtype, shape: list[int], shard_bytes: int,
+                cuts: list[int] = ()) -> TensorRecord:
+    """The pieces of one flattened tensor: at most ``shard_bytes`` each, and none straddling a cut.
+
+    ``cuts`` are element offsets where one writer's part ends and the next one's begins (the
+    coordinator shards of a data-parallel run each write their own range), so every piece is
+    written by exactly one process.
+    """
+    if not _TENSOR_NAME_RE.match(name):
+        raise CheckpointError(f"checkpoint tensor name {name!r} must match {_TENSOR_NAME_RE.pattern} "
+                              "(it becomes a file name)")
+    if dtype not in _ST_DTYPES:
+        raise CheckpointError(f"checkpoint tensor {name!r} has unsupported dtype {dtype}")
+    numel = math.prod(shape)
+    per_piece = max(1, shard_bytes // dtype.itemsize)
+    bounds = sorted({0, numel, *(c for c in cuts if 0 < c < numel)})
+    spans = [(s, min(s + per_piece, hi)) for lo, hi in itertools.pairwise(bounds) for s in range(lo, hi, per_piece)]
+    spans = spans or [(0, 0)]
+    pieces = [Piece(file=f"{name}.{i:05d}-of-{len(spans):05d}.safetensors", start=lo, numel=hi - lo)
+              for i, (lo, hi) in enumerate(spans)]
+    return TensorRecord(dtype=_dtype_name(dtype), shape=shape, pieces=pieces)
 
 
 class HashingBlocks:

@@ -89,6 +89,11 @@ class S3Storage:
         self._call(lambda: self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._key(""), MaxKeys=1),
                    f"listing {self.root_uri}")
 
+    def __reduce__(self):
+        # A boto3 client does not pickle: another process (a data-parallel shard writing its part)
+        # rebuilds one from the same config.
+        return S3Storage, (self.root_uri, self.config)
+
     def uri(self, dir_name: str) -> str:
         return f"{self.root_uri}/{dir_name}"
 
@@ -264,7 +269,7 @@ def s3_error(e: Exception, what: str, bucket: str, endpoint: str) -> CheckpointE
             return CheckpointError(f"{what}: S3 rejected the credentials ({code}); {_CREDENTIALS_FIX}")
         if code == "NoSuchBucket":
             return CheckpointError(f"{what}: bucket {bucket!r} does not exist at {endpoint}; create it or fix "
-                                   "checkpoint.uri")
+                                   "training.storage")
         if code == "NoSuchKey":
             return _Missing(f"{what}: not found")
         if code in _ACCESS_DENIED:
