@@ -98,12 +98,17 @@ class _Search:
         """Every configuration, in preference order."""
         if micro_batches is None:
             micro_batches = [m for m in _divisors_desc(global_batch) if m * seq <= self.max_micro_tokens] or [1]
+        host: dict[tuple, int] = {}  # neither depends on the micro-batch or the loss chunk: each once
+        seconds: dict[tuple, float] = {}
         for micro in micro_batches:
             for knobs in self._knobs(micro * seq):
                 c = self.cfg.model_copy(update=knobs)
-                yield Option(c, micro, device_bytes(self.spec, c, micro, seq, global_batch)["total"],
-                             host_bytes(self.spec, c, self.opt, seq, global_batch),
-                             predicted_step_seconds(self.spec, c, seq, global_batch, self.machine))
+                key = tuple(v for k, v in knobs.items() if k != "loss_chunk_tokens")
+                if key not in host:
+                    host[key] = host_bytes(self.spec, c, self.opt, seq, global_batch)
+                    seconds[key] = predicted_step_seconds(self.spec, c, seq, global_batch, self.machine)
+                yield Option(c, micro, device_bytes(self.spec, c, micro, seq, global_batch)["total"], host[key],
+                             seconds[key])
 
     def _knobs(self, micro_tokens: int) -> Iterator[dict]:
         chunks = _loss_chunks(self.cfg.loss_chunk_tokens, micro_tokens)
@@ -126,15 +131,15 @@ class _Search:
         gpu_ok, host_ok = lean_gpu.device <= self.gpu_budget, lean_host.host <= self.host_budget
         reasons = []
         if not gpu_ok:
-            reasons.append(f"GPU: the leanest configuration ({_describe(lean_gpu)}) needs {lean_gpu.device / GIB:.1f} "
-                           f"GiB for {global_batch} x {seq} tokens, over the {self.gpu_budget / GIB:.1f} GiB budget "
+            reasons.append(f"GPU: the leanest configuration ({_describe(lean_gpu)}) needs {_gib(lean_gpu.device)} "
+                           f"for {global_batch} x {seq} tokens, over the {_gib(self.gpu_budget)} budget "
                            f"({GPU_HEADROOM:.0%} of the GPU)")
         if not host_ok:
             reasons.append(self._host_reason(options, lean_host, seq, global_batch))
         if gpu_ok and host_ok:
             fit_gpu = min((o for o in options if o.device <= self.gpu_budget), key=lambda o: o.host)
             reasons.append(f"GPU and host together: what fits the GPU ({_describe(fit_gpu)}) needs "
-                           f"{fit_gpu.host / GIB:.1f} GiB of host memory, over {self.host_budget / GIB:.1f} GiB")
+                           f"{_gib(fit_gpu.host)} of host memory, over {_gib(self.host_budget)}")
         binding = "gpu" if not gpu_ok and host_ok else "host" if gpu_ok and not host_ok else "gpu and host"
         limits = {"max_seq": self._largest(lambda s: self._any_fit(s, global_batch), seq - 1, SEQ_STEP if seq > SEQ_STEP else 1),
                   "max_global_batch": self._largest(lambda b: self._any_fit(seq, b), global_batch - 1),
@@ -151,12 +156,12 @@ class _Search:
         slab = activation_slab_bytes(self.spec, c, seq * global_batch)
         text = (f"host: the leanest state (stream_master={c.stream_master}, grad_dtype={c.grad_dtype}, checkpoints on "
                 f"the {c.checkpoint_placement}: {(lean.host - slab) / self.spec.num_params:.1f} B/param) needs "
-                f"{lean.host / GIB:.1f} GiB, over {self.host_budget / GIB:.1f} GiB (with {HOST_RESERVE_GIB:g} GiB kept "
+                f"{_gib(lean.host)}, over {_gib(self.host_budget)} (with {HOST_RESERVE_GIB:g} GiB kept "
                 "for the process)")
         if self.opt.max_grad_norm > 0:
             unclipped = self.opt.model_copy(update={"max_grad_norm": 0.0})
             least = min(host_bytes(self.spec, o.cfg, unclipped, seq, global_batch) for o in options)
-            text += f"; without clipping (optimizer.max_grad_norm: 0) no step holds its gradients: {least / GIB:.1f} GiB"
+            text += f"; without clipping (optimizer.max_grad_norm: 0) no step holds its gradients: {_gib(least)}"
         return text
 
     def _any_fit(self, seq: int, global_batch: int) -> bool:
@@ -207,6 +212,10 @@ def _describe(o: Option) -> str:
     return (f"K={c.checkpoint_every}, checkpoints on the {c.checkpoint_placement}, prefetch "
             f"{c.prefetch_units or c.checkpoint_every}, loss chunk {c.loss_chunk_tokens}, micro-batch {o.micro_batch}, "
             f"stream_master={c.stream_master}, grad_dtype={c.grad_dtype}")
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.3g} GiB"
 
 
 def _divisors_desc(n: int) -> list[int]:

@@ -109,6 +109,8 @@ class StreamingEngine:
         self.device = cfg.resolve_device()
         self.dtype = cfg.dtype
         self.step_idx = 0
+        if cfg.gpu_memory_limit_gb is not None and self.device.type == "cuda":
+            _cap_device_memory(self.device, cfg.gpu_memory_limit_gb)
         spec.config._attn_implementation = resolve_attention(spec, cfg.attn_implementation, self.device)
         apply_kernels(spec, cfg.kernels, self.device)  # before any allocation, and before the templates
         pin = self.device.type == "cuda"
@@ -524,6 +526,13 @@ class StreamingEngine:
             landed = self.streams.record(self.streams.d2h)
         self.outbox.add(grad, landed)  # keeps it alive until the copy has read it
         self.worker.submit(unit, host, landed, self._lr)
+
+
+def _cap_device_memory(device: torch.device, limit_gb: float) -> None:
+    """Let the caching allocator hand out at most `limit_gb` GiB (a smaller card, emulated): past it,
+    an allocation fails as it would on that card."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * 2**30 / total), device)
 
 
 def _chunk_loss(head: UnitTemplate, weights: Weights, x_ND: torch.Tensor, target_N: torch.Tensor) -> torch.Tensor:

@@ -97,49 +97,59 @@ def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2, kernels: s
 
 def logit_bytes(dtype_bytes: int) -> int:
     """Device bytes per (token, vocab entry) of one loss chunk: logits, fp32 log-probabilities and
-    their gradient; below fp32 also the logits' fp32 upcast and the gradient cast back, in fp32 the
-    log-probabilities' gradient and the logits' are two tensors (16 B either way)."""
-    return dtype_bytes + 4 + 4 + (4 + dtype_bytes if dtype_bytes < 4 else 4)
+    their gradient; below fp32 also the logits' fp32 upcast and the gradient cast back."""
+    return dtype_bytes + 4 + 4 + (4 + dtype_bytes if dtype_bytes < 4 else 0)
 
 
 def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int, global_batch: int) -> dict[str, int]:
-    """Peak device memory of a step, by part (bytes)."""
+    """Peak device memory of a step, by part (bytes).
+
+    The parts are those of the last block's backward; `head_or_embed_extra` is what the loss, the
+    first block's backward or the embedding's backward needs beyond it, where one of them peaks higher.
+    """
     if cfg.schedule == "resident":
         return _resident_device_bytes(spec, cfg, micro_batch * seq)
-    c = spec.config
-    d, k = c.hidden_size, cfg.checkpoint_every
-    size, grad_size = cfg.dtype.itemsize, cfg.grad_torch_dtype.itemsize
-    layer_bytes = max(u.numel for u in spec.layer_units) * size
+    d, k = spec.config.hidden_size, cfg.checkpoint_every
+    size = cfg.dtype.itemsize
+    layer = max(u.numel for u in spec.layer_units)
     embed, lm_head = spec.unit("embed").numel, _lm_head_numel(spec)
     depth = cfg.prefetch_units or k
     hold = max(k, 2)  # units the schedule uses at once (a block, or the head with a tied embedding)
     tokens, mb_tokens = global_batch * seq, micro_batch * seq
     # Parked hidden states at the last block's backward: on the device, a checkpoint per block and
-    # the carry for every token of the step; in host memory, a few micro-batches' in flight. At the
-    # first block's, only checkpoint 0 and the carry are left. Either way one more is being made.
+    # the carry for every token of the step; in host memory, a few micro-batches' in flight. From the
+    # first block's backward on, only checkpoint 0 and the carry are left. Either way one more is made.
     host = cfg.checkpoint_placement == "host"
-    parked_last = host_placement_device_hiddens() * mb_tokens if host else (_num_blocks(spec, cfg) + 1) * tokens
+    parked_last = (host_placement_device_hiddens() * mb_tokens if host else (_num_blocks(spec, cfg) + 1) * tokens)
     parked_first = parked_last if host else 2 * tokens
     parts = {
-        "weights": (depth + hold) * layer_bytes + (layer_bytes // size * 4 if cfg.stream_master else 0),
+        "weights": (depth + hold) * layer * size + (layer * 4 if cfg.stream_master else 0),
         "parked_hiddens": (parked_last + mb_tokens) * d * size,
         "recompute": k * mb_tokens * activation_bytes_per_token(spec, size, cfg.kernels),
-        # fp32 sums of a block, plus the two gradients last sent (cast, or the sums themselves), which
-        # wait until two more follow: at the last block the untied LM head's, else two layers'.
-        "grad_accumulators": k * layer_bytes // size * 4 + max(0 if spec.tied else lm_head,
-                                                               2 * layer_bytes // size) * grad_size,
+        "grad_accumulators": k * layer * 4 + _outbox_bytes(spec, cfg),  # a block's fp32 sums
         # A tied embedding's fp32 gradient sum waits from the head to the embedding's backward.
         "tied_embedding_grad": embed * 4 if spec.tied else 0,
     }
-    # Two other phases can peak higher. The loss holds one chunk of logits, the untied head's fp32
-    # gradient sum and the LM head's weights in place of a layer's, instead of a block's recompute.
+    last = sum(parts.values())
+    common = _outbox_bytes(spec, cfg) + parts["tied_embedding_grad"]
+    # The loss: one chunk of logits and the untied head's fp32 sum, the LM head in place of a layer.
+    head = (last - parts["recompute"] - k * layer * 4 + _loss_chunk_bytes(spec, cfg, mb_tokens)
+            + (0 if spec.tied else lm_head * 4) + (lm_head - layer) * size)
     # The first block's backward has the embedding in flight instead of `depth` layers.
-    head_phase = (_loss_chunk_bytes(spec, cfg, mb_tokens) + (0 if spec.tied else lm_head * 4) + lm_head * size
-                  - layer_bytes - parts["recompute"] - parts["grad_accumulators"])
-    embed_phase = embed * size - depth * layer_bytes - (parked_last - parked_first) * d * size
-    parts["head_or_embed_extra"] = max(0, head_phase, embed_phase)
+    first = last + (embed - depth * layer) * size - (parked_last - parked_first) * d * size
+    # The embedding's backward: its weights, autograd's dense gradient, their flat copy and its fp32 cast.
+    embed_bwd = ((hold - 1) * layer * size + embed * (3 * size + (4 if size < 4 else 0))
+                 + (parked_first + mb_tokens) * d * size + common)
+    parts["head_or_embed_extra"] = max(0, head - last, first - last, embed_bwd - last)
     parts["total"] = sum(parts.values())
     return parts
+
+
+def _outbox_bytes(spec: ModelSpec, cfg: EngineConfig) -> int:
+    """The two gradients last sent (cast, or the fp32 sums themselves) wait until two more follow:
+    through the last block, the untied LM head's; else two layers'."""
+    layer = max(u.numel for u in spec.layer_units)
+    return max(0 if spec.tied else _lm_head_numel(spec), 2 * layer) * cfg.grad_torch_dtype.itemsize
 
 
 def _resident_device_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> dict[str, int]:
@@ -149,7 +159,8 @@ def _resident_device_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -
     layer = max(u.numel for u in spec.layer_units)
     parts = {
         "weights": spec.num_params * size + (layer * 4 if cfg.stream_master else 0),
-        "grad_sums": spec.num_params * 4 + (2 * layer * grad_size if grad_size < 4 else 0),
+        # every fp32 sum, and the previous step's last two gradients sent (the embedding's) still in the outbox
+        "grad_sums": spec.num_params * 4 + max(spec.unit("embed").numel, 2 * layer) * grad_size,
         "activations": spec.num_layers * mb_tokens * activation_bytes_per_token(spec, size, cfg.kernels)
         + 2 * mb_tokens * spec.config.hidden_size * size,
         "loss_chunk": _loss_chunk_bytes(spec, cfg, mb_tokens),

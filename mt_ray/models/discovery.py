@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -62,8 +63,9 @@ class UnitSpec:
     params: list[ParamInfo]
     kind: str
 
-    @property
+    @cached_property
     def numel(self) -> int:
+        """Parameters in the unit (cached: the calculator asks thousands of times; params never change)."""
         return sum(p.numel for p in self.params)
 
 
