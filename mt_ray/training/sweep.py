@@ -140,9 +140,9 @@ def run_sweep(base: dict[str, Any], space: list[Dimension], sweep: SweepConfig, 
     tracker = MlflowTracker(tracking)
     with _ray(cfg):
         open_sweep_run(tracker, record, sweep_params(cfg, space, sweep), storage.uri)
-        storage.write_record({"base": base, "space": [d.describe() for d in space], "keys": [d.key for d in space],
-                              "run_id": tracker.run_id})
         try:
+            storage.write_record({"base": base, "space": [d.describe() for d in space],
+                                  "keys": [d.key for d in space], "run_id": tracker.run_id})
             plan = TrialPlan(base, storage, tracker.run_id, sweep.name)
             results = _tuner(plan, cfg, space, sweep, tracking, resume).fit()
             summary = summarize(results, base, cfg.training.steps, storage, tracker)
@@ -246,14 +246,14 @@ def _tuner(plan: TrialPlan, cfg: RunConfig, space: list[Dimension], sweep: Sweep
         # No reuse_actors: a stopped trial still finishes its run (summary, MLflow) in its thread, and
         # Tune fails the next trial when the reused process has not ended that thread within 2 s.
         tune_config=tune.TuneConfig(metric=METRIC, mode="min", scheduler=scheduler, num_samples=sweep.samples,
-                                    search_alg=_search(sweep, space, cfg.training.seed), reuse_actors=False),
+                                    search_alg=build_search(sweep, space, cfg.training.seed), reuse_actors=False),
         run_config=tune.RunConfig(name=sweep.name, storage_path=storage.tune_storage_path,
                                   storage_filesystem=storage.filesystem,
                                   callbacks=[TrialRunsCallback(tracking, plan.parent_run_id, cfg.training.steps)]),
     )
 
 
-def _search(sweep: SweepConfig, space: list[Dimension], seed: int):
+def build_search(sweep: SweepConfig, space: list[Dimension], seed: int):
     """The search algorithm, holding at most `max_concurrent` trials running."""
     if sweep.search == "random":
         from ray.tune.search.basic_variant import BasicVariantGenerator

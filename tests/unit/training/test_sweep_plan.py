@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 
@@ -15,6 +17,7 @@ from mt_ray.training.run_dir import run_tracking_config  # noqa: E402
 from mt_ray.training.sweep import (  # noqa: E402
     TrialPlan,
     absolute_paths,
+    build_search,
     check_resume,
     pin_tracking,
     trial_resources,
@@ -73,3 +76,15 @@ def test_a_trial_reserves_its_process_or_its_whole_data_parallel_group():
     assert group.bundles == [{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1}, {"CPU": 1.0, "GPU": 1}]
     with pytest.raises(ConfigError, match="cluster.num_nodes=1"):
         trial_resources(load_run_config(None, ["cluster.num_workers=2", "cluster.num_nodes=2"]), SweepConfig(), True)
+
+
+def test_optuna_search_cannot_run_a_grid_and_names_its_install():
+    grid = build_space({"optimizer.lr": {"grid": [1e-3, 1e-4]}}, BASE)
+    with pytest.raises(ConfigError, match="--search optuna cannot run a grid sampler; use choice instead"):
+        build_search(SweepConfig(search="optuna"), grid, seed=0)
+    if importlib.util.find_spec("optuna") is None:
+        with pytest.raises(ConfigError, match=r"--search optuna needs Optuna: pip install 'mt-ray\[sweep\]'"):
+            build_search(SweepConfig(search="optuna"), SPACE, seed=0)
+    else:
+        assert type(build_search(SweepConfig(search="optuna", max_concurrent=2), SPACE, seed=0)).__name__ == \
+            "ConcurrencyLimiter"

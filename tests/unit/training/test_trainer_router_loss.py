@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
 from mt_ray.config.run import load_run_config
@@ -23,6 +24,7 @@ class Recorder(Callback):
 def test_router_aux_loss_is_logged(tmp_path):
     vocab = (len(load_tiny_tokenizer()) + 63) // 64 * 64
     config = checkpoint_config("qwen3_moe", vocab_size=vocab, output_router_logits=True, router_aux_loss_coef=0.1)
+    torch.manual_seed(0)  # the weights (and so the routing) must not depend on the tests that ran before
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "moe")
     cfg = load_run_config(None, [
         f"model.path={tmp_path / 'moe'}", f"model.tokenizer={tiny_tokenizer_path()}", "training.steps=2",
