@@ -43,9 +43,7 @@ class CheckpointCallback(Callback):
     def maybe_resume(self, trainer: Trainer, uri: str | None = None) -> bool:
         if uri is None and self.manager.latest() is None:
             return False
-        live = trainer.engine.checkpoint_buffers()
-        tensors, meta = self.manager.load(uri, out=live)  # fills a single engine's buffers in place
-        trainer.engine.load_checkpoint_state(tensors, meta)
+        meta = trainer.engine.restore_checkpoint(self.manager, uri)  # a single engine's buffers filled in place
         restore_trainer_state(trainer, meta["trainer"])
         log.info("resumed at step %d from %s", meta["step"], uri or self.manager.latest())
         return True
@@ -60,8 +58,7 @@ class CheckpointCallback(Callback):
         summary["checkpoint"] = self.last_uri
 
     def save(self, trainer: Trainer) -> None:
-        tensors, meta = trainer.engine.checkpoint_state()
-        self.last_uri = self.manager.save(trainer.step, tensors, {**meta, "trainer": trainer_state(trainer)})
+        self.last_uri = trainer.engine.save_checkpoint(self.manager, trainer.step, {"trainer": trainer_state(trainer)})
         for cb in trainer.callbacks:
             if isinstance(cb, MlflowCallback):
                 cb.tracker.log_checkpoint_uri(self.last_uri)

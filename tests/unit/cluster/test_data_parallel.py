@@ -85,7 +85,7 @@ def test_killed_worker_mid_step_is_replaced_and_nothing_is_lost(local_ray, clip)
         if step == 2 and not trainer.events:
             # Kill mid-backward: once the head's summed gradient is in (unclipped: already applied).
             deadline = time.monotonic() + 30
-            while local_ray.get(trainer.coordinator.units_summed.remote(2)) == 0 and time.monotonic() < deadline:
+            while local_ray.get(trainer.shards[0].units_summed.remote(2)) == 0 and time.monotonic() < deadline:
                 time.sleep(0.005)
             local_ray.kill(trainer.workers[0])
 
