@@ -13,16 +13,17 @@ import sys
 from mt_ray.config.run import RunConfig, load_run_config
 from mt_ray.errors import MtRayError
 from mt_ray.training import Trainer
+from mt_ray.training.run_dir import RunDir
 
 
-def build_callbacks(cfg: RunConfig) -> list:
-    """Checkpoints always (local dir by default); MLflow when tracking is enabled."""
+def build_callbacks(cfg: RunConfig, run: RunDir) -> list:
+    """Checkpoints always (in the run's folder); MLflow when tracking is enabled."""
     from mt_ray.tracking import CheckpointManager, MlflowTracker
     from mt_ray.training.track_callbacks import CheckpointCallback, MlflowCallback
 
-    callbacks = [CheckpointCallback(CheckpointManager(cfg.checkpoint))]
+    callbacks = [CheckpointCallback(CheckpointManager(run.checkpoint_config))]
     if cfg.tracking.enabled:
-        callbacks.append(MlflowCallback(MlflowTracker(cfg.tracking)))
+        callbacks.append(MlflowCallback(MlflowTracker(run.tracking_config)))
     return callbacks
 
 
@@ -38,14 +39,15 @@ def run(cfg: RunConfig) -> dict:
             restarts += 1
             if restarts > cfg.cluster.job_restarts:
                 raise
-            print(f"warning: {e}; restart {restarts}/{cfg.cluster.job_restarts} from the newest checkpoint under "
-                  f"{cfg.checkpoint.uri}", file=sys.stderr)
+            print(f"warning: {e}; restart {restarts}/{cfg.cluster.job_restarts} from the newest checkpoint of run "
+                  f"{RunDir(cfg).uri}", file=sys.stderr)
             cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"resume": "auto"})})
 
 
 def run_once(cfg: RunConfig) -> dict:
-    callbacks = build_callbacks(cfg)
-    trainer = Trainer(cfg, callbacks)
+    run = RunDir(cfg)
+    callbacks = build_callbacks(cfg, run)
+    trainer = Trainer(cfg, callbacks, run)
     try:
         summary = trainer.fit()
     except BaseException:

@@ -39,7 +39,7 @@ from mt_ray.cluster.wire import from_numpy, to_numpy
 from mt_ray.cluster.worker import EngineWorker
 from mt_ray.engine.batch import IGNORE_INDEX
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
-from mt_ray.engine.engine import StepResult
+from mt_ray.engine.engine import EvalResult, StepResult
 from mt_ray.engine.host_store import plan_layout
 from mt_ray.engine.optimizer import lr_at
 from mt_ray.errors import ConfigError, InsufficientMemoryError
@@ -313,6 +313,13 @@ class DataParallelTrainer:
         return StepResult(torch.tensor(loss, dtype=torch.float64), torch.tensor(norm_sq ** 0.5, dtype=torch.float64),
                           lr_at(step, self.opt_cfg, self.total_steps), sum(o["num_tokens"] for o in outs), n_global)
 
+    def evaluate(self, micro_batches: Batch) -> EvalResult:
+        """Held-out loss of `micro_batches` split across the workers, forward only (no gradient, no update)."""
+        parts = shard_batch(micro_batches, min(self.num_workers, _rows(micro_batches)))
+        outs = ray.get([w.evaluate.remote(p) for w, p in zip(self.workers, parts, strict=False)])  # fewer rows than workers: some idle
+        return EvalResult(torch.tensor(sum(o["loss_sum"] for o in outs), dtype=torch.float64),
+                          sum(o["num_loss_tokens"] for o in outs), sum(o["num_tokens"] for o in outs))
+
     def _forget(self) -> None:
         """Drop batches no recovery can need: those before the snapshot before last."""
         every, step = self.cluster.snapshot_every, self.step_idx
@@ -463,6 +470,10 @@ class DataParallelTrainer:
             remove_placement_group(self.placement)
         if self._started_ray:
             ray.shutdown()
+
+
+def _rows(batch: Batch) -> int:
+    return sum(mb["input_ids"].shape[0] for mb in batch)
 
 
 def _plan_pieces(name: str, numel: int, shard_bytes: int, cuts: list[int]):

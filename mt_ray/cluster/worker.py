@@ -287,6 +287,13 @@ class EngineWorker:
         self.grads.flush()
         return {"loss": loss, "num_tokens": result.num_tokens}
 
+    def evaluate(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict:
+        """Summed loss of this worker's part of an evaluation batch under the current weights (forward only)."""
+        self.weights.begin_step(self.engine.step_idx)
+        result = self.engine.evaluate(micro_batches)
+        return {"loss_sum": float(result.loss_sum), "num_loss_tokens": result.num_loss_tokens,
+                "num_tokens": result.num_tokens}
+
     def rejoin(self, generation: int, step: int) -> None:
         """Serve a new generation after another worker was lost or a checkpoint was restored."""
         self.weights.forget(generation)

@@ -7,17 +7,37 @@ pipeline, ...); this module only composes them and turns any validation failure 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mt_ray.cluster.config import ClusterConfig
 from mt_ray.data import DataConfig
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.errors import ConfigError
 from mt_ray.tracking import CheckpointConfig, TrackingConfig
+from mt_ray.tracking.checkpoint import check_storage_uri
+
+RUN_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}"
+
+
+# Keys of the component configs that a run derives from its own identity and storage.
+SET_BY_THE_RUN = {
+    ("checkpoint", "uri"): "checkpoints go to <training.storage>/<run name>/checkpoints; set training.storage "
+                           "(a folder or s3://bucket/prefix) instead",
+    ("tracking", "run_name"): "the MLflow run is named after the run; set training.run_name instead",
+}
+
+
+# Where the embedded demo's defaults differ from the components' own.
+DEMO_DEFAULTS: dict[str, dict[str, Any]] = {
+    "data": {"max_seq_len": 256},
+    "optimizer": {"lr": 1e-3, "warmup_steps": 5},
+    "checkpoint": {"every_steps": 50},
+}
 
 
 class _Section(BaseModel):
@@ -52,12 +72,29 @@ class TrainingConfig(_Section):
     """Seed for weight init and data order."""
     log_every: int = Field(5, ge=1)
     """Read metrics from the device every N steps (reading forces a sync)."""
-    output_dir: str = "runs/latest"
-    """Where the exported model and the run summary go."""
+    eval_every: int | None = Field(None, ge=1)
+    """Evaluate on the held-out split (`data.val_size` or `data.eval_datasets`) every N steps; a run with a split
+    is always evaluated at its end."""
+    run_name: str | None = None
+    """The run's name and folder under `storage`; default: `<model>-<datasets>-<fingerprint of the training keys>`."""
+    storage: str = "runs"
+    """Storage root: a folder (absolute under a Ray job) or `s3://bucket/prefix`. The run writes its checkpoints,
+    exported model, summary and config to `<storage>/<run name>/`, and the default MLflow store to `<storage>/`."""
     export: bool = True
     """Export the trained model as a Hugging Face folder at the end."""
     resume: str = "auto"
-    """`auto`: continue from the newest valid checkpoint under `checkpoint.uri` if any; `never`; or a checkpoint URI."""
+    """`auto`: continue this run (same name and training keys) from its newest valid checkpoint, if it has one;
+    `never`: refuse to start over a run that has checkpoints; or a checkpoint URI to start from."""
+
+    _check_storage = field_validator("storage")(lambda cls, value: check_storage_uri(value))
+
+    @field_validator("run_name")
+    @classmethod
+    def _name_is_a_folder_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(RUN_NAME_PATTERN, value):
+            raise ValueError(f"{value!r} names a folder: use up to 128 letters, digits and . _ + = -, "
+                             "starting with a letter or digit")
+        return value
 
 
 class ClusterRunConfig(ClusterConfig):
@@ -79,13 +116,38 @@ class RunConfig(_Section):
     """Everything one training run needs; every key has a default (the embedded demo)."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=lambda: DataConfig(max_seq_len=256))
+    data: DataConfig = Field(default_factory=lambda: DataConfig(**DEMO_DEFAULTS["data"]))
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
-    optimizer: OptimizerConfig = Field(default_factory=lambda: OptimizerConfig(lr=1e-3, warmup_steps=5))
-    checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(uri="runs/checkpoints", every_steps=50))
+    optimizer: OptimizerConfig = Field(default_factory=lambda: OptimizerConfig(**DEMO_DEFAULTS["optimizer"]))
+    checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(**DEMO_DEFAULTS["checkpoint"]))
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     cluster: ClusterRunConfig = Field(default_factory=ClusterRunConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _demo_defaults_under_given_keys(cls, values: Any) -> Any:
+        """A section given in part keeps the demo's defaults for its other keys (`data.datasets=x` alone must
+        not turn `data.max_seq_len` from the demo's 256 into the component's 1024)."""
+        if not isinstance(values, dict):
+            return values
+        return {**values, **{section: {**defaults, **values[section]} for section, defaults in DEMO_DEFAULTS.items()
+                             if isinstance(values.get(section), dict)}}
+
+    @model_validator(mode="after")
+    def _no_keys_the_run_sets(self) -> RunConfig:
+        """Where checkpoints go and what the MLflow run is called follow from the run, never set apart."""
+        for section, key in SET_BY_THE_RUN:
+            if key in getattr(self, section).model_fields_set:
+                raise ValueError(f"{section}.{key}: {SET_BY_THE_RUN[section, key]}")
+        return self
+
+    @model_validator(mode="after")
+    def _eval_needs_a_split(self) -> RunConfig:
+        if self.training.eval_every is not None and not self.data.has_eval_split:
+            raise ValueError("training.eval_every: there is nothing to evaluate on; hold out rows with data.val_size "
+                             "(e.g. 0.1 or 200) or name data.eval_datasets, or unset training.eval_every")
+        return self
 
     @model_validator(mode="after")
     def _workers_can_share_the_batch(self) -> RunConfig:
@@ -149,6 +211,8 @@ def describe_config() -> str:
         model = field.annotation
         out.append(f"{section}:")
         for name, f in model.model_fields.items():
+            if (section, name) in SET_BY_THE_RUN:
+                continue
             default = f.default_factory() if f.default_factory else f.default
             out.append(f"  {name}: {default!r}  # {(f.description or '').strip()}")
     return "\n".join(out)

@@ -56,9 +56,18 @@ class DataConfig(BaseModel):
     """A malformed row raises ``DatasetError`` (``error``) or is skipped and counted (``skip``)."""
 
     seed: int = 0
-    """Seed for shuffling, mixing and packing order; the same seed gives the same batches."""
+    """Seed for shuffling, mixing, packing order and the held-out split; the same seed gives the same batches."""
 
-    @field_validator("datasets", mode="before")
+    val_size: float = Field(default=0, ge=0)
+    """Rows held out of ``datasets`` for evaluation (as LLaMA-Factory's ``val_size``): a fraction of all rows
+    when below 1 (rounded up), a row count from 1 on; 0 holds out nothing. The rows are drawn with ``seed``,
+    in proportion to each dataset's size, and never trained on."""
+
+    eval_datasets: list[str] | None = None
+    """Registry entries evaluated whole instead of a ``val_size`` split (LLaMA-Factory's ``eval_dataset``);
+    none of them may also be in ``datasets``."""
+
+    @field_validator("datasets", "eval_datasets", mode="before")
     @classmethod
     def _split_names(cls, value: Any) -> Any:
         return [n.strip() for n in value.split(",") if n.strip()] if isinstance(value, str) else value
@@ -73,6 +82,34 @@ class DataConfig(BaseModel):
         if len(value) != len(info.data.get("datasets", [])) or any(w <= 0 for w in value):
             raise ValueError("weights needs one positive number per dataset")
         return value
+
+
+    @field_validator("val_size")
+    @classmethod
+    def _count_is_whole(cls, value: float) -> float:
+        if value >= 1 and value != int(value):
+            raise ValueError(f"{value} is neither a fraction below 1 nor a whole row count; use e.g. 0.1 or 100")
+        return value
+
+    @field_validator("eval_datasets")
+    @classmethod
+    def _eval_apart_from_training(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        if value is None:
+            return value
+        if not value:
+            raise ValueError("name at least one registry entry, or leave eval_datasets unset")
+        shared = sorted(set(value) & set(info.data.get("datasets", [])))
+        if shared:
+            raise ValueError(f"{shared} would be trained on and evaluated on; evaluate on other entries, or hold "
+                             "rows out of the training datasets with data.val_size instead")
+        if info.data.get("val_size"):
+            raise ValueError("give data.val_size or data.eval_datasets, not both")
+        return value
+
+    @property
+    def has_eval_split(self) -> bool:
+        """Whether the run has rows to evaluate on (a ``val_size`` split or ``eval_datasets``)."""
+        return self.val_size > 0 or bool(self.eval_datasets)
 
 
 def load_data_config(values: Mapping[str, Any], key: str = "data") -> DataConfig:

@@ -28,9 +28,10 @@ from mt_ray.data.config import DataConfig
 from mt_ray.data.mixing import Mixer
 from mt_ray.data.packing import collate, pack_first_fit_decreasing
 from mt_ray.data.processor import Processor
-from mt_ray.data.registry import load_registry
+from mt_ray.data.registry import DatasetEntry, load_registry
 from mt_ray.data.schema import TokenizedExample
 from mt_ray.data.sources import DatasetSource
+from mt_ray.data.split import HeldOut, plan_held_out
 from mt_ray.errors import ConfigError
 
 _STATE_VERSION = 1
@@ -145,28 +146,50 @@ def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -
 
 def build_dataloader(data_config: DataConfig, tokenizer: PreTrainedTokenizerBase, micro_batch_size: int,
                      grad_accum_steps: int | None = None, *, global_batch_size: int | None = None,
-                     seed: int | None = None) -> StepLoader:
+                     seed: int | None = None, held_out: HeldOut | None = None) -> StepLoader:
     """Build the step loader: each batch holds ``micro_batch_size * grad_accum_steps`` rows.
 
     Give ``grad_accum_steps`` or ``global_batch_size`` (rows per optimizer step, a multiple
     of ``micro_batch_size``), not both; neither means one micro-batch per step. ``seed``
-    overrides ``data_config.seed``.
+    overrides ``data_config.seed``. Rows of the ``data.val_size`` split are never yielded;
+    pass ``held_out`` (from ``plan_split``) to reuse a split already drawn.
     """
     rows = _rows_per_step(micro_batch_size, grad_accum_steps, global_batch_size)
     if seed is not None:
         data_config = data_config.model_copy(update={"seed": seed})
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad_id is None:
-        raise ConfigError("the tokenizer has neither a pad token nor an eos token to pad with")
-    registry = load_registry(data_config.registry or demo_registry_path())
+    entries = resolve_entries(data_config, data_config.datasets)
+    held_out = held_out or plan_split(data_config, entries)
     sources = [
-        DatasetSource(registry.resolve(name), i, data_config.seed, data_config.shuffle, data_config.shuffle_buffer,
-                      skip_bad_rows=data_config.on_bad_row == "skip")
-        for i, name in enumerate(data_config.datasets)
+        DatasetSource(entry, i, data_config.seed, data_config.shuffle, data_config.shuffle_buffer,
+                      skip_bad_rows=data_config.on_bad_row == "skip",
+                      held_out=held_out.rows[i] if held_out else frozenset())
+        for i, entry in enumerate(entries)
     ]
     mixer = Mixer(sources, data_config.weights, data_config.mix_strategy, data_config.seed)
     processor = Processor(tokenizer, data_config.template, data_config.max_seq_len)
-    return StepLoader(data_config, mixer, processor, rows, pad_id)
+    return StepLoader(data_config, mixer, processor, rows, pad_token_id(tokenizer))
+
+
+def resolve_entries(data_config: DataConfig, names: list[str]) -> list[DatasetEntry]:
+    """The registry entries ``names`` of the configured registry (the built-in demo one by default)."""
+    registry = load_registry(data_config.registry or demo_registry_path())
+    return [registry.resolve(name) for name in names]
+
+
+def plan_split(data_config: DataConfig, entries: list[DatasetEntry] | None = None) -> HeldOut | None:
+    """The ``data.val_size`` rows held out of ``data.datasets`` with ``data_config.seed``; None without a split."""
+    if not data_config.val_size:
+        return None
+    return plan_held_out(entries or resolve_entries(data_config, data_config.datasets), data_config.val_size,
+                         data_config.seed)
+
+
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id padding is filled with: the pad token, else eos."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        raise ConfigError("the tokenizer has neither a pad token nor an eos token to pad with")
+    return pad_id
 
 
 def _rows_per_step(micro_batch_size: int, grad_accum_steps: int | None, global_batch_size: int | None) -> int:

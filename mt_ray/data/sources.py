@@ -1,7 +1,8 @@
 """One dataset as a resumable, block-shuffled stream of converted examples.
 
 Rows are read in file order in blocks of ``shuffle_buffer`` rows; each block is emitted
-in a permutation fixed by ``(seed, dataset index, epoch, block)``. The position in an
+in a permutation fixed by ``(seed, dataset index, epoch, block)``. Rows of the held-out split
+(``split.py``) are skipped by their file-order index, so training never sees them. The position in an
 epoch is a single row count, so resuming re-opens the files at the block's first row
 (readers skip rows without decoding them) and re-derives the same permutation: exact,
 and without holding more than one block in memory.
@@ -27,7 +28,7 @@ _LOGGED_BAD_ROWS = 5
 
 @dataclass
 class SourceState:
-    """Where a source stands: rows consumed this epoch, valid ones among them, bad rows ever."""
+    """Where a source stands: rows consumed this epoch, valid ones among them, bad rows in the data (each once)."""
 
     epoch: int = 0
     position: int = 0
@@ -39,25 +40,29 @@ class DatasetSource:
     """Converted examples of one registry entry, one epoch at a time."""
 
     def __init__(self, entry: DatasetEntry, index: int, seed: int, shuffle: bool, block_size: int,
-                 skip_bad_rows: bool):
+                 skip_bad_rows: bool, held_out: frozenset[int] = frozenset()):
         self.entry = entry
         self.index = index
         self.seed = seed
         self.shuffle = shuffle
         self.block_size = block_size
         self.skip_bad_rows = skip_bad_rows
+        self.held_out = held_out
         self.state = SourceState()
         self._rows: Iterator[RawRow] | None = None
-        self._block: list[RawRow] | None = None
+        self._block: list[tuple[int, RawRow]] | None = None
 
     def next(self) -> Example | None:
         """The next valid example of this epoch, or ``None`` once the epoch is used up."""
         while True:
-            raw = self._next_raw()
-            if raw is None:
+            indexed = self._next_raw()
+            if indexed is None:
                 if self.state.valid_in_epoch == 0:
                     raise DatasetError(f"dataset '{self.entry.name}' ({self.entry.path}) has no usable rows")
                 return None
+            index, raw = indexed
+            if index in self.held_out:
+                continue
             try:
                 example = convert_row(self.entry, raw)
             except DatasetError as e:
@@ -80,7 +85,8 @@ class DatasetSource:
         self.state = SourceState(**state)
         self._rows = self._block = None
 
-    def _next_raw(self) -> RawRow | None:
+    def _next_raw(self) -> tuple[int, RawRow] | None:
+        """The next row of this epoch's order and its index in file order."""
         block_index, offset = divmod(self.state.position, self.block_size)
         if self._block is None or offset == 0:
             self._block = self._read_block(block_index)
@@ -89,15 +95,18 @@ class DatasetSource:
         self.state.position += 1
         return self._block[offset]
 
-    def _read_block(self, block_index: int) -> list[RawRow]:
+    def _read_block(self, block_index: int) -> list[tuple[int, RawRow]]:
+        first = block_index * self.block_size
         if self._rows is None:
-            self._rows = iter_rows(self.entry.path, skip=block_index * self.block_size)
-        block = list(itertools.islice(self._rows, self.block_size))
+            self._rows = iter_rows(self.entry.path, skip=first)
+        block = list(enumerate(itertools.islice(self._rows, self.block_size), start=first))
         if self.shuffle:
             random.Random(f"{self.seed}/{self.index}/{self.state.epoch}/{block_index}").shuffle(block)
         return block
 
     def _count_bad_row(self, error: DatasetError) -> None:
+        if self.state.epoch > 0:
+            return  # every epoch reads the same rows: each bad one was counted (and shown) in the first
         self.state.bad_rows += 1
         if self.state.bad_rows <= _LOGGED_BAD_ROWS:
             logger.warning("skipping bad row: %s", error)

@@ -8,6 +8,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from mt_ray.errors import ConfigError
+
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -92,9 +94,19 @@ class EngineConfig(_Strict):
         return torch.float32 if self.grad_dtype == "fp32" else self.dtype
 
     def resolve_device(self) -> torch.device:
+        """The device to compute on; a CUDA device this machine cannot give is a `ConfigError`, not torch's assert."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            why = (f"this torch ({torch.__version__}) is built without CUDA" if torch.version.cuda is None
+                   else "no CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES)")
+            raise ConfigError(f"engine.device: {self.device} was asked for, but {why}; use engine.device=auto "
+                              "(CUDA when present, else CPU) or engine.device=cpu")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ConfigError(f"engine.device: {self.device} was asked for, but this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s); use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+        return device
 
 
 class OptimizerConfig(_Strict):

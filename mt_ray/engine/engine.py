@@ -13,6 +13,9 @@ Schedule of a step (L layers, blocks of K layers, M micro-batches):
 So each unit's weights cross the bus twice a step (forward, backward), and the optimizer
 thread updates units while the backward pass continues.
 
+An evaluation (`evaluate`) is the forward and the head's chunked loss alone: one pass of the
+weights, no gradient, nothing for the optimizer, and the templates in eval mode.
+
 The resident schedule (`schedule: resident`, for models that fit) uploads each unit once a step
 and keeps it, with an fp32 gradient sum per unit, on the device; every micro-batch then runs
 embed -> layers -> head -> backward with its activations kept, so nothing is recomputed
@@ -23,6 +26,8 @@ Tensor shape key: B batch, T tokens, D hidden, N selected tokens, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +57,15 @@ class StepResult:
     lr: float
     num_tokens: int
     num_loss_tokens: int
+
+
+@dataclass
+class EvalResult:
+    """What `evaluate` returns: the summed token loss (on the device: read it once per eval) and its counts."""
+
+    loss_sum: torch.Tensor
+    num_loss_tokens: int
+    num_tokens: int
 
 
 class StreamingEngine:
@@ -148,6 +162,24 @@ class StreamingEngine:
         self.worker.end_step(self._norm_sq_host, norm_ready, lr)
         self.step_idx += 1
         return StepResult(loss_sum / n_norm, self._norm_sq.sqrt(), lr, sum(m.num_tokens for m in mbs), n_loss)
+
+    def evaluate(self, micro_batches: list[dict[str, torch.Tensor]]) -> EvalResult:
+        """Summed next-token loss of `micro_batches` under the weights after `step_idx` steps: forward only.
+
+        No gradient is computed or sent, no optimizer state changes and the step count stays.
+        The templates run in eval mode (no dropout or router noise), as after `model.eval()`.
+        Every micro-batch passes each unit while it is resident, so the activations of all of
+        them are live at once: give as many as a training step holds.
+        """
+        mbs = [prepare_micro_batch(b, self.device) for b in micro_batches]
+        plan = ["embed", *(f"layers.{i}" for i in range(self.spec.num_layers)), "head"]
+        self.streamer.start(plan + (["embed"] if self.spec.tied and not self.resident else []), version=self.step_idx)
+        self._kept = {}
+        with _eval_mode(t.module for t in self.templates.values()), torch.no_grad():
+            hiddens, _, _ = self._forward(mbs, keep_checkpoints=False)
+            loss_sum = self._eval_head(hiddens, mbs)
+        self._kept.clear()
+        return EvalResult(loss_sum, sum(mb.num_loss_tokens for mb in mbs), sum(mb.num_tokens for mb in mbs))
 
     def synchronize(self) -> None:
         """Wait until every update of the steps run so far is in the master weights."""
@@ -260,12 +292,15 @@ class StreamingEngine:
                 contexts.append(ctx)
         return hiddens, contexts
 
-    def _forward(self, mbs: list[MicroBatch]) -> tuple[list[torch.Tensor], list[list[LayerKwargs]], list[list]]:
+    def _forward(self, mbs: list[MicroBatch], keep_checkpoints: bool = True,
+                 ) -> tuple[list[torch.Tensor], list[list[LayerKwargs]], list[list]]:
+        """Every micro-batch through every layer (no graph); the hidden states entering each block are kept."""
         hiddens, contexts = self._embed(mbs)
         checkpoints = []
         with torch.no_grad():
             for block in self._blocks():
-                checkpoints.append(list(hiddens))
+                if keep_checkpoints:
+                    checkpoints.append(list(hiddens))
                 for i in block:
                     weights = self.layer_templates[i].bind(self._weights(f"layers.{i}"))
                     for j, ctx in enumerate(contexts):
@@ -286,16 +321,22 @@ class StreamingEngine:
             loss_sum += loss
         return loss_sum
 
+    def _bind_head(self, requires_grad: bool) -> Weights:
+        """The head's weights, with the embedding matrix as `lm_head.weight` when they are tied."""
+        weights = self.templates["head"].bind(self._weights("head"), requires_grad=requires_grad)
+        if self.spec.tied:
+            emb = self._weights("embed").view(self._embed_shape).detach()
+            weights["lm_head.weight"] = emb.requires_grad_() if requires_grad else emb
+        return weights
+
     def _head(self, hiddens: list[torch.Tensor], mbs: list[MicroBatch], inv_n: float, final: bool):
         """Loss over the final hidden states and its gradients, in chunks of selected tokens."""
         head = self.templates["head"]
-        weights = head.bind(self._weights("head"), requires_grad=True)
+        weights = self._bind_head(requires_grad=True)
         sums = list(self._grad_sum("head", self.spec.unit("head").numel).split(head.sizes))
         if self.spec.tied:
-            emb = self._weights("embed")
-            weights["lm_head.weight"] = emb.view(self._embed_shape).detach().requires_grad_()
             # The tied embedding's head gradient waits on the device for the embedding's own part.
-            sums.append(self._grad_sum("embed", emb.numel()))
+            sums.append(self._grad_sum("embed", weights["lm_head.weight"].numel()))
         leaves = list(weights.values())
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         grads = []
@@ -307,8 +348,7 @@ class StreamingEngine:
             for s in range(0, mb.num_loss_tokens, chunk):
                 x = sel_ND[s : s + chunk].detach().requires_grad_()
                 with torch.enable_grad():
-                    logits_NV = head(weights, x).float()
-                    loss = torch.nn.functional.cross_entropy(logits_NV, mb.loss_target[s : s + chunk], reduction="sum")
+                    loss = _chunk_loss(head, weights, x, mb.loss_target[s : s + chunk])
                     g = torch.autograd.grad(loss * inv_n, [x, *leaves])
                 g_sel[s : s + chunk] = g[0]
                 torch._foreach_add_(sums, [t.reshape(-1) for t in g[1:]])
@@ -317,6 +357,18 @@ class StreamingEngine:
         if final:
             self._send_grad("head", self._grad_sums.pop("head"))
         return grads, loss_sum
+
+    def _eval_head(self, hiddens: list[torch.Tensor], mbs: list[MicroBatch]) -> torch.Tensor:
+        """The summed loss of the final hidden states, in the training head's chunks, with no graph."""
+        head = self.templates["head"]
+        weights = self._bind_head(requires_grad=False)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        chunk = self.cfg.loss_chunk_tokens
+        for h_BTD, mb in zip(hiddens, mbs, strict=True):
+            sel_ND = h_BTD.reshape(-1, h_BTD.shape[-1]).index_select(0, mb.loss_index)
+            for s in range(0, mb.num_loss_tokens, chunk):
+                loss_sum += _chunk_loss(head, weights, sel_ND[s : s + chunk], mb.loss_target[s : s + chunk])
+        return loss_sum
 
     def _backward_block(self, b: int, checkpoint: list[torch.Tensor], grads: list[torch.Tensor],
                         contexts: list[list[LayerKwargs]]) -> list[torch.Tensor]:
@@ -397,6 +449,26 @@ class StreamingEngine:
         self.worker.submit(unit, host, landed, self._lr)
 
 
+def _chunk_loss(head: UnitTemplate, weights: Weights, x_ND: torch.Tensor, target_N: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of one chunk of selected tokens, from fp32 logits that live only for this chunk."""
+    logits_NV = head(weights, x_ND).float()
+    return torch.nn.functional.cross_entropy(logits_NV, target_N, reduction="sum")
+
+
+@contextlib.contextmanager
+def _eval_mode(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
+    """Modules in eval mode for the block (dropout and router noise off), then back as they were."""
+    modules = list(modules)
+    was_training = [m.training for m in modules]
+    for m in modules:
+        m.train(False)
+    try:
+        yield
+    finally:
+        for m, mode in zip(modules, was_training, strict=True):
+            m.train(mode)
+
+
 def _hidden(out) -> torch.Tensor:
     """Decoder layers return a tensor in transformers 5 and a tuple in older releases."""
     return out[0] if isinstance(out, tuple) else out
@@ -410,4 +482,4 @@ def _accumulate(acc: torch.Tensor | None, grads) -> torch.Tensor:
     return acc.add_(flat)
 
 
-__all__ = ["StreamingEngine", "StepResult", "UnitTemplate", "Weights"]
+__all__ = ["EvalResult", "StreamingEngine", "StepResult", "UnitTemplate", "Weights"]

@@ -105,15 +105,20 @@ class CheckpointConfig(BaseModel):
     @field_validator("uri")
     @classmethod
     def _check_uri(cls, value: str) -> str:
-        if value.startswith("s3://") and not value.removeprefix("s3://").split("/")[0]:
-            raise ValueError("an s3:// uri needs a bucket: s3://bucket/prefix")
-        if "://" in value and not value.startswith("s3://"):
-            raise ValueError("uri must be a local directory or s3://bucket/prefix")
-        return value
+        return check_storage_uri(value)
 
     def should_save(self, step: int) -> bool:
         """Whether the cadence asks for a checkpoint after optimizer step ``step``."""
         return self.every_steps is not None and step > 0 and step % self.every_steps == 0
+
+
+def check_storage_uri(value: str) -> str:
+    """A local directory or ``s3://bucket/prefix``; anything else raises ``ValueError`` (for pydantic)."""
+    if value.startswith("s3://") and not value.removeprefix("s3://").split("/")[0]:
+        raise ValueError("an s3:// uri needs a bucket: s3://bucket/prefix")
+    if "://" in value and not value.startswith("s3://"):
+        raise ValueError("uri must be a local directory or s3://bucket/prefix")
+    return value
 
 
 @dataclass(frozen=True)
@@ -224,6 +229,15 @@ class CheckpointManager:
         """URI of the newest complete checkpoint (manifest present; shards are verified on load)."""
         names = self.storage.list_complete()
         return self.storage.uri(names[-1]) if names else None
+
+    def read_meta(self, uri: str) -> dict:
+        """The ``meta`` saved with checkpoint ``uri``, from its manifest alone (no tensor is read)."""
+        storage, name = self._locate(uri)
+        return Manifest.from_json(storage.read_manifest(name), storage.uri(name)).meta
+
+    def uri_of(self, step: int) -> str:
+        """The URI checkpoint ``step`` has (or would have) under this manager's root."""
+        return self.storage.uri(step_dir_name(step))
 
     def list(self) -> list[CheckpointInfo]:
         """Complete checkpoints, oldest step first."""

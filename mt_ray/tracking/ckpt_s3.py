@@ -269,7 +269,7 @@ def s3_error(e: Exception, what: str, bucket: str, endpoint: str) -> CheckpointE
             return CheckpointError(f"{what}: S3 rejected the credentials ({code}); {_CREDENTIALS_FIX}")
         if code == "NoSuchBucket":
             return CheckpointError(f"{what}: bucket {bucket!r} does not exist at {endpoint}; create it or fix "
-                                   "checkpoint.uri")
+                                   "training.storage")
         if code == "NoSuchKey":
             return _Missing(f"{what}: not found")
         if code in _ACCESS_DENIED:

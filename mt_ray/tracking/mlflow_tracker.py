@@ -54,6 +54,8 @@ _NOT_SECRET_PAIRS = {("token", "id"), ("pad", "token"), ("bos", "token"), ("eos"
 _MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 _PARAMS_PER_BATCH = 100  # MLflow's limit on params in one log_batch call
 _MODEL_REQUIREMENTS = ("torch", "transformers", "safetensors", "tokenizers", "accelerate")
+# MLflow 3's UI opens an experiment with this tag in its model-training view rather than the GenAI one.
+EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND = "mlflow.experimentKind", "custom_model_development"
 
 
 class TrackingConfig(BaseModel):
@@ -73,6 +75,9 @@ class TrackingConfig(BaseModel):
 
     run_name: str | None = None
     """Run name shown in the UI; ``None`` lets MLflow pick one."""
+
+    artifact_location: str | None = None
+    """Where an experiment created by this tracker keeps its artifacts; ``None``: the store's default."""
 
     log_every: int = Field(default=10, ge=1)
     """Log step metrics every this many optimizer steps (see ``should_log``)."""
@@ -115,7 +120,10 @@ class MlflowTracker:
         if self._client is None:
             from mlflow import MlflowClient  # optional dependency, imported when tracking is on
 
-            self._client = MlflowClient(tracking_uri=self.config.tracking_uri)
+            uri = self.config.tracking_uri
+            if uri is not None and uri.startswith("sqlite:///"):  # SQLite creates the file, not its folder
+                Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            self._client = MlflowClient(tracking_uri=uri)
         return self._client
 
     def log_metrics(self, step: int, metrics: Mapping[str, float | int | torch.Tensor]) -> None:
@@ -227,7 +235,8 @@ class MlflowTracker:
         if experiment is not None:
             return experiment.experiment_id
         try:
-            return client.create_experiment(self.config.experiment)
+            return client.create_experiment(self.config.experiment, artifact_location=self.config.artifact_location,
+                                            tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND})
         except MlflowException:  # another trial of a sweep may have created it first
             experiment = client.get_experiment_by_name(self.config.experiment)
             if experiment is None:

@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from mt_ray.config.run import RunConfig
-from mt_ray.engine import StepResult, StreamingEngine
+from mt_ray.engine import EvalResult, StepResult, StreamingEngine
+from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import ModelSpec
+from mt_ray.training.model_source import pretrained_weights
 
 if TYPE_CHECKING:
     from mt_ray.tracking import CheckpointManager
@@ -28,6 +30,9 @@ class TrainingBackend(Protocol):
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         """One optimizer step over a global batch; loss and norm are read only when logging."""
+
+    def evaluate(self, micro_batches: list[dict[str, torch.Tensor]]) -> EvalResult:
+        """Summed loss of `micro_batches` under the current weights: forward only, nothing changes."""
 
     def synchronize(self) -> None:
         """Wait until every update so far is in the master weights."""
@@ -48,12 +53,9 @@ class TrainingBackend(Protocol):
 
 
 def initial_weights(cfg: RunConfig) -> int | str:
-    """The pretrained folder when the config asks for it (`auto`: when it holds safetensors), else the init seed."""
-    path = cfg.model.path
-    has_weights = path is not None and any(Path(path).glob("*.safetensors"))
-    if cfg.model.init == "pretrained" or (cfg.model.init == "auto" and has_weights):
-        return path
-    return cfg.training.seed
+    """The folder to load pretrained weights from (see `pretrained_weights`), else the random-init seed."""
+    folder = pretrained_weights(cfg)
+    return folder if folder is not None else cfg.training.seed
 
 
 def build_backend(cfg: RunConfig, spec: ModelSpec) -> TrainingBackend:
@@ -62,6 +64,10 @@ def build_backend(cfg: RunConfig, spec: ModelSpec) -> TrainingBackend:
     steps = cfg.training.steps
     if cfg.cluster.num_workers > 1:
         from mt_ray.cluster import DataParallelTrainer  # Ray is needed only here
+
+        if cfg.data.has_eval_split and not hasattr(DataParallelTrainer, "evaluate"):
+            raise ConfigError("data.val_size / data.eval_datasets: evaluation is not available with "
+                              "cluster.num_workers > 1 yet; evaluate with cluster.num_workers=1, or drop the split")
 
         return DataParallelTrainer(spec, cfg.engine, cfg.optimizer, cfg.cluster.num_workers, steps,
                                    cluster=cfg.cluster, weights=weights)

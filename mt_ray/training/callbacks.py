@@ -2,19 +2,43 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mt_ray.training.trainer import Trainer
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run continued from."""
+
+    uri: str
+    step: int
+
+
 class Callback:
-    """Override the hooks you need; each receives the trainer and plain Python values."""
+    """Override the hooks you need; each receives the trainer and plain Python values.
+
+    `state_dict` is saved in every checkpoint under the callback's class name and handed back to
+    `load_state_dict` when the same run resumes from it (the MLflow callback keeps its run id so).
+    """
 
     def on_train_start(self, trainer: Trainer) -> None: ...
 
     def on_log(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None: ...
 
+    def on_evaluate(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None: ...
+
     def on_step_end(self, trainer: Trainer, step: int) -> None: ...
 
+    def on_checkpoint(self, trainer: Trainer, uri: str) -> None:
+        """A checkpoint of the current step is complete at `uri`."""
+
     def on_train_end(self, trainer: Trainer, summary: dict[str, Any]) -> None: ...
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """JSON-able state to keep in checkpoints; None: nothing."""
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...

@@ -9,16 +9,17 @@ from mt_ray.engine.host_store import plan_layout
 from mt_ray.errors import CheckpointError
 from mt_ray.models.weights import export_hf
 from mt_ray.tracking import CheckpointManager
-from mt_ray.training.trainer import load_model_and_tokenizer
+from mt_ray.training.model_source import load_model_and_tokenizer
+from mt_ray.training.run_dir import RunDir
 
 
 def export_checkpoint(config_path: str, checkpoint: str | None, out: str) -> Path:
     """Export the given checkpoint (default: the run's newest valid one) of the configured model."""
     cfg = load_run_config(config_path)
     spec, tokenizer = load_model_and_tokenizer(cfg)
-    manager = CheckpointManager(cfg.checkpoint)
+    manager = CheckpointManager(RunDir(cfg).checkpoint_config)
     if checkpoint is None and manager.latest() is None:
-        raise CheckpointError(f"no checkpoint under {cfg.checkpoint.uri}; train first or pass --checkpoint")
+        raise CheckpointError(f"no checkpoint under {manager.config.uri}; train first or pass --checkpoint")
     tensors, _ = manager.load(checkpoint)
     layout = plan_layout(spec, None)
     master = tensors["master"]

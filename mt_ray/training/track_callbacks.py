@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import base64
-import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mt_ray.config.identity import RunIdentity, changed_keys
+from mt_ray.errors import ConfigError
 from mt_ray.tracking import CheckpointManager, MlflowTracker
-from mt_ray.training.callbacks import Callback
+from mt_ray.training.callbacks import Callback, ResumePoint
+from mt_ray.training.run_dir import EXPORT_DIR, check_same_run
 
 if TYPE_CHECKING:
     from mt_ray.training.trainer import Trainer
-
-log = logging.getLogger(__name__)
 
 
 def trainer_state(trainer: Trainer) -> dict[str, Any]:
@@ -23,6 +23,7 @@ def trainer_state(trainer: Trainer) -> dict[str, Any]:
         "loader": trainer.loader.state_dict(),
         "torch_rng": base64.b64encode(torch.random.get_rng_state().numpy().tobytes()).decode(),
         "history": trainer.history,
+        "eval_history": trainer.eval_history,
     }
 
 
@@ -31,22 +32,41 @@ def restore_trainer_state(trainer: Trainer, state: dict[str, Any]) -> None:
     rng = torch.frombuffer(bytearray(base64.b64decode(state["torch_rng"])), dtype=torch.uint8)
     torch.random.set_rng_state(rng)
     trainer.history = list(state["history"])
+    trainer.eval_history = list(state.get("eval_history", []))  # absent in checkpoints older than evaluation
 
 
 class CheckpointCallback(Callback):
-    """Saves every `every_steps` (and at the end); resumes from the newest valid checkpoint."""
+    """Saves every `every_steps` (and at the end); resumes as `training.resume` says (see `maybe_resume`)."""
 
     def __init__(self, manager: CheckpointManager):
         self.manager = manager
         self.last_uri: str | None = None
 
-    def maybe_resume(self, trainer: Trainer, uri: str | None = None) -> bool:
-        if uri is None and self.manager.latest() is None:
-            return False
-        meta = trainer.engine.restore_checkpoint(self.manager, uri)  # a single engine's buffers filled in place
+    def maybe_resume(self, trainer: Trainer, mode: str) -> ResumePoint | None:
+        """`auto`: this run's newest valid checkpoint, if it has one; `never`: none, and a run that has some is
+        refused rather than mixed with them; otherwise the checkpoint at that URI (e.g. another run's, to fork it)."""
+        latest = self.manager.latest()
+        if mode == "never":
+            if latest is not None:
+                raise ConfigError(f"training.resume: never, but run '{trainer.run.name}' already has checkpoints "
+                                  f"(newest {latest}); continue it with training.resume=auto, give this one another "
+                                  f"training.run_name, or delete {trainer.run.uri}")
+            return None
+        if mode == "auto" and latest is None:
+            return None
+        if mode != "auto":
+            check_same_model(self.manager.read_meta(mode), trainer.run.identity, mode)
+        # A single engine's buffers are filled in place; a cluster's shards each read their own range.
+        meta = trainer.engine.restore_checkpoint(self.manager, None if mode == "auto" else mode)
+        uri = self.manager.uri_of(meta["step"]) if mode == "auto" else mode
+        if mode == "auto":  # a run's own folder holds only its own checkpoints, unless copied in by hand
+            check_same_run(saved_identity(meta, uri), trainer.run.identity, uri)
         restore_trainer_state(trainer, meta["trainer"])
-        log.info("resumed at step %d from %s", meta["step"], uri or self.manager.latest())
-        return True
+        if meta.get("run") == trainer.run.identity.to_json():
+            for cb in trainer.callbacks:  # the same run: its MLflow run and the like carry on
+                if (state := meta.get("callbacks", {}).get(type(cb).__name__)) is not None:
+                    cb.load_state_dict(state)
+        return ResumePoint(uri, meta["step"])
 
     def on_step_end(self, trainer: Trainer, step: int) -> None:
         if self.manager.config.should_save(step):
@@ -58,10 +78,29 @@ class CheckpointCallback(Callback):
         summary["checkpoint"] = self.last_uri
 
     def save(self, trainer: Trainer) -> None:
-        self.last_uri = trainer.engine.save_checkpoint(self.manager, trainer.step, {"trainer": trainer_state(trainer)})
+        states = {type(cb).__name__: state for cb in trainer.callbacks if (state := cb.state_dict()) is not None}
+        meta = {"trainer": trainer_state(trainer), "run": trainer.run.identity.to_json(), "callbacks": states}
+        self.last_uri = trainer.engine.save_checkpoint(self.manager, trainer.step, meta)
         for cb in trainer.callbacks:
-            if isinstance(cb, MlflowCallback):
-                cb.tracker.log_checkpoint_uri(self.last_uri)
+            cb.on_checkpoint(trainer, self.last_uri)
+
+
+def saved_identity(meta: dict[str, Any], uri: str) -> RunIdentity:
+    if "run" not in meta:
+        raise ConfigError(f"checkpoint {uri} records no run identity (an older mt-ray wrote it); start from it "
+                          f"explicitly with training.resume={uri}")
+    return RunIdentity.from_json(meta["run"])
+
+
+def check_same_model(meta: dict[str, Any], identity: RunIdentity, uri: str) -> None:
+    """A checkpoint another run wrote must hold this run's model; refuse with the model keys that differ."""
+    if "run" not in meta:
+        return  # nothing to compare; a wrong size still fails when the tensors load
+    saved = RunIdentity.from_json(meta["run"])
+    model_keys = [line for line in changed_keys(saved.keys, identity.keys) if line.startswith("model.")]
+    if model_keys:
+        raise ConfigError(f"training.resume: {uri} holds run '{saved.name}', a different model:\n  "
+                          + "\n  ".join(model_keys) + "\nResume from a checkpoint of this model.")
 
 
 class MlflowCallback(Callback):
@@ -78,9 +117,15 @@ class MlflowCallback(Callback):
     def on_log(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         self.tracker.log_metrics(step, metrics)
 
+    def on_evaluate(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        self.tracker.log_metrics(step, metrics)
+
+    def on_checkpoint(self, trainer: Trainer, uri: str) -> None:
+        self.tracker.log_checkpoint_uri(uri)
+
     def on_train_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
         self.tracker.log_summary(summary)
         self.tracker.log_loss_plot([h["step"] for h in trainer.history], [h["loss"] for h in trainer.history])
         if summary.get("exported_model"):
-            self.tracker.log_hf_model(summary["exported_model"])
+            self.tracker.log_hf_model(trainer.run.staging / EXPORT_DIR)
         self.tracker.close("FINISHED")

@@ -3,73 +3,74 @@
 The backend is one streaming engine, or Ray workers around a coordinator when
 `cluster.num_workers > 1` (see `backend.py`); the loop is the same. It reads device values only
 every `log_every` steps (each read is a sync point); in between, a single engine's `train_step`
-returns as soon as the step's work is queued.
+returns as soon as the step's work is queued. With a held-out split it evaluates (forward only)
+every `eval_every` steps and at the end.
 """
 
 from __future__ import annotations
 
-import json
+import logging
+import math
 import time
-from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
 from mt_ray.config.run import RunConfig
-from mt_ray.data import build_dataloader, load_tiny_tokenizer, split_micro_batches
-from mt_ray.models.discovery import ModelSpec, discover, load_config
-from mt_ray.models.presets import preset_config
+from mt_ray.data import build_dataloader, build_eval_batches, plan_split, split_micro_batches
 from mt_ray.training.backend import TrainingBackend, build_backend
-from mt_ray.training.callbacks import Callback
+from mt_ray.training.callbacks import Callback, ResumePoint
+from mt_ray.training.model_source import load_model_and_tokenizer
+from mt_ray.training.run_dir import EXPORT_DIR, RunDir
 
-
-def build_model_spec(cfg: RunConfig, vocab_size: int | None = None) -> ModelSpec:
-    """Discover the configured model (local folder or preset shape, with overrides)."""
-    overrides = dict(cfg.model.overrides)
-    if cfg.model.path:
-        config = load_config(cfg.model.path)
-        for k, v in overrides.items():
-            setattr(config, k, v)
-    else:
-        if vocab_size is not None and cfg.model.preset == "tiny":
-            overrides.setdefault("vocab_size", vocab_size)
-        config = preset_config(cfg.model.preset, **overrides)
-    return discover(config)
-
-
-def load_tokenizer(cfg: RunConfig):
-    source = cfg.model.tokenizer or cfg.model.path
-    if source is None:
-        return load_tiny_tokenizer()
-    return AutoTokenizer.from_pretrained(source, local_files_only=True)
-
-
-def load_model_and_tokenizer(cfg: RunConfig) -> tuple[ModelSpec, object]:
-    """The tokenizer, then the model spec (the tiny preset's vocabulary sized to that tokenizer)."""
-    tokenizer = load_tokenizer(cfg)
-    return build_model_spec(cfg, vocab_size=_padded_vocab(tokenizer)), tokenizer
+log = logging.getLogger(__name__)
 
 
 class Trainer:
-    """Runs `cfg.training.steps` optimizer steps on the configured data (one engine, or a Ray cluster)."""
+    """Runs `cfg.training.steps` optimizer steps on the configured data (one engine, or a Ray cluster).
 
-    def __init__(self, cfg: RunConfig, callbacks: list[Callback] | None = None):
+    The run's outputs go to its directory (`run`, by default `RunDir(cfg)`), which it claims first:
+    a different config under the same run name is refused before anything is built.
+    """
+
+    def __init__(self, cfg: RunConfig, callbacks: list[Callback] | None = None, run: RunDir | None = None):
         self.cfg = cfg
         self.callbacks = list(callbacks or [])
-        self.spec, self.tokenizer = load_model_and_tokenizer(cfg)
-        self.engine: TrainingBackend = build_backend(cfg, self.spec)
-        t = cfg.training
-        self.loader = build_dataloader(cfg.data, self.tokenizer, t.micro_batch_size, t.grad_accum_steps, seed=t.seed)
+        self.run = run if run is not None else RunDir(cfg)
+        self.run.claim(cfg)
         self.history: list[dict[str, float]] = []
+        self.eval_history: list[dict[str, float]] = []
+        self._postfix: dict[str, str] = {}
+        self.resumed_from: ResumePoint | None = None
+        # A finished run (its summary is written last) has nothing to continue, so nothing is built for it.
+        self.finished = self.run.read_summary() if cfg.training.resume == "auto" else None
+        if self.finished is None:
+            self._build()
+
+    def _build(self) -> None:
+        cfg, t = self.cfg, self.cfg.training
+        self.spec, self.tokenizer = load_model_and_tokenizer(cfg)
+        data = cfg.data.model_copy(update={"seed": t.seed})
+        held_out = plan_split(data)  # drawn once: the loader skips exactly the rows the eval set scores
+        self.loader = build_dataloader(data, self.tokenizer, t.micro_batch_size, t.grad_accum_steps, held_out=held_out)
+        self.eval_batches = build_eval_batches(data, self.tokenizer, t.micro_batch_size, held_out=held_out)
+        self.engine: TrainingBackend = build_backend(cfg, self.spec)
 
     @property
     def step(self) -> int:
         return self.engine.step_idx
 
     def fit(self) -> dict[str, Any]:
-        """Train to the configured step count (resuming first if asked); returns the run summary."""
+        """Train to the configured step count (resuming first if asked); returns the run summary.
+
+        A run that already finished (its summary written at the end) trains nothing and returns that summary.
+        """
         t = self.cfg.training
+        if self.finished is not None:
+            print(f"run {self.run.name} already finished its {t.steps} steps; its outputs are in {self.run.uri}. "
+                  "To train it again, give it another training.run_name or delete that folder.", flush=True)
+            return self.finished
         self._maybe_resume()
         for cb in self.callbacks:
             cb.on_train_start(self)
@@ -84,26 +85,60 @@ class Trainer:
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     elapsed = time.perf_counter() - window_start
                     metrics = self._metrics(result, window_tokens / elapsed)
-                    bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                    self._show(bar, loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
                     for cb in self.callbacks:
                         cb.on_log(self, self.step, metrics)
                     window_start, window_tokens = time.perf_counter(), 0
+                if t.eval_every and self.step % t.eval_every == 0:
+                    self._evaluate(bar)
                 for cb in self.callbacks:
                     cb.on_step_end(self, self.step)
+            if self.eval_batches and (not self.eval_history or self.eval_history[-1]["step"] != self.step):
+                self._evaluate(bar)  # every run with a split ends with its eval loss
         finally:
             bar.close()
         summary = self._finish()
         for cb in self.callbacks:
             cb.on_train_end(self, summary)
+        self.run.write_summary(summary)  # last: a run with a summary is complete
         return summary
 
-    def _maybe_resume(self) -> None:
-        mode = self.cfg.training.resume
-        if mode == "never":
-            return
+    def evaluate(self) -> dict[str, float]:
+        """Loss and perplexity on the held-out split under the current weights (forward only; training state unchanged).
+
+        The split is scored `grad_accum_steps` micro-batches at a time (one weight pass each), so
+        an evaluation holds no more activations than a training step.
+        """
+        group = self.cfg.training.grad_accum_steps
+        results = [self.engine.evaluate(self.eval_batches[i:i + group]) for i in range(0, len(self.eval_batches), group)]
+        # .item() waits for the device: once per evaluation.
+        loss_sum = torch.stack([r.loss_sum.double().cpu() for r in results]).sum().item()
+        tokens = sum(r.num_loss_tokens for r in results)
+        loss = loss_sum / tokens
+        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)), "eval_tokens": tokens}
+
+    def _evaluate(self, bar) -> None:
+        metrics = self.evaluate()
+        self.eval_history.append({"step": self.step, **metrics})
+        self._show(bar, eval_loss=f"{metrics['eval_loss']:.3f}")
         for cb in self.callbacks:
-            if hasattr(cb, "maybe_resume"):
-                cb.maybe_resume(self, None if mode == "auto" else mode)
+            cb.on_evaluate(self, self.step, metrics)
+
+    def _show(self, bar, **values: str) -> None:
+        """Update the progress bar's postfix, keeping the values not given (the last loss, the last eval loss)."""
+        self._postfix.update(values)
+        bar.set_postfix(self._postfix)
+
+    def _maybe_resume(self) -> None:
+        """Let the checkpoint callback restore the state; say where from, on the console and in the log."""
+        for cb in self.callbacks:
+            point = cb.maybe_resume(self, self.cfg.training.resume) if hasattr(cb, "maybe_resume") else None
+            if point is not None:
+                self.resumed_from = point
+                message = (f"resuming run {self.run.name} from {point.uri} "
+                           f"(step {point.step} of {self.cfg.training.steps})")
+                print(message, flush=True)
+                log.info(message)
 
     def _metrics(self, result, tokens_per_s: float) -> dict[str, float]:
         # .item() syncs with the device: only here, on the logging cadence.
@@ -120,24 +155,27 @@ class Trainer:
 
     def _finish(self) -> dict[str, Any]:
         self.engine.synchronize()
-        out = Path(self.cfg.training.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
         summary: dict[str, Any] = {
+            "run": self.run.name,
+            "run_dir": self.run.uri,
             "steps": self.step,
             "params": self.spec.num_params,
             "first_loss": self.history[0]["loss"] if self.history else None,
             "final_loss": self.history[-1]["loss"] if self.history else None,
             "data": self.loader.stats(),
         }
+        if self.eval_history:
+            last = self.eval_history[-1]
+            summary.update({k: last[k] for k in ("eval_loss", "eval_perplexity", "eval_tokens")})
         if self.cfg.training.export:
-            summary["exported_model"] = str(self.engine.export(out / "hf_model", self.tokenizer))
-        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+            self.engine.export(self.run.staging / EXPORT_DIR, self.tokenizer)
+            summary["exported_model"] = self.run.publish(EXPORT_DIR)
         return summary
 
     def close(self) -> None:
-        self.engine.close()
+        try:
+            if self.finished is None:
+                self.engine.close()
+        finally:
+            self.run.close()
 
-
-def _padded_vocab(tokenizer) -> int:
-    """Vocabulary rounded up to a multiple of 64 (tensor-core friendly), covering every token id."""
-    return (len(tokenizer) + 63) // 64 * 64

@@ -11,10 +11,10 @@ from mt_ray.cli.main import main
 
 
 def test_demo_job_trains_and_exports(tmp_path):
-    out = tmp_path / "run"
+    out = tmp_path / "runs" / "demo"
     proc = subprocess.run(
         [sys.executable, "-m", "jobs.train", "--config", "jobs/configs/demo.yaml", "training.steps=30",
-         f"training.output_dir={out}", "engine.device=cpu"],
+         f"training.storage={tmp_path / 'runs'}", "training.run_name=demo", "engine.device=cpu"],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -42,9 +42,9 @@ def test_cli_info_and_calc(capsys):
 
 
 def test_export_command_matches_trained_export(tmp_path):
-    run = tmp_path / "run"
+    run = tmp_path / "runs" / "export-me"
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(f"training:\n  steps: 4\n  output_dir: {run}\ncheckpoint:\n  uri: {tmp_path / 'ckpt'}\n"
+    cfg.write_text(f"training:\n  steps: 4\n  storage: {tmp_path / 'runs'}\n  run_name: export-me\n"
                    "tracking:\n  enabled: false\nengine:\n  device: cpu\ndata:\n  max_seq_len: 64\n")
     proc = subprocess.run([sys.executable, "-m", "mt_ray.cli.main", "train", "--config", str(cfg)],
                           capture_output=True, text=True, timeout=600)

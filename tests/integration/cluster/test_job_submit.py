@@ -52,7 +52,7 @@ def test_job_submit_trains_two_steps(ray_head, tmp_path):
     out = tmp_path / "run"
     train = [sys.executable, "-m", "jobs.train", "--config", str(ROOT / "jobs/configs/demo.yaml"), "training.steps=2",
              "data.max_seq_len=64", "engine.device=cpu", "tracking.enabled=false", "cluster.num_workers=2",
-             f"checkpoint.uri={tmp_path / 'ckpt'}", f"training.output_dir={out}"]
+             f"training.storage={tmp_path}", "training.run_name=run"]
     env = json.dumps({"env_vars": {"PYTHONPATH": str(ROOT)}})
     submitted = ray_cli("job", "submit", f"--address={ray_head}", "--submission-id=mt-ray-test", "--no-wait",
                         f"--runtime-env-json={env}", "--", *train, check=False)

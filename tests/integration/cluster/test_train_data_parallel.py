@@ -20,10 +20,12 @@ STEPS = 4
 
 def train(tmp_path, name, workers, *extra):
     """One `python -m jobs.train` run of the demo config (in this process, joining the test's Ray)."""
-    out, ckpt = tmp_path / name, tmp_path / f"{name}-ckpt"
+    out = tmp_path / "runs" / name
+    ckpt = out / "checkpoints"
     argv = ["--config", "jobs/configs/demo.yaml", f"training.steps={STEPS}", "training.log_every=1",
             "data.max_seq_len=64", "engine.device=cpu", "tracking.enabled=false", "checkpoint.every_steps=2",
-            f"checkpoint.uri={ckpt}", f"training.output_dir={out}", f"cluster.num_workers={workers}", *extra]
+            f"training.storage={tmp_path / 'runs'}", f"training.run_name={name}", f"cluster.num_workers={workers}",
+            *extra]
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     _, meta = CheckpointManager(CheckpointConfig(uri=str(ckpt))).load()
@@ -82,9 +84,9 @@ def test_lost_shard_restarts_the_job_from_its_checkpoint(local_ray, tmp_path, mo
 
     build = jobs.train.build_callbacks
     if when == "mid-step":
-        monkeypatch.setattr(jobs.train, "build_callbacks", lambda cfg: [*build(cfg), KillShard()])
+        monkeypatch.setattr(jobs.train, "build_callbacks", lambda cfg, run: [*build(cfg, run), KillShard()])
     else:
-        monkeypatch.setattr(jobs.train, "build_callbacks", lambda cfg: [KillShard(), *build(cfg)])
+        monkeypatch.setattr(jobs.train, "build_callbacks", lambda cfg, run: [KillShard(), *build(cfg, run)])
     _, history, weights, _ = train(tmp_path, "lost", 2)
 
     assert fired == [kill_at]

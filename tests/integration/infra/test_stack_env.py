@@ -65,17 +65,18 @@ def test_job_with_the_ray_head_env_tracks_and_checkpoints_through_the_stack(stac
     run(load_run_config(None, [
         "training.steps=3", "training.log_every=1", "training.export=false", "training.micro_batch_size=2",
         "training.grad_accum_steps=1", "data.max_seq_len=64", "engine.device=cpu",
-        f"training.output_dir={stack['root'] / 'run'}", "checkpoint.uri=s3://mt-ray/checkpoints/stack",
+        "training.storage=s3://mt-ray/runs", "training.run_name=stack",
         "tracking.experiment=stack"]))
 
     client = MlflowClient(stack["tracking"])
     [tracked] = client.search_runs([client.get_experiment_by_name("stack").experiment_id])
     assert tracked.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(tracked.info.run_id, "loss")] == [1, 2, 3]
-    assert tracked.data.tags["checkpoint.latest"] == "s3://mt-ray/checkpoints/stack/step-00000003"
+    assert tracked.data.tags["checkpoint.latest"] == "s3://mt-ray/runs/stack/checkpoints/step-00000003"
 
     s3 = stack["s3"]
     artifacts = {o["Key"].rsplit("/", 1)[-1] for o in s3.list_objects_v2(Bucket="mlflow")["Contents"]}
     assert {"config.json", "summary.json", "loss.png"} <= artifacts  # proxied by the server into the bucket
-    checkpoint = [o["Key"] for o in s3.list_objects_v2(Bucket="mt-ray", Prefix="checkpoints/stack/")["Contents"]]
-    assert "checkpoints/stack/step-00000003/manifest.json" in checkpoint
+    stored = {o["Key"] for o in s3.list_objects_v2(Bucket="mt-ray", Prefix="runs/stack/")["Contents"]}
+    assert {"runs/stack/checkpoints/step-00000003/manifest.json", "runs/stack/run.json",
+            "runs/stack/summary.json"} <= stored

@@ -34,12 +34,12 @@ def s3(tmp_path_factory):
         os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
-def command(url: str, uri: str, out) -> list[str]:
+def command(url: str, storage: str, name: str) -> list[str]:
     return [sys.executable, "-m", "jobs.train", f"training.steps={STEPS}", "checkpoint.every_steps=1",
-            f"checkpoint.uri={uri}", f"checkpoint.endpoint_url={url}", "checkpoint.region=us-east-1",
-            "tracking.enabled=false", "training.export=false", "engine.device=cpu", "data.max_seq_len=64",
-            "training.micro_batch_size=2", "training.grad_accum_steps=2", "training.log_every=1",
-            f"training.output_dir={out}"]
+            f"training.storage={storage}", f"training.run_name={name}", f"checkpoint.endpoint_url={url}",
+            "checkpoint.region=us-east-1", "tracking.enabled=false", "training.export=false", "engine.device=cpu",
+            "data.max_seq_len=64", "training.micro_batch_size=2", "training.grad_accum_steps=2",
+            "training.log_every=1"]
 
 
 def manager(url: str, uri: str) -> CheckpointManager:
@@ -48,13 +48,14 @@ def manager(url: str, uri: str) -> CheckpointManager:
 
 def test_sigkill_and_resume_from_s3_is_exact(s3, tmp_path):
     url, bucket = s3
-    ref_uri, run_uri = f"s3://{bucket}/reference", f"s3://{bucket}/killed"
-    subprocess.run(command(url, ref_uri, tmp_path / "ref"), check=True, timeout=600, capture_output=True)
+    storage = f"s3://{bucket}/runs"
+    ref_uri, run_uri = f"{storage}/reference/checkpoints", f"{storage}/killed/checkpoints"
+    subprocess.run(command(url, storage, "reference"), check=True, timeout=600, capture_output=True)
 
     rng = random.Random(0)
     kills = 0
     for target in sorted(rng.sample(range(2, STEPS - 1), 3)):
-        proc = subprocess.Popen(command(url, run_uri, tmp_path / "run"), stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen(command(url, storage, "killed"), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:
@@ -66,7 +67,7 @@ def test_sigkill_and_resume_from_s3_is_exact(s3, tmp_path):
             time.sleep(0.2)
         proc.wait()
     assert kills >= 2
-    subprocess.run(command(url, run_uri, tmp_path / "run"), check=True, timeout=600, capture_output=True)
+    subprocess.run(command(url, storage, "killed"), check=True, timeout=600, capture_output=True)
 
     ref, ref_meta = manager(url, ref_uri).load()
     got, got_meta = manager(url, run_uri).load()

@@ -115,6 +115,9 @@ def test_bad_rows_raise_or_are_skipped_and_counted(tokenizer, tmp_path: Path) ->
     loader = build_dataloader(skipping, tokenizer, 2)
     next(loader)
     assert loader.stats() == {"bad_rows": {"d": 3}, "dropped_examples": 0, "epoch": 1}
+    for _ in range(6):  # later epochs read the same 3 bad rows again: they are not counted again
+        next(loader)
+    assert loader.stats()["epoch"] > 2 and loader.stats()["bad_rows"] == {"d": 3}
 
 
 def test_dataset_with_no_usable_row_is_an_error_even_when_skipping(tokenizer, tmp_path: Path) -> None:

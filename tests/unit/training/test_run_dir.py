@@ -1,0 +1,60 @@
+"""The run directory: where it is, what it records, what it refuses (no engine is built here)."""
+
+import json
+
+import pytest
+import yaml
+
+from mt_ray.config.run import load_run_config
+from mt_ray.errors import ConfigError
+from mt_ray.training.run_dir import RAY_JOB_ENV, RunDir
+
+
+def test_a_run_lives_in_its_folder_under_the_storage_root(tmp_path):
+    cfg = load_run_config(None, [f"training.storage={tmp_path}", "training.run_name=r1"])
+    run = RunDir(cfg)
+    assert run.uri == f"{tmp_path}/r1" and run.checkpoint_config.uri == f"{tmp_path}/r1/checkpoints"
+    assert run.checkpoint_config.every_steps == cfg.checkpoint.every_steps
+    run.claim(cfg)
+    recorded = json.loads((tmp_path / "r1" / "run.json").read_text())
+    assert recorded["name"] == "r1" and recorded["fingerprint"] == run.identity.fingerprint
+    assert yaml.safe_load((tmp_path / "r1" / "config.yaml").read_text())["training"]["run_name"] == "r1"
+    assert run.read_summary() is None
+    run.write_summary({"steps": 3})
+    assert run.read_summary() == {"steps": 3}
+
+
+def test_another_config_under_the_same_name_is_refused_with_the_changed_keys(tmp_path):
+    common = [f"training.storage={tmp_path}", "training.run_name=r1"]
+    RunDir(cfg := load_run_config(None, common)).claim(cfg)
+    RunDir(cfg := load_run_config(None, [*common, "engine.device=cpu"])).claim(cfg)  # how, not what: allowed
+    changed = load_run_config(None, [*common, "optimizer.lr=0.01", "data.max_seq_len=64"])
+    with pytest.raises(ConfigError) as e:
+        RunDir(changed).claim(changed)
+    assert str(e.value).splitlines()[1:3] == ["  data.max_seq_len: 256 -> 64", "  optimizer.lr: 0.001 -> 0.01"]
+    assert "training.run_name" in str(e.value)
+
+
+def test_relative_storage_resolves_here_but_is_refused_under_a_ray_job(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(RAY_JOB_ENV, raising=False)
+    assert RunDir(load_run_config()).root == str(tmp_path / "runs")
+    monkeypatch.setenv(RAY_JOB_ENV, "{}")
+    with pytest.raises(ConfigError, match=r"training\.storage: 'runs' is a relative path, and this is a Ray job"):
+        RunDir(load_run_config())
+    assert RunDir(load_run_config(None, [f"training.storage={tmp_path}/abs"])).root == f"{tmp_path}/abs"
+
+
+def test_the_default_mlflow_store_is_in_the_storage_root(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv(RAY_JOB_ENV, raising=False)
+    run = RunDir(load_run_config(None, [f"training.storage={tmp_path}", "training.run_name=r1"]))
+    assert run.tracking_config.run_name == "r1"
+    assert run.tracking_config.tracking_uri == f"sqlite:///{tmp_path}/mlflow.db"
+    assert run.tracking_config.artifact_location == f"{tmp_path}/mlartifacts"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")  # the cluster's server wins
+    assert RunDir(load_run_config(None, [f"training.storage={tmp_path}"])).tracking_config.tracking_uri is None
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.setenv(RAY_JOB_ENV, "{}")
+    with pytest.raises(ConfigError, match=r"tracking\.tracking_uri: this Ray job stores the run on S3"):
+        RunDir(load_run_config(None, ["training.storage=s3://bucket/runs"]))
