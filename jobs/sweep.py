@@ -1,148 +1,74 @@
-"""Ray Tune sweep over learning rate, warmup and batch size: short engine runs, ASHA early stopping.
+"""Ray job / CLI entry point of a sweep: `python -m jobs.sweep --config run.yaml --space space.yaml [key=value ...]`.
 
-Each trial is one streaming-engine run (one device, its own host store) that reports its loss
-to Tune after every step; ASHA stops the trials that fall behind. The default model is a tiny
-random Llama and the default data a synthetic copy task (the second half of each row repeats
-the first), so the sweep runs anywhere in seconds; pass `model` and `make_batch` for real runs.
-With tracking on, the sweep is one MLflow run and each trial a child run of it (params and
-per-step loss), logged from this process; the best trial is recorded on the parent.
-
-    python -m jobs.sweep --samples 4 --steps 8 [--tracking-uri sqlite:///mlflow.db | --no-tracking]
+Each trial is an ordinary run of the config (any config `mt-ray train` accepts, with the
+overrides) with the space's sampled keys set; trials are judged on their held-out eval loss and
+ASHA stops the worse ones. Under `ray job submit` it joins the cluster (RAY_ADDRESS); otherwise
+Ray starts in-process. `--resume` continues an interrupted sweep of the same `--name`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import tempfile
-from collections.abc import Callable
+import sys
+from typing import Any
 
-import torch
+from mt_ray.errors import MtRayError
 
-from mt_ray.tracking import MlflowTracker, TrackingConfig
-
-Batch = list[dict[str, torch.Tensor]]
-
-TINY_LLAMA = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64,
-                  max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_SWEEP_OPTIONS = ("name", "storage", "samples", "max_concurrent", "grace_steps", "reduction_factor", "search",
+                  "gpus_per_trial")
 
 
-def copy_task_batch(step: int, batch_size: int, seq: int = 16, vocab: int = 64) -> Batch:
-    """One micro-batch of `batch_size` rows whose second half repeats the first (loss on that half)."""
-    g = torch.Generator().manual_seed(step)
-    half = torch.randint(3, vocab, (batch_size, seq // 2), generator=g)
-    ids = torch.cat([half, half], dim=1)
-    labels = ids.clone()
-    labels[:, : seq // 2] = -100
-    return [{"input_ids": ids, "labels": labels}]
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    """The sweep's options (shared by `mt-ray sweep`); unset ones take `SweepConfig`'s defaults."""
+    p.add_argument("--config", default=None, help="YAML run config, as for mt-ray train; default: the embedded demo")
+    p.add_argument("--space", required=True, help="YAML space: dotted run-config keys -> samplers, "
+                   "e.g. 'optimizer.lr: {loguniform: [1.0e-5, 1.0e-3]}' (loguniform, uniform, choice, grid)")
+    p.add_argument("--samples", type=int, help="trials to sample (default 4)")
+    p.add_argument("--max-concurrent", type=int, help="trials at once (default: as many as fit)")
+    p.add_argument("--grace-steps", type=int, help="steps before ASHA may stop a trial (default: training.eval_every)")
+    p.add_argument("--reduction-factor", type=float, help="ASHA keeps the best 1/N of the trials at each rung "
+                   "(default 2)")
+    p.add_argument("--search", choices=["random", "optuna"], help="search algorithm (default random)")
+    p.add_argument("--storage", help="folder or s3://bucket/prefix for the sweep's state and trials "
+                   "(default <training.storage>/sweeps)")
+    p.add_argument("--name", help="the sweep's name: its folder under --storage and its MLflow run (default sweep)")
+    p.add_argument("--gpus-per-trial", type=float, help="GPUs per single-engine trial (default: 1 where the "
+                   "cluster has GPUs)")
+    p.add_argument("--resume", action="store_true", help="continue the interrupted sweep of this --name")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides of the run config")
 
 
-def default_space() -> dict:
-    from ray import tune
+def sweep(args: argparse.Namespace) -> dict[str, Any]:
+    """Load the run config, the space and the options; run the sweep; return its summary."""
+    from mt_ray.config.run import load_run_values
+    from mt_ray.config.sweep import load_space, load_sweep_config
+    from mt_ray.training.sweep import run_sweep
 
-    return {"lr": tune.loguniform(1e-3, 5e-2), "warmup": tune.choice([0, 2]), "batch": tune.choice([4, 8])}
-
-
-def train_trial(config: dict, fixed: dict) -> None:
-    """One Tune trial: a short engine run that reports `loss` after every step.
-
-    `config` holds the sampled hyper-parameters, `fixed` what every trial shares (model, data).
-    """
-    from ray import tune
-
-    from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine
-    from mt_ray.models.discovery import discover
-
-    steps = fixed["steps"]
-    opt = OptimizerConfig(lr=config["lr"], warmup_steps=config["warmup"], max_grad_norm=1.0, schedule="cosine")
-    engine = StreamingEngine(discover(fixed["model"]), EngineConfig(**fixed["engine"]), opt, total_steps=steps)
-    make_batch = fixed["make_batch"]
-    try:
-        engine.load_random(seed=fixed["seed"])
-        for step in range(steps):
-            result = engine.train_step(make_batch(step, config["batch"]))
-            tune.report({"loss": float(result.loss), "step": step + 1})  # float(): one sync per step, off the hot loop
-    finally:
-        engine.close()
+    base = load_run_values(args.config, args.overrides)
+    space = load_space(args.space, base)
+    settings = load_sweep_config({k: getattr(args, k) for k in _SWEEP_OPTIONS})
+    return run_sweep(base, space, settings, resume=args.resume)
 
 
-def run_sweep(num_samples: int = 4, steps: int = 8, model: dict | str | None = None,
-              make_batch: Callable[[int, int], Batch] = copy_task_batch, space: dict | None = None,
-              engine: dict | None = None, cpus_per_trial: float = 1, gpus_per_trial: float = 0,
-              storage_path: str | None = None, seed: int = 0, tracking: TrackingConfig | None = None) -> dict:
-    """Run the sweep and return {"config": best hyper-parameters, "loss": its last loss, "trials": n, ...}.
-
-    Ray is started in-process unless it is already running or RAY_ADDRESS is set. `tracking`
-    (off when None) makes the sweep an MLflow run with one child run per trial; the result then
-    carries "run_id" (the sweep's) and "best_run_id" (the best trial's).
-    """
-    import ray
-    from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
-    from ray.tune.search.basic_variant import BasicVariantGenerator
-
-    from mt_ray.tracking.tune_runs import TrialRunsCallback
-
-    if not ray.is_initialized():
-        ray.init(address="auto" if _has_address() else None)
-    fixed = {"steps": steps, "model": model or TINY_LLAMA, "make_batch": make_batch, "seed": seed,
-             "engine": engine or {"device": "auto", "compute_dtype": "fp32"}}
-    space = space or default_space()
-    parent = MlflowTracker(tracking or TrackingConfig(enabled=False))
-    trial_runs = TrialRunsCallback(parent)
-    # with_parameters: the shared values travel once through the object store, not in each config.
-    trainable = tune.with_resources(tune.with_parameters(train_trial, fixed=fixed), {"cpu": cpus_per_trial, "gpu": gpus_per_trial})
-    # ASHA: every trial runs `grace_period` steps, then only the best 1/reduction_factor go on at each rung.
-    scheduler = ASHAScheduler(time_attr="step", max_t=steps, grace_period=max(1, steps // 4), reduction_factor=2)
-    tuner = tune.Tuner(
-        trainable,
-        param_space=space,
-        # reuse_actors: a trial starts in a process that has already imported torch and the engine
-        # (and, on a GPU, made its CUDA context): half the wall time of a short sweep.
-        tune_config=tune.TuneConfig(metric="loss", mode="min", scheduler=scheduler, num_samples=num_samples,
-                                    search_alg=BasicVariantGenerator(random_state=seed), reuse_actors=True),
-        run_config=tune.RunConfig(name="mt-ray-sweep", storage_path=storage_path or tempfile.mkdtemp(prefix="mt-ray-tune-"),
-                                  verbose=0, callbacks=[trial_runs]),
-    )
-    parent.start({"sweep": {"num_samples": num_samples, "steps": steps, "seed": seed,
-                            "space": {k: str(v) for k, v in space.items()}},
-                  "model": fixed["model"], "engine": fixed["engine"]})
-    try:
-        results = tuner.fit()
-        best = results.get_best_result(metric="loss", mode="min", scope="last")
-        last = [r.metrics["loss"] for r in results if r.metrics and "loss" in r.metrics]
-        summary = {"config": best.config, "loss": best.metrics["loss"], "trials": len(results),
-                   "errors": len(results.errors), "last_losses": last, "run_id": parent.run_id,
-                   "best_run_id": trial_runs.run_ids.get(best.metrics["trial_id"])}
-        parent.log_summary({"best_loss": summary["loss"], "best_config": best.config,
-                            "best_trial": best.metrics["trial_id"], "best_run_id": summary["best_run_id"]})
-    except BaseException:
-        parent.close("FAILED")
-        raise
-    parent.close("FINISHED")
-    return summary
+def report(summary: dict[str, Any]) -> str:
+    return (f"best trial {summary['best_trial']}: eval_loss {summary['best_eval_loss']:.4f} at step "
+            f"{summary['best_step']} with {json.dumps(summary['best_config'])}\n"
+            f"{summary['trials']} trials, {summary['stopped_early']} stopped early by ASHA, {summary['errors']} failed\n"
+            f"train it: mt-ray train --config {summary['best_config_path']}")
 
 
-def _has_address() -> bool:
-    import os
-
-    return bool(os.environ.get("RAY_ADDRESS"))
-
-
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=4, help="trials to sample")
-    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per trial")
-    parser.add_argument("--gpus-per-trial", type=float, default=0)
-    parser.add_argument("--tracking-uri", default=None, help="MLflow store; default: MLFLOW_TRACKING_URI, else "
-                        "sqlite:///mlflow.db here")
-    parser.add_argument("--no-tracking", action="store_true", help="report to Tune only")
+    add_sweep_arguments(parser)
     args = parser.parse_args(argv)
-    tracking = TrackingConfig(enabled=not args.no_tracking, tracking_uri=args.tracking_uri, experiment="mt-ray-sweep")
-    best = run_sweep(args.samples, args.steps, gpus_per_trial=args.gpus_per_trial, tracking=tracking)
-    print(json.dumps(best))
+    try:
+        print(report(sweep(args)))
+    except MtRayError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 
 from mt_ray.config.run import RunConfig, load_run_config
 from mt_ray.errors import MtRayError
-from mt_ray.training import Trainer
+from mt_ray.training import Callback, Trainer
 from mt_ray.training.run_dir import RunDir
 
 
@@ -27,14 +28,17 @@ def build_callbacks(cfg: RunConfig, run: RunDir) -> list:
     return callbacks
 
 
-def run(cfg: RunConfig) -> dict:
-    """Train; after losing the cluster's state (coordinator or node), start again from the newest checkpoint."""
+def run(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
+    """Train; after losing the cluster's state (coordinator or node), start again from the newest checkpoint.
+
+    `extra_callbacks` join the run's own (a sweep's trial reports its evaluations to Tune through one).
+    """
     from mt_ray.cluster import ClusterLostError
 
     restarts = 0
     while True:
         try:
-            return run_once(cfg)
+            return run_once(cfg, extra_callbacks)
         except ClusterLostError as e:
             restarts += 1
             if restarts > cfg.cluster.job_restarts:
@@ -44,16 +48,16 @@ def run(cfg: RunConfig) -> dict:
             cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"resume": "auto"})})
 
 
-def run_once(cfg: RunConfig) -> dict:
+def run_once(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
     run = RunDir(cfg)
-    callbacks = build_callbacks(cfg, run)
+    callbacks = build_callbacks(cfg, run) + list(extra_callbacks)
     trainer = Trainer(cfg, callbacks, run)
     try:
         summary = trainer.fit()
-    except BaseException:
+    except BaseException as e:
         for cb in callbacks:
             if hasattr(cb, "tracker"):
-                cb.tracker.close("FAILED")
+                cb.tracker.close("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
     finally:
         trainer.close()

@@ -6,9 +6,22 @@ from pathlib import Path
 
 import pytest
 
+from mt_ray.training.callbacks import Callback
+
 ROOT = Path(__file__).resolve().parents[1]
 # Prestarted Ray workers import the engine in the background while a test does its own work.
 PRELOAD = {"preload_python_modules": ["mt_ray.cluster.worker"]}
+
+
+class StopAt(Callback):
+    """Interrupts the run after `step`, as Ctrl-C (or a crash) would."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, trainer, step):
+        if step == self.step:
+            raise KeyboardInterrupt
 
 
 @contextlib.contextmanager

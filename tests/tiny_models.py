@@ -27,6 +27,45 @@ FAMILIES: dict[str, dict] = {
 }
 
 
+# The families trained from their own checkpoints (tests/unit/engine/test_families.py): 4 layers, so
+# hybrids alternate their two layer kinds and MoE families have dense and sparse layers.
+_MOE = dict(moe_intermediate_size=16, num_experts_per_tok=2)
+_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+               linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2)
+_ROUTED = dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, **_MOE)
+CHECKPOINT_FAMILIES: dict[str, dict] = {
+    "llama": {},
+    "qwen2-tied": {"model_type": "qwen2", "tie_word_embeddings": True},
+    "mistral": {"sliding_window": 4},  # shorter than every document
+    "gemma2": {"sliding_window": 4, "attn_logit_softcapping": 1.0, "final_logit_softcapping": 2.0},
+    "gemma3_text": {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"] * 2},
+    "phi3": {},
+    "olmo2": {},
+    "smollm3": {"no_rope_layer_interval": 2},
+    "qwen3_moe": {"num_experts": 4, "decoder_sparse_step": 2, **_MOE},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "deepseek_v3": {**_ROUTED, "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 16,
+                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "n_group": 2, "topk_group": 1},
+    "glm4_moe": {**_ROUTED, "n_group": 1, "topk_group": 1},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4,
+                "layer_types": ["sliding_attention", "full_attention"] * 2},
+    "qwen3_next": {"num_experts": 4, "decoder_sparse_step": 2, "shared_expert_intermediate_size": 16,
+                   **_MOE, **_LINEAR},
+    "qwen3_5_text": _LINEAR,
+    "qwen3_5_moe_text": {"num_experts": 4, "shared_expert_intermediate_size": 16, **_MOE, **_LINEAR},
+    "lfm2": {"layer_types": ["conv", "full_attention"] * 2, "conv_L_cache": 3},
+    "falcon_h1": {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8, "mamba_d_conv": 4,
+                  "mamba_chunk_size": 8, "mamba_expand": 1, "lm_head_multiplier": 0.5, "embedding_multiplier": 2.0},
+}
+
+
+def checkpoint_config(family: str, **overrides) -> PretrainedConfig:
+    """A tiny config of `family` (a CHECKPOINT_FAMILIES key), random-init scale 0.2 so that soft-capping,
+    sliding windows and routing all bite."""
+    kw = {**_COMMON, "num_hidden_layers": 4, "initializer_range": 0.2, **CHECKPOINT_FAMILIES[family], **overrides}
+    return AutoConfig.for_model(kw.pop("model_type", family), **kw)
+
+
 def tiny_config(family: str = "llama", **overrides) -> PretrainedConfig:
     kw = {**_COMMON, **FAMILIES[family], **overrides}
     model_type = kw.pop("model_type", family)
@@ -53,8 +92,12 @@ def reference_model(cfg: PretrainedConfig, seed: int = 0) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg).float()
 
 
-def reference_train(model: torch.nn.Module, steps: list[list[dict]], opt_cfg: OptimizerConfig) -> list[float]:
-    """Ordinary in-memory PyTorch training of `model` with the same optimizer: the ground truth."""
+def reference_train(model: torch.nn.Module, steps: list[list[dict]], opt_cfg: OptimizerConfig,
+                    objective=lambda out, mb, n: out.loss) -> list[float]:
+    """Ordinary in-memory PyTorch training of `model` with the same optimizer: the ground truth.
+
+    `objective(output, micro_batch, n)` is what each micro-batch backpropagates (default: the model's
+    own loss, normalised over the step's n loss tokens)."""
     params = dict(model.named_parameters())
     groups = [
         {"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": opt_cfg.weight_decay},
@@ -68,8 +111,9 @@ def reference_train(model: torch.nn.Module, steps: list[list[dict]], opt_cfg: Op
         total = 0.0
         for mb in mbs:
             out = model(**mb, num_items_in_batch=n, use_cache=False)  # a cache would disable packed masks
-            out.loss.backward()
-            total += out.loss.item()
+            loss = objective(out, mb, n)
+            loss.backward()
+            total += loss.item()
         if opt_cfg.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.max_grad_norm)
         for g in opt.param_groups:

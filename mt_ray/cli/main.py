@@ -1,4 +1,4 @@
-"""`mt-ray`: train, calc, export, info."""
+"""`mt-ray`: train, sweep, calc, export, info."""
 
 from __future__ import annotations
 
@@ -17,6 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--config", help="YAML run config (see jobs/configs/)")
     train.add_argument("--help-config", action="store_true", help="list every config key with its default")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. training.steps=10")
+
+    sweep = sub.add_parser("sweep", help="Ray Tune sweep of a run config, judged on held-out eval loss (ASHA)")
+    from jobs.sweep import add_sweep_arguments
+
+    add_sweep_arguments(sweep)
 
     calc = sub.add_parser("calc", help="largest micro-batch / checkpoint interval that fit, memory and step time")
     calc.add_argument("--config", help="YAML run config providing the model (or use --preset/--path)")
@@ -56,6 +61,13 @@ def _train(args) -> int:
     from jobs.train import run
 
     run(load_run_config(args.config, args.overrides))
+    return 0
+
+
+def _sweep(args) -> int:
+    from jobs.sweep import report, sweep
+
+    print(report(sweep(args)))
     return 0
 
 
@@ -116,7 +128,7 @@ def _spec(args):
     return discover(preset_config(args.preset or "tiny"))
 
 
-_COMMANDS = {"train": _train, "calc": _calc, "export": _export, "info": _info}
+_COMMANDS = {"train": _train, "sweep": _sweep, "calc": _calc, "export": _export, "info": _info}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -164,6 +164,11 @@ class RunConfig(_Section):
 
 def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read YAML (or nothing: the defaults), apply `a.b=value` overrides, validate."""
+    return validate_run_config(load_run_values(path, overrides))
+
+
+def load_run_values(path: str | Path | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The YAML's values with `a.b=value` overrides applied, not yet validated (a sweep varies them per trial)."""
     values: dict[str, Any] = {}
     if path is not None:
         try:
@@ -174,7 +179,7 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | None 
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
     for item in overrides or []:
         apply_override(values, item)
-    return validate_run_config(values)
+    return values
 
 
 def apply_override(values: dict[str, Any], item: str) -> None:
@@ -182,13 +187,18 @@ def apply_override(values: dict[str, Any], item: str) -> None:
     key, sep, raw = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"override '{item}' must look like section.key=value")
+    set_key(values, key.strip(), yaml.safe_load(raw))
+
+
+def set_key(values: dict[str, Any], key: str, value: Any) -> None:
+    """Set dotted `key` (e.g. `optimizer.lr`) in a nested dict, making the sections it passes through."""
     node = values
-    parts = key.strip().split(".")
+    parts = key.split(".")
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"{key}: '{part}' is not a section")
-    node[parts[-1]] = yaml.safe_load(raw)
+    node[parts[-1]] = value
 
 
 def validate_run_config(values: dict[str, Any]) -> RunConfig:

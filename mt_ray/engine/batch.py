@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mt_ray.models.context import Span, document_spans
+
 IGNORE_INDEX = -100
 
 
@@ -23,6 +25,7 @@ class MicroBatch:
     loss_target: torch.Tensor  # the label each of those tokens predicts
     num_loss_tokens: int
     num_tokens: int
+    documents: list[Span]  # each document's [start, end) in the flattened batch (position-id restarts)
 
 
 def prepare_micro_batch(batch: dict[str, torch.Tensor], device: torch.device) -> MicroBatch:
@@ -47,6 +50,7 @@ def prepare_micro_batch(batch: dict[str, torch.Tensor], device: torch.device) ->
         loss_target=_to(flat[index], device, pin),
         num_loss_tokens=int(index.numel()),
         num_tokens=B * T,
+        documents=document_spans(position_ids),
     )
 
 

@@ -50,7 +50,12 @@ class EngineConfig(_Strict):
         None, ge=1, description="Units uploaded ahead of use; default K so a whole recompute block is in flight."
     )
     loss_chunk_tokens: int = Field(4096, ge=1, description="Tokens per LM-head chunk; bounds the fp32 logits in memory.")
-    attn_implementation: str = Field("sdpa", description="transformers attention backend: sdpa, eager, flash_attention_2.")
+    attn_implementation: str = Field(
+        "auto",
+        description="transformers attention backend: 'auto' (SDPA, or eager for a family whose attention uses "
+        "soft-capping or sinks, which SDPA drops), sdpa, eager, flex_attention, flash_attention_2. A backend that "
+        "lacks a feature the family uses is refused.",
+    )
     kernels: Literal["torch", "liger"] = Field(
         "torch",
         description="'liger': Liger's fused Triton kernels for RMSNorm, SwiGLU/GeGLU and rotary in every decoder "

@@ -21,6 +21,11 @@ and keeps it, with an fp32 gradient sum per unit, on the device; every micro-bat
 embed -> layers -> head -> backward with its activations kept, so nothing is recomputed
 (6·N·T instead of 8·N·T FLOPs). Gradients leave during the last micro-batch's backward.
 
+Packed rows keep their documents apart: attention through the masks transformers builds from
+the position ids, and layers with linear attention, short convolutions or Mamba by running each
+document through them alone (`LayerContext`). A MoE config with `output_router_logits` adds the
+family's router load-balancing loss (`RouterLoss`).
+
 Tensor shape key: B batch, T tokens, D hidden, N selected tokens, V vocabulary.
 """
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -42,21 +48,32 @@ from mt_ray.engine.seams import GradSink, WeightSource
 from mt_ray.engine.sizing import grad_buffer_bytes, grad_buffers_per_unit
 from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
 from mt_ray.engine.transfer import GradBuffers, GradOutbox, StreamSet, WeightStreamer
-from mt_ray.models.context import LayerContextBuilder, LayerKwargs
+from mt_ray.models.attention import resolve_attention
+from mt_ray.models.context import LayerContext, LayerContextBuilder
 from mt_ray.models.discovery import ModelSpec
 from mt_ray.models.kernels import apply_kernels
+from mt_ray.models.router_loss import RouterLoss
 from mt_ray.models.weights import export_hf, init_random, load_safetensors
+
+# One recomputed layer ready for backward: (layer index, its input, its output, its router logits).
+Segment = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 @dataclass
 class StepResult:
-    """What a step returns. Tensors stay on the device: read them only when logging."""
+    """What a step returns. Tensors stay on the device: read them only when logging.
+
+    `loss` is what the step minimised: the mean token cross-entropy, plus `router_aux_loss_coef`
+    times `aux_loss` where the MoE config asks for the router's load-balancing loss (as
+    transformers' own loss); `aux_loss` is that loss, its micro-batches weighted by loss tokens.
+    """
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
     lr: float
     num_tokens: int
     num_loss_tokens: int
+    aux_loss: torch.Tensor | None = None
 
 
 @dataclass
@@ -87,7 +104,7 @@ class StreamingEngine:
         self.device = cfg.resolve_device()
         self.dtype = cfg.dtype
         self.step_idx = 0
-        spec.config._attn_implementation = cfg.attn_implementation
+        spec.config._attn_implementation = resolve_attention(spec, cfg.attn_implementation, self.device)
         apply_kernels(spec, cfg.kernels, self.device)  # before any allocation, and before the templates
         pin = self.device.type == "cuda"
         copy_dtype = None if cfg.stream_master or self.dtype == torch.float32 else self.dtype
@@ -117,6 +134,8 @@ class StreamingEngine:
         self.templates = build_templates(spec, self.device)
         self.context = LayerContextBuilder(spec, self.device)
         self.layer_templates = [self.templates[u.kind] for u in spec.layer_units]
+        kinds = [self.templates[k].module for k in spec.layer_kinds]
+        self.router_loss = RouterLoss(spec, kinds) if RouterLoss.wanted(spec) else None
         self._embed_shape = next(p.shape for p in spec.unit("embed").params if p.local_name == "weight")
         # Reused every step: with clipping, step t+1 cannot finish its forward before the worker
         # has read step t's norm (layer updates wait for it), so it is never overwritten early.
@@ -142,14 +161,17 @@ class StreamingEngine:
         self._lr = lr
         self._grad_sums: dict[str, torch.Tensor] = {}
         self._kept: dict[str, torch.Tensor] = {}
+        # Router loss: each micro-batch weighted by its share of the step's loss tokens.
+        self._aux_sum = torch.zeros((), dtype=torch.float32, device=self.device) if self.router_loss else None
+        aux_weights = [mb.num_loss_tokens / n_norm for mb in mbs]
 
         if self.resident:
-            loss_sum = self._resident_step(mbs, 1.0 / n_norm)
+            loss_sum = self._resident_step(mbs, 1.0 / n_norm, aux_weights)
         else:
-            hiddens, contexts, checkpoints = self._forward(mbs)
+            hiddens, contexts, checkpoints, aux_grads = self._forward(mbs, aux_weights)
             grads, loss_sum = self._head(hiddens, mbs, 1.0 / n_norm, final=True)
             for b in reversed(range(len(checkpoints))):
-                grads = self._backward_block(b, checkpoints.pop(), grads, contexts)
+                grads = self._backward_block(b, checkpoints.pop(), grads, contexts, aux_grads)
             self._backward_embed(grads, mbs, final=True)
         self._kept.clear()
 
@@ -161,13 +183,17 @@ class StreamingEngine:
         self.outbox.add(self._norm_sq, norm_ready)  # a later step must not reuse it before the copy
         self.worker.end_step(self._norm_sq_host, norm_ready, lr)
         self.step_idx += 1
-        return StepResult(loss_sum / n_norm, self._norm_sq.sqrt(), lr, sum(m.num_tokens for m in mbs), n_loss)
+        loss = loss_sum / n_norm
+        if self._aux_sum is not None:
+            loss = loss + self.router_loss.coef * self._aux_sum
+        return StepResult(loss, self._norm_sq.sqrt(), lr, sum(m.num_tokens for m in mbs), n_loss, self._aux_sum)
 
     def evaluate(self, micro_batches: list[dict[str, torch.Tensor]]) -> EvalResult:
         """Summed next-token loss of `micro_batches` under the weights after `step_idx` steps: forward only.
 
         No gradient is computed or sent, no optimizer state changes and the step count stays.
-        The templates run in eval mode (no dropout or router noise), as after `model.eval()`.
+        The templates run in eval mode (no dropout or router noise), as after `model.eval()`. The
+        loss is the token cross-entropy alone: a MoE router's auxiliary loss is a training term.
         Every micro-batch passes each unit while it is resident, so the activations of all of
         them are live at once: give as many as a training step holds.
         """
@@ -176,7 +202,7 @@ class StreamingEngine:
         self.streamer.start(plan + (["embed"] if self.spec.tied and not self.resident else []), version=self.step_idx)
         self._kept = {}
         with _eval_mode(t.module for t in self.templates.values()), torch.no_grad():
-            hiddens, _, _ = self._forward(mbs, keep_checkpoints=False)
+            hiddens, _, _, _ = self._forward(mbs, keep_checkpoints=False)
             loss_sum = self._eval_head(hiddens, mbs)
         self._kept.clear()
         return EvalResult(loss_sum, sum(mb.num_loss_tokens for mb in mbs), sum(mb.num_tokens for mb in mbs))
@@ -251,6 +277,8 @@ class StreamingEngine:
         return self.store.state_dict()
 
     def close(self) -> None:
+        if self.router_loss is not None:
+            self.router_loss.close()
         self.worker.close()
         self.grad_buffers.close()
         if self.store is not None:
@@ -280,23 +308,24 @@ class StreamingEngine:
                 self._kept[unit] = flat
         return flat
 
-    def _embed(self, mbs: list[MicroBatch]) -> tuple[list[torch.Tensor], list[list[LayerKwargs]]]:
-        """Embedded inputs and per-layer attention context of each micro-batch (no graph)."""
+    def _embed(self, mbs: list[MicroBatch]) -> tuple[list[torch.Tensor], list[LayerContext]]:
+        """Embedded inputs and the layers' context of each micro-batch (no graph)."""
         embed = self.templates["embed"]
         w = embed.bind(self._weights("embed"))
         hiddens, contexts = [], []
         with torch.no_grad():
             for mb in mbs:
-                h0, ctx = self.context(embed(w, mb.input_ids_BT), mb.position_ids_BT)
+                h0, ctx = self.context(embed(w, mb.input_ids_BT), mb.input_ids_BT, mb.position_ids_BT, mb.documents)
                 hiddens.append(h0)
                 contexts.append(ctx)
         return hiddens, contexts
 
-    def _forward(self, mbs: list[MicroBatch], keep_checkpoints: bool = True,
-                 ) -> tuple[list[torch.Tensor], list[list[LayerKwargs]], list[list]]:
-        """Every micro-batch through every layer (no graph); the hidden states entering each block are kept."""
+    def _forward(self, mbs: list[MicroBatch], aux_weights: list[float] | None = None, keep_checkpoints: bool = True):
+        """Every micro-batch through every layer without a graph, keeping the hidden states entering each
+        block (and, given `aux_weights`, the router loss's gradients into each MoE layer's router logits)."""
         hiddens, contexts = self._embed(mbs)
         checkpoints = []
+        router_logits: list[dict[int, torch.Tensor]] = [{} for _ in mbs]
         with torch.no_grad():
             for block in self._blocks():
                 if keep_checkpoints:
@@ -304,10 +333,14 @@ class StreamingEngine:
                 for i in block:
                     weights = self.layer_templates[i].bind(self._weights(f"layers.{i}"))
                     for j, ctx in enumerate(contexts):
-                        hiddens[j] = _hidden(self.layer_templates[i](weights, hiddens[j], **ctx[i]))
-        return hiddens, contexts, checkpoints
+                        hiddens[j], logits = self._layer(i, weights, hiddens[j], ctx)
+                        if logits is not None:
+                            router_logits[j][i] = logits
+        aux_grads = [] if aux_weights is None else [
+            self._router_loss_grads(lg, w) for lg, w in zip(router_logits, aux_weights, strict=True)]
+        return hiddens, contexts, checkpoints, aux_grads
 
-    def _resident_step(self, mbs: list[MicroBatch], inv_n: float) -> torch.Tensor:
+    def _resident_step(self, mbs: list[MicroBatch], inv_n: float, aux_weights: list[float]) -> torch.Tensor:
         """Each micro-batch forward and backward in turn, activations kept, weights bound once."""
         weights: dict[int, Weights] = {}
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -315,11 +348,25 @@ class StreamingEngine:
             final = j == len(mbs) - 1
             [h], [ctx] = self._embed([mb])
             segments = self._run_layers(range(self.spec.num_layers), h, ctx, weights)
+            aux_grads = self._router_loss_grads({i: lg for i, _, _, lg in segments if lg is not None}, aux_weights[j])
             [g], loss = self._head([segments[-1][2].detach()], [mb], inv_n, final)
-            g = self._backward_layers(segments, weights, g, final)
+            g = self._backward_layers(segments, weights, g, final, aux_grads)
             self._backward_embed([g], [mb], final)
             loss_sum += loss
         return loss_sum
+
+    def _layer(self, i: int, weights: Weights, x: torch.Tensor, ctx: LayerContext):
+        """Layer i's output hidden state, and its router logits when a router loss records them."""
+        out = ctx.run(partial(self.layer_templates[i], weights), i, x)
+        return out, self.router_loss.take() if self.router_loss else None
+
+    def _router_loss_grads(self, logits: dict[int, torch.Tensor], weight: float) -> dict[int, torch.Tensor]:
+        """One micro-batch's router loss, added to the step's; returns what it sends into each layer."""
+        if not logits:
+            return {}
+        aux, grads = self.router_loss.gradients(logits, weight)
+        self._aux_sum += aux * weight
+        return grads
 
     def _bind_head(self, requires_grad: bool) -> Weights:
         """The head's weights, with the embedding matrix as `lm_head.weight` when they are tied."""
@@ -333,11 +380,12 @@ class StreamingEngine:
         """Loss over the final hidden states and its gradients, in chunks of selected tokens."""
         head = self.templates["head"]
         weights = self._bind_head(requires_grad=True)
-        sums = list(self._grad_sum("head", self.spec.unit("head").numel).split(head.sizes))
+        leaves = head.leaves(weights)
+        sums = list(self._grad_sum("head", self.spec.unit("head").numel).split(head.sizes))[: len(leaves)]
         if self.spec.tied:
+            leaves.append(weights["lm_head.weight"])
             # The tied embedding's head gradient waits on the device for the embedding's own part.
             sums.append(self._grad_sum("embed", weights["lm_head.weight"].numel()))
-        leaves = list(weights.values())
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         grads = []
         chunk = self.cfg.loss_chunk_tokens
@@ -371,18 +419,18 @@ class StreamingEngine:
         return loss_sum
 
     def _backward_block(self, b: int, checkpoint: list[torch.Tensor], grads: list[torch.Tensor],
-                        contexts: list[list[LayerKwargs]]) -> list[torch.Tensor]:
+                        contexts: list[LayerContext], aux_grads: list[dict[int, torch.Tensor]]) -> list[torch.Tensor]:
         block = self._blocks()[b]
         weights: dict[int, Weights] = {}
         last = len(checkpoint) - 1
         for j, x in enumerate(checkpoint):
             segments = self._run_layers(block, x, contexts[j], weights)
-            grads[j] = self._backward_layers(segments, weights, grads[j], final=j == last)
+            grads[j] = self._backward_layers(segments, weights, grads[j], j == last, aux_grads[j])
             checkpoint[j] = None  # free this micro-batch's checkpoint as soon as it is used
         return grads
 
-    def _run_layers(self, layers: range, x: torch.Tensor, ctx: list[LayerKwargs],
-                    weights: dict[int, Weights]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    def _run_layers(self, layers: range, x: torch.Tensor, ctx: LayerContext,
+                    weights: dict[int, Weights]) -> list[Segment]:
         """Run `layers` with autograd, each from a detached input so each can go backward alone.
 
         Weights missing from `weights` are bound as the loop reaches them, so a layer's compute
@@ -394,30 +442,34 @@ class StreamingEngine:
                 if i not in weights:
                     weights[i] = self.layer_templates[i].bind(self._weights(f"layers.{i}"), requires_grad=True)
                 x = x.detach().requires_grad_()
-                out = _hidden(self.layer_templates[i](weights[i], x, **ctx[i]))
-                segments.append((i, x, out))
+                out, logits = self._layer(i, weights[i], x, ctx)
+                segments.append((i, x, out, logits))
                 x = out
         return segments
 
-    def _backward_layers(self, segments: list[tuple[int, torch.Tensor, torch.Tensor]], weights: dict[int, Weights],
-                         g: torch.Tensor, final: bool) -> torch.Tensor:
-        """Backward through `_run_layers`' segments, last first, freeing each graph as it goes."""
+    def _backward_layers(self, segments: list[Segment], weights: dict[int, Weights], g: torch.Tensor, final: bool,
+                         aux_grads: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Backward through `_run_layers`' segments, last first, freeing each graph as it goes;
+        a MoE layer's router logits take the router loss's gradient with them."""
         while segments:
-            i, x, out = segments.pop()
-            gs = torch.autograd.grad(out, [x, *weights[i].values()], g)
+            i, x, out, logits = segments.pop()
+            template = self.layer_templates[i]
+            outputs, out_grads = ([out, logits], [g, aux_grads[i]]) if i in aux_grads else (out, g)
+            gs = torch.autograd.grad(outputs, [x, *template.leaves(weights[i])], out_grads)
             g = gs[0]
-            self._add_grad(f"layers.{i}", gs[1:], final)
+            self._add_grad(f"layers.{i}", gs[1:], final, template.frozen_numel)
         return g
 
     def _backward_embed(self, grads: list[torch.Tensor], mbs: list[MicroBatch], final: bool) -> None:
         embed = self.templates["embed"]
         weights = embed.bind(self._weights("embed"), requires_grad=True)
-        leaves = list(weights.values())
+        leaves = embed.leaves(weights)
         for j, (g, mb) in enumerate(zip(grads, mbs, strict=True)):
             with torch.enable_grad():
-                h0, _ = self.context(embed(weights, mb.input_ids_BT), mb.position_ids_BT)
+                h0, _ = self.context(embed(weights, mb.input_ids_BT), mb.input_ids_BT, mb.position_ids_BT,
+                                     mb.documents)
                 gs = torch.autograd.grad(h0, leaves, g)
-            self._add_grad("embed", gs, final and j == len(mbs) - 1)
+            self._add_grad("embed", gs, final and j == len(mbs) - 1, embed.frozen_numel)
 
     # ------------------------------------------------------------------ gradients out
 
@@ -427,9 +479,9 @@ class StreamingEngine:
             self._grad_sums[unit] = torch.zeros(numel, dtype=torch.float32, device=self.device)
         return self._grad_sums[unit]
 
-    def _add_grad(self, unit: str, grads, final: bool) -> None:
+    def _add_grad(self, unit: str, grads, final: bool, frozen_numel: int = 0) -> None:
         """Add a micro-batch's gradients to the unit's sum; the final contribution ships it."""
-        acc = _accumulate(self._grad_sums.pop(unit, None), grads)
+        acc = _accumulate(self._grad_sums.pop(unit, None), grads, frozen_numel)
         if final:
             self._send_grad(unit, acc)
         else:
@@ -469,14 +521,12 @@ def _eval_mode(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
             m.train(mode)
 
 
-def _hidden(out) -> torch.Tensor:
-    """Decoder layers return a tensor in transformers 5 and a tuple in older releases."""
-    return out[0] if isinstance(out, tuple) else out
-
-
-def _accumulate(acc: torch.Tensor | None, grads) -> torch.Tensor:
-    """Sum a unit's parameter gradients into one flat fp32 buffer (micro-batches add up here)."""
+def _accumulate(acc: torch.Tensor | None, grads, frozen_numel: int = 0) -> torch.Tensor:
+    """Sum a unit's parameter gradients into one flat fp32 buffer (micro-batches add up here);
+    the unit's frozen tail gets zeros, so the optimizer leaves it unchanged."""
     flat = torch.cat([g.reshape(-1) for g in grads]).float()
+    if frozen_numel:
+        flat = torch.nn.functional.pad(flat, (0, frozen_numel))
     if acc is None:
         return flat
     return acc.add_(flat)

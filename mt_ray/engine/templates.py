@@ -14,7 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call
+from transformers.modeling_outputs import MoeModelOutputWithPast
 
+from mt_ray.models.context import shallow_copy
 from mt_ray.models.discovery import ModelSpec, ParamInfo, meta_free_buffers_to
 
 Weights = dict[str, torch.Tensor]
@@ -27,41 +29,81 @@ class UnitTemplate:
         self.module = meta_free_buffers_to(module, device)
         self.params = params
         self.sizes = [p.numel for p in params]
+        # Frozen entries (saved buffers) come last in a unit: its gradient is the trainable part + zeros.
+        self.frozen_numel = sum(p.numel for p in params if not p.trainable)
 
     def bind(self, flat: torch.Tensor, requires_grad: bool = False) -> Weights:
-        """Shaped views of `flat` by local parameter name (leaves of autograd when asked)."""
+        """Shaped views of `flat` by local name (trainable ones leaves of autograd when asked)."""
         views = {}
         for p, chunk in zip(self.params, flat.split(self.sizes), strict=True):
             v = chunk.view(p.shape)
-            views[p.local_name] = v.detach().requires_grad_() if requires_grad else v
+            views[p.local_name] = v.detach().requires_grad_() if requires_grad and p.trainable else v
         return views
+
+    def leaves(self, weights: Weights) -> list[torch.Tensor]:
+        """The bound tensors gradients are taken for, in the unit's order."""
+        return [weights[p.local_name] for p in self.params if p.trainable]
 
     def __call__(self, weights: Weights, *args: Any, **kwargs: Any) -> Any:
         # Not strict: buffers (rotary tables, embedding scales) come from the module itself.
         return functional_call(self.module, weights, args, kwargs, tie_weights=False)
 
 
-class HeadModule(nn.Module):
-    """Final norm + LM head (+ logit soft-capping where the family uses it), on selected tokens."""
+class _HandBack:
+    """Stands in for the decoder body's forward: returns the hidden states it was handed.
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Linear, softcap: float | None):
+    A separate object, so the body copy refers to no HeadModule (no reference cycle keeps the
+    templates alive after the engine is gone).
+    """
+
+    def __init__(self) -> None:
+        self.hidden: torch.Tensor | None = None
+
+    def __call__(self, *args, **kwargs) -> MoeModelOutputWithPast:
+        return MoeModelOutputWithPast(last_hidden_state=self.hidden)
+
+
+class HeadModule(nn.Module):
+    """Final norm, then the family's own causal-LM forward on selected tokens.
+
+    Running the family's forward (with the decoder body replaced by one that hands back the
+    normed hidden states) gives whatever it does after the body exactly as transformers does:
+    the LM head, Gemma's final logit soft-capping, Falcon-H1's `lm_head_multiplier`, Granite's
+    logit scaling. `norm` and `lm_head` are the skeleton's own modules, so weights bind by name.
+    """
+
+    def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.norm = norm
-        self.lm_head = lm_head
-        self.softcap = softcap
+        self.norm = getattr(spec.base, spec.norm_attr)
+        self.lm_head = spec.skeleton.get_output_embeddings()
+        body_path = next(n for n, m in spec.skeleton.named_modules() if m is spec.base)
+        feeder = shallow_copy(spec.base)  # keeps the body's attributes: the head may read them
+        feeder.forward = self.__dict__["_hand_back"] = _HandBack()
+        # Kept out of `_modules`, so binding sees only norm and lm_head (which the copy shares).
+        self.__dict__["_causal_lm"] = _with_submodule(spec.skeleton, body_path, feeder)
 
     def forward(self, h_ND: torch.Tensor) -> torch.Tensor:
-        logits_NV = self.lm_head(self.norm(h_ND))
-        if self.softcap:
-            logits_NV = torch.tanh(logits_NV / self.softcap) * self.softcap
-        return logits_NV
+        normed = self.norm(h_ND)
+        self._hand_back.hidden = normed.reshape(1, -1, normed.shape[-1])  # as one row of N tokens
+        try:
+            logits = self._causal_lm(use_cache=False).logits
+        finally:
+            self._hand_back.hidden = None
+        return logits.view(*h_ND.shape[:-1], -1)
+
+
+def _with_submodule(root: nn.Module, path: str, module: nn.Module) -> nn.Module:
+    """A shallow copy of `root` whose submodule at dotted `path` is `module` (root is untouched)."""
+    head, _, rest = path.partition(".")
+    clone = shallow_copy(root)
+    clone._modules[head] = _with_submodule(root._modules[head], rest, module) if rest else module
+    return clone
 
 
 def build_templates(spec: ModelSpec, device: torch.device) -> dict[str, UnitTemplate]:
     """One template per unit kind: 'embed', 'head' and each distinct decoder-layer kind."""
     embed = spec.skeleton.get_input_embeddings()
-    norm = getattr(spec.base, spec.norm_attr)
-    head = HeadModule(norm, spec.skeleton.get_output_embeddings(), getattr(spec.config, "final_logit_softcapping", None))
+    head = HeadModule(spec)
     # A tied head binds only the norm from its own unit; the engine adds the embedding matrix.
     templates = {
         "embed": UnitTemplate(embed, spec.unit("embed").params, device),

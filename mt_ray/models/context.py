@@ -1,15 +1,28 @@
 """Run the model's own body code around the layers, so every family gets its masks and rotary
 tables exactly as transformers computes them.
 
-Instead of re-implementing each family's forward (Gemma's embedding scale, sliding-window
-masks, per-layer-type rotary tables, packed-sequence masks, ...), we call the body's
-`forward` with its decoder layers replaced by stubs that record what each layer is called
-with and pass the hidden state through. The recorded arguments are the layer context: the
-engine replays them into the weightless layer templates.
+Instead of re-implementing each family's forward (Gemma's embedding scale, Falcon-H1's
+embedding multiplier, sliding-window masks, per-layer-type rotary tables, packed-sequence
+masks, ...), we call the body's `forward` on the token ids with its embedding replaced by a
+feed of the engine's embedding output and its decoder layers replaced by stubs that record
+what each layer is called with and pass the hidden state through. The recorded arguments are
+the layer context: the engine replays them into the weightless layer templates.
+
+Packed rows: attention keeps documents apart through the masks transformers builds from the
+position ids. Linear attention, short convolutions and Mamba mixers do not (their CPU and
+reference paths ignore the `cu_seq_lens` / `seq_idx` boundaries of transformers'
+padding-free path), nor do the masks of a body that builds them without the position ids
+(GPT-OSS). For such models (`ModelSpec.isolate_documents`, or a probe of the masks at start)
+each document gets its own context and runs through each layer alone: exactly what it
+computes unpacked.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +31,43 @@ from torch import nn
 from mt_ray.models.discovery import ModelSpec, meta_free_buffers_to
 
 LayerKwargs = dict[str, Any]
+Span = tuple[int, int]  # [start, end) of one document in the flattened [B*T] batch
+
+
+@dataclass
+class LayerContext:
+    """What the decoder layers of one micro-batch are called with.
+
+    `whole[i]`: layer i's keyword arguments for the whole [B, T] batch; or, when documents run
+    alone, `documents`: each document's span in the flattened batch and its per-layer arguments.
+    """
+
+    whole: list[LayerKwargs] | None = None
+    documents: list[tuple[Span, list[LayerKwargs]]] | None = None
+
+    def run(self, layer: Callable[..., Any], i: int, x_BTD: torch.Tensor) -> torch.Tensor:
+        """Layer i's output hidden state, for the whole batch or document by document."""
+        if self.documents is None:
+            return layer_hidden(layer(x_BTD, **self.whole[i]))
+        x_1ND = x_BTD.reshape(1, -1, x_BTD.shape[-1])
+        outs = [layer_hidden(layer(x_1ND[:, s:e], **kw[i])) for (s, e), kw in self.documents]
+        return torch.cat(outs, dim=1).view_as(x_BTD)
+
+
+def layer_hidden(out: Any) -> torch.Tensor:
+    """Decoder layers return a tensor in most transformers 5 families and a tuple in others."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+class _EmbeddingFeed(nn.Module):
+    """Stands in for the input embedding: returns the output the engine computed with its weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.pending: torch.Tensor | None = None
+
+    def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.pending
 
 
 class _RecordingLayer(nn.Module):
@@ -27,40 +77,83 @@ class _RecordingLayer(nn.Module):
         super().__init__()
         self.index = index
         self.log = log
+        # Bodies index a layer's output when the layer returns a tuple (Falcon-H1): return the same kind.
+        self.returns_tuple = _returns_tuple(template)
         # Bodies read attributes such as `attention_type` off their layers; mirror them.
         for attr in ("attention_type", "layer_type", "is_sliding"):
             if hasattr(template, attr):
                 setattr(self, attr, getattr(template, attr))
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor | tuple:
         if args:
             raise TypeError("decoder layers are expected to take their context as keyword arguments")
         self.log[self.index] = (hidden_states, kwargs)
-        return hidden_states
+        return (hidden_states,) if self.returns_tuple else hidden_states
+
+
+def _returns_tuple(layer: nn.Module) -> bool:
+    annotation = inspect.signature(type(layer).forward).return_annotation
+    text = annotation if isinstance(annotation, str) else repr(annotation)
+    return re.match(r"(typing\.)?tuple\b", text, re.IGNORECASE) is not None
 
 
 class LayerContextBuilder:
-    """Turns input embeddings + position ids into (h0, per-layer keyword arguments)."""
+    """Turns the embedding output, token ids and position ids into (h0, the layers' `LayerContext`)."""
 
     def __init__(self, spec: ModelSpec, device: torch.device):
         self.log: dict[int, tuple[torch.Tensor, LayerKwargs]] = {}
         body = spec.base
         layers = getattr(body, spec.layers_attr)
         stubs = nn.ModuleList(_RecordingLayer(i, self.log, layer) for i, layer in enumerate(layers))
-        # A shallow copy of the body with stubs in place of layers and an identity final norm:
-        # the skeleton itself stays intact for export and templates.
-        self.body = _shallow_copy(body)
+        embed = spec.skeleton.get_input_embeddings()
+        # A shallow copy of the body with a feed for the embedding, stubs in place of layers and an
+        # identity final norm: the skeleton itself stays intact for export and templates.
+        self.body = shallow_copy(body)
+        self.feed = _EmbeddingFeed()
+        self.body._modules[next(n for n, c in body.named_children() if c is embed)] = self.feed
         self.body._modules[spec.layers_attr] = stubs
         self.body._modules[spec.norm_attr] = nn.Identity()
         meta_free_buffers_to(self.body, device)
         self.num_layers = len(layers)
+        self.isolate_documents = spec.isolate_documents or not self._masks_keep_documents_apart(spec, device)
 
-    def __call__(
-        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, list[LayerKwargs]]:
-        """Return the hidden state that enters layer 0 and the kwargs of every layer."""
+    def __call__(self, embeds_BTD: torch.Tensor, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
+                 documents: list[Span]) -> tuple[torch.Tensor, LayerContext]:
+        """The hidden state that enters layer 0 and the layers' context.
+
+        `embeds_BTD` is the input embedding's output; `documents` are the spans of the flattened
+        batch (from `document_spans`, on the host).
+        """
+        if not self.isolate_documents:
+            h0, per_layer = self._record(embeds_BTD, input_ids_BT, position_ids_BT)
+            return h0, LayerContext(whole=per_layer)
+        B, T, D = embeds_BTD.shape
+        flat = embeds_BTD.reshape(1, B * T, D), input_ids_BT.reshape(1, B * T), position_ids_BT.reshape(1, B * T)
+        h0s, per_document = [], []
+        for s, e in documents:
+            h0, per_layer = self._record(*(t[:, s:e] for t in flat))
+            h0s.append(h0)
+            per_document.append(((s, e), per_layer))
+        return torch.cat(h0s, dim=1).view(B, T, -1), LayerContext(documents=per_document)
+
+    def _masks_keep_documents_apart(self, spec: ModelSpec, device: torch.device) -> bool:
+        """Probe: does every layer's attention mask for the row [doc 0 0, doc 1 1] stop token 2 from
+        seeing token 1? Flash attention takes the boundaries from the position ids instead."""
+        if "flash" in spec.config._attn_implementation:
+            return True
+        embeds = torch.zeros(1, 4, spec.skeleton.get_input_embeddings().weight.shape[-1], device=device)
+        ids = torch.zeros(1, 4, dtype=torch.long, device=device)
+        _, per_layer = self._record(embeds, ids, torch.tensor([[0, 1, 0, 1]], device=device))
+        return all(_blocks(kw["attention_mask"], 2, 1) for kw in per_layer if "attention_mask" in kw)
+
+    def _record(self, embeds: torch.Tensor, input_ids: torch.Tensor,
+                position_ids: torch.Tensor) -> tuple[torch.Tensor, list[LayerKwargs]]:
         self.log.clear()
-        self.body(inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False)
+        self.feed.pending = embeds
+        try:
+            self.body(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        finally:
+            self.feed.pending = None
         if len(self.log) != self.num_layers:
             raise RuntimeError(f"body called {len(self.log)} of {self.num_layers} layers")
         h0 = self.log[0][0]
@@ -72,7 +165,30 @@ class LayerContextBuilder:
         return h0, per_layer
 
 
-def _shallow_copy(module: nn.Module) -> nn.Module:
+def _blocks(mask: Any, query: int, key: int) -> bool:
+    """Whether `mask` (None, a boolean or additive 4-D tensor, or a flex BlockMask) stops `query` seeing `key`."""
+    if mask is None:
+        return False
+    if hasattr(mask, "mask_mod"):  # flex attention's BlockMask: ask its mask function
+        idx = [torch.tensor(v, device=mask.kv_indices.device) for v in (0, 0, query, key)]
+        return not bool(mask.mask_mod(*idx))
+    allowed = mask[0, 0, query, key]
+    return not bool(allowed) if allowed.dtype == torch.bool else bool(allowed <= torch.finfo(allowed.dtype).min / 2)
+
+
+def document_spans(position_ids_BT: torch.Tensor) -> list[Span]:
+    """Spans of the documents in the flattened batch: one starts at each row's start and wherever the
+    position does not follow on from the previous one (transformers' `find_packed_sequence_indices`
+    rule). Call it on the host tensor: on a device tensor it would wait for the device."""
+    B, T = position_ids_BT.shape
+    starts_BT = torch.ones_like(position_ids_BT, dtype=torch.bool)
+    starts_BT[:, 1:] = position_ids_BT[:, 1:] != position_ids_BT[:, :-1] + 1
+    starts = [*starts_BT.reshape(-1).nonzero().squeeze(1).tolist(), B * T]
+    return list(zip(starts[:-1], starts[1:], strict=True))
+
+
+def shallow_copy(module: nn.Module) -> nn.Module:
+    """A new module object sharing `module`'s attributes and children, whose children can be swapped."""
     clone = module.__class__.__new__(module.__class__)
     clone.__dict__ = dict(module.__dict__)
     clone._modules = dict(module._modules)

@@ -9,12 +9,16 @@ families, so a new family that follows the usual layout works without code chang
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+import transformers
 from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from mt_ray.errors import ModelNotSupportedError
 
@@ -25,11 +29,17 @@ _LAYER_ATTRS_IGNORED = frozenset({"layer_idx", "training"})
 
 @dataclass(frozen=True)
 class ParamInfo:
-    """One parameter of a unit: its Hugging Face name, its name inside the unit's module, shape."""
+    """One tensor of a unit: its Hugging Face name, its name inside the unit's module, shape.
+
+    `trainable` is False for a buffer the checkpoint stores (DeepSeek-V3's per-layer
+    `e_score_correction_bias`): it travels and is bound with its unit, so each layer computes
+    with its own values, but no gradient reaches it and the optimizer leaves it unchanged.
+    """
 
     hf_name: str
     local_name: str
     shape: tuple[int, ...]
+    trainable: bool = True
 
     @property
     def numel(self) -> int:
@@ -41,7 +51,7 @@ class ParamInfo:
     @property
     def decays(self) -> bool:
         """Matrices and embeddings get weight decay; norms and biases do not (nanoGPT's rule)."""
-        return len(self.shape) >= 2
+        return self.trainable and len(self.shape) >= 2
 
 
 @dataclass
@@ -69,6 +79,9 @@ class ModelSpec:
     tied: bool
     units: list[UnitSpec] = field(default_factory=list)
     layer_kinds: dict[str, nn.Module] = field(default_factory=dict)
+    isolate_documents: bool = False
+    """The layers carry state along the sequence outside attention (linear attention, short
+    convolutions, Mamba): the documents of a packed row must run through them one at a time."""
 
     @property
     def num_layers(self) -> int:
@@ -98,10 +111,11 @@ def load_config(model: str | PretrainedConfig | dict) -> PretrainedConfig:
         model_type = kwargs.pop("model_type", None)
         if model_type is None:
             raise ModelNotSupportedError("a model config dict needs a 'model_type' key, e.g. 'llama' or 'qwen2'")
-        try:
-            return AutoConfig.for_model(model_type, **kwargs)
-        except ValueError as e:
-            raise ModelNotSupportedError(f"unknown model_type '{model_type}': {e}") from None
+        _check_known_model_type(model_type, "the model config")
+        return AutoConfig.for_model(model_type, **kwargs)
+    config_json = Path(model) / "config.json"
+    if config_json.is_file():
+        _check_known_model_type(_read_model_type(config_json), str(config_json))
     try:
         return AutoConfig.from_pretrained(model, local_files_only=True)
     except (OSError, ValueError) as e:
@@ -109,6 +123,22 @@ def load_config(model: str | PretrainedConfig | dict) -> PretrainedConfig:
             f"cannot read a model config from '{model}': {e}. Point model.path at a local folder "
             "with config.json (nothing is downloaded at run time)."
         ) from None
+
+
+def _read_model_type(config_json: Path) -> str | None:
+    try:
+        return json.loads(config_json.read_text()).get("model_type")
+    except ValueError:  # unreadable JSON: AutoConfig's own error says what is wrong with it
+        return None
+
+
+def _check_known_model_type(model_type: str | None, where: str) -> None:
+    if model_type is not None and model_type not in CONFIG_MAPPING:
+        raise ModelNotSupportedError(
+            f"unknown model_type '{model_type}' in {where}: the installed transformers {transformers.__version__} "
+            "does not know it. A newer family needs a newer transformers (pip install -U transformers); "
+            "otherwise check the model_type spelling."
+        )
 
 
 def build_skeleton(config: PretrainedConfig) -> nn.Module:
@@ -158,20 +188,36 @@ def discover(model: str | PretrainedConfig | dict) -> ModelSpec:
     if not tied:
         head_params += _params(head, names[id(head)], prefix="lm_head.")
     units.append(UnitSpec("head", _decayed_first(head_params), "head"))
-    return ModelSpec(config, skeleton, base, layers_attr, norm_attr, tied, units, layer_kinds)
+    isolate = _carries_sequence_state(skeleton, layers)
+    return ModelSpec(config, skeleton, base, layers_attr, norm_attr, tied, units, layer_kinds, isolate)
 
 
 def _params(module: nn.Module, path: str, prefix: str = "") -> list[ParamInfo]:
+    """The module's parameters, then the buffers a checkpoint stores (persistent ones) as frozen entries."""
     infos = [
         ParamInfo(f"{path}.{n}" if path else n, prefix + n, tuple(p.shape))
         for n, p in module.named_parameters()
+    ]
+    saved = module.state_dict(keep_vars=True)
+    infos += [
+        ParamInfo(f"{path}.{n}" if path else n, prefix + n, tuple(b.shape), trainable=False)
+        for n, b in module.named_buffers() if n in saved
     ]
     return _decayed_first(infos)
 
 
 def _decayed_first(infos: list[ParamInfo]) -> list[ParamInfo]:
-    """Decayed parameters first, so each unit's flat buffer splits into two optimizer groups."""
-    return sorted(infos, key=lambda p: not p.decays)
+    """Decayed parameters first, so each unit's flat buffer splits into two optimizer groups; frozen
+    entries last, so a unit's gradient is its trainable prefix followed by zeros."""
+    return sorted(infos, key=lambda p: (not p.decays, not p.trainable))
+
+
+def _carries_sequence_state(skeleton: nn.Module, layers: nn.ModuleList) -> bool:
+    """Whether tokens mix outside attention: transformers marks such models stateful (they keep a
+    recurrent cache), and every linear-attention, short-convolution and Mamba mixer it has holds a
+    causal Conv1d (LFM2's short convolution is not marked stateful)."""
+    has_conv = any(isinstance(m, nn.Conv1d) for m in layers.modules())
+    return has_conv or bool(getattr(type(skeleton), "_is_stateful", False))
 
 
 def _find_base(skeleton: nn.Module, embed: nn.Module) -> nn.Module:
@@ -211,12 +257,15 @@ def _find_final_norm(base: nn.Module, embed: nn.Module, layers_attr: str) -> str
 def _reject_unknown_parameters(
     skeleton: nn.Module, base: nn.Module, embed: nn.Module, head: nn.Module, layers_attr: str, norm_attr: str
 ) -> None:
-    """Parameters outside the units would silently never train: refuse such a model instead."""
-    known = {id(p) for m in (embed, head, getattr(base, layers_attr), getattr(base, norm_attr)) for p in m.parameters()}
-    unknown = [n for n, p in skeleton.named_parameters() if id(p) not in known]
+    """Parameters outside the units would silently never train, and saved buffers outside them would
+    never load: refuse such a model instead."""
+    owners = (embed, head, getattr(base, layers_attr), getattr(base, norm_attr))
+    known = {id(t) for m in owners for t in (*m.parameters(), *m.buffers())}
+    unknown = [n for n, t in skeleton.state_dict(keep_vars=True).items() if id(t) not in known]
     if unknown:
         raise ModelNotSupportedError(
-            f"{type(skeleton).__name__} has parameters outside embedding/layers/norm/head: {unknown[:5]}"
+            f"{type(skeleton).__name__} has parameters or saved buffers outside embedding/layers/norm/head: "
+            f"{unknown[:5]}"
         )
 
 

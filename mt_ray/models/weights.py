@@ -1,7 +1,8 @@
 """Weights in and out of the host store: random init, safetensors folders, Hugging Face export.
 
-Loading reads one tensor at a time from the safetensors files (memory-mapped) straight into
-its slice of the fp32 master, so a checkpoint is never held in memory twice. Random init
+Loading reads one unit's tensors at a time from the safetensors files (memory-mapped), converted
+from the checkpoint's layout by transformers' own mapping (`conversion.py`), straight into their
+slices of the fp32 master, so a checkpoint is never held in memory twice. Random init
 materialises one unit at a time and uses the family's own `_init_weights`.
 """
 
@@ -14,15 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from mt_ray.errors import CheckpointError
+from mt_ray.models.conversion import SAFE_INDEX, SAFE_SINGLE, CheckpointReader, to_checkpoint_format
 from mt_ray.models.discovery import ModelSpec, UnitSpec
-
-SAFE_INDEX = "model.safetensors.index.json"
-SAFE_SINGLE = "model.safetensors"
 
 UnitSink = Callable[[UnitSpec, dict[str, torch.Tensor]], None]
 
@@ -48,48 +45,20 @@ def init_random(spec: ModelSpec, sink: UnitSink, seed: int = 0, device: str | to
             module = copy.deepcopy(unit_module(spec, unit)).to_empty(device=device)
             for sub in module.modules():
                 spec.skeleton._init_weights(sub)
-            by_local = dict(module.named_parameters())
+            by_local = dict(module.state_dict(keep_vars=True))  # parameters and saved buffers
             sink(unit, {p.hf_name: by_local[p.local_name] for p in unit.params})
     finally:
         torch.random.set_rng_state(gen_state)
 
 
 def load_safetensors(spec: ModelSpec, folder: str | Path, sink: UnitSink) -> None:
-    """Stream a (sharded) safetensors checkpoint folder into the store, unit by unit."""
-    folder = Path(folder)
-    weight_map = _weight_map(folder)
-    missing = [p.hf_name for u in spec.units for p in u.params if p.hf_name not in weight_map]
-    if missing:
-        raise CheckpointError(
-            f"{folder} lacks {len(missing)} weights the model needs, e.g. {missing[:3]}; "
-            "is this checkpoint for the same architecture as its config.json?"
-        )
-    handles: dict[str, object] = {}
-    try:
+    """Stream a (sharded) safetensors checkpoint folder into the store, unit by unit.
+
+    Every tensor's presence and shape is checked before the first is read (`CheckpointError`).
+    """
+    with CheckpointReader(spec, folder) as reader:
         for unit in spec.units:
-            tensors = {}
-            for p in unit.params:
-                fname = weight_map[p.hf_name]
-                if fname not in handles:
-                    handles[fname] = safe_open(str(folder / fname), framework="pt")
-                t = handles[fname].get_tensor(p.hf_name)
-                if tuple(t.shape) != p.shape:
-                    raise CheckpointError(f"{p.hf_name} in {fname} has shape {tuple(t.shape)}, expected {p.shape}")
-                tensors[p.hf_name] = t
-            sink(unit, tensors)
-    finally:
-        handles.clear()
-
-
-def _weight_map(folder: Path) -> dict[str, str]:
-    index = folder / SAFE_INDEX
-    if index.exists():
-        return json.loads(index.read_text())["weight_map"]
-    single = folder / SAFE_SINGLE
-    if not single.exists():
-        raise CheckpointError(f"no {SAFE_SINGLE} or {SAFE_INDEX} in {folder}")
-    with safe_open(str(single), framework="pt") as f:
-        return dict.fromkeys(f.keys(), SAFE_SINGLE)
+            sink(unit, reader.read_unit(p.hf_name for p in unit.params))
 
 
 def export_hf(spec: ModelSpec, state: dict[str, torch.Tensor], out_dir: str | Path, tokenizer=None,
@@ -108,11 +77,14 @@ def export_hf(spec: ModelSpec, state: dict[str, torch.Tensor], out_dir: str | Pa
     config.dtype = dtype
     config.architectures = [type(spec.skeleton).__name__]
     config.save_pretrained(tmp)
+    state = to_checkpoint_format(spec, state)  # the layout save_pretrained writes (views, no copies)
     shards = _plan_shards(state, dtype, max_shard_bytes)
     weight_map = {}
     for i, names in enumerate(shards):
         fname = SAFE_SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: state[n].detach().to(dtype).clone() for n in names}, tmp / fname, metadata={"format": "pt"})
+        # A copy per shard, contiguous: reverted tensors are views into the fused master tensors.
+        tensors = {n: state[n].detach().to(dtype).clone(memory_format=torch.contiguous_format) for n in names}
+        save_file(tensors, tmp / fname, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, fname))
     if len(shards) > 1:
         total = sum(state[n].numel() for n in state) * torch.empty((), dtype=dtype).element_size()

@@ -19,7 +19,6 @@ with tracking off does not need it installed.
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import json
 import logging
 import math
@@ -53,7 +52,6 @@ _SECRET_PAIRS = {("api", "key"), ("access", "key"), ("secret", "key"), ("key", "
 _NOT_SECRET_PAIRS = {("token", "id"), ("pad", "token"), ("bos", "token"), ("eos", "token"), ("unk", "token")}
 _MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 _PARAMS_PER_BATCH = 100  # MLflow's limit on params in one log_batch call
-_MODEL_REQUIREMENTS = ("torch", "transformers", "safetensors", "tokenizers", "accelerate")
 # MLflow 3's UI opens an experiment with this tag in its model-training view rather than the GenAI one.
 EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND = "mlflow.experimentKind", "custom_model_development"
 
@@ -76,11 +74,27 @@ class TrackingConfig(BaseModel):
     run_name: str | None = None
     """Run name shown in the UI; ``None`` lets MLflow pick one."""
 
+    parent_run_id: str | None = None
+    """Nest the run under this MLflow run (a sweep sets it: each trial is a child of the sweep's run)."""
+
+    tags: dict[str, str] = Field(default_factory=dict)
+    """Extra tags on the run (a sweep tags each trial with its trial id and sampled values)."""
+
     artifact_location: str | None = None
     """Where an experiment created by this tracker keeps its artifacts; ``None``: the store's default."""
 
     log_every: int = Field(default=10, ge=1)
     """Log step metrics every this many optimizer steps (see ``should_log``)."""
+
+    system_metrics: bool = True
+    """Log host CPU, memory, disk and network (``system/*``), and GPU utilization and memory where
+    ``nvidia-ml-py`` is installed (the ``gpu`` extra), every ``system_metrics_interval_s``."""
+
+    system_metrics_interval_s: float = Field(default=10.0, gt=0)
+    """Seconds between two system-metrics samples."""
+
+    register_as: str | None = None
+    """Also register the exported model in the MLflow model registry under this name (a new version each run)."""
 
     def should_log(self, step: int) -> bool:
         return self.enabled and step % self.log_every == 0
@@ -93,27 +107,47 @@ class MlflowTracker:
         self.config = config
         self._client = client
         self.run_id: str | None = None
+        self._system_metrics = None
 
     @property
     def active(self) -> bool:
         return self.run_id is not None
 
     def start(self, run_config: Mapping[str, Any], *, model: str | None = None, dataset: str | None = None,
-              tags: Mapping[str, str] | None = None, parent_run_id: str | None = None) -> str | None:
+              tags: Mapping[str, str] | None = None, parent_run_id: str | None = None,
+              resume_run_id: str | None = None) -> str | None:
         """Open the run: params from ``run_config`` (flattened, redacted), tags for model, dataset,
         git commit and hardware. ``parent_run_id`` nests it (a Ray Tune trial in its own process).
-        Returns the run id, or ``None`` with tracking off."""
+        ``parent_run_id`` and ``tags`` default to the config's (a sweep's trial sets them there).
+        ``resume_run_id`` continues that run (a resumed training run: one run, continuous curves)
+        when the store still has it. Other runs of this ``run_name`` left ``RUNNING`` by a process
+        that died are marked ``KILLED`` first. Returns the run id, or ``None`` with tracking off."""
         if not self.config.enabled:
             return None
-        client = self.client
-        all_tags = {**run_tags(model, dataset), **(tags or {})}
-        if parent_run_id is not None:
-            all_tags["mlflow.parentRunId"] = parent_run_id
-        run = client.create_run(self._experiment_id(), run_name=self.config.run_name, tags=all_tags)
-        self.run_id = run.info.run_id
-        self._log_params(flatten_params(run_config))
-        self._log_json(redact(run_config), "config.json")
+        experiment_id = self._experiment_id()
+        parent_run_id = parent_run_id or self.config.parent_run_id
+        if self.config.run_name is not None and parent_run_id is None:
+            self._end_abandoned(experiment_id, keep=resume_run_id)
+        self.run_id = self._reopen(resume_run_id) if resume_run_id else None
+        resumed = self.run_id is not None
+        if not resumed:
+            all_tags = {**run_tags(model, dataset), **self.config.tags, **(tags or {})}
+            if parent_run_id is not None:
+                all_tags["mlflow.parentRunId"] = parent_run_id
+            run = self.client.create_run(experiment_id, run_name=self.config.run_name, tags=all_tags)
+            self.run_id = run.info.run_id
+            self._log_params(flatten_params(run_config))  # params are write-once: a resumed run keeps its own
+            self._log_json(redact(run_config), "config.json")
+        if self.config.system_metrics and parent_run_id is None:
+            self._start_system_metrics(resumed)
         return self.run_id
+
+    def log_resume(self, checkpoint: str, step: int) -> None:
+        """Record a resume: the ``mt_ray.resumed_from`` tag, and a ``resumed_at_step`` point at that step."""
+        if not self.active:
+            return
+        self.client.set_tag(self.run_id, "mt_ray.resumed_from", f"{checkpoint} (step {step})")
+        self.log_metrics(step, {"resumed_at_step": step})
 
     @property
     def client(self) -> MlflowClient:
@@ -179,25 +213,21 @@ class MlflowTracker:
         except MlflowException as e:  # as for metrics: keep training
             logger.warning("MLflow dropped the checkpoint tag %s: %s", uri, e)
 
-    def log_hf_model(self, folder: str | os.PathLike, task: str = "text-generation",
-                     artifact_path: str = "model") -> str | None:
-        """Log an exported Hugging Face folder (weights + tokenizer) as an ``mlflow.transformers`` model.
+    def log_hf_model(self, folder: str | os.PathLike, task: str = "text-generation", name: str = "model",
+                     step: int = 0) -> str | None:
+        """Log an exported Hugging Face folder (weights + tokenizer) as this run's ``mlflow.transformers`` model.
 
-        Works offline from the local folder. The model is loaded once to build its pipeline, so
-        call it after the engine has released its memory. Load it back with
-        ``mlflow.transformers.load_model(uri, return_type="components")["model"]`` (or as a
-        pipeline, or ``mlflow.pyfunc.load_model(uri)``). Returns ``runs:/<run id>/<artifact_path>``.
+        From the folder's files, offline: the model is not loaded and the Hub is not asked (see
+        ``mlflow_model``). Registered as ``register_as`` when set. Load it back with
+        ``mlflow.transformers.load_model(uri)`` (a pipeline), or ``return_type="components"``.
+        Returns ``models:/<model id>``.
         """
         if not self.active:
             return None
-        import mlflow.transformers
+        from mt_ray.tracking.mlflow_model import log_transformers_model
 
-        requirements = [f"{p}=={importlib.metadata.version(p)}" for p in _MODEL_REQUIREMENTS]
-        with tempfile.TemporaryDirectory() as tmp:
-            local = Path(tmp) / artifact_path
-            mlflow.transformers.save_model(str(folder), path=str(local), task=task, pip_requirements=requirements)
-            self.client.log_artifacts(self.run_id, str(local), artifact_path)
-        return f"runs:/{self.run_id}/{artifact_path}"
+        return log_transformers_model(self.client, self.run_id, folder, name=name, task=task, step=step,
+                                      register_as=self.config.register_as)
 
     def start_child(self, name: str, run_config: Mapping[str, Any] | None = None,
                     tags: Mapping[str, str] | None = None) -> MlflowTracker:
@@ -223,9 +253,46 @@ class MlflowTracker:
 
     def close(self, status: RunStatus = "FINISHED") -> None:
         """End the run with ``status``; later calls do nothing."""
+        if self._system_metrics is not None:
+            self._system_metrics.finish()  # flushes its last samples while the run is still open
+            self._system_metrics = None
         if self.active:
             self.client.set_terminated(self.run_id, status)
             self.run_id = None
+
+    def _reopen(self, run_id: str) -> str | None:
+        """Set run ``run_id`` back to RUNNING; None (with a warning) when this store does not have it."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException:
+            logger.warning("MLflow run %s of the checkpoint is not in this store; starting a new run", run_id)
+            return None
+        if run.info.lifecycle_stage != "active":
+            logger.warning("MLflow run %s of the checkpoint was deleted; starting a new run", run_id)
+            return None
+        self.client.update_run(run_id, status="RUNNING")
+        return run_id
+
+    def _end_abandoned(self, experiment_id: str, keep: str | None) -> None:
+        """Mark KILLED the runs of this name still RUNNING (their process died without closing them)."""
+        found = self.client.search_runs(
+            [experiment_id], f"attributes.run_name = '{self.config.run_name}' and attributes.status = 'RUNNING'")
+        for run in found:
+            if run.info.run_id != keep:
+                logger.warning("MLflow run %s (%s) was left RUNNING by a process that ended; marking it KILLED",
+                               run.info.run_id, self.config.run_name)
+                self.client.set_terminated(run.info.run_id, "KILLED")
+
+    def _start_system_metrics(self, resumed: bool) -> None:
+        """MLflow's own sampler (psutil, and pynvml for GPUs when installed), in a daemon thread."""
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        self._system_metrics = SystemMetricsMonitor(
+            self.run_id, sampling_interval=self.config.system_metrics_interval_s, resume_logging=resumed,
+            tracking_uri=self.config.tracking_uri)
+        self._system_metrics.start()
 
     def _experiment_id(self) -> str:
         from mlflow.exceptions import MlflowException
@@ -233,6 +300,8 @@ class MlflowTracker:
         client = self.client
         experiment = client.get_experiment_by_name(self.config.experiment)
         if experiment is not None:
+            if EXPERIMENT_KIND_TAG not in experiment.tags:
+                client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND)
             return experiment.experiment_id
         try:
             return client.create_experiment(self.config.experiment, artifact_location=self.config.artifact_location,
@@ -250,11 +319,17 @@ class MlflowTracker:
         for i in range(0, len(items), _PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=items[i:i + _PARAMS_PER_BATCH])
 
-    def _log_json(self, payload: Any, name: str) -> None:
+    def log_text(self, text: str, name: str) -> None:
+        """Store ``text`` as the artifact file ``name``."""
+        if not self.active:
+            return
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / name
-            path.write_text(json.dumps(payload, indent=2, default=str))
+            path.write_text(text)
             self.client.log_artifact(self.run_id, str(path))
+
+    def _log_json(self, payload: Any, name: str) -> None:
+        self.log_text(json.dumps(payload, indent=2, default=str), name)
 
 
 def is_secret(key: str, value: Any) -> bool:

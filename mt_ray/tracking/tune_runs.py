@@ -1,56 +1,89 @@
-"""Ray Tune trials as MLflow child runs of one sweep run, logged from the Tune driver.
+"""A sweep's MLflow run, kept by the Tune driver; its trials are child runs that each trial logs itself.
 
-A Tune callback runs in the driver process, so the trials report to Tune as usual and need
-neither mlflow nor the store's address, and a single process writes to the store (a local
-SQLite file is safe). Imports Ray Tune: use it where Ray is installed (the `cluster` extra).
+The trials are ordinary runs whose tracking config names the sweep's run as parent and tags them
+with their trial id (`mt_ray.sweep.trial_id`), so the driver finds a trial's run by that tag. It
+closes a trial's run when Tune ends the trial: a trial stopped by ASHA is ended by Tune, maybe
+before its own run could close, and a trial restarted by a resumed sweep leaves an open run behind.
+Imports Ray Tune: use it where Ray is installed (the `cluster` extra).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import yaml
 from ray.tune import Callback
 
-from mt_ray.tracking.mlflow_tracker import MlflowTracker, RunStatus
+from mt_ray.tracking.mlflow_tracker import MlflowTracker, RunStatus, TrackingConfig
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+BEST_CONFIG_ARTIFACT = "best_config.yaml"
+
+
+def open_sweep_run(tracker: MlflowTracker, record: dict[str, Any] | None, params: dict[str, Any],
+                   storage_uri: str) -> None:
+    """Start the sweep's run, or continue the one in the record of a resumed sweep (when the store still has it)."""
+    tracker.start(params, tags={"mt_ray.sweep.storage": storage_uri},
+                  resume_run_id=record.get("run_id") if record is not None else None)
+
+
+def trial_runs(client: MlflowClient, parent_run_id: str, trial_id: str, status: str | None = None) -> list:
+    """Child runs of the sweep's run tagged with `trial_id` (newest first), optionally only those in `status`."""
+    experiment = client.get_run(parent_run_id).info.experiment_id
+    where = f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.`mt_ray.sweep.trial_id` = '{trial_id}'"
+    if status is not None:
+        where += f" and attributes.status = '{status}'"
+    return client.search_runs([experiment], where, order_by=["attributes.start_time DESC"])
+
+
+def best_trial_run(tracker: MlflowTracker, trial_id: str, best_config: dict[str, Any]) -> dict[str, str]:
+    """Put the best trial on the sweep's run: its config as an artifact, its run id and logged model (if any) as tags."""
+    if not tracker.active:
+        return {}
+    tracker.log_text(yaml.safe_dump(best_config, sort_keys=False), BEST_CONFIG_ARTIFACT)
+    links: dict[str, str] = {}
+    runs = trial_runs(tracker.client, tracker.run_id, trial_id)
+    if runs:
+        links["best_run_id"] = run_id = runs[0].info.run_id
+        models = tracker.client.search_logged_models([runs[0].info.experiment_id], f"source_run_id = '{run_id}'",
+                                                     max_results=1)
+        if models:
+            links["best_model_uri"] = f"models:/{models[0].model_id}"
+    for key, value in links.items():
+        tracker.client.set_tag(tracker.run_id, key, value)
+    return links
 
 
 class TrialRunsCallback(Callback):
-    """One child run of `parent` per trial: its sampled config as params, `metrics` at each report.
+    """Closes trials' child runs as Tune ends them; tags those ASHA stopped with `mt_ray.sweep.stopped_early`.
 
-    Each reported result is logged at its `step_key` value; a trial the scheduler stops early
-    ends FINISHED, one that raised ends FAILED. `run_ids` maps trial ids to child run ids.
+    Holds only the tracking config and ids (Tune pickles it with the sweep's state for `--resume`).
     """
 
-    def __init__(self, parent: MlflowTracker, metrics: Sequence[str] = ("loss",), step_key: str = "step"):
-        self.parent = parent
-        self.metrics = tuple(metrics)
-        self.step_key = step_key
-        self.runs: dict[str, MlflowTracker] = {}
-        self.run_ids: dict[str, str | None] = {}
+    def __init__(self, tracking: TrackingConfig, parent_run_id: str | None, steps: int):
+        self.tracking = tracking
+        self.parent_run_id = parent_run_id
+        self.steps = steps
 
     def on_trial_start(self, iteration: int, trials: list, trial, **info: Any) -> None:
-        if trial.trial_id in self.runs:
-            return  # a trial resumed after a pause keeps its run
-        child = self.parent.start_child(str(trial), trial.config, tags={"ray.trial_id": trial.trial_id})
-        self.runs[trial.trial_id] = child
-        self.run_ids[trial.trial_id] = child.run_id
-
-    def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info: Any) -> None:
-        values = {k: result[k] for k in self.metrics if k in result}
-        self.runs[trial.trial_id].log_metrics(int(result[self.step_key]), values)
+        self._close_open_runs(trial.trial_id, "KILLED")  # left behind by a sweep killed while this trial ran
 
     def on_trial_complete(self, iteration: int, trials: list, trial, **info: Any) -> None:
-        self._close(trial.trial_id, "FINISHED")
+        if self.parent_run_id is not None and trial.last_result.get("step", self.steps) < self.steps:
+            for run in trial_runs(self._client(), self.parent_run_id, trial.trial_id)[:1]:
+                self._client().set_tag(run.info.run_id, "mt_ray.sweep.stopped_early", "true")
+        self._close_open_runs(trial.trial_id, "FINISHED")
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info: Any) -> None:
-        self._close(trial.trial_id, "FAILED")
+        self._close_open_runs(trial.trial_id, "FAILED")
 
-    def on_experiment_end(self, trials: list, **info: Any) -> None:
-        for trial_id in self.runs:
-            self._close(trial_id, "KILLED")  # only runs still open: closing twice does nothing
+    def _close_open_runs(self, trial_id: str, status: RunStatus) -> None:
+        if self.parent_run_id is None:
+            return
+        for run in trial_runs(self._client(), self.parent_run_id, trial_id, status="RUNNING"):
+            self._client().set_terminated(run.info.run_id, status)
 
-    def _close(self, trial_id: str, status: RunStatus) -> None:
-        run = self.runs.get(trial_id)
-        if run is not None:
-            run.close(status)
+    def _client(self) -> MlflowClient:
+        return MlflowTracker(self.tracking).client

@@ -61,6 +61,7 @@ class CheckpointCallback(Callback):
         uri = self.manager.uri_of(meta["step"]) if mode == "auto" else mode
         if mode == "auto":  # a run's own folder holds only its own checkpoints, unless copied in by hand
             check_same_run(saved_identity(meta, uri), trainer.run.identity, uri)
+            self.last_uri = uri
         restore_trainer_state(trainer, meta["trainer"])
         if meta.get("run") == trainer.run.identity.to_json():
             for cb in trainer.callbacks:  # the same run: its MLflow run and the like carry on
@@ -104,15 +105,29 @@ def check_same_model(meta: dict[str, Any], identity: RunIdentity, uri: str) -> N
 
 
 class MlflowCallback(Callback):
-    """One MLflow run per training run: config, metrics, summary, loss plot, exported model."""
+    """One MLflow run per training run: config, metrics, summary, loss plot, exported model.
+
+    Its run id goes into every checkpoint, so a resumed run continues the same MLflow run.
+    """
 
     def __init__(self, tracker: MlflowTracker):
         self.tracker = tracker
+        self.resume_run_id: str | None = None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return {"run_id": self.tracker.run_id} if self.tracker.active else None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.resume_run_id = state.get("run_id")
 
     def on_train_start(self, trainer: Trainer) -> None:
-        cfg = trainer.cfg
+        cfg, run = trainer.cfg, trainer.run
         self.tracker.start(cfg.model_dump(mode="json"), model=cfg.model.path or cfg.model.preset,
-                           dataset=",".join(cfg.data.datasets))
+                           dataset=",".join(cfg.data.datasets), resume_run_id=self.resume_run_id,
+                           tags={"mt_ray.run_name": run.name, "mt_ray.fingerprint": run.identity.fingerprint,
+                                 "mt_ray.run_dir": run.uri})
+        if trainer.resumed_from is not None:
+            self.tracker.log_resume(trainer.resumed_from.uri, trainer.resumed_from.step)
 
     def on_log(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         self.tracker.log_metrics(step, metrics)
@@ -127,5 +142,5 @@ class MlflowCallback(Callback):
         self.tracker.log_summary(summary)
         self.tracker.log_loss_plot([h["step"] for h in trainer.history], [h["loss"] for h in trainer.history])
         if summary.get("exported_model"):
-            self.tracker.log_hf_model(trainer.run.staging / EXPORT_DIR)
+            summary["mlflow_model"] = self.tracker.log_hf_model(trainer.run.staging / EXPORT_DIR, step=trainer.step)
         self.tracker.close("FINISHED")

@@ -41,6 +41,7 @@ class Trainer:
         self.run.claim(cfg)
         self.history: list[dict[str, float]] = []
         self.eval_history: list[dict[str, float]] = []
+        self.stop_reason: str | None = None
         self._postfix: dict[str, str] = {}
         self.resumed_from: ResumePoint | None = None
         # A finished run (its summary is written last) has nothing to continue, so nothing is built for it.
@@ -93,6 +94,8 @@ class Trainer:
                     self._evaluate(bar)
                 for cb in self.callbacks:
                     cb.on_step_end(self, self.step)
+                if self.stop_reason is not None:
+                    break
             if self.eval_batches and (not self.eval_history or self.eval_history[-1]["step"] != self.step):
                 self._evaluate(bar)  # every run with a split ends with its eval loss
         finally:
@@ -102,6 +105,11 @@ class Trainer:
             cb.on_train_end(self, summary)
         self.run.write_summary(summary)  # last: a run with a summary is complete
         return summary
+
+    def request_stop(self, reason: str) -> None:
+        """End the run after this step (a sweep's scheduler cut it short): summary, checkpoint and tracking as
+        usual, `reason` in the summary, but no export (nobody asked for this model)."""
+        self.stop_reason = reason
 
     def evaluate(self) -> dict[str, float]:
         """Loss and perplexity on the held-out split under the current weights (forward only; training state unchanged).
@@ -150,6 +158,8 @@ class Trainer:
             "model_tflops": 6 * self.spec.num_params * tokens_per_s / 1e12,
             **self.engine.memory_metrics(),
         }
+        if result.aux_loss is not None:  # the MoE router's load-balancing loss, when configured
+            metrics["aux_loss"] = result.aux_loss.item()
         self.history.append({"step": self.step, **metrics})
         return metrics
 
@@ -164,10 +174,12 @@ class Trainer:
             "final_loss": self.history[-1]["loss"] if self.history else None,
             "data": self.loader.stats(),
         }
+        if self.stop_reason is not None:
+            summary["stopped_early"] = self.stop_reason
         if self.eval_history:
             last = self.eval_history[-1]
             summary.update({k: last[k] for k in ("eval_loss", "eval_perplexity", "eval_tokens")})
-        if self.cfg.training.export:
+        if self.cfg.training.export and self.stop_reason is None:
             self.engine.export(self.run.staging / EXPORT_DIR, self.tokenizer)
             summary["exported_model"] = self.run.publish(EXPORT_DIR)
         return summary

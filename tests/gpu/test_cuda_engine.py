@@ -85,18 +85,6 @@ def test_qwen2_5_1_5b_shape_matches_pytorch_for_20_steps_in_bf16(schedule):
     assert losses == pytest.approx(ref_losses, rel=3e-2, abs=5e-2)
 
 
-@pytest.fixture
-def family_module_restored(monkeypatch):
-    """Liger patches the family's modeling module for the whole process (rotary function, classes);
-    put every name back after the test so later tests run transformers' own code."""
-    def keep(model_type: str) -> None:
-        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-        for name, value in list(vars(module).items()):
-            if not name.startswith("__"):
-                monkeypatch.setattr(module, name, value)
-    return keep
-
-
 def _train_with_kernels(cfg, kernels: str, schedule: str, state: dict, steps: list, opt: OptimizerConfig):
     ecfg = EngineConfig(device="cuda", compute_dtype="fp32", checkpoint_every=2, grad_slabs=1, schedule=schedule,
                         kernels=kernels)

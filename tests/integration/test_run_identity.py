@@ -11,7 +11,7 @@ import pytest
 import jobs.train
 from jobs.train import main
 from mt_ray.tracking import CheckpointConfig, CheckpointManager
-from mt_ray.training.callbacks import Callback
+from tests.conftest import StopAt
 
 FAST = ["training.steps=4", "checkpoint.every_steps=2", "data.max_seq_len=64", "engine.device=cpu",
         "tracking.enabled=false", "training.export=false", "training.log_every=1"]
@@ -41,17 +41,6 @@ def test_two_configs_with_default_settings_are_two_runs_that_share_no_checkpoint
         assert identity["name"] == name and name.endswith(identity["fingerprint"])
         assert checkpoints(tmp_path, name) == [(2, name), (4, name)]
     assert {r["keys"]["data.datasets"][-1] for r in runs.values()} == {"demo_alpaca", "demo_sharegpt"}
-
-
-class StopAt(Callback):
-    """Interrupts the run after `step`, as a crash or Ctrl-C would."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, trainer, step):
-        if step == self.step:
-            raise KeyboardInterrupt
 
 
 def test_a_rerun_resumes_its_own_run_and_says_so(tmp_path, monkeypatch, capsys):

@@ -1,13 +1,22 @@
-"""`ray job submit` round trip: a head started here runs `python -m jobs.train` on 2 Ray workers."""
+"""The README's `ray job submit` flow, as printed, against a real `ray start --head`.
+
+The README block runs line by line in bash, each line verbatim (its `export` lines before each)
+but `ray start --head`, which gets flags that keep this head apart from any other on the machine
+(free ports, its own temp dir, 2 CPUs). HOME is a fresh folder, as for a new user: the README's
+lines write the auth token there, and `ray start` and `ray job submit` read it. The job runs in a copy of
+the repository, so the README's `$PWD/runs` is a scratch folder; after `ray stop` the run's model,
+checkpoints, summary and MLflow run must be there, and nothing of it in Ray's package folder.
+"""
 
 import json
 import os
-import secrets
+import re
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
+import time
+from pathlib import Path
 
 import pytest
 
@@ -22,46 +31,100 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# The head and every client here share one token, so the test does not depend on ~/.ray.
-AUTH = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+def readme_block() -> list[str]:
+    """The commands of the README's bash block that starts a head and submits `jobs.train` to it."""
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    [block] = [b for b in blocks if "ray start --head" in b and "ray job submit" in b]
+    return [line.split(" #")[0].strip() for line in block.splitlines() if line.strip()]
 
 
-def ray_cli(*args, timeout=120, check=True) -> subprocess.CompletedProcess:
-    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **AUTH}
-    cmd = [shutil.which("ray") or "ray", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=check)
+def repository_copy(dest: Path) -> Path:
+    """The files git would ship (tracked, and new ones not ignored): what `--working-dir .` uploads."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        if (ROOT / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, dest / rel)
+    return dest
+
+
+class Shell:
+    """Runs README lines in bash after its `export` lines, with a fresh HOME and no Ray address or token."""
+
+    def __init__(self, home: Path, cwd: Path, export: str):
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
+        self.env["HOME"] = str(home)
+        self.cwd = cwd
+        self.export = export
+
+    def __call__(self, line: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", f"{self.export}\n{line}"], cwd=self.cwd, env={**self.env, **env},
+                              capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture
-def ray_head():
-    port, dash = free_port(), free_port()
-    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
-    started = ray_cli("start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=true",
-                      "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--object-store-memory=200000000",
-                      f"--temp-dir={temp}", check=False)
-    if started.returncode != 0:
-        pytest.fail(f"ray start --head failed:\n{started.stdout}\n{started.stderr}")
+def head(tmp_path):
+    """The README's lines up to `ray start --head` (that one on free ports); `ray stop` whatever happens."""
+    lines = readme_block()
+    assert "ray start --head" in lines and "ray stop" in lines, lines
+    setup = lines[:lines.index("ray start --head")]
+    exports = "\n".join(line for line in setup if line.startswith("export "))
+    assert "export RAY_AUTH_MODE=token" in exports
+    home = tmp_path / "home"
+    home.mkdir()
+    shell = Shell(home, repository_copy(tmp_path / "repo"), exports)
+    for line in setup:
+        if not line.startswith("export "):
+            done = shell(line)
+            assert done.returncode == 0, f"{line}: {done.stderr}"
+    dashboard = free_port()
+    temp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's unix socket paths must fit 107 bytes
+    ports = " ".join(f"--{flag}={free_port()}" for flag in (
+        "port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+        "metrics-export-port", "ray-client-server-port"))
+    flags = (f"{ports} --dashboard-port={dashboard} --dashboard-host=127.0.0.1 --include-dashboard=true "
+             f"--num-cpus=2 --object-store-memory=200000000 --temp-dir={temp}")
     try:
-        yield f"http://127.0.0.1:{dash}"
+        started = shell(f"ray start --head {flags}")
+        assert started.returncode == 0, started.stdout + started.stderr
+        assert (home / ".ray" / "auth_token").is_file()  # the fresh user's token, made by the README's lines
+        address = f"http://127.0.0.1:{dashboard}"
+        wait_for_job_agent(shell, address)
+        yield shell, address, temp
     finally:
-        ray_cli("stop", "--force", check=False)
+        shell("ray stop --force", timeout=120)
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_job_submit_trains_two_steps(ray_head, tmp_path):
-    out = tmp_path / "run"
-    train = [sys.executable, "-m", "jobs.train", "--config", str(ROOT / "jobs/configs/demo.yaml"), "training.steps=2",
-             "data.max_seq_len=64", "engine.device=cpu", "tracking.enabled=false", "cluster.num_workers=2",
-             f"training.storage={tmp_path}", "training.run_name=run"]
-    env = json.dumps({"env_vars": {"PYTHONPATH": str(ROOT)}})
-    submitted = ray_cli("job", "submit", f"--address={ray_head}", "--submission-id=mt-ray-test", "--no-wait",
-                        f"--runtime-env-json={env}", "--", *train, check=False)
-    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+def wait_for_job_agent(shell: Shell, address: str, timeout_s: float = 120) -> None:
+    """A head accepts jobs once its agent registers, a few seconds after `ray start` returns."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        probe = shell("ray job submit --no-wait -- true", RAY_ADDRESS=address)
+        if probe.returncode == 0 or time.monotonic() > deadline:
+            assert probe.returncode == 0, probe.stdout + probe.stderr
+            return
+        time.sleep(2)
 
-    # Bounded wait: --follow returns when the job ends; the timeout ends a hung one.
-    logs = ray_cli("job", "logs", f"--address={ray_head}", "--follow", "mt-ray-test", timeout=240, check=False).stdout
-    status = ray_cli("job", "status", f"--address={ray_head}", "mt-ray-test", check=False)
-    assert "succeeded" in status.stdout + status.stderr, logs[-3000:] + status.stdout + status.stderr
-    assert "done: 2 steps" in logs
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 2 and (out / "hf_model" / "model.safetensors").exists()
+
+def test_the_readme_job_submit_line_trains_into_the_configured_storage(head):
+    shell, address, ray_temp = head
+    [submit] = [line for line in readme_block() if line.startswith("ray job submit")]
+    job = shell(submit, timeout=540, RAY_ADDRESS=address)  # verbatim; RAY_ADDRESS picks this test's head
+    assert job.returncode == 0 and "succeeded" in job.stdout, (job.stdout + job.stderr)[-4000:]
+    assert "done: 60 steps" in job.stdout
+    stopped = shell("ray stop")
+    assert stopped.returncode == 0, stopped.stderr
+
+    runs = shell.cwd / "runs"
+    [record] = runs.glob("*/run.json")
+    run = record.parent
+    assert json.loads(record.read_text())["name"] == run.name
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 60 and summary["exported_model"] == str(run / "hf_model")
+    assert (run / "hf_model" / "model.safetensors").is_file()
+    assert (run / "checkpoints" / "step-00000060" / "manifest.json").is_file()
+    assert (runs / "mlflow.db").is_file() and summary["mlflow_model"].startswith("models:/")
+    package = list(ray_temp.glob("session_*/runtime_resources/working_dir_files/*"))
+    assert package and not [p for d in package for p in d.rglob("*") if p.name in ("runs", "mlflow.db", "mlruns")]

@@ -1,57 +1,99 @@
-"""A Ray Tune sweep of short engine runs picks the best trial, and logs each trial as an MLflow child run."""
+"""A Ray Tune sweep of jobs/configs/demo.yaml judged on held-out eval loss: MLflow child runs, ASHA, the best config.
+
+The sweep runs one trial at a time, so ASHA sees the trials in a fixed order and, with CPU training
+deterministic, stops the same ones on every run.
+"""
 
 import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytest.importorskip("ray")
 
-from jobs.sweep import run_sweep  # noqa: E402
-from mt_ray.tracking import TrackingConfig  # noqa: E402
-
-STEPS = 6
+from mt_ray.cli.main import main  # noqa: E402
+from mt_ray.config.run import load_run_values  # noqa: E402
+from mt_ray.config.sweep import SweepConfig, load_space  # noqa: E402
+from mt_ray.training.sweep import run_sweep  # noqa: E402
+from tests.integration.cluster.demo_sweep import DEMO, DEMO_OVERRIDES, SPACE, STEPS  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def sweep(local_ray, tmp_path_factory):
-    """One 4-trial sweep tracked into a local SQLite store; returns (result, store URI)."""
+    """A 4-trial sweep over optimizer.lr and optimizer.warmup_steps, tracked in SQLite, trials exporting their
+    model; returns (summary, store URI, tmp)."""
     tmp = tmp_path_factory.mktemp("sweep")
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
-    tracking = TrackingConfig(tracking_uri=uri, experiment="sweep-test")
-    best = run_sweep(num_samples=4, steps=STEPS, storage_path=str(tmp / "tune"), tracking=tracking,
-                     engine={"device": "cpu", "compute_dtype": "fp32"})
-    return best, uri
+    base = load_run_values(DEMO, [*DEMO_OVERRIDES, "training.export=true", f"training.storage={tmp}",
+                                  f"tracking.tracking_uri={uri}", "tracking.experiment=sweep"])
+    summary = run_sweep(base, load_space(SPACE, base), SweepConfig(samples=4, max_concurrent=1, name="demo"))
+    return summary, uri, tmp
 
 
-def test_four_trial_sweep_picks_the_lowest_loss(sweep):
-    best, _ = sweep
-    assert best["trials"] == 4 and best["errors"] == 0
-    assert set(best["config"]) == {"lr", "warmup", "batch"}
-    assert best["loss"] == min(best["last_losses"])  # the best is the lowest last loss, stopped trials included
+def child_runs(client, parent_id: str) -> list:
+    parent = client.get_run(parent_id)
+    return client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'")
 
 
-def test_trials_are_child_runs_with_loss_history_and_the_best_is_on_the_parent(sweep, tmp_path):
+def test_every_trial_is_a_finished_child_run_with_an_eval_curve(sweep):
     from mlflow import MlflowClient
 
-    best, uri = sweep
-    client = MlflowClient(tracking_uri=uri)
-    parent = client.get_run(best["run_id"])
-    assert parent.info.status == "FINISHED" and parent.data.params["sweep.num_samples"] == "4"
-    children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{best['run_id']}'")
-    assert len(children) == 4
-    last_losses = {}
+    summary, uri, _ = sweep
+    client = MlflowClient(uri)
+    children = child_runs(client, summary["run_id"])
+    assert summary["trials"] == len(children) == 4 and summary["errors"] == 0
     for child in children:
         assert child.info.status == "FINISHED"
-        assert set(child.data.params) == {"lr", "warmup", "batch"}
-        history = client.get_metric_history(child.info.run_id, "loss")
-        steps = [m.step for m in sorted(history, key=lambda m: m.step)]
-        assert steps == list(range(1, len(steps) + 1)) and 1 <= len(steps) <= STEPS  # ASHA may stop it early
-        last_losses[child.info.run_id] = max(history, key=lambda m: m.step).value
-    assert sorted(last_losses.values()) == pytest.approx(sorted(best["last_losses"]))
+        steps = [m.step for m in client.get_metric_history(child.info.run_id, "eval_loss")]
+        assert sorted(steps) == list(range(2, max(steps) + 1, 2))  # every 2 steps, until ASHA stops it or the end
+        assert set(yaml.safe_load(child.data.tags["mt_ray.sweep.sampled"])) == {"optimizer.lr", "optimizer.warmup_steps"}
+        assert float(child.data.params["optimizer.lr"]) == yaml.safe_load(child.data.tags["mt_ray.sweep.sampled"])[
+            "optimizer.lr"]  # an ordinary run's params, with the sampled value
 
-    assert last_losses[best["best_run_id"]] == pytest.approx(best["loss"])
-    assert parent.data.metrics["summary.best_loss"] == pytest.approx(best["loss"])
-    summary_path = client.download_artifacts(best["run_id"], "summary.json", str(tmp_path))
-    summary = json.loads(Path(summary_path).read_text())
-    assert summary["best_run_id"] == best["best_run_id"] and summary["best_config"] == best["config"]
+
+def test_asha_stops_trials_that_fall_behind(sweep):
+    from mlflow import MlflowClient
+
+    summary, uri, _ = sweep
+    client = MlflowClient(uri)
+    stopped = [c for c in child_runs(client, summary["run_id"]) if c.data.tags.get("mt_ray.sweep.stopped_early")]
+    assert summary["stopped_early"] == len(stopped) >= 1
+    for child in stopped:
+        assert max(m.step for m in client.get_metric_history(child.info.run_id, "eval_loss")) < STEPS
+
+
+def test_the_sweep_run_shows_the_space_readably_and_links_the_best_trial(sweep, tmp_path):
+    from mlflow import MlflowClient
+
+    summary, uri, _ = sweep
+    client = MlflowClient(uri)
+    parent = client.get_run(summary["run_id"])
+    params = parent.data.params
+    assert params["space.optimizer.lr"] == "loguniform(0.0001, 0.01)"
+    assert params["space.optimizer.warmup_steps"] == "choice([0, 5])"
+    assert params["sweep.samples"] == "4" and "optimizer.lr" not in params  # no base value posing as the trials'
+    assert not [v for v in params.values() if " object at 0x" in v]
+    assert parent.info.status == "FINISHED" and parent.data.tags["best_run_id"] == summary["best_run_id"]
+    if summary["best_step"] == STEPS:  # trials that ran to the end exported their model; ASHA's stopped ones did not
+        [model] = client.search_logged_models([parent.info.experiment_id], f"source_run_id = '{summary['best_run_id']}'")
+        assert parent.data.tags["best_model_uri"] == summary["best_model_uri"] == f"models:/{model.model_id}"
+    best = client.get_run(summary["best_run_id"])
+    assert best.data.metrics["eval_loss"] == pytest.approx(summary["best_eval_loss"])
+    assert summary["best_eval_loss"] == min(c.data.metrics["eval_loss"] for c in child_runs(client, summary["run_id"]))
+    logged = yaml.safe_load(Path(client.download_artifacts(parent.info.run_id, "best_config.yaml", str(tmp_path)))
+                            .read_text())
+    assert logged == yaml.safe_load(Path(summary["best_config_path"]).read_text())
+
+
+def test_the_best_config_trains_with_mt_ray_train(sweep):
+    summary, _, tmp = sweep
+    best = yaml.safe_load(Path(summary["best_config_path"]).read_text())
+    assert best["optimizer"]["lr"] == summary["best_config"]["optimizer.lr"]
+    assert main(["train", "--config", summary["best_config_path"], f"training.storage={tmp / 'best'}",
+                 "tracking.enabled=false"]) == 0
+    [written] = (tmp / "best").glob("*/summary.json")
+    trained = json.loads(written.read_text())
+    assert trained["steps"] == STEPS
+    if summary["best_step"] == STEPS:  # the same run again: the same eval loss (up to thread-count rounding)
+        assert trained["eval_loss"] == pytest.approx(summary["best_eval_loss"], rel=1e-3)

@@ -11,10 +11,13 @@ import torch
 from botocore.exceptions import ResponseStreamingError
 from servers import free_port, moto_server
 
+from jobs.train import main
+from mt_ray.config.run import load_run_config
 from mt_ray.errors import CheckpointError
 from mt_ray.tracking.checkpoint import CheckpointConfig, CheckpointManager
 from mt_ray.tracking.ckpt_format import ShardSource
 from mt_ray.tracking.ckpt_s3 import S3Storage, S3Writer, build_s3_client
+from mt_ray.training.run_dir import RunDir
 
 MIB = 1 << 20
 SECRET = "testing-secret-key-value"
@@ -236,3 +239,24 @@ def test_unreachable_endpoint(aws_env):
     with pytest.raises(CheckpointError, match=f"cannot reach the S3 endpoint {dead}.*endpoint_url"):
         CheckpointManager(config(dead, "s3://any/run", retries=1, connect_timeout_s=2))
     assert time.monotonic() - start < 10
+
+
+def test_a_run_stored_on_s3_keeps_everything_in_its_folder_there(endpoint, bucket, tmp_path, monkeypatch):
+    """run.json, config.yaml, checkpoints, the exported model (staged locally, then uploaded) and summary.json."""
+    name, client = bucket
+    monkeypatch.chdir(tmp_path)
+    args = [f"training.storage=s3://{name}/runs", "training.run_name=r", f"checkpoint.endpoint_url={endpoint}",
+            "checkpoint.region=us-east-1", "training.steps=2", "data.max_seq_len=64", "engine.device=cpu",
+            "tracking.enabled=false"]
+    assert main(args) == 0
+    stored = keys(client, name, "runs/r/")
+    assert {"runs/r/run.json", "runs/r/config.yaml", "runs/r/summary.json", "runs/r/hf_model/model.safetensors",
+            "runs/r/hf_model/config.json", "runs/r/hf_model/tokenizer.json",
+            "runs/r/checkpoints/step-00000002/manifest.json"} <= set(stored)
+    assert list(tmp_path.iterdir()) == []  # nothing of the run in the working directory
+
+    run = RunDir(load_run_config(None, args))
+    assert run.read_summary()["exported_model"] == f"s3://{name}/runs/r/hf_model"
+    staging = run.staging
+    run.close()
+    assert not staging.exists()

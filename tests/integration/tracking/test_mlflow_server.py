@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import urllib.parse
 import urllib.request
@@ -92,23 +93,35 @@ def test_child_runs_nest_under_parent(server):
 
 
 def tiny_hf_folder(root: Path) -> Path:
-    """A tiny random Llama and the tiny tokenizer, exported as a Hugging Face folder."""
+    """A tiny random Llama over the tiny tokenizer's vocabulary, as a Hugging Face folder."""
     folder = root / "hf"
-    reference_model(tiny_config("llama"), seed=3).save_pretrained(folder)
-    load_tiny_tokenizer().save_pretrained(folder)
+    tokenizer = load_tiny_tokenizer()
+    reference_model(tiny_config("llama", vocab_size=len(tokenizer)), seed=3).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return folder
 
 
-def test_hf_model_loads_back_with_equal_logits(server, tmp_path, monkeypatch):
+def test_hf_model_is_a_registered_mlflow_model_that_loads_back_and_generates(server, tmp_path, monkeypatch, caplog):
     import mlflow.transformers
+    from mlflow import MlflowClient
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", server)  # load_model resolves runs:/ URIs through it
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server)  # load_model resolves models:/ URIs through it
     folder = tiny_hf_folder(tmp_path)
-    tracker = MlflowTracker(TrackingConfig(tracking_uri=server, experiment="it-model"))
-    tracker.start({})
-    uri = tracker.log_hf_model(folder)
+    tracker = MlflowTracker(TrackingConfig(tracking_uri=server, experiment="it-model", register_as="tiny-llama",
+                                           system_metrics=False))
+    run_id = tracker.start({})
+    with caplog.at_level(logging.INFO):
+        uri = tracker.log_hf_model(folder, step=3)
     tracker.close()
+    assert "hub" not in caplog.text.lower() and "license" not in caplog.text.lower()  # no Hub lookup, no warning
+
+    client = MlflowClient(server)
+    [output] = client.get_run(run_id).outputs.model_outputs  # the run page's "Logged models"
+    assert uri == f"models:/{output.model_id}" and output.step == 3
+    model = client.get_logged_model(output.model_id)
+    assert model.status == "READY" and model.source_run_id == run_id
+    [version] = client.search_model_versions("name='tiny-llama'")
+    assert version.run_id == run_id and version.version == "1"
 
     loaded = mlflow.transformers.load_model(uri, return_type="components")
     original = AutoModelForCausalLM.from_pretrained(folder)
@@ -116,3 +129,8 @@ def test_hf_model_loads_back_with_equal_logits(server, tmp_path, monkeypatch):
     with torch.no_grad():
         assert torch.equal(loaded["model"](ids).logits, original(ids).logits)
     assert loaded["tokenizer"]("hello world")["input_ids"] == load_tiny_tokenizer()("hello world")["input_ids"]
+
+    generate = mlflow.transformers.load_model("models:/tiny-llama/1")  # the registered version, as a pipeline
+    torch.manual_seed(0)
+    [out] = generate("hello", max_new_tokens=6, do_sample=False)
+    assert out["generated_text"].startswith("hello") and len(out["generated_text"]) > len("hello")

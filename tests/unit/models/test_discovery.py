@@ -1,11 +1,15 @@
 """Structure discovery: units, layer kinds, tied heads, and clear refusals."""
 
+import json
+import re
+
 import pytest
+import transformers
 from transformers import AutoConfig
 
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.discovery import discover
-from tests.tiny_models import tiny_config
+from tests.tiny_models import checkpoint_config, tiny_config
 
 
 def test_units_cover_every_parameter_once():
@@ -45,9 +49,31 @@ def test_encoder_decoder_is_refused_clearly():
         discover(AutoConfig.for_model("t5", d_model=16, num_layers=1, num_heads=2, d_ff=32, vocab_size=32))
 
 
-def test_unknown_model_type_is_refused_clearly():
-    with pytest.raises(ModelNotSupportedError, match="unknown model_type 'nonsense'"):
+def test_unknown_model_type_is_refused_clearly(tmp_path):
+    """Whether from a dict or a checkpoint's config.json, the error names the installed transformers."""
+    version = re.escape(f"transformers {transformers.__version__} does not know it")
+    with pytest.raises(ModelNotSupportedError, match=f"unknown model_type 'nonsense' in the model config: .*{version}"):
         discover({"model_type": "nonsense"})
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen9_moe", "hidden_size": 32}))
+    with pytest.raises(ModelNotSupportedError, match=f"unknown model_type 'qwen9_moe' in .*config.json: .*{version}"):
+        discover(str(tmp_path))
+
+
+def test_saved_buffers_travel_with_their_layer_as_frozen_entries():
+    """DeepSeek-V3's per-layer routing bias is in the checkpoint: it belongs to its layer's unit, untrained."""
+    spec = discover(checkpoint_config("deepseek_v3"))
+    [bias] = [p for p in spec.unit("layers.1").params if not p.trainable]
+    assert bias.hf_name == "model.layers.1.mlp.gate.e_score_correction_bias" and not bias.decays
+    assert spec.unit("layers.1").params[-1] == bias  # frozen entries come last
+    assert all(p.trainable for p in spec.unit("layers.0").params)  # the dense first layer has none
+
+
+@pytest.mark.parametrize(("family", "isolate"), [("llama", False), ("qwen3_moe", False), ("gpt_oss", False),
+                                                 ("qwen3_next", True), ("lfm2", True), ("falcon_h1", True)])
+def test_layers_that_carry_state_along_the_sequence_are_found(family, isolate):
+    """Linear attention, short convolutions and Mamba mixers (not attention) need documents run alone.
+    GPT-OSS's leak is in its masks, which the context builder probes at run time instead."""
+    assert discover(checkpoint_config(family)).isolate_documents is isolate
 
 
 def test_model_without_decoder_only_layout_is_refused():

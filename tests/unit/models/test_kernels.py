@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from functools import partial
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from transformers.models.llama import modeling_llama
 
 from mt_ray.engine.templates import build_templates
 from mt_ray.errors import ConfigError, ModelNotSupportedError
-from mt_ray.models.context import LayerContextBuilder
+from mt_ray.models.context import LayerContextBuilder, document_spans
 from mt_ray.models.discovery import ModelSpec, discover
 from mt_ray.models.kernels import apply_kernels
 from tests.tiny_models import tiny_batches, tiny_config
@@ -73,11 +74,11 @@ def _forward(spec: ModelSpec, flats: dict[str, torch.Tensor], mb: dict) -> torch
     context = LayerContextBuilder(spec, CPU)
     embed = templates["embed"]
     with torch.no_grad():
-        h, kwargs = context(embed(embed.bind(flats["embed"]), mb["input_ids"]), mb["position_ids"])
+        spans = document_spans(mb["position_ids"])
+        h, ctx = context(embed(embed.bind(flats["embed"]), mb["input_ids"]), mb["input_ids"], mb["position_ids"], spans)
         for i, unit in enumerate(spec.layer_units):
             layer = templates[unit.kind]
-            h = layer(layer.bind(flats[unit.name]), h, **kwargs[i])
-            h = h[0] if isinstance(h, tuple) else h
+            h = ctx.run(partial(layer, layer.bind(flats[unit.name])), i, h)
         head = templates["head"]
         return head(head.bind(flats["head"]), h)
 

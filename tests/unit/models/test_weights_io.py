@@ -4,12 +4,13 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine
 from mt_ray.errors import CheckpointError
 from mt_ray.models.discovery import discover
-from tests.tiny_models import reference_model, tiny_batches, tiny_config
+from tests.tiny_models import FAMILIES, checkpoint_config, reference_model, tiny_batches, tiny_config
 
 
 def make_engine(cfg, steps=2):
@@ -17,42 +18,93 @@ def make_engine(cfg, steps=2):
                            OptimizerConfig(lr=1e-3), total_steps=steps)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2-tied"])
-def test_load_sharded_safetensors_folder(tmp_path, family):
-    cfg = tiny_config(family)
-    ref = reference_model(cfg)
+def saved_state(model) -> dict[str, torch.Tensor]:
+    """Parameters and saved buffers (DeepSeek-V3's routing bias) under the model's own names."""
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("config", [tiny_config("llama"), tiny_config("qwen2-tied"), checkpoint_config("mixtral"),
+                                    checkpoint_config("deepseek_v3")], ids=["llama", "qwen2-tied", "mixtral",
+                                                                            "deepseek_v3"])
+def test_load_sharded_safetensors_folder(tmp_path, config):
+    """Experts stored one matrix per expert across shards load fused, through transformers' own mapping."""
+    ref = reference_model(config)
+    for name, buf in ref.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.normal_()
     ref.save_pretrained(tmp_path, max_shard_size="20KB")
     assert json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(list(tmp_path.glob("*.safetensors"))) > 2
-    engine = make_engine(cfg)
+    engine = make_engine(config)
     try:
         engine.load_pretrained(tmp_path)
         state = engine.state_dict()
-        for name, w in ref.state_dict().items():
-            if name in state:
+        for name, w in saved_state(ref).items():
+            if name in state or not config.tie_word_embeddings:
                 assert torch.equal(state[name], w), name
     finally:
         engine.close()
 
 
-def test_missing_weight_is_named(tmp_path):
-    cfg = tiny_config("llama")
-    ref = reference_model(cfg)
-    sd = {k: v for k, v in ref.state_dict().items() if "layers.3.mlp.up_proj" not in k}
-    from safetensors.torch import save_file
+def write_checkpoint(folder, config, edit) -> None:
+    """`config`'s random model saved by transformers, then its tensors rewritten by `edit`."""
+    reference_model(config).save_pretrained(folder)
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
 
-    save_file(sd, tmp_path / "model.safetensors")
-    engine = make_engine(cfg)
+
+def load_error(folder, config) -> str:
+    engine = make_engine(config)
     try:
-        with pytest.raises(CheckpointError, match="layers.3.mlp.up_proj"):
-            engine.load_pretrained(tmp_path)
+        with pytest.raises(CheckpointError) as e:
+            engine.load_pretrained(folder)
     finally:
         engine.close()
+    return str(e.value)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen2-tied"])
+def test_missing_tensors_are_named_with_their_shapes(tmp_path):
+    def drop(t):
+        for i in range(5):
+            t.pop(f"model.layers.{i}.mlp.up_proj.weight")
+
+    write_checkpoint(tmp_path, tiny_config("llama"), drop)
+    message = load_error(tmp_path, tiny_config("llama"))
+    assert "lacks 5 tensors the model needs" in message
+    assert "model.layers.0.mlp.up_proj.weight (64, 32), model.layers.1.mlp.up_proj.weight (64, 32)" in message
+
+
+def test_wrong_shapes_are_named_with_expected_and_found(tmp_path):
+    def widen(t):
+        t["model.layers.1.mlp.up_proj.weight"] = torch.zeros(80, 32)
+        t["model.norm.weight"] = torch.zeros(48)
+
+    write_checkpoint(tmp_path, tiny_config("llama"), widen)
+    message = load_error(tmp_path, tiny_config("llama"))
+    assert "holds 2 tensors of the wrong shape" in message
+    assert "model.layers.1.mlp.up_proj.weight: expected (64, 32), found (80, 32)" in message
+    assert "model.norm.weight: expected (32,), found (48,)" in message
+
+
+def test_a_missing_expert_is_named_by_the_fused_tensor_it_leaves_short(tmp_path):
+    config = checkpoint_config("mixtral")
+
+    def drop_expert(t):
+        for part in ("w1", "w2", "w3"):
+            t.pop(f"model.layers.2.block_sparse_moe.experts.3.{part}.weight")  # the hub layout
+
+    write_checkpoint(tmp_path, config, drop_expert)
+    message = load_error(tmp_path, config)
+    assert "model.layers.2.mlp.experts.gate_up_proj: expected (4, 128, 32), found (3, 128, 32)" in message
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen2-tied", "qwen3_moe", "mixtral", "deepseek_v3",
+                                    "qwen3_next", "gpt_oss"])
 def test_export_reloads_with_identical_logits(tmp_path, family):
-    cfg = tiny_config(family)
+    """The export holds what save_pretrained writes (experts one by one) and loads back to the same logits."""
+    cfg = tiny_config(family) if family in FAMILIES else checkpoint_config(family)
     engine = make_engine(cfg)
     try:
         engine.load_random(seed=3)
@@ -62,14 +114,16 @@ def test_export_reloads_with_identical_logits(tmp_path, family):
     finally:
         engine.close()
     assert not (tmp_path / "hf.tmp").exists()
-    model = AutoModelForCausalLM.from_pretrained(out).float().eval()
-    for name, w in model.state_dict().items():
+    twin = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
+    twin.load_state_dict(state, strict=False)
+    twin.save_pretrained(tmp_path / "by_transformers")
+    assert load_file(out / "model.safetensors").keys() == load_file(tmp_path / "by_transformers/model.safetensors").keys()
+    model = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").float().eval()
+    for name, w in saved_state(model).items():
         if "lm_head" in name and cfg.tie_word_embeddings:
             name = "model.embed_tokens.weight"
         assert torch.equal(w, state[name]), name
     ids = tiny_batches(n_micro=1)[0]["input_ids"]
-    twin = reference_model(cfg)
-    twin.load_state_dict(state, strict=False)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, twin.eval()(ids).logits, rtol=0, atol=0)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import subprocess
+import time
 
 import pytest
 from mlflow import MlflowClient
@@ -141,3 +142,42 @@ def test_child_run_failure_is_recorded(tmp_path):
     assert run.info.status == "FAILED" and run.data.tags["mlflow.parentRunId"] == parent_id
     assert run.info.run_name == "trial-1" and run.data.params == {"lr": "1.0"}
 
+
+
+def test_a_run_left_running_is_killed_when_its_name_starts_again_and_a_resume_reopens_its_own(tmp_path):
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    config = TrackingConfig(run_name="r", system_metrics=False)
+    died = MlflowTracker(config, client=client).start({"lr": 0.1})  # its process died: never closed
+    other = MlflowTracker(config.model_copy(update={"run_name": "other"}), client=client).start({})
+    first = MlflowTracker(config, client=client)
+    run_id = first.start({"lr": 0.1})
+    assert client.get_run(died).info.status == "KILLED" and client.get_run(other).info.status == "RUNNING"
+    first.log_metrics(1, {"loss": 2.0})
+    first.close("KILLED")
+
+    again = MlflowTracker(config, client=client)  # the run resumed from a checkpoint: the same MLflow run
+    assert again.start({"lr": 0.5}, resume_run_id=run_id) == run_id
+    assert client.get_run(run_id).info.status == "RUNNING"
+    again.log_resume("/runs/r/checkpoints/step-00000001", 1)
+    again.log_metrics(2, {"loss": 1.0})
+    again.close()
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.params == {"lr": "0.1"}  # params stay the first start's
+    assert run.data.tags["mt_ray.resumed_from"] == "/runs/r/checkpoints/step-00000001 (step 1)"
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == [(1, 2.0), (2, 1.0)]
+    assert MlflowTracker(config, client=client).start({}, resume_run_id="no-such-run") not in (None, run_id)
+    experiment = client.get_experiment_by_name("mt-ray")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the model-training view
+
+
+def test_system_metrics_are_sampled_while_the_run_is_open(tmp_path):
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    tracker = MlflowTracker(TrackingConfig(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                                           system_metrics_interval_s=0.2), client=client)
+    run_id = tracker.start({})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and "system/cpu_utilization_percentage" not in client.get_run(run_id).data.metrics:
+        time.sleep(0.2)
+    tracker.close()
+    metrics = client.get_run(run_id).data.metrics
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= metrics.keys()
