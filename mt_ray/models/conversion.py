@@ -108,8 +108,21 @@ class CheckpointReader:
         piece = self._handles[fname].get_slice(key)
         return torch.empty(piece.get_shape(), dtype=_DTYPES.get(piece.get_dtype(), torch.float32), device="meta")
 
+    def _check_precision(self) -> None:
+        """Quantized weights would load as their raw codes (no scales applied): refuse them."""
+        quant = getattr(self.spec.config, "quantization_config", None)
+        coded = [f"{k} ({t.dtype})" for g in self._groups for _, k in g.sources
+                 if (t := self._meta(k)).dtype not in _FULL_PRECISION]
+        if quant or coded:
+            method = quant.get("quant_method", quant) if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+            raise CheckpointError(
+                f"{self.folder} holds quantized weights ({method or ', '.join(coded[:_SHOWN])}); mt-ray trains "
+                "full-precision weights: dequantize the checkpoint to bf16 or fp32 first"
+            )
+
     def _check_shapes(self) -> dict[str, _Group]:
         """Convert every group on the meta device; map each model tensor to the group that makes it."""
+        self._check_precision()
         expected = {p.hf_name: p.shape for u in self.spec.units for p in u.params}
         group_of: dict[str, _Group] = {}
         wrong = []
@@ -178,6 +191,8 @@ def _weight_map(folder: Path) -> dict[str, str]:
     with safe_open(str(single), framework="pt") as f:
         return dict.fromkeys(f.keys(), SAFE_SINGLE)
 
+
+_FULL_PRECISION = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 # safetensors' dtype names, for the meta tensors of the shape check.
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
