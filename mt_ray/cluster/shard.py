@@ -89,7 +89,8 @@ class CoordinatorShard:
         self.numels = {u.name: u.numel for u in self.spec.units}
         self.clips = self.opt_cfg.max_grad_norm > 0
         self.grad_dtype = self.cfg.grad_torch_dtype  # gradients travel and wait in this dtype
-        self.store = HostStore(self.spec, None, False, 0, self.cfg.host_memory_limit_gb, units=self.owned)
+        # The configured limit is checked per node against the whole plan by the driver (check_plan).
+        self.store = HostStore(self.spec, None, False, 0, None, units=self.owned)
         self.optimizers = {u.name: UnitOptimizer(self.store, u, self.opt_cfg) for u in self.owned}
         self.pool = GradPool(self.numels, self.grad_dtype, SHARD_BUFFERS, cast_dtype=self.cfg.dtype)
         self._publisher = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="mt-ray-publish")
