@@ -19,6 +19,7 @@ set once for the process (it is process-wide: Ray starts actors with OMP_NUM_THR
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -101,6 +102,7 @@ class CoordinatorShard:
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
         self._error: BaseException | None = None
         self.gen: _Generation | None = None
+        self.seconds = {"sum": 0.0, "publish": 0.0, "adam": 0.0}  # busy time, for the benchmark's time split
 
     def set_peers(self, peers: list) -> None:
         """Every shard's handle, by shard index (partial sums go to their unit's owner)."""
@@ -156,7 +158,8 @@ class CoordinatorShard:
         """
         old = self.gen
         if old is not None:
-            old.opt.close()  # applies what was queued (an ended step's updates, or unclipped ones)
+            old.opt.close()
+            self.seconds["adam"] += old.opt.busy_seconds  # applies what was queued (an ended step's updates, or unclipped ones)
             old.opt.reset_versions(_WAKE_ALL)  # its publish loop wakes, sees the generation is over, exits
             self.pool.clear()
         if restore_snapshot:
@@ -201,6 +204,10 @@ class CoordinatorShard:
         """Block until every unit of this shard has had `version` optimizer steps."""
         for unit in self.owned_names:
             self.gen.opt.wait_updated(unit, version)
+
+    def busy_seconds(self) -> dict[str, float]:
+        """Cumulative busy time of the sums, the publication puts and Adam (this generation's optimizer)."""
+        return {**self.seconds, "adam": self.seconds["adam"] + self.gen.opt.busy_seconds}
 
     def units_summed(self, step: int) -> int:
         """How many of this shard's units of `step` are summed (for monitoring and tests)."""
@@ -313,8 +320,10 @@ class CoordinatorShard:
 
     def _guarded(self, gen: _Generation, step: int, unit: str, fn: Callable, *args) -> None:
         """Run one sum on the reduce thread; whatever happens, the workers waiting on it wake."""
+        t0 = time.perf_counter()
         try:
             fn(gen, step, unit, *args)
+            self.seconds["sum"] += time.perf_counter() - t0
         except BaseException as e:
             with self._cond:
                 self._error = self._error or e
@@ -382,10 +391,12 @@ class CoordinatorShard:
     def _publish(self, gen: _Generation, unit: str, version: int) -> None:
         """Cast the unit's master to the compute dtype and put it in the object store: one copy per node."""
         i, cast = self.pool.acquire(unit, self.cfg.dtype)
+        t0 = time.perf_counter()
         try:
             ref = ray.put(to_numpy(cast.copy_(self.store.master_of(unit))))
         finally:
             self.pool.give_back(i)
+        self.seconds["publish"] += time.perf_counter() - t0
         with self._cond:
             if gen is self.gen and not gen.stopped:
                 self._published[unit] = _Published(version, ref)

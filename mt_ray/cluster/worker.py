@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 
 import ray
@@ -111,6 +112,7 @@ class ObjectStoreWeights:
         self.unit_order = unit_order
         self._cond = threading.Condition()
         self._held: dict[str, tuple[int, ray.ObjectRef, torch.Tensor]] = {}
+        self.wait_seconds = 0.0
         self._error: BaseException | None = None
         self._fetches: queue.Queue = queue.Queue()
         self._releases: queue.Queue = queue.Queue()
@@ -121,8 +123,10 @@ class ObjectStoreWeights:
         self._fetches.put((self.generation, version))
 
     def wait_updated(self, unit: str, version: int) -> None:
+        t0 = time.perf_counter()
         with self._cond:
             self._cond.wait_for(lambda: self._error is not None or self._held.get(unit, (-1,))[0] == version)
+            self.wait_seconds += time.perf_counter() - t0  # the engine's thread idle, waiting for weights
             if self._error is not None:
                 error, self._error = self._error, None
                 raise error  # as it came (a lost shard stays a RayActorError for the driver)
@@ -293,6 +297,10 @@ class EngineWorker:
         result = self.engine.evaluate(micro_batches)
         return {"loss_sum": float(result.loss_sum), "num_loss_tokens": result.num_loss_tokens,
                 "num_tokens": result.num_tokens}
+
+    def weight_wait_seconds(self) -> float:
+        """Cumulative time the engine's thread waited for published weights (the benchmark's time split)."""
+        return self.weights.wait_seconds
 
     def rejoin(self, generation: int, step: int) -> None:
         """Serve a new generation after another worker was lost or a checkpoint was restored."""
