@@ -120,3 +120,17 @@ def test_unclipped_step_left_half_applied_without_a_snapshot_restarts_from_a_che
     opt = OPT.model_copy(update={"max_grad_norm": 0.0})
     with pytest.raises(ClusterLostError, match="restarts from the newest checkpoint"):
         data_parallel(opt, cluster=ClusterConfig(snapshot_every=0), after_launch=kill_worker_once_units_are_updated)
+
+
+def test_a_cluster_that_cannot_place_the_run_is_refused_naming_the_key(local_ray):
+    from mt_ray.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"cluster.num_workers=3 cannot spread evenly over cluster.num_nodes=2"):
+        DataParallelTrainer(tiny_config("llama"), ENGINE, OPT, num_workers=3, total_steps=1,
+                            cluster=ClusterConfig(num_nodes=2))
+    with pytest.raises(ConfigError, match=r"cluster.num_workers=2 .* need 2 GPUs; the cluster has 0"):
+        DataParallelTrainer(tiny_config("llama"), ENGINE, OPT, num_workers=2, total_steps=1,
+                            cluster=ClusterConfig(gpus_per_worker=1))
+    wide = tiny_config("llama", vocab_size=200_000)  # about 50 M fp32 weights: more than the 200 MB store
+    with pytest.raises(ConfigError, match=r"object store .* --object-store-memory"):
+        DataParallelTrainer(wide, ENGINE, OPT, num_workers=2, total_steps=1)
