@@ -14,7 +14,6 @@ import torch
 
 from mt_ray.config.run import RunConfig
 from mt_ray.engine import EvalResult, StepResult, StreamingEngine
-from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import ModelSpec
 from mt_ray.training.model_source import pretrained_weights
 
@@ -58,21 +57,10 @@ def initial_weights(cfg: RunConfig) -> int | str:
     return folder if folder is not None else cfg.training.seed
 
 
-def check_evaluation_supported(cfg: RunConfig) -> None:
-    """Refuse a held-out split where the backend cannot evaluate (a data-parallel trainer without `evaluate`)."""
-    if cfg.cluster.num_workers > 1 and cfg.data.has_eval_split:
-        from mt_ray.cluster import DataParallelTrainer
-
-        if not hasattr(DataParallelTrainer, "evaluate"):
-            raise ConfigError("data.val_size / data.eval_datasets: evaluation is not available with "
-                              "cluster.num_workers > 1 yet; evaluate with cluster.num_workers=1, or drop the split")
-
-
 def build_backend(cfg: RunConfig, spec: ModelSpec) -> TrainingBackend:
     """A single engine for `cluster.num_workers == 1`, else Ray workers and coordinator shards; weights loaded."""
     weights = initial_weights(cfg)
     steps = cfg.training.steps
-    check_evaluation_supported(cfg)
     if cfg.cluster.num_workers > 1:
         from mt_ray.cluster import DataParallelTrainer  # Ray is needed only here
 
