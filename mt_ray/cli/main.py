@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     calc.add_argument("--gpu-mem-gb", type=float, default=80.0)
     calc.add_argument("--host-mem-gb", type=float, default=128.0)
     calc.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    calc.add_argument("--workers", type=int, default=1, help="data-parallel workers (GPUs): adds the per-node figures")
+    calc.add_argument("--nodes", type=int, default=1, help="nodes the workers and the fp32 state spread over")
 
     export = sub.add_parser("export", help="checkpoint -> Hugging Face folder")
     export.add_argument("--config", required=True, help="the run's YAML config (model section)")
@@ -74,8 +76,28 @@ def _calc(args) -> int:
 
     spec = _spec(args)
     rec = recommend(spec, args.seq, args.global_batch, args.gpu_mem_gb, args.host_mem_gb)
-    print(json.dumps(rec, indent=2) if args.json else render_recommendation(rec))
+    cluster = _cluster_sizing(spec, args) if args.workers > 1 or args.nodes > 1 else None
+    if args.json:
+        print(json.dumps({**rec, **({"cluster": cluster.as_dict()} if cluster else {})}, indent=2))
+        return 0
+    print(render_recommendation(rec))
+    if cluster is not None:
+        from mt_ray.cluster.sizing import render_cluster
+
+        print(render_cluster(cluster))
     return 0
+
+
+def _cluster_sizing(spec, args):
+    """Per-node host memory, object store and network of a data-parallel run of the recommended engine."""
+    from mt_ray.cluster.sizing import size_cluster
+    from mt_ray.engine.config import EngineConfig, OptimizerConfig
+    from mt_ray.errors import ConfigError
+
+    if args.workers % args.nodes:
+        raise ConfigError(f"--workers {args.workers} cannot spread evenly over --nodes {args.nodes}")
+    cfg = EngineConfig(device="cpu", compute_dtype="bf16", grad_dtype="compute")
+    return size_cluster(spec, cfg, OptimizerConfig(), args.workers, args.nodes)
 
 
 def _export(args) -> int:
