@@ -1,20 +1,20 @@
-"""Data-parallel scaling on one host: throughput on 1, 2, 4 GPUs, and object store -> GPU bandwidth.
+"""Data-parallel speed and host memory beside the single engine, at the same rows per GPU.
 
-Runs `mt_ray.cluster.DataParallelTrainer` (one engine worker per GPU, one coordinator holding the
-fp32 master and Adam state) for each GPU count, with a fixed micro-batch budget per GPU (weak
-scaling: the global batch grows with the GPU count). Reports tokens/s, model TFLOPS per GPU
-(6 x params x tokens / step time) and scaling efficiency = throughput(N) / (N x throughput(1)).
+One process runs, in turn and each on a fresh Ray:
+- `single-engine`: a `StreamingEngine` on one GPU, no Ray;
+- `data-parallel` on each GPU count of `--gpus`: one engine worker per GPU, one coordinator shard;
+- `sharded` (with `--sharded`): two Ray nodes on this host, one GPU each, `cluster.num_nodes=2`, so
+  the fp32 state is split over two shards and gradients and weights cross between the nodes.
 
-The bandwidth part runs in a GPU actor: it maps a weights-sized object from the node's object
-store (zero-copy) and times host->device copies from it as pageable memory, after
-cudaHostRegister (and what registering costs), and from a torch-pinned buffer for reference.
+Each row: step time after warm-up, model TFLOPS per GPU (6 x params x tokens / step / GPUs), the
+node's host bytes per parameter (peak growth of MemTotal - MemAvailable from before the run, all
+processes and the object store included), `mt-ray calc`'s prediction of it, and the time split
+summed over the timed steps: workers waiting for weights (the engine's thread idle), the shards'
+Adam, their gradient sums, and their publication puts.
 
-Needs: CUDA GPUs, `pip install -e ".[cluster]"`, host RAM for the coordinator (about 18 B/param:
-fp32 master + m + v, the bf16 published copy, fp32 summed gradients while clipping) plus the object
-store (two bf16 weight versions + one gradient per GPU), i.e. ~250 GB for the 7B shape on 4 GPUs.
-
-    python bench/multi_gpu.py --shape qwen2.5-7b --gpus 1,2,4 --out bench/results/multi_gpu.json
-    python bench/multi_gpu.py --shape tiny --gpus 1,2 --steps 2      # quick check of the plumbing
+    python bench/multi_gpu.py --shape qwen2.5-7b --gpus 1,2 --rows-per-gpu 128 --kernels liger --sharded \
+        --out bench/results/multi_gpu_h200x2.json
+    python bench/multi_gpu.py --shape tiny --gpus 1,2 --rows-per-gpu 8 --micro 4 --steps 2   # plumbing check
 """
 
 from __future__ import annotations
@@ -30,117 +30,148 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import OPT, print_table, random_micro_batches, shape_config, write_json  # noqa: E402
 from mt_ray.cluster import ClusterConfig, DataParallelTrainer  # noqa: E402
-from mt_ray.cluster.driver import plan_object_store_bytes  # noqa: E402
-from mt_ray.engine import EngineConfig  # noqa: E402
+from mt_ray.cluster.node_memory import NodeMemoryPeak  # noqa: E402
+from mt_ray.cluster.sizing import size_cluster  # noqa: E402
+from mt_ray.engine import EngineConfig, StreamingEngine  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
+
+COLUMNS = ["system", "gpus", "rows_per_gpu", "step_s", "model_tflops_per_gpu", "node_host_bytes_per_param",
+           "calc_node_host_bytes_per_param", "weight_wait_s", "adam_s", "sum_s", "publish_s"]
 
 
 def engine_config(args) -> EngineConfig:
     return EngineConfig(device="cuda", compute_dtype="bf16", checkpoint_every=args.k, grad_dtype=args.grad_dtype,
-                        stream_master=False, optimizer_threads=args.optimizer_threads)
+                        stream_master=args.stream_master, kernels=args.kernels, optimizer_threads=args.optimizer_threads)
 
 
-def run_scaling(args, cfg, n_gpus: int) -> dict:
-    """Steps of the data-parallel trainer on `n_gpus` workers; times the steps after warm-up."""
-    vocab = cfg.vocab_size
-    steps = args.warmup + args.steps
-    batches = [random_micro_batches(vocab, args.batch_per_gpu * n_gpus, args.micro, args.seq, seed=s)
-               for s in range(steps)]
-    cluster = ClusterConfig(gpus_per_worker=1, cpus_per_worker=args.cpus_per_worker, snapshot_every=0)
-    trainer = DataParallelTrainer(cfg, engine_config(args), OPT, n_gpus, total_steps=steps, cluster=cluster, weights=0)
+def batches(args, cfg, gpus: int) -> list:
+    rows = args.rows_per_gpu * gpus
+    return [random_micro_batches(cfg.vocab_size, rows, args.micro, args.seq, seed=s)
+            for s in range(args.warmup + args.steps)]
+
+
+def row(args, cfg, system: str, gpus: int, step_s: float, growth: int, calc: float, split: dict) -> dict:
+    n = discover(cfg).num_params
+    tokens = args.rows_per_gpu * gpus * args.seq
+    return {"system": system, "gpus": gpus, "rows_per_gpu": args.rows_per_gpu, "step_s": step_s,
+            "model_tflops_per_gpu": 6 * n * tokens / step_s / gpus / 1e12,
+            "node_host_bytes_per_param": growth / n, "calc_node_host_bytes_per_param": calc, **split}
+
+
+def run_single(args, cfg) -> dict:
+    """The single engine on one GPU, no Ray: the speed each data-parallel GPU should match."""
+    memory = NodeMemoryPeak()
+    engine = StreamingEngine(discover(cfg), engine_config(args), OPT, total_steps=args.warmup + args.steps)
     try:
-        result = trainer.train(batches)  # returns after the last update is in the master weights
+        engine.load_random(seed=0)
+        times = []
+        for b in batches(args, cfg, 1):
+            t0 = time.perf_counter()
+            engine.train_step(b).loss.item()  # the step's device work is done
+            times.append(time.perf_counter() - t0)
+        engine.synchronize()
+        adam = engine.worker.busy_seconds
+    finally:
+        engine.close()
+    memory.close()
+    return row(args, cfg, "single-engine", 1, sum(times[args.warmup:]) / args.steps, memory.growth, float("nan"),
+               {"weight_wait_s": None, "adam_s": adam, "sum_s": None, "publish_s": None})
+
+
+def run_cluster(args, cfg, system: str, gpus: int, nodes: int) -> dict:
+    """`gpus` workers over `nodes` Ray nodes of this host, each on its own fresh Ray."""
+
+    memory = NodeMemoryPeak()  # before Ray: its processes and object store count too
+    spec = discover(cfg)
+    sizing = size_cluster(spec, engine_config(args), OPT, gpus, nodes)
+    shutdown = start_ray(nodes, gpus, sizing.object_store_bytes)
+    cluster = ClusterConfig(gpus_per_worker=1, cpus_per_worker=args.cpus_per_worker, num_nodes=nodes)
+    trainer = DataParallelTrainer(cfg, engine_config(args), OPT, gpus, total_steps=args.warmup + args.steps,
+                                  cluster=cluster, weights=0)
+    try:
+        data = batches(args, cfg, gpus)
+        for b in data[:args.warmup]:
+            trainer.train_step(b)
+        trainer.synchronize()
+        before = split_seconds(trainer)
+        result = trainer.train(data[args.warmup:])
+        after = split_seconds(trainer)
     finally:
         trainer.close()
-    times = result.step_seconds
-    step_s = sum(times[args.warmup:]) / args.steps
-    tokens = args.batch_per_gpu * n_gpus * args.seq
-    n_params = discover(cfg).num_params
-    return {"gpus": n_gpus, "step_s": step_s, "tokens_per_s": tokens / step_s,
-            "tflops_per_gpu": 6 * n_params * tokens / step_s / n_gpus / 1e12}
+        shutdown()
+    memory.close()
+    split = {k: after[k] - before[k] for k in after}
+    return row(args, cfg, system, gpus, sum(result.step_seconds) / args.steps, memory.growth,
+               sizing.node_host_bytes_per_param, split)
 
 
-def bandwidth_probe(nbytes: int, repeats: int) -> dict:
-    """Runs inside a GPU actor: H2D GB/s from an object-store view, pageable vs registered vs pinned."""
+def split_seconds(trainer: DataParallelTrainer) -> dict:
     import ray
 
-    from mt_ray.cluster.wire import from_numpy, to_numpy
-    from mt_ray.cluster.worker import HostPins
+    shards = ray.get([s.busy_seconds.remote() for s in trainer.shards])
+    waits = ray.get([w.weight_wait_seconds.remote() for w in trainer.workers])
+    return {"weight_wait_s": max(waits), "adam_s": max(s["adam"] for s in shards),
+            "sum_s": max(s["sum"] for s in shards), "publish_s": max(s["publish"] for s in shards)}
 
-    n = nbytes // 2
-    ref = ray.put(to_numpy(torch.randn(n, dtype=torch.float32).to(torch.bfloat16)))
-    host = from_numpy(ray.get(ref), torch.bfloat16)  # zero-copy view of shared memory
-    dev = torch.empty(n, dtype=torch.bfloat16, device="cuda")
 
-    def gbps(src: torch.Tensor, non_blocking: bool) -> float:
-        dev.copy_(src, non_blocking=non_blocking)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            dev.copy_(src, non_blocking=non_blocking)
-        torch.cuda.synchronize()
-        return repeats * nbytes / (time.perf_counter() - t0) / 1e9
+def start_ray(nodes: int, gpus: int, store_bytes: int):
+    """One Ray node with every GPU, or `nodes` Ray nodes on this host splitting the GPUs; returns its shutdown."""
+    import ray
 
-    out = {"bytes": nbytes, "pageable_gbps": gbps(host, False)}
-    pins = HostPins(True)
-    t0 = time.perf_counter()
-    pins.swap("probe", host)
-    out["register_s"] = time.perf_counter() - t0
-    out["registered"] = "probe" in pins._held
-    out["registered_gbps"] = gbps(host, True)
-    pins.close()
-    pinned = torch.empty(n, dtype=torch.bfloat16, pin_memory=True).copy_(host)
-    out["torch_pinned_gbps"] = gbps(pinned, True)
-    return out
+    if nodes == 1:
+        ray.init(object_store_memory=store_bytes, include_dashboard=False)
+        return ray.shutdown
+    from ray.cluster_utils import Cluster
+
+    per = gpus // nodes
+    devices = [",".join(str(g) for g in range(n * per, (n + 1) * per)) for n in range(nodes)]
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_gpus": per, "object_store_memory": store_bytes, "include_dashboard": False,
+        "env_vars": {"CUDA_VISIBLE_DEVICES": devices[0]}})
+    for d in devices[1:]:
+        cluster.add_node(num_gpus=per, object_store_memory=store_bytes, env_vars={"CUDA_VISIBLE_DEVICES": d})
+    ray.init(address=cluster.address)
+
+    def shutdown() -> None:
+        ray.shutdown()
+        cluster.shutdown()
+
+    return shutdown
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen2.5-7b")
-    p.add_argument("--gpus", default="1,2,4", help="comma-separated GPU counts")
+    p.add_argument("--gpus", default="1,2", help="comma-separated data-parallel GPU counts")
+    p.add_argument("--sharded", action="store_true", help="also 2 Ray nodes x 1 GPU with the state sharded")
+    p.add_argument("--no-single", action="store_true", help="skip the single-engine row")
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch-per-gpu", type=int, default=64, help="rows per GPU per step (weak scaling)")
+    p.add_argument("--rows-per-gpu", type=int, default=128)
     p.add_argument("--micro", type=int, default=16, help="rows per micro-batch")
     p.add_argument("--k", type=int, default=4, help="checkpoint every K layers")
+    p.add_argument("--kernels", default="liger", choices=["torch", "liger"])
     p.add_argument("--grad-dtype", default="compute", choices=["fp32", "compute"])
+    p.add_argument("--stream-master", action="store_true")
     p.add_argument("--optimizer-threads", type=int, default=None)
-    p.add_argument("--cpus-per-worker", type=float, default=4)
+    p.add_argument("--cpus-per-worker", type=float, default=2)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--object-store-gb", type=float, default=None, help="default: planned from the model")
-    p.add_argument("--bandwidth-gb", type=float, default=1.0, help="object size for the H2D probe (0: skip)")
+    p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", default="bench/results/multi_gpu.json")
     args = p.parse_args()
-
-    import ray
-
     if not torch.cuda.is_available():
-        sys.exit("bench/multi_gpu.py needs CUDA GPUs (it measures GPU throughput and H2D bandwidth)")
-    counts = [int(g) for g in args.gpus.split(",")]
-    available = torch.cuda.device_count()
-    if max(counts) > available:
-        print(f"only {available} GPUs here: skipping counts above it")
-        counts = [c for c in counts if c <= available]
+        sys.exit("bench/multi_gpu.py needs CUDA GPUs")
     cfg = shape_config(args.shape)
-    store = args.object_store_gb * 2**30 if args.object_store_gb else plan_object_store_bytes(
-        discover(cfg), engine_config(args), max(counts))
-    ray.init(object_store_memory=int(store), include_dashboard=False)
-
-    payload: dict = {"shape": args.shape, "args": vars(args), "object_store_bytes": int(store)}
-    if args.bandwidth_gb > 0:
-        probe = ray.remote(num_gpus=1)(bandwidth_probe)
-        payload["bandwidth"] = ray.get(probe.remote(int(args.bandwidth_gb * 2**30), 10))
-        print_table([payload["bandwidth"]], ["bytes", "pageable_gbps", "register_s", "registered",
-                                             "registered_gbps", "torch_pinned_gbps"])
-    payload["scaling"] = rows = []
-    for n in counts:  # each row is written as it lands: a long run cut short keeps what it measured
-        rows.append(run_scaling(args, cfg, n))
-        base = next((r for r in rows if r["gpus"] == 1), None)
-        for r in rows:
-            r["scaling_efficiency"] = r["tokens_per_s"] / (r["gpus"] * base["tokens_per_s"]) if base else None
-        print_table(rows, ["gpus", "step_s", "tokens_per_s", "tflops_per_gpu", "scaling_efficiency"])
+    available = torch.cuda.device_count()
+    runs = [] if args.no_single else [lambda: run_single(args, cfg)]
+    runs += [lambda n=n: run_cluster(args, cfg, "data-parallel", n, 1)
+             for n in (int(g) for g in args.gpus.split(",")) if n <= available]
+    if args.sharded and available >= 2:
+        runs.append(lambda: run_cluster(args, cfg, "sharded", 2, 2))
+    payload: dict = {"shape": args.shape, "args": vars(args), "rows": []}
+    for run in runs:  # each row is written as it lands: a run cut short keeps what it measured
+        payload["rows"].append(run())
+        print_table(payload["rows"], COLUMNS)
         write_json(args.out, payload)
-    ray.shutdown()
 
 
 if __name__ == "__main__":

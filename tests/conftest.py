@@ -53,10 +53,24 @@ def local_ray():
 
 
 @pytest.fixture(scope="module")
-def two_node_ray():
-    """Two Ray nodes on this machine (2 CPUs and a 100 MB object store each), joined by this process.
+def three_node_ray():
+    """Three Ray nodes on this machine (2 CPUs and a 100 MB object store each), joined by this process."""
+    with _ray_cluster(3) as ray:
+        yield ray
 
-    Both raylets share the test machine's cores, so a busy machine can delay a heartbeat for long;
+
+@pytest.fixture(scope="module")
+def two_node_ray():
+    """Two Ray nodes on this machine (2 CPUs and a 100 MB object store each), joined by this process."""
+    with _ray_cluster(2) as ray:
+        yield ray
+
+
+@contextlib.contextmanager
+def _ray_cluster(nodes: int):
+    """`nodes` Ray nodes on this machine, joined by this process.
+
+    The raylets share the test machine's cores, so a busy machine can delay a heartbeat for long;
     the health check tolerates a few minutes of silence instead of declaring the node dead.
     """
     ray = pytest.importorskip("ray")
@@ -66,8 +80,11 @@ def two_node_ray():
     with repo_on_worker_path():
         cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 2, "object_store_memory": 100 << 20, "include_dashboard": False, "_system_config": patient})
-        cluster.add_node(num_cpus=2, object_store_memory=100 << 20)
+        for _ in range(nodes - 1):
+            cluster.add_node(num_cpus=2, object_store_memory=100 << 20)
         ray.init(address=cluster.address, log_to_driver=False)
-        yield ray
-        ray.shutdown()
-        cluster.shutdown()
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+            cluster.shutdown()

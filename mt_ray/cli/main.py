@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     calc.add_argument("--gpu-tflops", type=float, default=500.0, help="bf16 decoder-layer throughput of the GPU "
                       "(500: measured on the H100)")
     calc.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    calc.add_argument("--workers", type=int, default=1, help="data-parallel workers (GPUs): adds the per-node figures")
+    calc.add_argument("--nodes", type=int, default=1, help="nodes the workers and the fp32 state spread over")
 
     export = sub.add_parser("export", help="checkpoint -> Hugging Face folder")
     export.add_argument("--config", required=True, help="the run's YAML config (model section)")
@@ -91,15 +93,33 @@ def _calc(args) -> int:
     if run:  # the config's engine, as it runs on a GPU (bf16 unless it names a dtype)
         dtype = "bf16" if run.engine.compute_dtype == "auto" else run.engine.compute_dtype
         engine = run.engine.model_copy(update={"device": "cpu", "compute_dtype": dtype})
-    rec = recommend(_spec(args, run), args.seq, args.global_batch, gpu, host, cfg=engine,
+    spec = _spec(args, run)
+    rec = recommend(spec, args.seq, args.global_batch, gpu, host, cfg=engine,
                     opt=run.optimizer if run else None, machine=machine)
     model = run.model.model_dump(exclude_defaults=True) if run else {"path": args.path} if args.path else {
         "preset": args.preset or "tiny"}
+    cluster = _cluster_sizing(spec, args) if args.workers > 1 or args.nodes > 1 else None
     if args.json:
-        print(json.dumps({**rec, "config": config_snippet(rec, model) if rec["fits"] else None}, indent=2))
-    else:
-        print(render_recommendation(rec, model))
+        print(json.dumps({**rec, "config": config_snippet(rec, model) if rec["fits"] else None,
+                          **({"cluster": cluster.as_dict()} if cluster else {})}, indent=2))
+        return 0 if rec["fits"] else 1
+    print(render_recommendation(rec, model))
+    if cluster is not None:
+        from mt_ray.cluster.sizing import render_cluster
+
+        print(render_cluster(cluster))
     return 0 if rec["fits"] else 1
+
+
+def _cluster_sizing(spec, args):
+    """Per-node host memory, object store and network of a data-parallel run of the recommended engine."""
+    from mt_ray.cluster.sizing import size_cluster
+    from mt_ray.engine.config import EngineConfig, OptimizerConfig
+
+    if args.workers % args.nodes:
+        raise ConfigError(f"--workers {args.workers} cannot spread evenly over --nodes {args.nodes}")
+    cfg = EngineConfig(device="cpu", compute_dtype="bf16", grad_dtype="compute")
+    return size_cluster(spec, cfg, OptimizerConfig(), args.workers, args.nodes)
 
 
 def _export(args) -> int:

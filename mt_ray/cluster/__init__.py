@@ -1,4 +1,4 @@
-"""Data-parallel training on Ray: engine workers per GPU, a coordinator holding the state.
+"""Data-parallel training on Ray: engine workers per GPU, a coordinator shard per node holding the state.
 
 Public surface: `run_data_parallel` (one call), `DataParallelTrainer` (the controller, for
 callers that want the loop), `ClusterConfig`, `DataParallelResult`, `FailureEvent`, `ClusterError`, `ClusterLostError`.

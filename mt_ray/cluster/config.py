@@ -18,24 +18,29 @@ class ClusterConfig(BaseModel):
     )
     num_nodes: int = Field(
         1, ge=1, description="Nodes the workers spread over, the same number on each (a STRICT_SPREAD placement "
-        "group); a reducer per node sums its workers' gradients, so one sum per node travels to the coordinator. "
-        "1: Ray places workers freely and each sends its gradients to the coordinator."
+        "group). Each node has a coordinator shard that sums its workers' gradients and owns 1/num_nodes of the "
+        "fp32 master weights and Adam moments, so a model may outgrow any one host and each node's gradient sum "
+        "crosses the network once a step."
     )
     placement_timeout_s: float = Field(
         300.0, gt=0, description="How long to wait for the cluster to offer num_nodes nodes with room for their workers."
     )
     cpus_per_worker: float = Field(1.0, ge=0, description="CPUs each worker actor reserves.")
     coordinator_cpus: float = Field(
-        0.0, ge=0, description="CPUs the coordinator reserves (its optimizer threads are set by engine.optimizer_threads)."
+        0.0, ge=0, description="CPUs each coordinator shard reserves (its optimizer threads are set by "
+        "engine.optimizer_threads)."
     )
     object_store_memory_gb: float | None = Field(
         None, gt=0, description="Object store size when Ray is started in-process; None: planned from the model "
-        "(two versions of the compute-dtype weights plus one fp32 gradient of the model per worker)."
+        "(one version of the compute-dtype weights, the gradients held for clipping in the space the backward "
+        "frees, and a few unit-sized gradients in flight per worker; `mt-ray calc --workers N` prints it)."
     )
     num_cpus: int | None = Field(None, ge=1, description="CPUs of an in-process Ray; None: all of them.")
     snapshot_every: int = Field(
-        10, ge=0, description="Keep an in-memory copy of master weights and moments every N steps (doubles the "
-        "coordinator's 12 B/param); a worker lost mid-update is recovered from it. 0: no snapshots."
+        0, ge=0, description="Keep an in-memory copy of master weights and moments every N steps (12 B/param more "
+        "per node). Only needed without clipping, where a worker lost mid-step can leave units updated: with a "
+        "snapshot that step is replayed in memory, without one the run restarts from its newest checkpoint "
+        "(cluster.job_restarts). With clipping a lost worker's step is simply redone. 0: no snapshots."
     )
     max_restarts: int = Field(3, ge=0, description="Worker failures survived before the run gives up.")
     job_restarts: int = Field(

@@ -1,15 +1,17 @@
-"""The driver: places the coordinator and the workers, runs steps, replaces lost workers.
+"""The driver: places the coordinator shards and the workers, runs steps, replaces lost workers.
 
 Each global batch (a list of micro-batches) is split across the workers; every worker scales
-its loss by the global loss-token count, so the coordinator's sum of their gradients is the
-gradient one engine would compute on the whole batch. A worker lost mid-step (its actor died,
-or the step timed out) ends that step on the coordinator (see `Coordinator.recover`); new
-workers are started and the steps since the resume point are replayed from the batches kept
-here, so no data and no update is lost or applied twice.
+its loss by the global loss-token count, so the shards' sum of their gradients is the gradient
+one engine would compute on the whole batch. Workers sit in a placement group, the same number
+on each node beside that node's coordinator shard (mt_ray.cluster.shard), which sums their
+gradients and owns one contiguous part of the fp32 state.
 
-With `cluster.num_nodes > 1` the workers sit in a placement group, the same number on each
-node, next to a reducer (mt_ray.cluster.reducer): only per-node gradient sums reach the
-coordinator. A lost worker is replaced on its node; a lost node (its reducer) ends the run.
+A step: the workers run forward and backward; each shard reports the norm² of its summed
+units; the driver adds them (shard order) and hands the global norm back, which starts the
+clipped updates. A worker lost mid-step (its actor died, or the step timed out) stops the
+step on every shard; new workers start and the steps since the resume point are replayed from
+the batches kept here, so no data and no update is lost or applied twice. A lost shard or
+node loses state: `ClusterLostError`, and `jobs.train` restarts from the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -29,16 +31,18 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mt_ray.cluster.config import ClusterConfig
-from mt_ray.cluster.coordinator import Coordinator
 from mt_ray.cluster.errors import ClusterError, ClusterLostError
-from mt_ray.cluster.reducer import NodeReducer
+from mt_ray.cluster.partition import ShardPlan
+from mt_ray.cluster.shard import CoordinatorShard
+from mt_ray.cluster.sizing import GIB, ClusterSizing, size_cluster
 from mt_ray.cluster.wire import from_numpy, to_numpy
 from mt_ray.cluster.worker import EngineWorker
 from mt_ray.engine.batch import IGNORE_INDEX
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
-from mt_ray.engine.engine import StepResult
+from mt_ray.engine.engine import EvalResult, StepResult
 from mt_ray.engine.host_store import plan_layout
 from mt_ray.engine.optimizer import lr_at
+from mt_ray.errors import ConfigError, InsufficientMemoryError
 from mt_ray.models.discovery import ModelSpec, discover
 from mt_ray.models.weights import export_hf
 
@@ -46,6 +50,7 @@ log = logging.getLogger(__name__)
 
 Batch = list[dict[str, torch.Tensor]]
 _LOST_WORKER = (RayActorError, GetTimeoutError, ObjectLostError)
+FLAT_STATE = ("master", "exp_avg", "exp_avg_sq")  # the single engine's checkpoint tensors
 
 
 @dataclass
@@ -95,14 +100,24 @@ def shard_batch(batch: Batch, num_workers: int) -> list[Batch]:
                 shards[r].append(piece)
     if any(not s for s in shards):
         rows = sum(mb["input_ids"].shape[0] for mb in batch)
-        raise ClusterError(f"a global batch of {rows} rows cannot feed {num_workers} workers; use fewer workers")
+        raise ClusterError(f"a global batch of {rows} rows cannot feed {num_workers} workers; "
+                           "lower cluster.num_workers or raise the batch (training.micro_batch_size x grad_accum_steps)")
     return shards
 
 
-def plan_object_store_bytes(spec: ModelSpec, cfg: EngineConfig, num_workers: int) -> int:
-    """Two versions of the compute-dtype weights, plus one wire-dtype gradient of the model per worker."""
-    weight, grad = cfg.dtype.itemsize, cfg.grad_torch_dtype.itemsize
-    return int(spec.num_params * (2 * weight + num_workers * grad) * 1.1) + (256 << 20)
+def check_plan(sizing: ClusterSizing, cfg: EngineConfig, num_workers: int) -> None:
+    """Refuse, before anything starts, a plan that a node's configured host memory cannot hold."""
+    limit = cfg.host_memory_limit_gb
+    if limit is None or sizing.node_host_bytes <= limit * GIB:
+        return
+    fix = "raise engine.host_memory_limit_gb if the hosts have more"
+    if sizing.num_nodes < num_workers:
+        fix = f"spread the state over more nodes (cluster.num_nodes, a divisor of {num_workers} workers), or " + fix
+    raise InsufficientMemoryError(
+        f"each node needs {sizing.node_host_bytes / GIB:.1f} GiB of host memory "
+        f"({sizing.node_host_bytes_per_param:.1f} B/param with cluster.num_nodes={sizing.num_nodes}: fp32 state "
+        f"{sizing.state_bytes / GIB:.1f} GiB, object store {sizing.object_store_bytes / GIB:.1f} GiB) but "
+        f"engine.host_memory_limit_gb is {limit:g}; {fix}")
 
 
 def init_ray(cfg: ClusterConfig, object_store_bytes: int) -> bool:
@@ -113,15 +128,15 @@ def init_ray(cfg: ClusterConfig, object_store_bytes: int) -> bool:
     if address is not None:
         ray.init(address=address)
         return True
-    store = int(cfg.object_store_memory_gb * 2**30) if cfg.object_store_memory_gb else object_store_bytes
+    store = int(cfg.object_store_memory_gb * GIB) if cfg.object_store_memory_gb else object_store_bytes
     ray.init(num_cpus=cfg.num_cpus, object_store_memory=store, include_dashboard=False)
     return True
 
 
 class DataParallelTrainer:
-    """Controller of one run: a coordinator, `num_workers` engine workers, and the step loop.
+    """Controller of one run: a coordinator shard per node, `num_workers` engine workers, the step loop.
 
-    It trains like a `StreamingEngine` (`train_step`, `checkpoint_state`, `export`, ...), so the
+    It trains like a `StreamingEngine` (`train_step`, `save_checkpoint`, `export`, ...), so the
     `Trainer` drives either. `after_launch(step, trainer)` runs right after a step's work is
     handed to the workers (a seam for tests and fault injection).
     """
@@ -142,20 +157,27 @@ class DataParallelTrainer:
         self._kept: dict[int, Batch] = {}  # batches a recovery may have to replay
         nodes = self.cluster.num_nodes
         if num_workers % nodes:
-            raise ClusterError(f"{num_workers} workers cannot spread evenly over {nodes} nodes")
+            raise ConfigError(f"cluster.num_workers={num_workers} cannot spread evenly over cluster.num_nodes={nodes}; "
+                              "make num_nodes a divisor of num_workers")
         self.workers_per_node = num_workers // nodes
-        self._started_ray = init_ray(self.cluster, plan_object_store_bytes(self.spec, engine_cfg, num_workers))
+        self.sizing = size_cluster(self.spec, engine_cfg, opt_cfg, num_workers, nodes)
+        check_plan(self.sizing, engine_cfg, num_workers)
+        self._started_ray = init_ray(self.cluster, self.sizing.object_store_bytes)
         self.gpus_per_worker = self._resolve_gpus_per_worker()
+        self._check_cluster_resources()
         if engine_cfg.compute_dtype == "auto":
-            # Decided once, from where the workers run: a coordinator on a CPU-only node would
+            # Decided once, from where the workers run: a shard on a CPU-only node would
             # otherwise pick fp32 while GPU workers send bf16 gradients.
             dtype = "bf16" if self.gpus_per_worker > 0 else "fp32"
             self.engine_cfg = engine_cfg = engine_cfg.model_copy(update={"compute_dtype": dtype})
+        self.plan = ShardPlan.build(self.spec, nodes)
+        self.generation = 0
         self.placement = self._build_placement()
-        self.coordinator = self._build_coordinator(weights)
-        self.reducers = self._build_reducers()
-        self.generation = ray.get(self.coordinator.start.remote(0))
+        self.shards = self._build_shards(weights)
+        self._ask_shards([s.start.remote(self.generation, 0) for s in self.shards])
         self.workers = list(self._build_workers(0).values())
+
+    # ------------------------------------------------------------------ building
 
     def _resolve_gpus_per_worker(self) -> float:
         """The configured GPUs per worker, else one when the cluster has GPUs (decided once per run)."""
@@ -164,52 +186,64 @@ class DataParallelTrainer:
             gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
         return gpus
 
+    def _check_cluster_resources(self) -> None:
+        """Refuse a run the cluster cannot place: more GPU workers than GPUs, an object store too small."""
+        have = ray.cluster_resources()
+        if self.gpus_per_worker and self.num_workers * self.gpus_per_worker > have.get("GPU", 0):
+            raise ConfigError(f"cluster.num_workers={self.num_workers} workers of {self.gpus_per_worker:g} GPU each "
+                              f"need {self.num_workers * self.gpus_per_worker:g} GPUs; the cluster has "
+                              f"{have.get('GPU', 0):g}. Lower cluster.num_workers or add GPU nodes")
+        stores = sorted(n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n["Alive"])
+        need = self.sizing.object_store_bytes
+        usable = stores[-self.cluster.num_nodes:] if len(stores) >= self.cluster.num_nodes else []
+        if not usable or min(usable) < need:
+            raise ConfigError(
+                f"each of the cluster.num_nodes={self.cluster.num_nodes} nodes needs a {need / GIB:.2f} GiB object "
+                f"store (the weights, gradients held for clipping, a few in flight); the cluster's are "
+                f"{[round(b / GIB, 2) for b in stores]} GiB. Start Ray with a larger --object-store-memory (or "
+                "cluster.object_store_memory_gb in-process), or spread the state over more nodes")
+
     def _build_placement(self) -> PlacementGroup | None:
-        """One bundle per node (STRICT_SPREAD) holding its workers; None on one node, where Ray places freely."""
-        nodes = self.cluster.num_nodes
-        if nodes == 1:
-            return None
+        """One bundle per node holding its workers (STRICT_SPREAD); the node's shard joins its bundle."""
         per = self.workers_per_node
         bundle = {k: v * per for k, v in (("CPU", self.cluster.cpus_per_worker), ("GPU", self.gpus_per_worker)) if v}
         if not bundle:
-            raise ClusterError("workers spread over nodes must reserve something there: set cluster.cpus_per_worker > 0")
-        pg = placement_group([bundle] * nodes, strategy="STRICT_SPREAD", name="mt-ray-nodes")
+            if self.cluster.num_nodes > 1:
+                raise ConfigError("workers spread over nodes must reserve something there: set cluster.cpus_per_worker > 0")
+            return None
+        strategy = "STRICT_SPREAD" if self.cluster.num_nodes > 1 else "STRICT_PACK"
+        pg = placement_group([bundle] * self.cluster.num_nodes, strategy=strategy, name="mt-ray-nodes")
         ready, _ = ray.wait([pg.ready()], timeout=self.cluster.placement_timeout_s)
         if not ready:
             remove_placement_group(pg)
-            raise ClusterError(f"the cluster did not offer {nodes} separate nodes with {bundle} each within "
-                               f"{self.cluster.placement_timeout_s:.0f} s; add nodes or lower cluster.num_nodes")
+            raise ClusterError(f"the cluster did not offer {self.cluster.num_nodes} separate nodes with {bundle} "
+                               f"each within {self.cluster.placement_timeout_s:.0f} s; add nodes, or lower "
+                               "cluster.num_nodes or cluster.num_workers")
         return pg
 
     def _on_node(self, node: int) -> dict:
-        """Actor options that pin an actor to `node`'s bundle (nothing on a single-node run)."""
+        """Actor options that pin an actor to `node`'s bundle."""
         if self.placement is None:
             return {}
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=node)}
 
-    def _build_coordinator(self, weights: int | str | dict):
-        node_sums = self.placement is not None
-        actor = ray.remote(Coordinator).options(
-            num_cpus=self.cluster.coordinator_cpus, max_concurrency=8 + 4 * self.num_workers,
-        ).remote(self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps,
-                 self.cluster.num_nodes if node_sums else self.num_workers, self.cluster.snapshot_every, node_sums)
+    def _build_shards(self, weights: int | str | dict) -> list:
+        cls = ray.remote(CoordinatorShard)
+        n = self.cluster.num_nodes
+        shards = [cls.options(num_cpus=self.cluster.coordinator_cpus, max_restarts=0,
+                              max_concurrency=16 + 2 * self.num_workers + 4 * self.workers_per_node + 4 * n, **self._on_node(s)).remote(
+            self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps, s, n,
+            self.workers_per_node, self.num_workers, self.cluster.snapshot_every) for s in range(n)]
+        self._ask_shards([s.set_peers.remote(shards) for s in shards])
         if isinstance(weights, int):
-            ray.get(actor.load_random.remote(weights))
+            calls = [s.load_random.remote(weights) for s in shards]
         elif isinstance(weights, (str, Path)):
-            ray.get(actor.load_pretrained.remote(str(weights)))
+            calls = [s.load_pretrained.remote(str(weights)) for s in shards]
         else:
-            ray.get(actor.load_state_dict.remote(weights))
-        return actor
-
-    def _build_reducers(self) -> list:
-        """A reducer on each node of a multi-node run (none on one node: workers send to the coordinator)."""
-        if self.placement is None:
-            return []
-        cls = ray.remote(NodeReducer)
-        return [cls.options(num_cpus=0, max_concurrency=4 + 4 * self.workers_per_node, max_restarts=0,
-                            **self._on_node(n)).remote(self.coordinator, n, self.workers_per_node,
-                                                       self.engine_cfg.model_dump())
-                for n in range(self.cluster.num_nodes)]
+            state = ray.put({k: to_numpy(v.detach().contiguous()) for k, v in weights.items()})
+            calls = [s.load_state_dict.remote(state) for s in shards]
+        self._ask_shards(calls)
+        return shards
 
     def _build_workers(self, start_step: int, ranks: list[int] | None = None) -> dict[int, object]:
         cls = ray.remote(EngineWorker)
@@ -220,8 +254,10 @@ class DataParallelTrainer:
             workers[r] = cls.options(num_gpus=self.gpus_per_worker, num_cpus=self.cluster.cpus_per_worker,
                                      max_restarts=0, **self._on_node(node)).remote(
                 r, self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps,
-                self.coordinator, self.generation, start_step, self.reducers[node] if self.reducers else None)
+                self.shards, node, self.generation, start_step)
         return workers
+
+    # ------------------------------------------------------------------ steps
 
     def train(self, batches: Iterable[Batch]) -> DataParallelResult:
         """Run until `total_steps` or the batches end; returns losses, norms and failure events."""
@@ -238,10 +274,10 @@ class DataParallelTrainer:
     def train_step(self, micro_batches: Batch) -> StepResult:
         """One global step over `micro_batches` (split across the workers); returns when all are done.
 
-        If a worker is lost, the step ends on the coordinator, new workers start, and the steps
-        since the coordinator's resume point are replayed from the batches kept here, so no data
-        and no update is lost or applied twice. Should the coordinator complete this very step
-        from the gradients already in, its loss is unknown (the lost worker held a share): NaN.
+        If a worker is lost, the step stops on the shards, new workers start, and the steps since
+        the resume point are replayed from the batches kept here, so no data and no update is
+        lost or applied twice. Should the shards complete this very step from the gradients
+        already in, its loss is unknown (the lost worker held a share): NaN.
         """
         target = self.step_idx
         self._kept[target] = micro_batches
@@ -265,14 +301,24 @@ class DataParallelTrainer:
         shards = shard_batch(batch, self.num_workers)
         n_global = count_loss_tokens(batch)
         self._inflight = [w.train_step.remote(step, s, n_global) for w, s in zip(self.workers, shards, strict=True)]
+        norms = [s.local_norm_sq.remote(self.generation, step) for s in self.shards]
         if self.after_launch is not None:
             self.after_launch(step, self)
-        # The only place the driver waits: for every worker to finish its share of the step.
+        # The driver waits here for every worker's share of the step (its gradients summed on its node)...
         outs = ray.get(self._inflight, timeout=self.cluster.step_timeout_s)
-        [grad_norm] = [o["grad_norm"] for o in outs if o["grad_norm"] is not None]  # one call ended the step
+        # ...then for every shard's norm², whose total (shard order, so a rerun clips alike) starts the updates.
+        norm_sq = sum(self._ask_shards(norms))
+        self._ask_shards([s.apply_norm.remote(step, norm_sq) for s in self.shards])
         loss = sum(o["loss"] for o in outs)  # each worker's loss is its share of the global mean
-        return StepResult(torch.tensor(loss, dtype=torch.float64), torch.tensor(grad_norm, dtype=torch.float64),
+        return StepResult(torch.tensor(loss, dtype=torch.float64), torch.tensor(norm_sq ** 0.5, dtype=torch.float64),
                           lr_at(step, self.opt_cfg, self.total_steps), sum(o["num_tokens"] for o in outs), n_global)
+
+    def evaluate(self, micro_batches: Batch) -> EvalResult:
+        """Held-out loss of `micro_batches` split across the workers, forward only (no gradient, no update)."""
+        parts = shard_batch(micro_batches, min(self.num_workers, _rows(micro_batches)))
+        outs = ray.get([w.evaluate.remote(p) for w, p in zip(self.workers, parts, strict=False)])  # fewer rows than workers: some idle
+        return EvalResult(torch.tensor(sum(o["loss_sum"] for o in outs), dtype=torch.float64),
+                          sum(o["num_loss_tokens"] for o in outs), sum(o["num_tokens"] for o in outs))
 
     def _forget(self) -> None:
         """Drop batches no recovery can need: those before the snapshot before last."""
@@ -281,20 +327,21 @@ class DataParallelTrainer:
         for s in [s for s in self._kept if s < oldest]:
             del self._kept[s]
 
+    # ------------------------------------------------------------------ failures
+
     def _recover(self, step: int, error: BaseException) -> int:
+        self._ask_shards([s.ping.remote() for s in self.shards])  # a lost shard is not a lost worker
         healthy, lost = self._sort_workers()
         if len(self.events) >= self.cluster.max_restarts:
             raise ClusterError(f"step {step} failed ({error}) after {len(self.events)} restarts; giving up") from error
         for rank, w in enumerate(self.workers):
             if rank not in healthy:
                 ray.kill(w, no_restart=True)
-        try:
-            ray.get([r.node_id.remote() for r in self.reducers])
-        except RayActorError as e:
-            raise ClusterLostError("a node's reducer was lost (did the node fail?); restart from a checkpoint") from e
-        resume, self.generation, action = self._ask_coordinator(self.coordinator.recover.remote(step))
-        if resume < min(self._kept):
+        resume, restore, action = self._end_failed_step(step)
+        if resume < min(self._kept, default=resume):
             raise ClusterError(f"cannot replay from step {resume}: its batch is no longer kept")
+        self.generation += 1
+        self._ask_shards([s.start.remote(self.generation, resume, restore) for s in self.shards])
         event = FailureEvent(step, f"{type(error).__name__}: {error}".splitlines()[0], lost, resume, action)
         self.events.append(event)
         log.warning("worker(s) %s lost in step %d (%s); %s; resuming at step %d", lost, step, event.error, action, resume)
@@ -303,6 +350,29 @@ class DataParallelTrainer:
         ray.get([self.workers[r].rejoin.remote(self.generation, resume) for r in healthy])
         self.workers = [fresh.get(r, w) for r, w in enumerate(self.workers)]
         return resume
+
+    def _end_failed_step(self, step: int) -> tuple[int, bool, str]:
+        """Stop `step` on every shard and decide: (step to resume at, restore the snapshot, what was done).
+
+        With clipping no unit is updated before every gradient of the step is in, so the step is
+        redone, or completed if every gradient was in. Without clipping some units may already be
+        updated: the snapshot is restored and the steps since it replayed; with no snapshot only
+        the newest checkpoint holds a consistent state.
+        """
+        reports = self._ask_shards([s.stop.remote(step) for s in self.shards])
+        if all(r["complete"] for r in reports):
+            norm_sq = sum(r["norm_sq"] for r in reports if r["norm_sq"] is not None)
+            if any(r["norm_sq"] is not None for r in reports):
+                self._ask_shards([s.apply_norm.remote(step, norm_sq) for s in self.shards])
+            return step + 1, False, "step had every gradient; completed"
+        if self.opt_cfg.max_grad_norm > 0 or not any(r["touched"] for r in reports):
+            return step, False, "no unit updated; step redone"
+        if self.cluster.snapshot_every == 0:
+            raise ClusterLostError(
+                f"a worker was lost in step {step} after some units were updated (optimizer.max_grad_norm=0 updates "
+                "each unit as its gradient lands); the run restarts from the newest checkpoint "
+                "(cluster.snapshot_every > 0 recovers in memory instead, at 12 B/param more per node)")
+        return reports[0]["snapshot_step"], True, "units partly updated; restored snapshot"
 
     def _sort_workers(self) -> tuple[list[int], list[int]]:
         """Ranks whose share of the failed step came back (healthy), and ranks whose actor died (lost)."""
@@ -322,16 +392,19 @@ class DataParallelTrainer:
         return healthy, lost
 
     @staticmethod
-    def _ask_coordinator(ref: ray.ObjectRef):
-        """The answer of a coordinator call; losing the coordinator loses the run's state."""
+    def _ask_shards(refs: list[ray.ObjectRef]) -> list:
+        """The answers of shard calls; losing a shard loses its part of the run's state."""
         try:
-            return ray.get(ref)
+            return ray.get(refs)
         except RayActorError as e:
-            raise ClusterLostError("the coordinator was lost with the training state; restart from a checkpoint") from e
+            raise ClusterLostError("a coordinator shard (or its node) was lost with its part of the training "
+                                   "state; restart from a checkpoint") from e
+
+    # ------------------------------------------------------------------ state, checkpoints, export
 
     def synchronize(self) -> None:
-        """Wait until every update of the steps run so far is in the coordinator's master weights."""
-        self._ask_coordinator(self.coordinator.wait_updated.remote(self.step_idx))
+        """Wait until every update of the steps run so far is in the shards' master weights."""
+        self._ask_shards([s.wait_updated.remote(self.step_idx) for s in self.shards])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights by Hugging Face name (copies: they outlive the trainer and its Ray)."""
@@ -342,46 +415,71 @@ class DataParallelTrainer:
         return export_hf(self.spec, self._fetch_state(), out_dir, tokenizer, dtype)
 
     def _fetch_state(self) -> dict[str, torch.Tensor]:
-        """Master weights as read-only views of the object fetched from the coordinator."""
+        """Master weights as read-only views of the objects fetched from the shards."""
         self.synchronize()
-        return {k: from_numpy(a, torch.float32) for k, a in self._ask_coordinator(self.coordinator.state_dict.remote()).items()}
+        parts = self._ask_shards([s.state_part.remote() for s in self.shards])
+        return {k: from_numpy(a, torch.float32) for part in parts for k, a in part.items()}
 
-    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """The engine's checkpoint tensors and meta (same layout, so either kind of run resumes from it).
-
-        The tensors are read-only views of one object fetched from the coordinator: while a
-        checkpoint is written, the driver's node holds the 12 B/param of master and moments.
-        """
+    def save_checkpoint(self, manager, step: int, extra_meta: dict) -> str:
+        """Every shard writes its range of the flat state at once; the manifest (the single engine's
+        format, so any worker or node count resumes from it) is written here, last."""
         self.synchronize()
-        arrays = self._ask_coordinator(self.coordinator.checkpoint_state.remote())
-        meta = {"step": self.step_idx, "layout": plan_layout(self.spec, None).describe()}
-        return {k: from_numpy(a, torch.float32) for k, a in arrays.items()}, meta
+        layout = plan_layout(self.spec, None)
+        ranges = self.plan.ranges()
+        shard_bytes = manager.config.shard_bytes
+        records = {name: _plan_pieces(name, layout.total, shard_bytes, [hi for _, hi in ranges[:-1]])
+                   for name in FLAT_STATE}
 
-    def checkpoint_buffers(self) -> None:
-        """None: a checkpoint is read into new tensors here, then shipped to the coordinator."""
-        return None
+        def write(writer) -> dict:
+            calls = [s.write_checkpoint_part.remote(
+                writer, {n: [p for p in r.pieces if lo <= p.start < hi] for n, r in records.items()},
+                lo, manager.config.io_workers) for s, (lo, hi) in zip(self.shards, ranges, strict=True)]
+            return {f: rec for part in self._ask_shards(calls) for f, rec in part.items()}
 
-    def load_checkpoint_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        """Restore `checkpoint_state()` output on the coordinator; the workers rejoin at its step."""
-        plan_layout(self.spec, None).check_matches(meta["layout"])
+        meta = {"step": step, "layout": layout.describe(), **extra_meta}
+        return manager.save_with(step, records, meta, write)
+
+    def restore_checkpoint(self, manager, uri: str | None = None) -> dict:
+        """Every shard reads its range of a checkpoint (of any run shape) at once; workers rejoin at its step."""
+        layout = plan_layout(self.spec, None)
         self.synchronize()
-        arrays = {k: to_numpy(v.contiguous()) for k, v in tensors.items()}
-        self.generation = self._ask_coordinator(self.coordinator.load_checkpoint_state.remote(arrays, meta))
+
+        def read(stored) -> dict:
+            layout.check_matches(stored.manifest.meta["layout"])
+            self._ask_shards([s.read_checkpoint_part.remote(stored, lo)
+                              for s, (lo, _) in zip(self.shards, self.plan.ranges(), strict=True)])
+            return stored.manifest.meta
+
+        meta = manager.load_with(read, uri)
+        self.generation += 1
+        self._ask_shards([s.start.remote(self.generation, meta["step"]) for s in self.shards])
         ray.get([w.rejoin.remote(self.generation, meta["step"]) for w in self.workers])
         self.step_idx = meta["step"]
         self._kept.clear()
+        return meta
 
     def memory_metrics(self) -> dict[str, float]:
-        """Peak host bytes per parameter of the coordinator, the process holding the state."""
-        return {"host_bytes_per_param": self._ask_coordinator(self.coordinator.rss_bytes_per_param.remote())}
+        """Peak host memory growth of the most loaded node since its shard started, per parameter."""
+        reports = self._ask_shards([s.host_bytes.remote() for s in self.shards])
+        return {"host_bytes_per_param": max(r["node_growth"] for r in reports) / self.spec.num_params}
 
     def close(self) -> None:
-        for actor in [*self.workers, *self.reducers, self.coordinator]:
+        for actor in [*self.workers, *self.shards]:
             ray.kill(actor, no_restart=True)
         if self.placement is not None:
             remove_placement_group(self.placement)
         if self._started_ray:
             ray.shutdown()
+
+
+def _rows(batch: Batch) -> int:
+    return sum(mb["input_ids"].shape[0] for mb in batch)
+
+
+def _plan_pieces(name: str, numel: int, shard_bytes: int, cuts: list[int]):
+    from mt_ray.tracking.ckpt_format import plan_pieces  # tracking is needed only when checkpointing
+
+    return plan_pieces(name, torch.float32, [numel], shard_bytes, cuts)
 
 
 def run_data_parallel(model, engine_cfg: EngineConfig, opt_cfg: OptimizerConfig,

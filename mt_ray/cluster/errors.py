@@ -4,7 +4,7 @@ from mt_ray.errors import MtRayError
 
 
 class ClusterError(MtRayError, RuntimeError):
-    """The data-parallel run cannot continue (too many failures, a lost coordinator, a bad batch)."""
+    """The data-parallel run cannot continue (too many failures, a lost shard, a bad batch)."""
 
 
 class StaleGenerationError(MtRayError, RuntimeError):
@@ -12,5 +12,6 @@ class StaleGenerationError(MtRayError, RuntimeError):
 
 
 class ClusterLostError(ClusterError):
-    """A part that holds the run's state (the coordinator, or a node and its reducer) was lost:
-    the run goes on only from a checkpoint, with a new cluster (what `jobs.train` does)."""
+    """A part that holds the run's state (a coordinator shard, or its node) was lost, or a step was
+    left half-applied with no snapshot: the run goes on only from a checkpoint, with a new cluster
+    (what `jobs.train` does)."""

@@ -31,19 +31,28 @@ def from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return t.view(dtype) if t.dtype != dtype else t
 
 
-SUM_THREADS = 4  # per gradient being summed; several units' sums may run at once
+# Elements summed at a time: every input's slice is added into one fp32 chunk that stays in
+# cache, so a sum reads each input once and writes its result once (no full-size fp32 temporary).
+SUM_CHUNK = 1 << 20
 
 
-def sum_fp32(arrays: list[np.ndarray], dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Sum gradients read from the object store in fp32, in the order given (callers pass rank
-    order, so the sum does not depend on arrival order); into `out` when given.
+def sum_in_order(arrays: list[tuple[np.ndarray, torch.dtype]], out: torch.Tensor) -> torch.Tensor:
+    """Sum gradients read from the object store into `out` (any dtype); returns the fp32 norm² of the sum.
 
-    Ray runs actor threads with OMP_NUM_THREADS=1, and one core cannot sum a 7B layer as fast as
-    a GPU computes it; the setting is per thread, so it leaves an optimizer thread's alone.
+    The sum runs in fp32 over the arrays in the order given (callers pass a fixed order, so the
+    result does not depend on arrival order) and is rounded to `out`'s dtype once. The norm is
+    that of the fp32 sum, as the single engine takes it before rounding.
+    Intra-op threads are whatever the process set once at start (torch.set_num_threads is
+    process-wide: setting it here would change the optimizer's too).
     """
-    torch.set_num_threads(SUM_THREADS)
-    first = from_numpy(arrays[0], dtype)
-    out = first.to(torch.float32, copy=True) if out is None else out.copy_(first)
-    for a in arrays[1:]:
-        out.add_(from_numpy(a, dtype))
-    return out
+    views = [from_numpy(a, dtype) for a, dtype in arrays]
+    norm_sq = torch.zeros((), dtype=torch.float64)
+    acc = torch.empty(min(SUM_CHUNK, out.numel()), dtype=torch.float32)
+    for lo in range(0, out.numel(), SUM_CHUNK):
+        hi = min(lo + SUM_CHUNK, out.numel())
+        chunk = acc[: hi - lo].copy_(views[0][lo:hi])
+        for v in views[1:]:
+            chunk.add_(v[lo:hi])
+        norm_sq += torch.linalg.vector_norm(chunk).square()
+        out[lo:hi].copy_(chunk)
+    return norm_sq.to(torch.float32)

@@ -20,7 +20,14 @@ import torch
 import yaml
 
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
-from mt_ray.engine.sizing import GIB, Machine, activation_slab_bytes, device_bytes, host_bytes, predicted_step_seconds
+from mt_ray.engine.sizing import (
+    GIB,
+    Machine,
+    activation_slab_bytes,
+    device_bytes,
+    host_bytes,
+    predicted_step_seconds,
+)
 from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import ModelSpec
 
@@ -56,7 +63,7 @@ class Option:
 
 
 def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, host_mem_gb: float,
-              cfg: EngineConfig | None = None, opt: OptimizerConfig | None = None, machine: Machine = Machine(),
+              cfg: EngineConfig | None = None, opt: OptimizerConfig | None = None, machine: Machine | None = None,
               max_micro_tokens: int = MAX_MICRO_TOKENS) -> dict:
     """The fastest configuration that fits `gpu_mem_gb` and `host_mem_gb` (GiB), or why none does.
 
@@ -65,6 +72,7 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
     """
     cfg = cfg or EngineConfig(device="cpu", compute_dtype="bf16")
     opt = opt or OptimizerConfig()
+    machine = machine or Machine()
     search = _Search(spec, cfg, opt, machine, gpu_mem_gb * GIB * GPU_HEADROOM, (host_mem_gb - HOST_RESERVE_GIB) * GIB,
                      max_micro_tokens)
     out = {"params": spec.num_params, "seq": seq, "global_batch": global_batch, "gpu_mem_gb": gpu_mem_gb,

@@ -117,9 +117,10 @@ class StreamingEngine:
         copy_dtype = None if cfg.stream_master or self.dtype == torch.float32 else self.dtype
         self.grad_dtype = grad_dtype = cfg.grad_torch_dtype
         numels = {u.name: u.numel for u in spec.units}
-        per_unit = grad_buffers_per_unit(cfg, opt_cfg)
-        grad_bytes = grad_buffer_bytes(numels, grad_dtype, per_unit, cfg.grad_slabs)
         local = grad_sink is None
+        # An outside sink ships each gradient on at once and frees its slab: a few slabs suffice.
+        per_unit = local and grad_buffers_per_unit(cfg, opt_cfg)
+        grad_bytes = grad_buffer_bytes(numels, grad_dtype, per_unit, cfg.grad_slabs)
         self.store = HostStore(spec, copy_dtype, pin, grad_bytes, cfg.host_memory_limit_gb) if local else None
         self.grad_buffers = GradBuffers(numels, grad_dtype, pin, per_unit=per_unit, slabs=cfg.grad_slabs)
         self.optimizers = {u.name: UnitOptimizer(self.store, u, opt_cfg) for u in spec.units} if local else {}
@@ -264,6 +265,17 @@ class StreamingEngine:
         self.step_idx = meta["step"]
         self.worker.reset_versions(self.step_idx)
 
+    def save_checkpoint(self, manager, step: int, extra_meta: dict) -> str:
+        """Write the state through `manager` (a `CheckpointManager`); returns the checkpoint's URI."""
+        tensors, meta = self.checkpoint_state()
+        return manager.save(step, tensors, {**meta, **extra_meta})
+
+    def restore_checkpoint(self, manager, uri: str | None = None) -> dict:
+        """Read a checkpoint (`uri`, or the newest that verifies) into the live buffers; returns its meta."""
+        tensors, meta = manager.load(uri, out=self.checkpoint_buffers())
+        self.load_checkpoint_state(tensors, meta)
+        return meta
+
     def memory_metrics(self) -> dict[str, float]:
         """Peak device memory (CUDA only) and peak host bytes per parameter, for the run's metrics."""
         metrics = {}
@@ -369,14 +381,14 @@ class StreamingEngine:
         """Each micro-batch forward and backward in turn, activations kept, weights bound once."""
         weights: dict[int, Weights] = {}
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        head_grad: list[torch.Tensor] = []  # the head hands each micro-batch's gradient over here
         for j, mb in enumerate(mbs):
             final = j == len(mbs) - 1
             h, ctx = self._embed(self.templates["embed"].bind(self._weights("embed")), mb)
             segments = self._run_layers(range(self.spec.num_layers), h, ctx, weights)
             aux_grads = self._router_loss_grads({i: lg for i, _, _, lg in segments if lg is not None}, aux_weights[j])
-            grads: list[torch.Tensor] = []
-            loss_sum += self._head([segments[-1][2].detach()], [mb], inv_n, final, lambda _, g: grads.append(g))
-            g = self._backward_layers(segments, weights, grads.pop(), final, aux_grads)
+            loss_sum += self._head([segments[-1][2].detach()], [mb], inv_n, final, lambda _, g: head_grad.append(g))
+            g = self._backward_layers(segments, weights, head_grad.pop(), final, aux_grads)
             self._backward_embed([g], [mb], final)
         return loss_sum
 

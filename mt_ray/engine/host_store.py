@@ -50,9 +50,11 @@ class StoreLayout:
             raise CheckpointError("checkpoint layout does not match this model (different architecture or config)")
 
 
-def plan_layout(spec: ModelSpec, copy_dtype: torch.dtype | None) -> StoreLayout:
+def plan_layout(spec: ModelSpec, copy_dtype: torch.dtype | None, units: list[UnitSpec] | None = None) -> StoreLayout:
+    """Each unit's slice of the flat buffers, in model order (`units`: a part of the model, e.g. one
+    coordinator shard's, laid out from offset 0)."""
     offsets, numels, total = {}, {}, 0
-    for unit in spec.units:
+    for unit in spec.units if units is None else units:
         offsets[unit.name] = total
         numels[unit.name] = unit.numel
         total += unit.numel
@@ -83,12 +85,13 @@ def _cgroup_headroom() -> int | None:
 
 
 class HostStore:
-    """fp32 master, fp32 Adam moments and the streamed copy of every unit, in host memory."""
+    """fp32 master, fp32 Adam moments and the streamed copy of every unit (or of `units` only), in host memory."""
 
     def __init__(self, spec: ModelSpec, copy_dtype: torch.dtype | None, pin: bool, extra_bytes: int = 0,
-                 host_memory_limit_gb: float | None = None):
+                 host_memory_limit_gb: float | None = None, units: list[UnitSpec] | None = None):
         self.spec = spec
-        self.layout = plan_layout(spec, copy_dtype)
+        self.units = spec.units if units is None else units
+        self.layout = plan_layout(spec, copy_dtype, self.units)
         need = self.layout.nbytes + extra_bytes
         have = available_host_bytes(host_memory_limit_gb)
         if need > have:
@@ -125,6 +128,9 @@ class HostStore:
     def streamed_of(self, unit: str) -> torch.Tensor:
         return self._slice(self.streamed_buffer, unit)
 
+    def release(self, unit: str, copied: torch.cuda.Event | None) -> None:
+        """Nothing to do: the streamed buffer lives as long as the store (WeightSource surface)."""
+
     def refresh_copy(self, unit: str) -> None:
         """Re-derive the compute-dtype copy of a unit from its just-updated master."""
         if self.copy is not None:
@@ -142,7 +148,7 @@ class HostStore:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """All fp32 master weights by Hugging Face name (views, no copies)."""
         out: dict[str, torch.Tensor] = {}
-        for unit in self.spec.units:
+        for unit in self.units:
             out.update(self.named_views(unit))
         return out
 
@@ -180,10 +186,10 @@ class HostStore:
 
     def rss_bytes_per_param(self) -> float:
         """Peak resident memory of this process divided by the parameter count (what users pay)."""
-        return _peak_rss_bytes() / self.layout.total
+        return peak_rss_bytes() / self.layout.total
 
 
-def _peak_rss_bytes() -> int:
+def peak_rss_bytes() -> int:
     try:
         for line in Path(f"/proc/{os.getpid()}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):

@@ -69,19 +69,21 @@ class UnitOptimizer:
                 "exp_avg_sq": v[lo:hi],
             }
 
-    def step(self, grad: torch.Tensor, lr: float, clip_coef: float = 1.0, scratch: torch.Tensor | None = None) -> None:
+    def step(self, grad: torch.Tensor, lr: float, clip_coef: float = 1.0, scratch: torch.Tensor | None = None,
+             read_only: bool = False) -> None:
         """One AdamW update from the unit's flat gradient, scaled by `clip_coef`.
 
         Chunks are stepped one at a time (torch skips parameters without a gradient), each
         reading its slice of `grad`; a compute-dtype gradient is upcast through `scratch`
-        (fp32, at least CHUNK_NUMEL elements or the unit's size).
+        (fp32, at least CHUNK_NUMEL elements or the unit's size), and so is a `read_only` one
+        (fused AdamW writes the unscaled gradient back).
         """
         for g in self.opt.param_groups:
             lo, hi = g["bounds"]
             g["lr"] = lr
             p = g["params"][0]
             chunk = grad[lo:hi]
-            p.grad = chunk if chunk.dtype == torch.float32 else scratch[: hi - lo].copy_(chunk)
+            p.grad = chunk if chunk.dtype == torch.float32 and not read_only else scratch[: hi - lo].copy_(chunk)
             self._apply_clip(p.grad, clip_coef)
             self.opt.step()
             p.grad = None

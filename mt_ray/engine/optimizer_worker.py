@@ -39,13 +39,15 @@ class OptimizerWorker:
     """Owns the unit optimizers; the engine feeds it gradients and waits on unit versions."""
 
     def __init__(self, store: HostStore, optimizers: dict[str, UnitOptimizer], buffers: GradBuffers,
-                 unit_order: list[str], max_grad_norm: float, threads: int | None):
+                 unit_order: list[str], max_grad_norm: float, threads: int | None, grads_read_only: bool = False):
+        """`grads_read_only`: gradients are views the optimizer must not write (shared memory)."""
         self.store = store
         self.optimizers = optimizers
         self.buffers = buffers
         self.unit_order = unit_order
         self.max_grad_norm = max_grad_norm
         self.threads = threads
+        self.grads_read_only = grads_read_only
         self.version = dict.fromkeys(unit_order, 0)
         self._cond = threading.Condition()
         self._error: BaseException | None = None
@@ -123,9 +125,9 @@ class OptimizerWorker:
         if g.landed is not None:
             g.landed.synchronize()  # this gradient's device->host copy is complete
         t0 = time.perf_counter()
-        if g.grad.dtype != torch.float32 and self._scratch is None:
+        if (g.grad.dtype != torch.float32 or self.grads_read_only) and self._scratch is None:
             self._scratch = torch.empty(min(CHUNK_NUMEL, max(self.buffers.numels.values())))
-        self.optimizers[g.unit].step(g.grad, g.lr, coef, self._scratch)
+        self.optimizers[g.unit].step(g.grad, g.lr, coef, self._scratch, self.grads_read_only)
         self.store.refresh_copy(g.unit)
         self.buffers.release(g.unit)
         self.busy_seconds += time.perf_counter() - t0

@@ -37,3 +37,6 @@ class WeightSource(Protocol):
 
     def streamed_of(self, unit: str) -> torch.Tensor:
         """The unit's flat host weights; the engine only reads them."""
+
+    def release(self, unit: str, copied: torch.cuda.Event | None) -> None:
+        """The step will not read `unit` again once `copied` (its last upload; None on CPU) completes."""

@@ -76,7 +76,8 @@ class WeightStreamer:
         self.depth = depth
         self.hold = hold
         self.wait_updated = wait_updated
-        self._plan: Iterator[str] = iter(())
+        self._plan: Iterator[tuple[int, str]] = iter(())
+        self._last_use: dict[str, int] = {}
         self._inflight: deque[_Upload] = deque()
         self._lent: deque[torch.Tensor] = deque()
         self._version = 0
@@ -86,7 +87,8 @@ class WeightStreamer:
         if self._inflight:
             raise RuntimeError(f"previous step left {len(self._inflight)} uploads unused")
         self._release(keep=0)
-        self._plan = iter(plan)
+        self._plan = iter(enumerate(plan))
+        self._last_use = {unit: i for i, unit in enumerate(plan)}
         self._version = version
         self._top_up()
 
@@ -112,10 +114,13 @@ class WeightStreamer:
 
     def _top_up(self) -> None:
         while len(self._inflight) < self.depth:
-            unit = next(self._plan, None)
+            i, unit = next(self._plan, (None, None))
             if unit is None:
                 return
-            self._inflight.append(self._upload(unit))
+            up = self._upload(unit)
+            if i == self._last_use[unit]:
+                self.store.release(unit, up.ready)  # the source may drop its host copy once this upload lands
+            self._inflight.append(up)
 
     def _upload(self, unit: str) -> _Upload:
         self.wait_updated(unit, self._version)

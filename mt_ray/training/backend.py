@@ -1,22 +1,24 @@
 """What the Trainer drives: one `StreamingEngine` in this process, or a `DataParallelTrainer` on Ray.
 
 Both train one global batch per `train_step` and own the fp32 state (here, or on the cluster's
-coordinator), with the same checkpoint tensors; the Trainer, its checkpoints and its tracking
+coordinator shards), with the same checkpoint format; the Trainer, its checkpoints and its tracking
 see only `TrainingBackend`, so a run switches between them with `cluster.num_workers` alone.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from mt_ray.config.run import RunConfig
 from mt_ray.engine import EvalResult, StepResult, StreamingEngine
-from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import ModelSpec
 from mt_ray.training.model_source import pretrained_weights
+
+if TYPE_CHECKING:
+    from mt_ray.tracking import CheckpointManager
 
 
 class TrainingBackend(Protocol):
@@ -34,14 +36,11 @@ class TrainingBackend(Protocol):
     def synchronize(self) -> None:
         """Wait until every update so far is in the master weights."""
 
-    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Flat fp32 master/moment tensors and meta (step, layout); call between steps."""
+    def save_checkpoint(self, manager: CheckpointManager, step: int, extra_meta: dict) -> str:
+        """Write the fp32 state (the single engine's checkpoint format) and meta; returns the URI."""
 
-    def checkpoint_buffers(self) -> dict[str, torch.Tensor] | None:
-        """Buffers a checkpoint is read into in place, or None to read it into new tensors."""
-
-    def load_checkpoint_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        """Continue exactly from `checkpoint_state()` output."""
+    def restore_checkpoint(self, manager: CheckpointManager, uri: str | None = None) -> dict:
+        """Continue exactly from a checkpoint (`uri`, or the newest valid one); returns its meta."""
 
     def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32) -> Path:
         """Write the master weights as a Hugging Face folder on this node."""
@@ -58,21 +57,10 @@ def initial_weights(cfg: RunConfig) -> int | str:
     return folder if folder is not None else cfg.training.seed
 
 
-def check_evaluation_supported(cfg: RunConfig) -> None:
-    """Refuse a held-out split where the backend cannot evaluate (a data-parallel trainer without `evaluate`)."""
-    if cfg.cluster.num_workers > 1 and cfg.data.has_eval_split:
-        from mt_ray.cluster import DataParallelTrainer
-
-        if not hasattr(DataParallelTrainer, "evaluate"):
-            raise ConfigError("data.val_size / data.eval_datasets: evaluation is not available with "
-                              "cluster.num_workers > 1 yet; evaluate with cluster.num_workers=1, or drop the split")
-
-
 def build_backend(cfg: RunConfig, spec: ModelSpec) -> TrainingBackend:
-    """A single engine for `cluster.num_workers == 1`, else Ray workers and a coordinator; weights loaded."""
+    """A single engine for `cluster.num_workers == 1`, else Ray workers and coordinator shards; weights loaded."""
     weights = initial_weights(cfg)
     steps = cfg.training.steps
-    check_evaluation_supported(cfg)
     if cfg.cluster.num_workers > 1:
         from mt_ray.cluster import DataParallelTrainer  # Ray is needed only here
 

@@ -27,7 +27,6 @@ from mt_ray.config.sweep import Dimension, SweepConfig
 from mt_ray.errors import ConfigError, MtRayError
 from mt_ray.tracking import MlflowTracker, TrackingConfig
 from mt_ray.tracking.tune_runs import TrialRunsCallback, best_trial_run, open_sweep_run
-from mt_ray.training.backend import check_evaluation_supported
 from mt_ray.training.callbacks import Callback
 from mt_ray.training.run_dir import resolve_storage, run_tracking_config
 from mt_ray.training.sweep_storage import BEST_CONFIG, SweepStorage
@@ -132,7 +131,6 @@ def run_sweep(base: dict[str, Any], space: list[Dimension], sweep: SweepConfig, 
     base = absolute_paths(base)
     cfg = validate_run_config(base)
     sweep = sweep.checked(cfg)
-    check_evaluation_supported(cfg)
     storage = SweepStorage(sweep.storage or f"{cfg.training.storage}/sweeps", sweep.name, cfg.checkpoint)
     tracking = run_tracking_config(cfg.tracking, sweep.name, cfg.training.storage)
     base = pin_tracking(base, tracking)

@@ -56,12 +56,12 @@ class CheckpointCallback(Callback):
             return None
         if mode != "auto":
             check_same_model(self.manager.read_meta(mode), trainer.run.identity, mode)
-        tensors, meta = self.manager.load(None if mode == "auto" else mode, out=trainer.engine.checkpoint_buffers())
+        # A single engine's buffers are filled in place; a cluster's shards each read their own range.
+        meta = trainer.engine.restore_checkpoint(self.manager, None if mode == "auto" else mode)
         uri = self.manager.uri_of(meta["step"]) if mode == "auto" else mode
         if mode == "auto":  # a run's own folder holds only its own checkpoints, unless copied in by hand
             check_same_run(saved_identity(meta, uri), trainer.run.identity, uri)
             self.last_uri = uri
-        trainer.engine.load_checkpoint_state(tensors, meta)
         restore_trainer_state(trainer, meta["trainer"])
         if meta.get("run") == trainer.run.identity.to_json():
             for cb in trainer.callbacks:  # the same run: its MLflow run and the like carry on
@@ -79,10 +79,9 @@ class CheckpointCallback(Callback):
         summary["checkpoint"] = self.last_uri
 
     def save(self, trainer: Trainer) -> None:
-        tensors, meta = trainer.engine.checkpoint_state()
         states = {type(cb).__name__: state for cb in trainer.callbacks if (state := cb.state_dict()) is not None}
-        meta = {**meta, "trainer": trainer_state(trainer), "run": trainer.run.identity.to_json(), "callbacks": states}
-        self.last_uri = self.manager.save(trainer.step, tensors, meta)
+        meta = {"trainer": trainer_state(trainer), "run": trainer.run.identity.to_json(), "callbacks": states}
+        self.last_uri = trainer.engine.save_checkpoint(self.manager, trainer.step, meta)
         for cb in trainer.callbacks:
             cb.on_checkpoint(trainer, self.last_uri)
 

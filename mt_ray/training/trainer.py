@@ -72,8 +72,9 @@ class Trainer:
         """
         t = self.cfg.training
         if self.finished is not None:
-            print(f"run {self.run.name} already finished its {t.steps} steps; its outputs are in {self.run.uri}. "
-                  "To train it again, give it another training.run_name or delete that folder.", flush=True)
+            print(f"run {self.run.name} already finished ({self.finished['steps']} steps); its outputs are in "
+                  f"{self.run.uri}. To train it again, give it another training.run_name or delete that folder.",
+                  flush=True)
             return self.finished
         self._maybe_resume()
         for cb in self.callbacks:

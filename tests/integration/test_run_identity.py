@@ -59,7 +59,7 @@ def test_a_rerun_resumes_its_own_run_and_says_so(tmp_path, monkeypatch, capsys):
     assert summary["steps"] == 4 and summary["run"] == "r"
 
     assert main([*FAST, "training.run_name=r"]) == 0  # finished: nothing is trained again
-    assert "run r already finished its 4 steps" in capsys.readouterr().out
+    assert "run r already finished (4 steps)" in capsys.readouterr().out
 
 
 def test_a_changed_config_under_the_same_name_is_refused_with_the_diff(tmp_path, capsys):

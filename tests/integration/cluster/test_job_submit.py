@@ -1,18 +1,20 @@
 """The README's `ray job submit` flow, as printed, against a real `ray start --head`.
 
 The README block runs line by line in bash, each line verbatim (its `export` lines before each)
-but `ray start --head`, which gets flags that keep this head apart from any other on the machine
-(free ports, its own temp dir, 2 CPUs). HOME is a fresh folder, as for a new user: the README's
-lines write the auth token there, and `ray start` and `ray job submit` read it. The job runs in a copy of
-the repository, so the README's `$PWD/runs` is a scratch folder; after `ray stop` the run's model,
-checkpoints, summary and MLflow run must be there, and nothing of it in Ray's package folder.
+but two: `ray start --head` gets flags that keep this head apart from any other on the machine
+(free ports, its own temp dir, 2 CPUs) and `--block` in a process group of its own, and `ray stop`,
+which stops every Ray on the machine (other test processes' too), is done by ending that group,
+which stops this cluster alone. HOME is a fresh folder, as for a new user: the README's lines
+write the auth token there, and `ray start` and `ray job submit` read it. The job runs in a copy
+of the repository, so the README's `$PWD/runs` is a scratch folder; once the cluster is stopped,
+the run's model, checkpoints, summary and MLflow run must be there, and nothing of it in Ray's
+package folder.
 """
 
 import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,14 +23,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.integration.cluster.conftest import end_group, free_port
 
 pytest.importorskip("ray")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def readme_block() -> list[str]:
@@ -65,7 +62,7 @@ class Shell:
 
 @pytest.fixture
 def head(tmp_path):
-    """The README's lines up to `ray start --head` (that one on free ports); `ray stop` whatever happens."""
+    """The README's lines up to `ray start --head` (that one on free ports); the cluster ends whatever happens."""
     lines = readme_block()
     assert "ray start --head" in lines and "ray stop" in lines, lines
     setup = lines[:lines.index("ray start --head")]
@@ -78,29 +75,34 @@ def head(tmp_path):
         if not line.startswith("export "):
             done = shell(line)
             assert done.returncode == 0, f"{line}: {done.stderr}"
+    assert (home / ".ray" / "auth_token").is_file()  # the fresh user's token, made by the README's lines
+
     dashboard = free_port()
     temp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's unix socket paths must fit 107 bytes
     ports = " ".join(f"--{flag}={free_port()}" for flag in (
         "port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
         "metrics-export-port", "ray-client-server-port"))
     flags = (f"{ports} --dashboard-port={dashboard} --dashboard-host=127.0.0.1 --include-dashboard=true "
-             f"--num-cpus=2 --object-store-memory=200000000 --temp-dir={temp}")
+             f"--num-cpus=2 --object-store-memory=200000000 --temp-dir={temp} --block")
+    with (temp / "head.log").open("wb") as log:  # the head writes to its own copy of the descriptor
+        started = subprocess.Popen(["bash", "-c", f"{exports}\nexec ray start --head {flags}"], cwd=shell.cwd,
+                                   env=shell.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        started = shell(f"ray start --head {flags}")
-        assert started.returncode == 0, started.stdout + started.stderr
-        assert (home / ".ray" / "auth_token").is_file()  # the fresh user's token, made by the README's lines
         address = f"http://127.0.0.1:{dashboard}"
-        wait_for_job_agent(shell, address)
-        yield shell, address, temp
+        wait_for_job_agent(shell, address, started, temp / "head.log")
+        yield shell, address, temp, lambda: end_group(started)
     finally:
-        shell("ray stop --force", timeout=120)
+        end_group(started)
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def wait_for_job_agent(shell: Shell, address: str, timeout_s: float = 120) -> None:
-    """A head accepts jobs once its agent registers, a few seconds after `ray start` returns."""
+def wait_for_job_agent(shell: Shell, address: str, started: subprocess.Popen, log: Path,
+                       timeout_s: float = 120) -> None:
+    """A head accepts jobs once its agent registers, a few seconds after it is up."""
     deadline = time.monotonic() + timeout_s
     while True:
+        if started.poll() is not None:
+            pytest.fail(f"ray start --head exited with {started.returncode}:\n{log.read_text()[-3000:]}")
         probe = shell("ray job submit --no-wait -- true", RAY_ADDRESS=address)
         if probe.returncode == 0 or time.monotonic() > deadline:
             assert probe.returncode == 0, probe.stdout + probe.stderr
@@ -109,13 +111,12 @@ def wait_for_job_agent(shell: Shell, address: str, timeout_s: float = 120) -> No
 
 
 def test_the_readme_job_submit_line_trains_into_the_configured_storage(head):
-    shell, address, ray_temp = head
+    shell, address, ray_temp, stop = head
     [submit] = [line for line in readme_block() if line.startswith("ray job submit")]
     job = shell(submit, timeout=540, RAY_ADDRESS=address)  # verbatim; RAY_ADDRESS picks this test's head
     assert job.returncode == 0 and "succeeded" in job.stdout, (job.stdout + job.stderr)[-4000:]
     assert "done: 60 steps" in job.stdout
-    stopped = shell("ray stop")
-    assert stopped.returncode == 0, stopped.stderr
+    stop()  # the README's `ray stop`, for this cluster alone
 
     runs = shell.cwd / "runs"
     [record] = runs.glob("*/run.json")

@@ -65,7 +65,7 @@ def test_two_workers_match_one_engine_and_resume_exactly(local_ray, tmp_path):
 
 
 @pytest.mark.parametrize("when", ["mid-step", "at-checkpoint"])
-def test_lost_coordinator_restarts_the_job_from_its_checkpoint(local_ray, tmp_path, monkeypatch, capsys, when):
+def test_lost_shard_restarts_the_job_from_its_checkpoint(local_ray, tmp_path, monkeypatch, capsys, when):
     """Killed after step 3 (step 4 fails; the step-2 checkpoint resumes), or after step 2 before
     its checkpoint is written (the checkpoint fails; no checkpoint yet, so the job starts over)."""
     import ray
@@ -76,17 +76,17 @@ def test_lost_coordinator_restarts_the_job_from_its_checkpoint(local_ray, tmp_pa
     kill_at = 3 if when == "mid-step" else 2
     fired = []
 
-    class KillCoordinator(Callback):
+    class KillShard(Callback):
         def on_step_end(self, trainer, step):
             if step == kill_at and not fired:
                 fired.append(step)
-                ray.kill(trainer.engine.coordinator, no_restart=True)
+                ray.kill(trainer.engine.shards[0], no_restart=True)
 
     build = jobs.train.build_callbacks
     if when == "mid-step":
-        monkeypatch.setattr(jobs.train, "build_callbacks", lambda cfg, run: [*build(cfg, run), KillCoordinator()])
+        monkeypatch.setattr(jobs.train, "build_callbacks", lambda cfg, run: [*build(cfg, run), KillShard()])
     else:
-        monkeypatch.setattr(jobs.train, "build_callbacks", lambda cfg, run: [KillCoordinator(), *build(cfg, run)])
+        monkeypatch.setattr(jobs.train, "build_callbacks", lambda cfg, run: [KillShard(), *build(cfg, run)])
     _, history, weights, _ = train(tmp_path, "lost", 2)
 
     assert fired == [kill_at]

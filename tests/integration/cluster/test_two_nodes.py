@@ -1,4 +1,4 @@
-"""Two Ray nodes x two workers, with a gradient reducer per node, train exactly like one engine."""
+"""Two Ray nodes x two workers, the state sharded over a coordinator shard per node, train exactly like one engine."""
 
 import pytest
 import torch
@@ -36,11 +36,11 @@ def test_two_nodes_of_two_workers_match_one_engine(two_node_ray):
         result = trainer.train(BATCHES)
         state = trainer.state_dict()
         worker_nodes = two_node_ray.get([w.node_id.remote() for w in trainer.workers])
-        reducer_nodes = two_node_ray.get([r.node_id.remote() for r in trainer.reducers])
+        shard_nodes = two_node_ray.get([s.ping.remote() for s in trainer.shards])
     finally:
         trainer.close()
-    # Workers 0, 1 and reducer 0 share a node; workers 2, 3 and reducer 1 share the other.
-    assert worker_nodes == [reducer_nodes[0]] * 2 + [reducer_nodes[1]] * 2 and len(set(reducer_nodes)) == 2
+    # Workers 0, 1 and shard 0 share a node; workers 2, 3 and shard 1 share the other.
+    assert worker_nodes == [shard_nodes[0]] * 2 + [shard_nodes[1]] * 2 and len(set(shard_nodes)) == 2
     assert result.losses == pytest.approx(ref_losses, rel=1e-5)
     assert result.grad_norms == pytest.approx(ref_norms, rel=1e-5)
     for name, w in ref_state.items():

@@ -33,7 +33,8 @@ def single_engine(opt=OPT, steps=STEPS):
     try:
         engine.load_random(seed=0)
         losses = [engine.train_step(b).loss.item() for b in global_batches(steps)]
-        return losses, {k: v.clone() for k, v in engine.state_dict().items()}
+        evaluated = engine.evaluate(global_batches()[0])
+        return losses, {k: v.clone() for k, v in engine.state_dict().items()}, evaluated
     finally:
         engine.close()
 
@@ -46,6 +47,7 @@ def data_parallel(opt=OPT, steps=STEPS, cluster=None, after_launch=None):
     try:
         assert trainer.engine_cfg.compute_dtype == "fp32"
         result = trainer.train(global_batches(steps))
+        result.evaluated = trainer.evaluate(global_batches()[0])
         return result, trainer.state_dict()
     finally:
         trainer.close()
@@ -68,9 +70,12 @@ def test_sharding_keeps_every_row_and_the_global_token_count():
 
 
 def test_two_workers_match_one_engine(local_ray):
-    ref_losses, ref_state = single_engine()
+    ref_losses, ref_state, ref_eval = single_engine()
     result, state = data_parallel()
     assert result.losses == pytest.approx(ref_losses, rel=1e-5)
+    # Evaluation splits the rows across the workers too: the same summed loss and token counts.
+    assert result.evaluated.loss_sum.item() == pytest.approx(ref_eval.loss_sum.item(), rel=1e-5)
+    assert result.evaluated.num_loss_tokens == ref_eval.num_loss_tokens
     assert result.events == []
     assert len(result.grad_norms) == STEPS and all(n > 0 for n in result.grad_norms)
     assert_same_weights(state, ref_state)
@@ -79,13 +84,13 @@ def test_two_workers_match_one_engine(local_ray):
 @pytest.mark.parametrize("clip", [1.0, 0.0], ids=["clipped", "unclipped"])
 def test_killed_worker_mid_step_is_replaced_and_nothing_is_lost(local_ray, clip):
     opt = OPT.model_copy(update={"max_grad_norm": clip})
-    ref_losses, ref_state = single_engine(opt)
+    ref_losses, ref_state, _ = single_engine(opt)
 
     def kill_worker_in_step_2(step, trainer):
         if step == 2 and not trainer.events:
             # Kill mid-backward: once the head's summed gradient is in (unclipped: already applied).
             deadline = time.monotonic() + 30
-            while local_ray.get(trainer.coordinator.units_summed.remote(2)) == 0 and time.monotonic() < deadline:
+            while local_ray.get(trainer.shards[0].units_summed.remote(2)) == 0 and time.monotonic() < deadline:
                 time.sleep(0.005)
             local_ray.kill(trainer.workers[0])
 
@@ -100,3 +105,32 @@ def test_killed_worker_mid_step_is_replaced_and_nothing_is_lost(local_ray, clip)
         assert "snapshot" in event.action
     assert result.losses == pytest.approx(ref_losses, rel=1e-5)
     assert_same_weights(state, ref_state)
+
+
+def test_unclipped_step_left_half_applied_without_a_snapshot_restarts_from_a_checkpoint(local_ray):
+    from mt_ray.cluster import ClusterLostError
+
+    def kill_worker_once_units_are_updated(step, trainer):
+        if step == 2:
+            deadline = time.monotonic() + 30
+            while local_ray.get(trainer.shards[0].units_summed.remote(2)) == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            local_ray.kill(trainer.workers[0])
+
+    opt = OPT.model_copy(update={"max_grad_norm": 0.0})
+    with pytest.raises(ClusterLostError, match="restarts from the newest checkpoint"):
+        data_parallel(opt, cluster=ClusterConfig(snapshot_every=0), after_launch=kill_worker_once_units_are_updated)
+
+
+def test_a_cluster_that_cannot_place_the_run_is_refused_naming_the_key(local_ray):
+    from mt_ray.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"cluster.num_workers=3 cannot spread evenly over cluster.num_nodes=2"):
+        DataParallelTrainer(tiny_config("llama"), ENGINE, OPT, num_workers=3, total_steps=1,
+                            cluster=ClusterConfig(num_nodes=2))
+    with pytest.raises(ConfigError, match=r"cluster.num_workers=2 .* need 2 GPUs; the cluster has 0"):
+        DataParallelTrainer(tiny_config("llama"), ENGINE, OPT, num_workers=2, total_steps=1,
+                            cluster=ClusterConfig(gpus_per_worker=1))
+    wide = tiny_config("llama", vocab_size=200_000)  # about 50 M fp32 weights: more than the 200 MB store
+    with pytest.raises(ConfigError, match=r"object store .* --object-store-memory"):
+        DataParallelTrainer(wide, ENGINE, OPT, num_workers=2, total_steps=1)

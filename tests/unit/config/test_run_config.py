@@ -77,7 +77,7 @@ def test_every_key_is_documented():
 
 def test_cluster_section_defaults_to_one_in_process_engine():
     cfg = load_run_config()
-    assert cfg.cluster.num_workers == 1 and cfg.cluster.snapshot_every == 10
+    assert cfg.cluster.num_workers == 1 and cfg.cluster.snapshot_every == 0
     cfg = load_run_config(None, ["cluster.num_workers=2", "cluster.cpus_per_worker=0.5"])
     assert cfg.cluster.num_workers == 2 and cfg.cluster.cpus_per_worker == 0.5
     assert "\n  num_workers: 1  # " in describe_config()

@@ -161,5 +161,7 @@ def test_host_checkpoints_keep_device_memory_flat_as_the_step_grows():
     # At least the 4 blocks' checkpoints of 12 more micro-batches (the model also counts their carry)
     assert peaks["device", 16] - peaks["device", 4] >= 0.95 * 4 * 12 * hidden
     assert predicted["device", 16] - predicted["device", 4] == 5 * 12 * hidden
-    assert peaks["host", 16] <= peaks["host", 4] + hidden
+    # With them in host memory only the micro-batches' inputs and layer contexts (token ids, targets, positions,
+    # rotary tables: under 512 B per token, a hidden state is 1 KiB) grow.
+    assert peaks["host", 16] - peaks["host", 4] <= 12 * 64 * 512
     assert predicted["host", 16] == predicted["host", 4]

@@ -1,0 +1,430 @@
+"""A coordinator shard: one per node, holding the fp32 master weights and Adam moments of its part.
+
+The model is cut into contiguous parts (mt_ray.cluster.partition), one per node. Each node's
+shard plays two roles:
+- **node reducer.** The node's workers hand it every unit gradient through the node's object
+  store. Once all local workers' gradients of a unit are in, it sums them in fp32 (rank order),
+  and sends that one partial sum to the unit's owner, or keeps it when it owns the unit itself:
+  each node's gradients cross the network once.
+- **owner.** For its own units it adds the nodes' partial sums (node order), hands the sum to
+  the engine's `OptimizerWorker`, and after each update publishes the unit's compute-dtype
+  weights in its object store, from which every node pulls one copy for its workers.
+With clipping, the driver gathers each shard's norm² of its summed units and hands the global
+norm back (`apply_norm`); no unit is updated before every gradient of the step is in.
+
+Sums run on one reduce thread and Adam on the optimizer thread, with the intra-op thread count
+set once for the process (it is process-wide: Ray starts actors with OMP_NUM_THREADS=1).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import ray
+import torch
+
+from mt_ray.cluster.errors import ClusterError, StaleGenerationError
+from mt_ray.cluster.grad_pool import GradPool
+from mt_ray.cluster.node_memory import NodeMemoryPeak
+from mt_ray.cluster.partition import ShardPlan
+from mt_ray.cluster.wire import from_numpy, sum_in_order, to_numpy
+from mt_ray.engine.config import EngineConfig, OptimizerConfig
+from mt_ray.engine.host_store import HostStore, peak_rss_bytes
+from mt_ray.engine.optimizer import UnitOptimizer, lr_at
+from mt_ray.engine.optimizer_worker import OptimizerWorker
+from mt_ray.models.discovery import discover
+from mt_ray.models.weights import init_random, load_safetensors
+
+_WAKE_ALL = 1 << 62  # a version no unit reaches: wakes threads blocked on a retired optimizer worker
+PUBLISH_THREADS = 2  # puts into the object store run on these, beside the optimizer
+SHARD_BUFFERS = 2  # unit-sized buffers for sums and publication casts (GradPool)
+
+
+@dataclass
+class _Published:
+    version: int
+    ref: ray.ObjectRef | None  # None once every worker has it mapped (a late reader gets a fresh copy)
+    fetched: int = 0
+
+
+@dataclass
+class _Generation:
+    """Everything one generation of workers may touch; a recovery or a restore starts a new one."""
+
+    number: int
+    step: int
+    opt: OptimizerWorker
+    local: dict[tuple[int, str], dict[int, np.ndarray]] = field(default_factory=dict)
+    remote: dict[tuple[int, str], dict[int, np.ndarray]] = field(default_factory=dict)
+    norms: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    forwarded: dict[int, list[ray.ObjectRef]] = field(default_factory=dict)
+    summed: dict[tuple[int, str], threading.Event] = field(default_factory=dict)  # set once a unit's sum is done
+    touched: set[int] = field(default_factory=set)
+    ended: set[int] = field(default_factory=set)
+    stopped: bool = False
+
+
+class CoordinatorShard:
+    """A Ray actor with concurrent (threaded) calls; see the module docstring."""
+
+    def __init__(self, model, engine_cfg: dict, opt_cfg: dict, total_steps: int, shard: int, num_shards: int,
+                 num_local: int, num_workers: int, snapshot_every: int):
+        self.node_memory = NodeMemoryPeak()  # before anything of the run is allocated here
+        self.spec = discover(model)
+        self.cfg = EngineConfig(**engine_cfg)
+        self.opt_cfg = OptimizerConfig(**opt_cfg)
+        self.threads = self.cfg.optimizer_thread_count
+        torch.set_num_threads(self.threads)  # once, for every thread of this process
+        self.total_steps = total_steps
+        self.shard, self.num_shards = shard, num_shards
+        self.num_local, self.num_workers = num_local, num_workers
+        self.snapshot_every = snapshot_every
+        self.plan = ShardPlan.build(self.spec, num_shards)
+        self.owned = self.plan.units_of(shard)
+        self.owned_names = [u.name for u in self.owned]
+        self.numels = {u.name: u.numel for u in self.spec.units}
+        self.clips = self.opt_cfg.max_grad_norm > 0
+        self.grad_dtype = self.cfg.grad_torch_dtype  # gradients travel and wait in this dtype
+        # The configured limit is checked per node against the whole plan by the driver (check_plan).
+        self.store = HostStore(self.spec, None, False, 0, None, units=self.owned)
+        self.optimizers = {u.name: UnitOptimizer(self.store, u, self.opt_cfg) for u in self.owned}
+        self.pool = GradPool(self.numels, self.grad_dtype, SHARD_BUFFERS, cast_dtype=self.cfg.dtype)
+        self._publisher = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="mt-ray-publish")
+        self._reducer = ThreadPoolExecutor(1, thread_name_prefix="mt-ray-reduce")
+        self.peers: list = []
+        self._cond = threading.Condition()
+        self._published: dict[str, _Published] = {}
+        self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._error: BaseException | None = None
+        self.gen: _Generation | None = None
+        self.seconds = {"sum": 0.0, "publish": 0.0, "adam": 0.0}  # busy time, for the benchmark's time split
+
+    def set_peers(self, peers: list) -> None:
+        """Every shard's handle, by shard index (partial sums go to their unit's owner)."""
+        self.peers = peers
+
+    # ------------------------------------------------------------------ weights in and out
+
+    def load_random(self, seed: int = 0) -> None:
+        init_random(self.spec, self._load_owned, seed, "cpu")  # every unit, so the RNG stream matches one engine
+
+    def load_pretrained(self, folder: str) -> None:
+        load_safetensors(self.spec, folder, self._load_owned)
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        for unit in self.owned:
+            self.store.load_named(unit, {k: from_numpy(a, torch.float32) for k, a in state.items()})
+
+    def _load_owned(self, unit, tensors: dict[str, torch.Tensor]) -> None:
+        if unit.name in self.owned_names:
+            self.store.load_named(unit, tensors)
+
+    # The readers below run between steps, once `wait_updated` has returned: nothing is updating.
+
+    def state_part(self) -> dict[str, np.ndarray]:
+        """fp32 master weights of this shard's units, by Hugging Face name."""
+        return {k: to_numpy(v) for k, v in self.store.state_dict().items()}
+
+    def write_checkpoint_part(self, writer, pieces: dict[str, list], start: int, io_workers: int) -> dict:
+        """Store this shard's pieces of the flat master/moment tensors (its range begins at `start`)."""
+        from mt_ray.tracking.ckpt_format import ShardSource  # tracking is needed only when checkpointing
+
+        flat = self.store.flat_state()
+        sources = [ShardSource(p.file, name, p.start, flat[name][p.start - start:p.start - start + p.numel])
+                   for name, ps in pieces.items() for p in ps]
+        with ThreadPoolExecutor(io_workers, thread_name_prefix="ckpt-write") as io:
+            return dict(zip([s.file for s in sources], io.map(writer.write_file, sources), strict=True))
+
+    def read_checkpoint_part(self, stored, start: int) -> None:
+        """Read this shard's range of a stored checkpoint (cut for any number of shards) into its state."""
+        for name, buf in self.store.flat_state().items():
+            stored.read_range(name, start, start + buf.numel(), buf)
+
+    def host_bytes(self) -> dict[str, int]:
+        """Peak growth of this node's used memory since the shard started, and this process's peak RSS."""
+        return {"node_growth": self.node_memory.growth, "shard_rss_peak": peak_rss_bytes()}
+
+    # ------------------------------------------------------------------ generations
+
+    def start(self, generation: int, step: int, restore_snapshot: bool = False) -> int:
+        """Begin `generation` at `step`: retire the last one's optimizer, publish the weights of `step`.
+
+        With `restore_snapshot`, the state first goes back to the snapshot; returns its step.
+        """
+        old = self.gen
+        if old is not None:
+            old.opt.close()
+            self.seconds["adam"] += old.opt.busy_seconds  # applies what was queued (an ended step's updates, or unclipped ones)
+            old.opt.reset_versions(_WAKE_ALL)  # its publish loop wakes, sees the generation is over, exits
+            self.pool.clear()
+        if restore_snapshot:
+            step = self._restore_snapshot()
+        for opt in self.optimizers.values():
+            opt.set_step(step)  # Adam's bias correction counts the updates applied: `step` of them
+        opt_worker = OptimizerWorker(self.store, self.optimizers, self.pool, self.owned_names,
+                                     self.opt_cfg.max_grad_norm, self.threads, grads_read_only=self.clips)
+        opt_worker.reset_versions(step)
+        with self._cond:
+            self.gen = _Generation(generation, step, opt_worker)
+            self._published.clear()
+            self._error = None
+        if self.snapshot_every and (self._snapshot is None or step % self.snapshot_every == 0):
+            self._take_snapshot(step)
+        for unit in self.owned_names:
+            self._publish(self.gen, unit, step)
+        threading.Thread(target=self._publish_loop, args=(self.gen,), name="mt-ray-publish-loop", daemon=True).start()
+        return step
+
+    def stop(self, step: int) -> dict:
+        """Refuse this generation's calls from now on (a worker was lost in `step`); report what `step` reached.
+
+        complete: every gradient of this shard's units is summed (with `norm_sq`); touched: some
+        unit was updated (only without clipping, where units update as their sums land).
+        """
+        with self._cond:
+            gen = self.gen
+            gen.stopped = True
+            self._cond.notify_all()
+            waiting = list(gen.summed.values())
+        for event in waiting:  # workers of this generation waiting on a sum that will not come
+            event.set()
+        self._reducer.submit(lambda: None).result()  # sums already queued have finished
+        norms = gen.norms.get(step, {})
+        complete = step in gen.ended or len(norms) == len(self.owned_names)
+        return {"complete": complete, "touched": step in gen.touched,
+                "norm_sq": self._norm_total(norms) if complete and step not in gen.ended else None,
+                "snapshot_step": self._snapshot[0] if self._snapshot else None}
+
+    def wait_updated(self, version: int) -> None:
+        """Block until every unit of this shard has had `version` optimizer steps."""
+        for unit in self.owned_names:
+            self.gen.opt.wait_updated(unit, version)
+
+    def busy_seconds(self) -> dict[str, float]:
+        """Cumulative busy time of the sums, the publication puts and Adam (this generation's optimizer)."""
+        return {**self.seconds, "adam": self.seconds["adam"] + self.gen.opt.busy_seconds}
+
+    def units_summed(self, step: int) -> int:
+        """How many of this shard's units of `step` are summed (for monitoring and tests)."""
+        with self._cond:
+            if step in self.gen.ended:
+                return len(self.owned_names)
+            return len(self.gen.norms.get(step, {}))
+
+    def ping(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def close(self) -> None:
+        self.node_memory.close()
+        if self.gen is not None:
+            self.gen.opt.close()
+        self._publisher.shutdown(wait=False)
+        self._reducer.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ workers' calls
+
+    def get_weights(self, generation: int, unit: str, version: int) -> list[ray.ObjectRef]:
+        """The object holding `unit`'s compute-dtype weights after `version` steps, once published.
+
+        Returned inside a list so Ray hands the worker the reference, not a copy of the value.
+        Once every worker has fetched a version, the shard lets go of it: the store frees it as
+        soon as the workers' backward passes are done with it.
+        """
+        with self._cond:
+            self._cond.wait_for(lambda: self._stale(generation) or self._error is not None
+                                or (unit in self._published and self._published[unit].version >= version))
+            self._raise_if_stale(generation)
+            pub = self._published[unit]
+            if pub.version != version:
+                raise ClusterError(f"a worker asked for {unit} after {version} steps; the shard holds {pub.version}")
+            ref = pub.ref
+            pub.fetched += 1
+            if pub.fetched >= self.num_workers:
+                pub.ref = None
+        if ref is None:  # a replacement worker, after the others let go of this version
+            ref = ray.put(to_numpy(self.store.master_of(unit).to(self.cfg.dtype)))
+        return [ref]
+
+    def put_grad(self, generation: int, step: int, rank: int, unit: str, grad: np.ndarray) -> None:
+        """One local worker's gradient of `unit` (a read-only view of this node's object store).
+
+        Returns once it has been summed, so a worker that bounds its unanswered calls bounds
+        the gradients it keeps in the object store.
+        """
+        with self._cond:
+            if self._stale(generation):
+                return
+            gen = self.gen
+            summed = gen.summed.setdefault((step, unit), threading.Event())
+            got = gen.local.setdefault((step, unit), {})
+            got[rank] = grad
+            if len(got) == self.num_local:
+                del gen.local[(step, unit)]
+                self._on_local_sum(gen, step, unit, got)
+        del grad, got
+        summed.wait()
+        self._raise_if_failed()
+
+    def put_partial(self, generation: int, step: int, node: int, unit: str, partial: np.ndarray) -> None:
+        """Another node's sum of its workers' gradients of a unit this shard owns."""
+        with self._cond:
+            if self._stale(generation):
+                return
+            self._add_contribution(self.gen, step, unit, node, partial)
+
+    def local_norm_sq(self, generation: int, step: int) -> float:
+        """Once every unit of this shard is summed for `step` (and partials sent on have arrived): its norm²."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._stale(generation) or self._error is not None
+                                or len(self.gen.norms.get(step, {})) == len(self.owned_names))
+            self._raise_if_stale(generation)
+            gen = self.gen
+        ray.get(gen.forwarded.pop(step, []))  # the owners have our partial sums (surfaces their errors)
+        return self._norm_total(gen.norms[step])
+
+    def apply_norm(self, step: int, norm_sq: float) -> None:
+        """The step's global norm² (from every shard): the clipped updates of this shard's units begin."""
+        gen = self.gen
+        gen.norms.pop(step, None)
+        gen.ended.add(step)
+        gen.opt.end_step(torch.tensor(norm_sq, dtype=torch.float32), None, lr_at(step, self.opt_cfg, self.total_steps))
+
+    # ------------------------------------------------------------------ sums
+
+    def _on_local_sum(self, gen: _Generation, step: int, unit: str, got: dict[int, np.ndarray]) -> None:
+        """Every local worker's gradient of `unit` is in (lock held): sum and send on, or add as this node's part."""
+        arrays = [got[r] for r in sorted(got)]
+        owner = self.plan.owner(unit)
+        if owner != self.shard:
+            self._reducer.submit(self._guarded, gen, step, unit, self._forward_partial, owner, arrays)
+        else:
+            self._add_contribution(gen, step, unit, self.shard, arrays)
+
+    def _add_contribution(self, gen: _Generation, step: int, unit: str, node: int, part) -> None:
+        """A node's contribution to an owned unit (lock held); the last one starts the sum."""
+        gen.summed.setdefault((step, unit), threading.Event())
+        got = gen.remote.setdefault((step, unit), {})
+        got[node] = part
+        if len(got) < self.num_shards:
+            return
+        del gen.remote[(step, unit)]
+        # Node order, each node's workers in rank order: the sum never depends on arrival order.
+        ordered = [(a, self.grad_dtype) for n in range(self.num_shards)
+                   for a in (got[n] if isinstance(got[n], list) else [got[n]])]
+        self._reducer.submit(self._guarded, gen, step, unit, self._sum_owned, ordered)
+
+    def _guarded(self, gen: _Generation, step: int, unit: str, fn: Callable, *args) -> None:
+        """Run one sum on the reduce thread; whatever happens, the workers waiting on it wake."""
+        t0 = time.perf_counter()
+        try:
+            fn(gen, step, unit, *args)
+            self.seconds["sum"] += time.perf_counter() - t0
+        except BaseException as e:
+            with self._cond:
+                self._error = self._error or e
+                self._cond.notify_all()
+        finally:
+            with self._cond:
+                event = gen.summed.pop((step, unit), None)
+            if event is not None:
+                event.set()
+
+    def _forward_partial(self, gen: _Generation, step: int, unit: str, owner: int, arrays: list[np.ndarray]) -> None:
+        i, buf = self.pool.acquire(unit)
+        try:
+            sum_in_order([(a, self.grad_dtype) for a in arrays], buf)
+            ref = ray.put(to_numpy(buf))  # the one copy of this node's gradient that crosses the network
+        finally:
+            self.pool.give_back(i)
+        call = self.peers[owner].put_partial.remote(gen.number, step, self.shard, unit, ref)
+        with self._cond:
+            gen.forwarded.setdefault(step, []).append(call)
+
+    def _sum_owned(self, gen: _Generation, step: int, unit: str, ordered: list) -> None:
+        i, buf = self.pool.acquire(unit)
+        norm_sq = sum_in_order(ordered, buf)
+        del ordered  # the workers' and nodes' objects can be freed now
+        # With clipping the sum waits for the global norm in the object store, not in this process.
+        grad = self.pool.hold(unit, i) if self.clips else self.pool.lend(unit, i)
+        with self._cond:
+            if gen.stopped:
+                self.pool.release(unit)
+                return
+            gen.opt.submit(unit, grad, None, lr_at(step, self.opt_cfg, self.total_steps))
+            if not self.clips:
+                gen.touched.add(step)
+            gen.norms.setdefault(step, {})[unit] = norm_sq
+            self._cond.notify_all()
+
+    def _norm_total(self, norms: dict[str, torch.Tensor]) -> float:
+        # Summed in unit order, not arrival order, so a rerun clips with the same coefficient.
+        return float(sum(norms[u].double() for u in self.owned_names))
+
+    # ------------------------------------------------------------------ publishing
+
+    def _publish_loop(self, gen: _Generation) -> None:
+        """Publish each owned unit as soon as the optimizer has written its next version, forward order."""
+        version = gen.step + 1
+        try:
+            while True:
+                for unit in self.owned_names:
+                    gen.opt.wait_updated(unit, version)
+                    if self._stale(gen.number):
+                        return
+                    if unit == self.owned_names[-1] and self.snapshot_every and version % self.snapshot_every == 0:
+                        # Before the last unit is out no worker can finish a forward pass, so no
+                        # update of the next step can race with this copy.
+                        self._take_snapshot(version)
+                    self._publisher.submit(self._publish, gen, unit, version)
+                version += 1
+        except BaseException as e:  # the optimizer failed: fail the workers waiting for weights
+            with self._cond:
+                if not self._stale(gen.number):
+                    self._error = e
+                    self._cond.notify_all()
+
+    def _publish(self, gen: _Generation, unit: str, version: int) -> None:
+        """Cast the unit's master to the compute dtype and put it in the object store: one copy per node."""
+        i, cast = self.pool.acquire(unit, self.cfg.dtype)
+        t0 = time.perf_counter()
+        try:
+            ref = ray.put(to_numpy(cast.copy_(self.store.master_of(unit))))
+        finally:
+            self.pool.give_back(i)
+        self.seconds["publish"] += time.perf_counter() - t0
+        with self._cond:
+            if gen is self.gen and not gen.stopped:
+                self._published[unit] = _Published(version, ref)
+                self._cond.notify_all()
+
+    # ------------------------------------------------------------------ snapshots
+
+    def _take_snapshot(self, step: int) -> None:
+        live = self.store.flat_state()
+        if self._snapshot is None:
+            self._snapshot = (step, {k: torch.empty_like(v) for k, v in live.items()})
+        for name, buf in live.items():
+            self._snapshot[1][name].copy_(buf)
+        self._snapshot = (step, self._snapshot[1])
+
+    def _restore_snapshot(self) -> int:
+        step, tensors = self._snapshot
+        self.store.load_flat_state(tensors)
+        return step
+
+    def _stale(self, generation: int) -> bool:
+        return self.gen is None or generation != self.gen.number or self.gen.stopped
+
+    def _raise_if_stale(self, generation: int) -> None:
+        if self._stale(generation):
+            raise StaleGenerationError(f"generation {generation} was stopped")
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise ClusterError("a coordinator shard's sum or optimizer failed") from self._error

@@ -1,0 +1,49 @@
+"""The cluster's per-node plan: sharding cuts the state, the worker count adds only unit-sized buffers."""
+
+import pytest
+
+from mt_ray.cluster.partition import ShardPlan
+from mt_ray.cluster.sizing import size_cluster
+from mt_ray.engine import EngineConfig, OptimizerConfig
+from mt_ray.models.discovery import discover
+from mt_ray.models.presets import preset_config
+
+CFG = EngineConfig(device="cpu", compute_dtype="bf16", grad_dtype="compute")
+
+
+@pytest.fixture(scope="module")
+def spec_7b():
+    return discover(preset_config("qwen2.5-7b"))
+
+
+def test_parts_are_contiguous_balanced_and_cover_every_unit_once(spec_7b):
+    for n in (1, 2, 3, 8):
+        plan = ShardPlan.build(spec_7b, n)
+        assert [u.name for part in plan.parts for u in part] == [u.name for u in spec_7b.units]
+        sizes = [hi - lo for lo, hi in plan.ranges()]
+        assert plan.ranges()[-1][1] == spec_7b.num_params and min(sizes) > 0
+        assert max(sizes) <= spec_7b.num_params / n + max(u.numel for u in spec_7b.units)
+
+
+def test_the_7b_job_on_two_workers_fits_a_128_gib_host_at_16_bytes_per_param(spec_7b):
+    sizing = size_cluster(spec_7b, CFG, OptimizerConfig(max_grad_norm=1.0), num_workers=2, num_nodes=1)
+    assert sizing.node_host_bytes < 128 * 2**30
+    assert sizing.node_host_bytes_per_param <= 16
+    assert sizing.network_out_bytes_per_step == 0  # one node: nothing crosses a network
+
+
+def test_sharding_divides_the_state_and_sends_each_nodes_gradients_once(spec_7b):
+    one = size_cluster(spec_7b, CFG, OptimizerConfig(), 2, 1)
+    two = size_cluster(spec_7b, CFG, OptimizerConfig(), 2, 2)
+    assert two.state_bytes == pytest.approx(one.state_bytes / 2, rel=0.01)
+    remote = spec_7b.num_params - two.shard_params
+    assert two.network_out_bytes_per_step == remote * 2 + two.shard_params * 2  # bf16 gradients out, weights out
+
+
+def test_more_workers_add_only_unit_sized_buffers(spec_7b):
+    two = size_cluster(spec_7b, CFG, OptimizerConfig(), 2, 1)
+    eight = size_cluster(spec_7b, CFG, OptimizerConfig(), 8, 1)
+    largest_unit = max(u.numel for u in spec_7b.units)
+    per_worker = (eight.node_host_bytes - two.node_host_bytes) / 6
+    assert per_worker <= 6 * largest_unit * 2  # slabs and gradients in flight, never a model's worth
+    assert eight.state_bytes == two.state_bytes
