@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mt_ray.models.context import Span, document_spans
+from mt_ray.models.context import Documents, document_spans
 
 IGNORE_INDEX = -100
 
@@ -25,7 +25,7 @@ class MicroBatch:
     loss_target: torch.Tensor  # the label each of those tokens predicts
     num_loss_tokens: int
     num_tokens: int
-    documents: list[Span]  # each document's [start, end) in the flattened batch (position-id restarts)
+    documents: Documents  # where each document lies in the flattened batch (position-id restarts)
 
 
 def prepare_micro_batch(batch: dict[str, torch.Tensor], device: torch.device) -> MicroBatch:
@@ -43,6 +43,8 @@ def prepare_micro_batch(batch: dict[str, torch.Tensor], device: torch.device) ->
     flat = shifted.reshape(-1)
     index = (flat != IGNORE_INDEX).nonzero().squeeze(1)
     pin = device.type == "cuda"
+    spans = document_spans(position_ids)
+    cu_seq_lens = torch.tensor([s for s, _ in spans] + [B * T], dtype=torch.int32)
     return MicroBatch(
         input_ids_BT=_to(input_ids, device, pin),
         position_ids_BT=_to(position_ids.contiguous(), device, pin),
@@ -50,7 +52,7 @@ def prepare_micro_batch(batch: dict[str, torch.Tensor], device: torch.device) ->
         loss_target=_to(flat[index], device, pin),
         num_loss_tokens=int(index.numel()),
         num_tokens=B * T,
-        documents=document_spans(position_ids),
+        documents=Documents(spans, _to(cu_seq_lens, device, pin), max(e - s for s, e in spans)),
     )
 
 
