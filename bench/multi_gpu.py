@@ -4,7 +4,8 @@ One process runs, in turn and each on a fresh Ray:
 - `single-engine`: a `StreamingEngine` on one GPU, no Ray;
 - `data-parallel` on each GPU count of `--gpus`: one engine worker per GPU, one coordinator shard;
 - `sharded` (with `--sharded`): two Ray nodes on this host, one GPU each, `cluster.num_nodes=2`, so
-  the fp32 state is split over two shards and gradients and weights cross between the nodes.
+  the fp32 state is split over two shards and gradients and weights cross between the nodes. On a
+  one-GPU host both nodes share it (`sharded-1gpu`): a plumbing check, its time is not a speed.
 
 Each row: step time after warm-up, model TFLOPS per GPU (6 x params x tokens / step / GPUs), the
 node's host bytes per parameter (peak growth of MemTotal - MemAvailable from before the run, all
@@ -15,6 +16,9 @@ Adam, their gradient sums, and their publication puts.
     python bench/multi_gpu.py --shape qwen2.5-7b --gpus 1,2 --rows-per-gpu 128 --kernels liger --sharded \
         --out bench/results/multi_gpu_h200x2.json
     python bench/multi_gpu.py --shape tiny --gpus 1,2 --rows-per-gpu 8 --micro 4 --steps 2   # plumbing check
+
+`--store-gb` overrides the object store each node gets (default: the calculator's figure), and
+`--clip 0` turns gradient clipping off, to tell the store's headroom and the clip's barrier apart.
 """
 
 from __future__ import annotations
@@ -28,15 +32,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import OPT, print_table, random_micro_batches, shape_config, write_json  # noqa: E402
+from bench.common import OPT as CLIPPED
+from bench.common import print_table, random_micro_batches, shape_config, write_json  # noqa: E402
 from mt_ray.cluster import ClusterConfig, DataParallelTrainer  # noqa: E402
 from mt_ray.cluster.node_memory import NodeMemoryPeak  # noqa: E402
 from mt_ray.cluster.sizing import size_cluster  # noqa: E402
-from mt_ray.engine import EngineConfig, StreamingEngine  # noqa: E402
+from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
 
 COLUMNS = ["system", "gpus", "rows_per_gpu", "step_s", "model_tflops_per_gpu", "node_host_bytes_per_param",
            "calc_node_host_bytes_per_param", "weight_wait_s", "adam_s", "sum_s", "publish_s"]
+
+
+def optimizer(args) -> OptimizerConfig:
+    return CLIPPED.model_copy(update={"max_grad_norm": args.clip})
 
 
 def engine_config(args) -> EngineConfig:
@@ -61,7 +70,7 @@ def row(args, cfg, system: str, gpus: int, step_s: float, growth: int, calc: flo
 def run_single(args, cfg) -> dict:
     """The single engine on one GPU, no Ray: the speed each data-parallel GPU should match."""
     memory = NodeMemoryPeak()
-    engine = StreamingEngine(discover(cfg), engine_config(args), OPT, total_steps=args.warmup + args.steps)
+    engine = StreamingEngine(discover(cfg), engine_config(args), optimizer(args), total_steps=args.warmup + args.steps)
     try:
         engine.load_random(seed=0)
         times = []
@@ -83,10 +92,11 @@ def run_cluster(args, cfg, system: str, gpus: int, nodes: int) -> dict:
 
     memory = NodeMemoryPeak()  # before Ray: its processes and object store count too
     spec = discover(cfg)
-    sizing = size_cluster(spec, engine_config(args), OPT, gpus, nodes)
-    shutdown = start_ray(nodes, gpus, sizing.object_store_bytes)
+    sizing = size_cluster(spec, engine_config(args), optimizer(args), gpus, nodes)
+    store = int(args.store_gb * 2**30) if args.store_gb else sizing.object_store_bytes
+    shutdown = start_ray(nodes, gpus, store)
     cluster = ClusterConfig(gpus_per_worker=1, cpus_per_worker=args.cpus_per_worker, num_nodes=nodes)
-    trainer = DataParallelTrainer(cfg, engine_config(args), OPT, gpus, total_steps=args.warmup + args.steps,
+    trainer = DataParallelTrainer(cfg, engine_config(args), optimizer(args), gpus, total_steps=args.warmup + args.steps,
                                   cluster=cluster, weights=0)
     try:
         data = batches(args, cfg, gpus)
@@ -124,7 +134,8 @@ def start_ray(nodes: int, gpus: int, store_bytes: int):
     from ray.cluster_utils import Cluster
 
     per = gpus // nodes
-    devices = [",".join(str(g) for g in range(n * per, (n + 1) * per)) for n in range(nodes)]
+    available = torch.cuda.device_count()
+    devices = [",".join(str(g % available) for g in range(n * per, (n + 1) * per)) for n in range(nodes)]
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_gpus": per, "object_store_memory": store_bytes, "include_dashboard": False,
         "env_vars": {"CUDA_VISIBLE_DEVICES": devices[0]}})
@@ -153,6 +164,8 @@ def main() -> None:
     p.add_argument("--grad-dtype", default="compute", choices=["fp32", "compute"])
     p.add_argument("--stream-master", action="store_true")
     p.add_argument("--optimizer-threads", type=int, default=None)
+    p.add_argument("--clip", type=float, default=CLIPPED.max_grad_norm, help="max grad norm (0: no clipping)")
+    p.add_argument("--store-gb", type=float, default=None, help="object store per node (default: calculated)")
     p.add_argument("--cpus-per-worker", type=float, default=2)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
@@ -165,8 +178,8 @@ def main() -> None:
     runs = [] if args.no_single else [lambda: run_single(args, cfg)]
     runs += [lambda n=n: run_cluster(args, cfg, "data-parallel", n, 1)
              for n in (int(g) for g in args.gpus.split(",")) if n <= available]
-    if args.sharded and available >= 2:
-        runs.append(lambda: run_cluster(args, cfg, "sharded", 2, 2))
+    if args.sharded:
+        runs.append(lambda: run_cluster(args, cfg, "sharded" if available >= 2 else "sharded-1gpu", 2, 2))
     payload: dict = {"shape": args.shape, "args": vars(args), "rows": []}
     for run in runs:  # each row is written as it lands: a run cut short keeps what it measured
         payload["rows"].append(run())

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mt_ray.models.context import Span, document_spans
+from mt_ray.models.context import Documents, document_spans
 
 IGNORE_INDEX = -100
 
@@ -27,7 +27,7 @@ class MicroBatch:
     loss_target: torch.Tensor  # the label each of those tokens predicts
     num_loss_tokens: int
     num_tokens: int
-    documents: list[Span]  # each document's [start, end) in the flattened batch (position-id restarts)
+    documents: Documents  # where each document lies in the flattened batch (position-id restarts)
     images: dict[str, torch.Tensor] | None = None  # the image inputs (pixel_values, image_grid_thw, ...), in token order
     rope_position_ids: torch.Tensor | None = None  # [4, B, T] text then multi-dimensional rotary positions (Qwen-VL)
     image_features: Any = None  # what get_image_features returned for `images` (set by the vision stage)
@@ -64,6 +64,8 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
     flat = shifted.reshape(-1)
     index = (flat != IGNORE_INDEX).nonzero().squeeze(1)
     pin = device.type == "cuda"
+    spans = document_spans(position_ids)
+    cu_seq_lens = torch.tensor([s for s, _ in spans] + [B * T], dtype=torch.int32)
     images = _collate_images(batch.get("images"))
     rope = rope_positions(input_ids, position_ids, (images or {}).get("image_grid_thw")) if rope_positions else None
     return MicroBatch(
@@ -73,7 +75,7 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
         loss_target=_to(flat[index], device, pin),
         num_loss_tokens=int(index.numel()),
         num_tokens=B * T,
-        documents=document_spans(position_ids),
+        documents=Documents(spans, _to(cu_seq_lens, device, pin), max(e - s for s, e in spans)),
         images={k: _to(v, device, pin) for k, v in images.items()} if images else None,
         rope_position_ids=_to(rope, device, pin) if rope is not None else None,
     )

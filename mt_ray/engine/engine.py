@@ -21,8 +21,9 @@ and keeps it, with an fp32 gradient sum per unit, on the device; every micro-bat
 embed -> layers -> head -> backward with its activations kept, so nothing is recomputed
 (6·N·T instead of 8·N·T FLOPs). Gradients leave during the last micro-batch's backward.
 
-Packed rows keep their documents apart: attention through the masks transformers builds from
-the position ids, and layers with linear attention, short convolutions or Mamba by running each
+Packed rows keep their documents apart: attention through each micro-batch's document bounds
+(the varlen backend, `auto`'s choice on CUDA) or the masks transformers builds from the position
+ids (SDPA, eager, flex), and layers with linear attention, short convolutions or Mamba by running each
 document through them alone (`LayerContext`). A MoE config with `output_router_logits` adds the
 family's router load-balancing loss (`RouterLoss`).
 
@@ -110,7 +111,7 @@ class StreamingEngine:
         self.device = cfg.resolve_device()
         self.dtype = cfg.dtype
         self.step_idx = 0
-        spec.config._attn_implementation = resolve_attention(spec, cfg.attn_implementation, self.device)
+        spec.config._attn_implementation = resolve_attention(spec, cfg.attn_implementation, self.device, self.dtype)
         apply_kernels(spec, cfg.kernels, self.device)  # before any allocation, and before the templates
         pin = self.device.type == "cuda"
         copy_dtype = None if cfg.stream_master or self.dtype == torch.float32 else self.dtype
@@ -225,6 +226,13 @@ class StreamingEngine:
             loss_sum = self._eval_head(hiddens, mbs)
         self._kept.clear()
         return EvalResult(loss_sum, sum(mb.num_loss_tokens for mb in mbs), sum(mb.num_tokens for mb in mbs))
+
+    def set_attention(self, requested: str) -> str:
+        """Switch the attention backend between steps, resolved as `EngineConfig.attn_implementation` is at
+        start; returns the backend now in use. Benchmarks compare backends on one host store this way."""
+        self.spec.config._attn_implementation = resolve_attention(self.spec, requested, self.device, self.dtype)
+        self.context = LayerContextBuilder(self.spec, self.device)
+        return self.spec.config._attn_implementation
 
     def synchronize(self) -> None:
         """Wait until every update of the steps run so far is in the master weights."""

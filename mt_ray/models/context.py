@@ -9,7 +9,9 @@ what each layer is called with and pass the hidden state through. The recorded a
 the layer context: the engine replays them into the weightless layer templates.
 
 Packed rows: attention keeps documents apart through the masks transformers builds from the
-position ids. Linear attention, short convolutions and Mamba mixers do not (their CPU and
+position ids, or, for backends that take document bounds instead of a mask (varlen, flash), through
+the micro-batch's `cu_seq_lens` given to every layer (built once per micro-batch, on the host, and
+shared by all layers: `Documents`). Linear attention, short convolutions and Mamba mixers do not (their CPU and
 reference paths ignore the `cu_seq_lens` / `seq_idx` boundaries of transformers'
 padding-free path), nor do the masks of a body that builds them without the position ids
 (GPT-OSS). For such models (`ModelSpec.isolate_documents`, or a probe of the masks at start)
@@ -36,9 +38,24 @@ from torch import nn
 
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.discovery import ModelSpec, meta_free_buffers_to
+from mt_ray.models.varlen import takes_document_bounds
 
 LayerKwargs = dict[str, Any]
 Span = tuple[int, int]  # [start, end) of one document in the flattened [B*T] batch
+
+
+@dataclass
+class Documents:
+    """Where the documents of a micro-batch lie in its flattened [B*T] tokens (position-id restarts)."""
+
+    spans: list[Span]  # each document's [start, end), on the host
+    cu_seq_lens: torch.Tensor  # int32 [documents + 1] on the device: each document's start, then B*T
+    max_length: int  # the longest document
+
+    def flash_kwargs(self) -> LayerKwargs:
+        """The bounds as transformers' flash path (and the varlen backend) takes them from a layer's arguments."""
+        return {"cu_seq_lens_q": self.cu_seq_lens, "cu_seq_lens_k": self.cu_seq_lens,
+                "max_length_q": self.max_length, "max_length_k": self.max_length}
 
 
 @dataclass
@@ -138,6 +155,7 @@ class LayerContextBuilder:
             self.body.get_image_features = self.images
         meta_free_buffers_to(self.body, device)
         self.num_layers = len(layers)
+        self.bounds_not_masks = takes_document_bounds(spec.config._attn_implementation)
         self.isolate_documents = spec.isolate_documents or not self._masks_keep_documents_apart(spec, device)
         if self.isolate_documents and spec.vision is not None:
             raise ModelNotSupportedError(
@@ -146,22 +164,24 @@ class LayerContextBuilder:
             )
 
     def __call__(self, embeds_BTD: torch.Tensor, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
-                 documents: list[Span], images: dict[str, torch.Tensor] | None = None,
+                 documents: Documents, images: dict[str, torch.Tensor] | None = None,
                  features: Any = None) -> tuple[torch.Tensor, LayerContext]:
         """The hidden state that enters layer 0 and the layers' context.
 
-        `embeds_BTD` is the input embedding's output; `documents` are the spans of the flattened
-        batch (from `document_spans`, on the host). An image-text model takes [4, B, T] positions
+        `embeds_BTD` is the input embedding's output; `documents` says where the micro-batch's
+        documents lie (`prepare_micro_batch` builds it). An image-text model takes [4, B, T] positions
         (`rope_positions`) where it has multi-dimensional rotary positions, the micro-batch's image
         inputs (`pixel_values`, `image_grid_thw`, ...) and `features`, what `get_image_features` returns.
         """
         if not self.isolate_documents:
             h0, per_layer = self._record(embeds_BTD, input_ids_BT, position_ids_BT, images, features)
+            if self.bounds_not_masks:  # one set of bounds for every layer: the body built no mask
+                per_layer = [{**kw, **documents.flash_kwargs()} for kw in per_layer]
             return h0, LayerContext(whole=per_layer)
         B, T, D = embeds_BTD.shape
         flat = embeds_BTD.reshape(1, B * T, D), input_ids_BT.reshape(1, B * T), position_ids_BT.reshape(1, B * T)
         h0s, per_document = [], []
-        for s, e in documents:
+        for s, e in documents.spans:
             h0, per_layer = self._record(*(t[:, s:e] for t in flat))
             h0s.append(h0)
             per_document.append(((s, e), per_layer))
@@ -169,8 +189,8 @@ class LayerContextBuilder:
 
     def _masks_keep_documents_apart(self, spec: ModelSpec, device: torch.device) -> bool:
         """Probe: does every layer's attention mask for the row [doc 0 0, doc 1 1] stop token 2 from
-        seeing token 1? Flash attention takes the boundaries from the position ids instead."""
-        if "flash" in spec.config._attn_implementation:
+        seeing token 1? Backends that take document bounds are given the engine's own."""
+        if self.bounds_not_masks:
             return True
         embeds = torch.zeros(1, 4, spec.skeleton.get_input_embeddings().weight.shape[-1], device=device)
         ids = torch.zeros(1, 4, dtype=torch.long, device=device)
