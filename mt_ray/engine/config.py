@@ -52,9 +52,11 @@ class EngineConfig(_Strict):
     loss_chunk_tokens: int = Field(4096, ge=1, description="Tokens per LM-head chunk; bounds the fp32 logits in memory.")
     attn_implementation: str = Field(
         "auto",
-        description="transformers attention backend: 'auto' (SDPA, or eager for a family whose attention uses "
-        "soft-capping or sinks, which SDPA drops), sdpa, eager, flex_attention, flash_attention_2. A backend that "
-        "lacks a feature the family uses is refused.",
+        description="attention backend: 'auto' (eager for a family whose attention uses soft-capping or sinks, which "
+        "SDPA drops; on CUDA with bf16/fp16 'varlen' where the family allows it; SDPA otherwise), 'varlen' (PyTorch's "
+        "variable-length flash attention: packed rows keep their documents apart with no T x T mask; on the CPU each "
+        "document runs through SDPA alone), or a transformers name: sdpa, eager, flex_attention, flash_attention_2. "
+        "A backend that lacks a feature the family uses, or cannot run here, is refused.",
     )
     kernels: Literal["torch", "liger"] = Field(
         "torch",
