@@ -31,6 +31,11 @@ ids (SDPA, eager, flex), and layers with linear attention, short convolutions or
 document through them alone (`LayerContext`). A MoE config with `output_router_logits` adds the
 family's router load-balancing loss (`RouterLoss`).
 
+An image-text model adds its vision tower and projector (`VisionStage`): their units stream
+before the language model's in the forward and after them in the backward; the image features
+enter through the body's own scatter over the image tokens. Frozen units (the tower, by
+default) have no moments and send no gradient.
+
 Tensor shape key: B batch, T tokens, D hidden, N selected tokens, V vocabulary.
 """
 
@@ -54,6 +59,7 @@ from mt_ray.engine.seams import GradSink, WeightSource
 from mt_ray.engine.sizing import grad_buffer_bytes, grad_buffers_per_unit
 from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
 from mt_ray.engine.transfer import GradBuffers, Outbox, StreamSet, WeightStreamer
+from mt_ray.engine.vision_stage import VisionStage, feature_leaves
 from mt_ray.models.attention import resolve_attention
 from mt_ray.models.context import LayerContext, LayerContextBuilder
 from mt_ray.models.discovery import ModelSpec
@@ -117,16 +123,16 @@ class StreamingEngine:
         pin = self.device.type == "cuda"
         copy_dtype = None if cfg.stream_master or self.dtype == torch.float32 else self.dtype
         self.grad_dtype = grad_dtype = cfg.grad_torch_dtype
-        numels = {u.name: u.numel for u in spec.units}
+        numels = {u.name: u.numel for u in spec.trainable_units}  # frozen units send no gradient
         local = grad_sink is None
         # An outside sink ships each gradient on at once and frees its slab: a few slabs suffice.
         per_unit = local and grad_buffers_per_unit(cfg, opt_cfg)
         grad_bytes = grad_buffer_bytes(numels, grad_dtype, per_unit, cfg.grad_slabs)
         self.store = HostStore(spec, copy_dtype, pin, grad_bytes, cfg.host_memory_limit_gb) if local else None
         self.grad_buffers = GradBuffers(numels, grad_dtype, pin, per_unit=per_unit, slabs=cfg.grad_slabs)
-        self.optimizers = {u.name: UnitOptimizer(self.store, u, opt_cfg) for u in spec.units} if local else {}
+        self.optimizers = {u.name: UnitOptimizer(self.store, u, opt_cfg) for u in spec.trainable_units} if local else {}
         self.worker = grad_sink if not local else OptimizerWorker(
-            self.store, self.optimizers, self.grad_buffers, [u.name for u in spec.units],
+            self.store, self.optimizers, self.grad_buffers, list(numels),
             opt_cfg.max_grad_norm, cfg.optimizer_thread_count if pin else None,
         )
         self.streams = StreamSet(self.device)
@@ -144,6 +150,7 @@ class StreamingEngine:
         self.templates = build_templates(spec, self.device)
         self.context = LayerContextBuilder(spec, self.device)
         self.layer_templates = [self.templates[u.kind] for u in spec.layer_units]
+        self.vision = VisionStage(spec, self.templates, self.device, self._weights, self._add_grad) if spec.vision else None
         kinds = [self.templates[k].module for k in spec.layer_kinds]
         self.router_loss = RouterLoss(spec, kinds) if RouterLoss.wanted(spec) else None
         self._embed_shape = next(p.shape for p in spec.unit("embed").params if p.local_name == "weight")
@@ -160,17 +167,18 @@ class StreamingEngine:
         passes the count over the whole global batch, so the workers' gradients sum to the
         gradient of the global mean loss.
         """
-        mbs = [prepare_micro_batch(b, self.device) for b in micro_batches]
+        mbs = self._prepare(micro_batches)
         n_loss = sum(mb.num_loss_tokens for mb in mbs)
         n_norm = n_loss if loss_normaliser is None else loss_normaliser
         if n_norm == 0:
             raise ValueError("this step has no token that carries loss (every label is -100)")
         lr = lr_at(self.step_idx, self.opt_cfg, self.total_steps)
-        self.streamer.start(self._upload_plan(), version=self.step_idx)
+        self.streamer.start(self._upload_plan(mbs), version=self.step_idx)
         self._norm_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         self._lr = lr
         self._grad_sums: dict[str, torch.Tensor] = {}
         self._kept: dict[str, torch.Tensor] = {}
+        self._sent: set[str] = set()
         # Router loss: each micro-batch weighted by its share of the step's loss tokens.
         self._aux_sum = torch.zeros((), dtype=torch.float32, device=self.device) if self.router_loss else None
         aux_weights = [mb.num_loss_tokens / n_norm for mb in mbs]
@@ -178,6 +186,8 @@ class StreamingEngine:
         if self.resident:
             loss_sum = self._resident_step(mbs, 1.0 / n_norm, aux_weights)
         else:
+            imaged = [mb for mb in mbs if mb.images is not None]
+            tapes = self.vision.forward(imaged) if imaged else []
             park, carry = self.activations, len(self._blocks())
             park.start(self._activation_plan(len(mbs), train=True), self._hidden_numels(mbs))
             contexts, aux_grads = self._forward(mbs, aux_weights)
@@ -186,7 +196,12 @@ class StreamingEngine:
             for b in reversed(range(carry)):
                 self._backward_block(b, contexts, aux_grads)
             self._backward_embed(self._carried(len(mbs)), mbs, final=True)
+            if imaged:
+                self.vision.backward(imaged, tapes)
         self._kept.clear()
+        for unit in self.vision.trainable if self.vision else ():
+            if unit not in self._sent:  # no image this step: the unit is not updated (torch skips a None grad)
+                self.worker.submit(unit, None, None, lr)
 
         with self.streams.on(self.streams.d2h):
             # The clip coefficient needs the global norm on the host; only the worker waits for it.
@@ -210,12 +225,16 @@ class StreamingEngine:
         Every micro-batch passes each block while it is resident, and their hidden states wait
         where a training step's do: give as many as a training step holds.
         """
-        mbs = [prepare_micro_batch(b, self.device) for b in micro_batches]
+        mbs = self._prepare(micro_batches)
+        imaged = [mb for mb in mbs if mb.images is not None]
         plan = ["embed", *(f"layers.{i}" for i in range(self.spec.num_layers)), "head"]
+        plan = (self.vision.plan()[0] if imaged else []) + plan
         self.streamer.start(plan + (["embed"] if self.spec.tied and not self.resident else []), version=self.step_idx)
         self._kept = {}
         self.activations.start(self._activation_plan(len(mbs), train=False), self._hidden_numels(mbs))
         with _eval_mode(t.module for t in self.templates.values()), torch.no_grad():
+            if imaged:
+                self.vision.forward(imaged)
             self._forward(mbs)
             loss_sum = self._eval_head(self._carried(len(mbs)), mbs)
         self._kept.clear()
@@ -312,14 +331,19 @@ class StreamingEngine:
         K, L = self.cfg.checkpoint_every, self.spec.num_layers
         return [range(s, min(s + K, L)) for s in range(0, L, K)]
 
-    def _upload_plan(self) -> list[str]:
+    def _prepare(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[MicroBatch]:
+        rope = self.context.rope_positions if self.spec.vision is not None else None
+        return [prepare_micro_batch(b, self.device, rope) for b in micro_batches]
+
+    def _upload_plan(self, mbs: list[MicroBatch]) -> list[str]:
         layers = [f"layers.{i}" for i in range(self.spec.num_layers)]
+        vision_fwd, vision_bwd = self.vision.plan() if any(mb.images is not None for mb in mbs) else ([], [])
         if self.resident:
-            return ["embed", *layers, "head"]
-        plan = ["embed", *layers, "head"] + (["embed"] if self.spec.tied else [])
+            return [*dict.fromkeys(vision_fwd), "embed", *layers, "head"]
+        plan = vision_fwd + ["embed", *layers, "head"] + (["embed"] if self.spec.tied else [])
         for block in reversed(self._blocks()):
             plan += [f"layers.{i}" for i in block]
-        return plan + ["embed"]
+        return plan + ["embed"] + vision_bwd
 
     def _weights(self, unit: str) -> torch.Tensor:
         """The unit's flat device weights: the next upload, or the step's kept copy when resident."""
@@ -344,7 +368,7 @@ class StreamingEngine:
         return plan + [("get", (carry, j)) for j in mbs]  # the embedding's backward
 
     def _hidden_numels(self, mbs: list[MicroBatch]) -> list[int]:
-        return [mb.input_ids_BT.numel() * self.spec.config.hidden_size for mb in mbs]
+        return [mb.input_ids_BT.numel() * self.spec.text_config.hidden_size for mb in mbs]
 
     def _carried(self, n_micro: int) -> Iterator[torch.Tensor]:
         """Each micro-batch's carry in turn (the last block's output, or the gradient flowing back)."""
@@ -355,7 +379,7 @@ class StreamingEngine:
         """A micro-batch's embedded input and its layers' context (no graph)."""
         with torch.no_grad():
             h0 = self.templates["embed"](weights, mb.input_ids_BT)
-            return self.context(h0, mb.input_ids_BT, mb.position_ids_BT, mb.documents)
+            return self.context(h0, mb.input_ids_BT, mb.positions, mb.documents, mb.images, mb.image_features)
 
     def _forward(self, mbs: list[MicroBatch], aux_weights: list[float] | None = None):
         """Park every micro-batch's embedding, then run each block over every micro-batch in turn without a
@@ -390,14 +414,18 @@ class StreamingEngine:
         weights: dict[int, Weights] = {}
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         head_grad: list[torch.Tensor] = []  # the head hands each micro-batch's gradient over here
+        last_imaged = max((j for j, mb in enumerate(mbs) if mb.images is not None), default=-1)
         for j, mb in enumerate(mbs):
             final = j == len(mbs) - 1
+            tapes = self.vision.forward([mb]) if mb.images is not None else []
             h, ctx = self._embed(self.templates["embed"].bind(self._weights("embed")), mb)
             segments = self._run_layers(range(self.spec.num_layers), h, ctx, weights)
             aux_grads = self._router_loss_grads({i: lg for i, _, _, lg in segments if lg is not None}, aux_weights[j])
             loss_sum += self._head([segments[-1][2].detach()], [mb], inv_n, final, lambda _, g: head_grad.append(g))
             g = self._backward_layers(segments, weights, head_grad.pop(), final, aux_grads)
             self._backward_embed([g], [mb], final)
+            if tapes:
+                self.vision.backward([mb], tapes, final=j == last_imaged)
         return loss_sum
 
     def _layer(self, i: int, weights: Weights, x: torch.Tensor, ctx: LayerContext):
@@ -512,11 +540,13 @@ class StreamingEngine:
         weights = embed.bind(self._weights("embed"), requires_grad=True)
         leaves = embed.leaves(weights)
         for j, (g, mb) in enumerate(zip(grads, mbs, strict=True)):
+            features, feature_leaves_ = feature_leaves(mb.image_features) if mb.images is not None else (None, [])
             with torch.enable_grad():
-                h0, _ = self.context(embed(weights, mb.input_ids_BT), mb.input_ids_BT, mb.position_ids_BT,
-                                     mb.documents)
-                gs = torch.autograd.grad(h0, leaves, g)
-            self._add_grad("embed", gs, final and j == len(mbs) - 1, embed.frozen_numel)
+                h0, _ = self.context(embed(weights, mb.input_ids_BT), mb.input_ids_BT, mb.positions,
+                                     mb.documents, mb.images, features)
+                gs = torch.autograd.grad(h0, [*leaves, *feature_leaves_], g, allow_unused=bool(feature_leaves_))
+            mb.feature_grads = list(gs[len(leaves):])  # the image features' gradient, for the vision stage
+            self._add_grad("embed", gs[:len(leaves)], final and j == len(mbs) - 1, embed.frozen_numel)
 
     # ------------------------------------------------------------------ gradients out
 
@@ -536,6 +566,7 @@ class StreamingEngine:
 
     def _send_grad(self, unit: str, acc: torch.Tensor) -> None:
         """Ship a finished fp32 gradient to the host and queue its optimizer update."""
+        self._sent.add(unit)
         self._norm_sq += torch.linalg.vector_norm(acc).square()
         grad = acc.to(self.grad_dtype)
         done_on_compute = self.streams.record(self.streams.compute)

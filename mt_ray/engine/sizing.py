@@ -66,7 +66,7 @@ def activation_slab_bytes(spec: ModelSpec, cfg: EngineConfig, tokens: int) -> in
     """The pinned slab of host-placed hidden states: a checkpoint per block and the carry, per token."""
     if cfg.checkpoint_placement != "host":
         return 0
-    return (_num_blocks(spec, cfg) + 1) * tokens * spec.config.hidden_size * cfg.dtype.itemsize
+    return (_num_blocks(spec, cfg) + 1) * tokens * spec.text_config.hidden_size * cfg.dtype.itemsize
 
 
 def _num_blocks(spec: ModelSpec, cfg: EngineConfig) -> int:
@@ -80,7 +80,7 @@ def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2, kernels: s
     keep only their input, which the layer holds anyway, and its SwiGLU recomputes act(gate)
     (H100, 3B resident, micro 11: 92.6 KB per token per layer measured, 92.5 modelled).
     """
-    c = spec.config
+    c = spec.text_config
     d = c.hidden_size
     head_dim = getattr(c, "head_dim", None) or d // c.num_attention_heads
     q = c.num_attention_heads * head_dim
@@ -109,7 +109,7 @@ def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int,
     """
     if cfg.schedule == "resident":
         return _resident_device_bytes(spec, cfg, micro_batch * seq)
-    d, k = spec.config.hidden_size, cfg.checkpoint_every
+    d, k = spec.text_config.hidden_size, cfg.checkpoint_every
     size = cfg.dtype.itemsize
     layer = max(u.numel for u in spec.layer_units)
     embed, lm_head = spec.unit("embed").numel, _lm_head_numel(spec)
@@ -162,7 +162,7 @@ def _resident_device_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -
         # every fp32 sum, and the previous step's last two gradients sent (the embedding's) still in the outbox
         "grad_sums": spec.num_params * 4 + max(spec.unit("embed").numel, 2 * layer) * grad_size,
         "activations": spec.num_layers * mb_tokens * activation_bytes_per_token(spec, size, cfg.kernels)
-        + 2 * mb_tokens * spec.config.hidden_size * size,
+        + 2 * mb_tokens * spec.text_config.hidden_size * size,
         "loss_chunk": _loss_chunk_bytes(spec, cfg, mb_tokens),
     }
     parts["total"] = sum(parts.values())
@@ -177,7 +177,7 @@ def _loss_chunk_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> int
     """One chunk of logits with its fp32 temporaries, and the LM head's autograd gradient."""
     size = cfg.dtype.itemsize
     chunk = min(cfg.loss_chunk_tokens, mb_tokens)
-    return _lm_head_numel(spec) * size + chunk * spec.config.vocab_size * logit_bytes(size)
+    return _lm_head_numel(spec) * size + chunk * spec.text_config.vocab_size * logit_bytes(size)
 
 
 def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_batch: int,
@@ -200,7 +200,7 @@ def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_
     d2h = n * cfg.grad_torch_dtype.itemsize
     blocks = _num_blocks(spec, cfg)
     if cfg.checkpoint_placement == "host" and not resident:
-        hidden = tokens * spec.config.hidden_size * cfg.dtype.itemsize
+        hidden = tokens * spec.text_config.hidden_size * cfg.dtype.itemsize
         h2d += (3 * blocks + 2) * hidden  # forward and backward fetches of checkpoints and gradients
         d2h += (2 * blocks + 2) * hidden
     link = max(h2d, d2h) / (machine.h2d_gbps * 1e9)
