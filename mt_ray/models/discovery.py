@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -75,8 +76,9 @@ class UnitSpec:
     frozen: bool = False
     """Never trained (a frozen vision tower): no moments, no gradient, no update."""
 
-    @property
+    @cached_property
     def numel(self) -> int:
+        """Parameters in the unit (cached: the calculator asks thousands of times; params never change)."""
         return sum(p.numel for p in self.params)
 
 
