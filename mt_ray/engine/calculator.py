@@ -43,8 +43,8 @@ GPU_HEADROOM = 0.9  # of the GPU's memory the step may use; the rest is the allo
 # the 7B step measured 14.3 B/param of peak RSS against 14.0 allocated, 2.3 GB more.
 HOST_RESERVE_GIB = 3.0
 NEAR_FASTEST = 1.02  # predicted times this close are a tie, broken by preference order
-K_ORDER = (4, 2, 8, 1)
-SEQ_STEP = 128  # the largest seq that fits is named in multiples of this  # 4 is the measured default
+K_ORDER = (4, 2, 8, 1)  # 4 is the measured default
+SEQ_STEP = 128  # the largest seq that fits is named in multiples of this
 LOSS_CHUNKS = (4096, 2048, 1024, 512, 256)
 # Knobs the search sets, as EngineConfig fields, in the order the snippet lists them.
 SEARCHED = ("schedule", "checkpoint_every", "checkpoint_placement", "prefetch_units", "loss_chunk_tokens",
