@@ -50,6 +50,13 @@ class EngineConfig(_Strict):
         None, ge=1, description="Units uploaded ahead of use; default K so a whole recompute block is in flight."
     )
     loss_chunk_tokens: int = Field(4096, ge=1, description="Tokens per LM-head chunk; bounds the fp32 logits in memory.")
+    mlp_chunk_tokens: int | None = Field(
+        None, ge=1,
+        description="Run every decoder layer's norms and dense MLP over the micro-batch's tokens in chunks of this "
+        "many, recomputing each chunk in backward: the layer's graph keeps one input a token for each of them "
+        "instead of the MLP's intermediates (at long context most of its activations), for one more forward of "
+        "them a step. The same arithmetic; for long contexts. Default: whole micro-batches.",
+    )
     attn_implementation: str = Field(
         "auto",
         description="attention backend: 'auto' (eager for a family whose attention uses soft-capping or sinks, which "
