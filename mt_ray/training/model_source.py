@@ -43,7 +43,7 @@ def build_model_spec(cfg: RunConfig, vocab_size: int | None = None) -> ModelSpec
         if vocab_size is not None and cfg.model.preset == "tiny":
             overrides.setdefault("vocab_size", vocab_size)
         config = preset_config(cfg.model.preset, **overrides)
-    return discover(config)
+    return discover(config, cfg.model.freeze_vision_tower, cfg.model.freeze_multi_modal_projector)
 
 
 def load_tokenizer(cfg: RunConfig) -> PreTrainedTokenizerBase:
