@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     calc.add_argument("--global-batch", type=int, default=128, help="sequences per optimizer step")
     calc.add_argument("--gpu-mem-gb", type=float, default=80.0)
     calc.add_argument("--host-mem-gb", type=float, default=128.0)
+    calc.add_argument("--image-tokens", type=int, default=0,
+                      help="image-text models: image tokens per sample (part of --seq): the vision tower's share")
     calc.add_argument("--json", action="store_true", help="print JSON instead of a table")
     calc.add_argument("--workers", type=int, default=1, help="data-parallel workers (GPUs): adds the per-node figures")
     calc.add_argument("--nodes", type=int, default=1, help="nodes the workers and the fp32 state spread over")
@@ -75,7 +77,8 @@ def _calc(args) -> int:
     from mt_ray.engine.sizing import recommend, render_recommendation
 
     spec = _spec(args)
-    rec = recommend(spec, args.seq, args.global_batch, args.gpu_mem_gb, args.host_mem_gb)
+    rec = recommend(spec, args.seq, args.global_batch, args.gpu_mem_gb, args.host_mem_gb,
+                    image_tokens=args.image_tokens)
     cluster = _cluster_sizing(spec, args) if args.workers > 1 or args.nodes > 1 else None
     if args.json:
         print(json.dumps({**rec, **({"cluster": cluster.as_dict()} if cluster else {})}, indent=2))

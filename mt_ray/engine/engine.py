@@ -253,9 +253,11 @@ class StreamingEngine:
         for unit in self.spec.units:
             self.store.load_named(unit, state)
 
-    def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32) -> Path:
-        """Write the trained weights as a Hugging Face folder that `from_pretrained` loads."""
-        return export_hf(self.spec, self.state_dict(), out_dir, tokenizer, dtype)
+    def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32,
+               extra_files: tuple[Path, ...] = ()) -> Path:
+        """Write the trained weights as a Hugging Face folder that `from_pretrained` loads (`extra_files`
+        copied in: an image-text model's processor files)."""
+        return export_hf(self.spec, self.state_dict(), out_dir, tokenizer, dtype, extra_files=extra_files)
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Everything a checkpoint needs: the flat fp32 master/moment buffers and the step.

@@ -6,6 +6,8 @@ plus prefetched ones, one micro-batch's recompute activations, fp32 gradient acc
 resident: every weight and gradient sum and one micro-batch's activations through all layers),
 with per-token activation bytes counted from the decoder layer's shapes. Step time is predicted
 from the machine's matmul rate and link bandwidth (defaults: the lent H100's measured figures).
+An image-text model adds its vision tower: given the image tokens per sample, the block outputs a
+step keeps on the device (every block's, for every sample with images) and the tower's compute.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import plan_layout
 from mt_ray.models.discovery import ModelSpec
+from mt_ray.models.vision import VISION_PROJECTOR
 
 GIB = 1024**3
 # Larger micro-batches gain nothing measurable on an H100 (7B: 16 x 1k and 1 x 16k run alike), while
@@ -60,7 +63,7 @@ def host_bytes(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig) -> int:
     """Exactly what the engine allocates in host memory for state and gradient buffers."""
     dtype = cfg.dtype
     copy = None if cfg.stream_master or dtype == torch.float32 else dtype
-    numels = {u.name: u.numel for u in spec.units}
+    numels = {u.name: u.numel for u in spec.trainable_units}  # frozen units send no gradient
     per_unit = grad_buffers_per_unit(cfg, opt)
     return plan_layout(spec, copy).nbytes + grad_buffer_bytes(numels, cfg.grad_torch_dtype, per_unit, cfg.grad_slabs)
 
@@ -72,7 +75,7 @@ def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2, kernels: s
     keep only their input, which the layer holds anyway, and its SwiGLU recomputes act(gate)
     (H100, 3B resident, micro 11: 92.6 KB per token per layer measured, 92.5 modelled).
     """
-    c = spec.config
+    c = spec.text_config
     d = c.hidden_size
     head_dim = getattr(c, "head_dim", None) or d // c.num_attention_heads
     q = c.num_attention_heads * head_dim
@@ -92,11 +95,53 @@ def logit_bytes(dtype_bytes: int) -> int:
     return dtype_bytes + 4 + 4 + (4 + dtype_bytes if dtype_bytes < 4 else 0)
 
 
-def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int, global_batch: int) -> dict[str, int]:
-    """Peak device memory of a step, by part (bytes)."""
+@dataclass(frozen=True)
+class VisionSizes:
+    """An image-text model's vision side, for `image_tokens` image tokens per sample."""
+
+    patches: int  # per sample: image tokens times the tokens one merges (Qwen-VL: 2x2)
+    tower_params: int
+    tower_trains: bool
+    projector_params: int
+    projector_trains: bool
+    hidden: int
+    depth: int
+
+    def kept_bytes(self, samples: int, dtype_bytes: int) -> int:
+        """Every block's output for `samples` samples: kept on the device from the vision forward to its backward."""
+        return samples * self.patches * self.hidden * self.depth * dtype_bytes
+
+    def flops(self, samples: int, image_tokens: int) -> float:
+        """Matmul FLOPs of a step: the tower once forward (recomputed and run backward when it trains: 8x
+        instead of 2x), the projector forward, and again with its backward when anything trains."""
+        tower = (8 if self.tower_trains else 2) * self.tower_params * self.patches
+        projector = (8 if self.tower_trains or self.projector_trains else 2) * self.projector_params * image_tokens
+        return samples * float(tower + projector)
+
+
+def vision_sizes(spec: ModelSpec, image_tokens: int) -> VisionSizes | None:
+    """None for a text model."""
+    if spec.vision is None:
+        return None
+    vc = spec.config.vision_config
+    tower = [u for u in spec.units if u.name.startswith("vision.") and u.name != VISION_PROJECTOR]
+    projector = spec.unit(VISION_PROJECTOR)
+    merge = getattr(vc, "spatial_merge_size", 1) ** 2
+    return VisionSizes(image_tokens * merge, sum(u.numel for u in tower), not tower[0].frozen, projector.numel,
+                       not projector.frozen, vc.hidden_size, len(spec.vision.blocks))
+
+
+def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int, global_batch: int,
+                 image_tokens: int = 0) -> dict[str, int]:
+    """Peak device memory of a step, by part (bytes); `image_tokens` per sample for an image-text model."""
+    vision = vision_sizes(spec, image_tokens)
     if cfg.schedule == "resident":
-        return _resident_device_bytes(spec, cfg, micro_batch * seq)
-    c = spec.config
+        parts = _resident_device_bytes(spec, cfg, micro_batch * seq)
+        if vision is not None and image_tokens:
+            parts["vision_outputs"] = vision.kept_bytes(micro_batch, cfg.dtype.itemsize)
+            parts["total"] += parts["vision_outputs"]
+        return parts
+    c = spec.text_config
     d, k, n_layers = c.hidden_size, cfg.checkpoint_every, spec.num_layers
     size, grad_size = cfg.dtype.itemsize, cfg.grad_torch_dtype.itemsize
     layer = max(u.numel for u in spec.layer_units)
@@ -115,6 +160,8 @@ def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int,
     # chunk of logits; the peak is whichever phase is larger.
     head_phase = _loss_chunk_bytes(spec, cfg, mb_tokens) + _lm_head_numel(spec) * 4
     parts["head_or_embed_extra"] = max(0, head_phase - parts["recompute"] - parts["grad_accumulators"])
+    if vision is not None and image_tokens:  # every micro-batch's vision tape lives through the language model
+        parts["vision_outputs"] = vision.kept_bytes(global_batch, size)
     parts["total"] = sum(parts.values())
     return parts
 
@@ -128,7 +175,7 @@ def _resident_device_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -
         "weights": spec.num_params * size + (layer * 4 if cfg.stream_master else 0),
         "grad_sums": spec.num_params * 4 + (2 * layer * grad_size if grad_size < 4 else 0),
         "activations": spec.num_layers * mb_tokens * activation_bytes_per_token(spec, size, cfg.kernels)
-        + 2 * mb_tokens * spec.config.hidden_size * size,
+        + 2 * mb_tokens * spec.text_config.hidden_size * size,
         "loss_chunk": _loss_chunk_bytes(spec, cfg, mb_tokens),
     }
     parts["total"] = sum(parts.values())
@@ -143,11 +190,11 @@ def _loss_chunk_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> int
     """One chunk of logits with its fp32 temporaries, and the LM head's autograd gradient."""
     size = cfg.dtype.itemsize
     chunk = min(cfg.loss_chunk_tokens, mb_tokens)
-    return _lm_head_numel(spec) * size + chunk * spec.config.vocab_size * logit_bytes(size)
+    return _lm_head_numel(spec) * size + chunk * spec.text_config.vocab_size * logit_bytes(size)
 
 
 def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_batch: int,
-                           machine: Machine = Machine()) -> float:
+                           machine: Machine = Machine(), image_tokens: int = 0) -> float:
     """Compute or streaming, whichever bounds, plus the optimizer time the GPU waits for.
 
     Streaming: 8·N·T (full recompute), weights cross twice, and only the embedding's update is
@@ -156,7 +203,11 @@ def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_
     """
     tokens = global_batch * seq
     resident = cfg.schedule == "resident"
-    compute = (6 if resident else 8) * spec.num_params * tokens / (machine.layer_tflops * 1e12)
+    flops = (6 if resident else 8) * spec.text_params * tokens
+    vision = vision_sizes(spec, image_tokens)
+    if vision is not None:
+        flops += vision.flops(global_batch, image_tokens)
+    compute = flops / (machine.layer_tflops * 1e12)
     stream_bytes = spec.num_params * (4 if cfg.stream_master else 2) * (1 if resident else 2)
     stream = stream_bytes / (machine.h2d_gbps * 1e9)
     exposed_opt = (spec.num_params if resident else spec.unit("embed").numel) / (machine.adam_gparams_per_s * 1e9)
@@ -165,12 +216,13 @@ def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_
 
 def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, host_mem_gb: float,
               cfg: EngineConfig | None = None, opt: OptimizerConfig | None = None,
-              max_micro_tokens: int = MAX_MICRO_TOKENS) -> dict:
+              max_micro_tokens: int = MAX_MICRO_TOKENS, image_tokens: int = 0) -> dict:
     """The schedule and the largest micro-batch (up to `max_micro_tokens` tokens) that fit the GPU.
 
     The resident schedule when a micro-batch of at least RESIDENT_MIN_MICRO_TOKENS fits beside the
     whole model; else streaming with K=4 (the measured default; prefetch depth follows K) unless
-    only another K fits. Also the host memory needed and the predicted step time.
+    only another K fits. Also the host memory needed and the predicted step time. `image_tokens`: an
+    image-text model's image tokens per sample (part of `seq`).
     """
     cfg = cfg or EngineConfig(device="cpu", compute_dtype="bf16")
     opt = opt or OptimizerConfig()
@@ -179,7 +231,7 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
 
     def option(schedule: str, k: int, mb: int) -> tuple[EngineConfig, int, int]:
         c = cfg.model_copy(update={"schedule": schedule, "checkpoint_every": k})
-        return c, mb, device_bytes(spec, c, mb, seq, global_batch)["total"]
+        return c, mb, device_bytes(spec, c, mb, seq, global_batch, image_tokens)["total"]
 
     resident = (option("resident", cfg.checkpoint_every, mb) for mb in sizes if mb * seq >= RESIDENT_MIN_MICRO_TOKENS)
     streamed = (option("stream", k, mb) for mb in sizes for k in (4, 2, 8, 1))
@@ -189,8 +241,12 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
     out = {
         "params": spec.num_params, "seq": seq, "global_batch": global_batch,
         "host_gib": host / GIB, "host_bytes_per_param": host / spec.num_params, "host_fits": host <= host_mem_gb * GIB,
-        "predicted_step_s": predicted_step_seconds(spec, chosen, seq, global_batch),
+        "predicted_step_s": predicted_step_seconds(spec, chosen, seq, global_batch, image_tokens=image_tokens),
     }
+    vision = vision_sizes(spec, image_tokens)
+    if vision is not None:
+        out.update(vision_tower_params=vision.tower_params, vision_projector_params=vision.projector_params,
+                   image_tokens=image_tokens, vision_patches_per_sample=vision.patches)
     if best is None:
         out.update(fits=False, reason="even one sequence per micro-batch does not fit; lower seq or global_batch")
     else:
@@ -220,6 +276,17 @@ def describe_model(spec: ModelSpec) -> str:
           for kind, n in kinds.items()],
         f"host memory (bf16 copy, no clipping): {bf16 / GIB:.1f} GiB ({bf16 / spec.num_params:.1f} B/param)",
     ]
+    vision = vision_sizes(spec, 0)
+    if vision is not None:
+        bf16_copy = 2  # the streamed compute-dtype copy, as above
+        tower_bytes = vision.tower_params * (4 + bf16_copy + (0 if not vision.tower_trains else 8 + bf16_copy))
+        lines += [
+            f"vision tower: {vision.depth} blocks, {vision.tower_params / 1e6:.1f} M params "
+            f"({'trained' if vision.tower_trains else 'frozen: no moments, no gradient'}), "
+            f"host memory {tower_bytes / GIB:.2f} GiB",
+            f"projector: {vision.projector_params / 1e6:.1f} M params ({'trained' if vision.projector_trains else 'frozen'})",
+            f"language model: {spec.text_params / 1e9:.3f} B params",
+        ]
     return "\n".join(lines)
 
 

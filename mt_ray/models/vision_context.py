@@ -33,6 +33,7 @@ class VisionTape:
     backward, the gradients reaching each block's output and block 0's input."""
 
     h0: torch.Tensor | None = None
+    args: list[tuple] = field(default_factory=list)  # positional arguments after the hidden state (SigLIP's mask)
     kwargs: list[LayerKwargs] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
@@ -56,10 +57,9 @@ class _BlockStandIn(nn.Module):
         if self.runner.replaying:
             out = tape.outputs[self.index]
         else:
-            if args:
-                raise TypeError("vision blocks are expected to take their context as keyword arguments")
             if self.index == 0:
                 tape.h0 = hidden_states
+            tape.args.append(args)
             tape.kwargs.append(kwargs)
             if self.index == self.runner.num_blocks - 1:
                 raise _Recorded
