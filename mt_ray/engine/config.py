@@ -37,6 +37,14 @@ class EngineConfig(_Strict):
     checkpoint_every: int = Field(
         4, ge=1, description="K: keep the hidden state every K layers and recompute blocks of K layers in backward."
     )
+    checkpoint_placement: Literal["device", "host"] = Field(
+        "device",
+        description="Where the streaming schedule's hidden states wait between blocks (the checkpoints, the last "
+        "block's output, the gradient flowing back). 'device': on the GPU, which then holds L/K + 1 hidden states "
+        "per token of the step. 'host': in pinned host memory (the same amount, allocated once), copied out and "
+        "fetched back on the copy streams, overlapped with compute, so GPU memory no longer grows with the "
+        "step's tokens.",
+    )
     stream_master: bool = Field(
         False,
         description="Stream the fp32 master and cast on the device instead of keeping a compute-dtype host copy "
@@ -68,6 +76,16 @@ class EngineConfig(_Strict):
     host_memory_limit_gb: float | None = Field(
         None, gt=0, description="Host memory this job may use; default: cgroup limit, else MemAvailable."
     )
+    gpu_memory_limit_gb: float | None = Field(
+        None, gt=0, description="GPU memory (GiB) this job may use, enforced on CUDA through the caching allocator "
+        "(emulates a smaller card) and used by auto_fit; default: the whole device."
+    )
+    auto_fit: bool = Field(
+        False, description="mt-ray train: before building the engine, let the calculator choose the schedule, K, "
+        "checkpoint placement, loss chunk, prefetch depth, stream_master, grad_dtype and training.micro_batch_size "
+        "(global batch and seq kept) that fit this GPU and host fastest, log the choices, and stop with the "
+        "calculator's reason when nothing fits."
+    )
     optimizer_threads: int | None = Field(
         None, ge=1, description="CPU threads for the optimizer; default: all cores but one (kept for launching GPU work)."
     )
@@ -77,6 +95,13 @@ class EngineConfig(_Strict):
         if self.kernels == "liger" and self.device == "cpu":
             raise ValueError("kernels: liger runs Triton kernels on CUDA only, but device is cpu; "
                              "use kernels: torch, or device: cuda")
+        return self
+
+    @model_validator(mode="after")
+    def _host_placement_needs_streaming(self) -> EngineConfig:
+        if self.checkpoint_placement == "host" and self.schedule == "resident":
+            raise ValueError("checkpoint_placement: host applies to schedule: stream (the resident schedule keeps "
+                             "no checkpoints); use checkpoint_placement: device, or schedule: stream")
         return self
 
     @property

@@ -1,20 +1,24 @@
 """The streaming engine: one training step of a model whose state lives in host memory.
 
 Schedule of a step (L layers, blocks of K layers, M micro-batches):
-  forward   embed -> layer 0 .. L-1 -> head, every micro-batch through a unit while its weights
-            are resident (one upload serves the whole batch); the hidden state entering each
-            block is kept (the checkpoints).
+  forward   embed every micro-batch, then block by block: every micro-batch through the block's
+            K layers while their weights are resident (one upload serves the whole batch); the
+            hidden state entering each block is parked (the checkpoints), and so is the last
+            block's output.
   head      final norm + LM head + loss, forward and backward together, in token chunks so
-            full-vocabulary fp32 logits never exist.
+            full-vocabulary fp32 logits never exist; each micro-batch's gradient is parked.
   backward  block by block from the last: upload the block's K layers once, then per
             micro-batch recompute the block from its checkpoint and run it backward layer by
-            layer. A layer's gradient leaves the device as soon as the last micro-batch has
-            contributed to it. Finally the embedding.
+            layer, parking the gradient for the block before. A layer's gradient leaves the
+            device as soon as the last micro-batch has contributed to it. Finally the embedding.
 So each unit's weights cross the bus twice a step (forward, backward), and the optimizer
-thread updates units while the backward pass continues.
+thread updates units while the backward pass continues. Parked hidden states wait on the
+device or in pinned host memory (`checkpoint_placement`, see activations.py): slot b < L/K holds
+block b's checkpoint, slot L/K the last block's output, then the gradient flowing back.
 
 An evaluation (`evaluate`) is the forward and the head's chunked loss alone: one pass of the
-weights, no gradient, nothing for the optimizer, and the templates in eval mode.
+weights, no gradient, nothing for the optimizer, and the templates in eval mode; its hidden
+states are parked as a training step's are.
 
 The resident schedule (`schedule: resident`, for models that fit) uploads each unit once a step
 and keeps it, with an fp32 gradient sum per unit, on the device; every micro-batch then runs
@@ -38,13 +42,14 @@ Tensor shape key: B batch, T tokens, D hidden, N selected tokens, V vocabulary.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from mt_ray.engine.activations import Op, build_activation_store
 from mt_ray.engine.batch import MicroBatch, prepare_micro_batch
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import HostStore
@@ -53,7 +58,7 @@ from mt_ray.engine.optimizer_worker import OptimizerWorker
 from mt_ray.engine.seams import GradSink, WeightSource
 from mt_ray.engine.sizing import grad_buffer_bytes, grad_buffers_per_unit
 from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
-from mt_ray.engine.transfer import GradBuffers, GradOutbox, StreamSet, WeightStreamer
+from mt_ray.engine.transfer import GradBuffers, Outbox, StreamSet, WeightStreamer
 from mt_ray.engine.vision_stage import VisionStage, feature_leaves
 from mt_ray.models.attention import resolve_attention
 from mt_ray.models.context import LayerContext, LayerContextBuilder
@@ -111,6 +116,8 @@ class StreamingEngine:
         self.device = cfg.resolve_device()
         self.dtype = cfg.dtype
         self.step_idx = 0
+        if cfg.gpu_memory_limit_gb is not None and self.device.type == "cuda":
+            _cap_device_memory(self.device, cfg.gpu_memory_limit_gb)
         spec.config._attn_implementation = resolve_attention(spec, cfg.attn_implementation, self.device, self.dtype)
         apply_kernels(spec, cfg.kernels, self.device)  # before any allocation, and before the templates
         pin = self.device.type == "cuda"
@@ -137,7 +144,9 @@ class StreamingEngine:
         hold = len(spec.units) if self.resident else max(cfg.checkpoint_every, 2)
         self.streamer = WeightStreamer(source, self.streams, self.dtype, depth, hold,
                                        (weight_source or self.worker).wait_updated)
-        self.outbox = GradOutbox(self.streams)
+        self.outbox = Outbox(self.streams)
+        self.activations = build_activation_store(cfg.checkpoint_placement, self.streams, self.dtype,
+                                                  cfg.host_memory_limit_gb)
         self.templates = build_templates(spec, self.device)
         self.context = LayerContextBuilder(spec, self.device)
         self.layer_templates = [self.templates[u.kind] for u in spec.layer_units]
@@ -179,11 +188,14 @@ class StreamingEngine:
         else:
             imaged = [mb for mb in mbs if mb.images is not None]
             tapes = self.vision.forward(imaged) if imaged else []
-            hiddens, contexts, checkpoints, aux_grads = self._forward(mbs, aux_weights)
-            grads, loss_sum = self._head(hiddens, mbs, 1.0 / n_norm, final=True)
-            for b in reversed(range(len(checkpoints))):
-                grads = self._backward_block(b, checkpoints.pop(), grads, contexts, aux_grads)
-            self._backward_embed(grads, mbs, final=True)
+            park, carry = self.activations, len(self._blocks())
+            park.start(self._activation_plan(len(mbs), train=True), self._hidden_numels(mbs))
+            contexts, aux_grads = self._forward(mbs, aux_weights)
+            loss_sum = self._head(self._carried(len(mbs)), mbs, 1.0 / n_norm, True,
+                                  lambda j, g: park.put((carry, j), g))
+            for b in reversed(range(carry)):
+                self._backward_block(b, contexts, aux_grads)
+            self._backward_embed(self._carried(len(mbs)), mbs, final=True)
             if imaged:
                 self.vision.backward(imaged, tapes)
         self._kept.clear()
@@ -210,8 +222,8 @@ class StreamingEngine:
         No gradient is computed or sent, no optimizer state changes and the step count stays.
         The templates run in eval mode (no dropout or router noise), as after `model.eval()`. The
         loss is the token cross-entropy alone: a MoE router's auxiliary loss is a training term.
-        Every micro-batch passes each unit while it is resident, so the activations of all of
-        them are live at once: give as many as a training step holds.
+        Every micro-batch passes each block while it is resident, and their hidden states wait
+        where a training step's do: give as many as a training step holds.
         """
         mbs = self._prepare(micro_batches)
         imaged = [mb for mb in mbs if mb.images is not None]
@@ -219,11 +231,12 @@ class StreamingEngine:
         plan = (self.vision.plan()[0] if imaged else []) + plan
         self.streamer.start(plan + (["embed"] if self.spec.tied and not self.resident else []), version=self.step_idx)
         self._kept = {}
+        self.activations.start(self._activation_plan(len(mbs), train=False), self._hidden_numels(mbs))
         with _eval_mode(t.module for t in self.templates.values()), torch.no_grad():
             if imaged:
                 self.vision.forward(imaged)
-            hiddens, _, _, _ = self._forward(mbs, keep_checkpoints=False)
-            loss_sum = self._eval_head(hiddens, mbs)
+            self._forward(mbs)
+            loss_sum = self._eval_head(self._carried(len(mbs)), mbs)
         self._kept.clear()
         return EvalResult(loss_sum, sum(mb.num_loss_tokens for mb in mbs), sum(mb.num_tokens for mb in mbs))
 
@@ -309,6 +322,7 @@ class StreamingEngine:
         if self.router_loss is not None:
             self.router_loss.close()
         self.worker.close()
+        self.activations.close()
         self.grad_buffers.close()
         if self.store is not None:
             self.store.close()
@@ -342,56 +356,78 @@ class StreamingEngine:
                 self._kept[unit] = flat
         return flat
 
-    def _embed(self, mbs: list[MicroBatch]) -> tuple[list[torch.Tensor], list[LayerContext]]:
-        """Embedded inputs and the layers' context of each micro-batch (no graph)."""
-        embed = self.templates["embed"]
-        w = embed.bind(self._weights("embed"))
-        hiddens, contexts = [], []
-        with torch.no_grad():
-            for mb in mbs:
-                h0, ctx = self.context(embed(w, mb.input_ids_BT), mb.input_ids_BT, mb.positions, mb.documents,
-                                       mb.images, mb.image_features)
-                hiddens.append(h0)
-                contexts.append(ctx)
-        return hiddens, contexts
+    def _activation_plan(self, n_micro: int, train: bool) -> list[Op]:
+        """Every put and get of the streamed step's parked hidden states, in the order it makes them."""
+        carry, mbs = len(self._blocks()), range(n_micro)
+        plan: list[Op] = [("put", (0, j)) for j in mbs]
+        for b in range(carry):
+            plan += [op for j in mbs for op in (("get", (b, j)), ("put", (b + 1, j)))]
+        if not train:
+            return plan + [("get", (carry, j)) for j in mbs]  # the evaluation's loss
+        plan += [op for j in mbs for op in (("get", (carry, j)), ("put", (carry, j)))]  # the head
+        for b in reversed(range(carry)):
+            plan += [op for j in mbs for op in (("get", (b, j)), ("get", (carry, j)), ("put", (carry, j)))]
+        return plan + [("get", (carry, j)) for j in mbs]  # the embedding's backward
 
-    def _forward(self, mbs: list[MicroBatch], aux_weights: list[float] | None = None, keep_checkpoints: bool = True):
-        """Every micro-batch through every layer without a graph, keeping the hidden states entering each
-        block (and, given `aux_weights`, the router loss's gradients into each MoE layer's router logits)."""
-        hiddens, contexts = self._embed(mbs)
-        checkpoints = []
+    def _hidden_numels(self, mbs: list[MicroBatch]) -> list[int]:
+        return [mb.input_ids_BT.numel() * self.spec.text_config.hidden_size for mb in mbs]
+
+    def _carried(self, n_micro: int) -> Iterator[torch.Tensor]:
+        """Each micro-batch's carry in turn (the last block's output, or the gradient flowing back)."""
+        carry = len(self._blocks())
+        return (self.activations.get((carry, j)) for j in range(n_micro))
+
+    def _embed(self, weights: Weights, mb: MicroBatch) -> tuple[torch.Tensor, LayerContext]:
+        """A micro-batch's embedded input and its layers' context (no graph)."""
+        with torch.no_grad():
+            h0 = self.templates["embed"](weights, mb.input_ids_BT)
+            return self.context(h0, mb.input_ids_BT, mb.positions, mb.documents, mb.images, mb.image_features)
+
+    def _forward(self, mbs: list[MicroBatch], aux_weights: list[float] | None = None):
+        """Park every micro-batch's embedding, then run each block over every micro-batch in turn without a
+        graph, parking its output (the next block's checkpoint). Returns each micro-batch's layer context
+        and, given `aux_weights`, the router loss's gradients into each MoE layer's router logits."""
+        park, contexts = self.activations, []
+        embed = self.templates["embed"].bind(self._weights("embed"))
+        for j, mb in enumerate(mbs):
+            h0, ctx = self._embed(embed, mb)
+            contexts.append(ctx)
+            park.put((0, j), h0)
+        del embed  # the streamer may free the embedding's upload before the layers need the memory
         router_logits: list[dict[int, torch.Tensor]] = [{} for _ in mbs]
         with torch.no_grad():
-            for block in self._blocks():
-                if keep_checkpoints:
-                    checkpoints.append(list(hiddens))
-                for i in block:
-                    weights = self.layer_templates[i].bind(self._weights(f"layers.{i}"))
-                    for j, ctx in enumerate(contexts):
-                        hiddens[j], logits = self._layer(i, weights, hiddens[j], ctx)
+            for b, block in enumerate(self._blocks()):
+                weights: dict[int, Weights] = {}
+                for j, ctx in enumerate(contexts):
+                    x = park.get((b, j))
+                    for i in block:
+                        if i not in weights:  # bound when first reached: compute waits for this upload only
+                            weights[i] = self.layer_templates[i].bind(self._weights(f"layers.{i}"))
+                        x, logits = self._layer(i, weights[i], x, ctx)
                         if logits is not None:
                             router_logits[j][i] = logits
+                    park.put((b + 1, j), x)
         aux_grads = [] if aux_weights is None else [
             self._router_loss_grads(lg, w) for lg, w in zip(router_logits, aux_weights, strict=True)]
-        return hiddens, contexts, checkpoints, aux_grads
+        return contexts, aux_grads
 
     def _resident_step(self, mbs: list[MicroBatch], inv_n: float, aux_weights: list[float]) -> torch.Tensor:
         """Each micro-batch forward and backward in turn, activations kept, weights bound once."""
         weights: dict[int, Weights] = {}
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        head_grad: list[torch.Tensor] = []  # the head hands each micro-batch's gradient over here
         last_imaged = max((j for j, mb in enumerate(mbs) if mb.images is not None), default=-1)
         for j, mb in enumerate(mbs):
             final = j == len(mbs) - 1
             tapes = self.vision.forward([mb]) if mb.images is not None else []
-            [h], [ctx] = self._embed([mb])
+            h, ctx = self._embed(self.templates["embed"].bind(self._weights("embed")), mb)
             segments = self._run_layers(range(self.spec.num_layers), h, ctx, weights)
             aux_grads = self._router_loss_grads({i: lg for i, _, _, lg in segments if lg is not None}, aux_weights[j])
-            [g], loss = self._head([segments[-1][2].detach()], [mb], inv_n, final)
-            g = self._backward_layers(segments, weights, g, final, aux_grads)
+            loss_sum += self._head([segments[-1][2].detach()], [mb], inv_n, final, lambda _, g: head_grad.append(g))
+            g = self._backward_layers(segments, weights, head_grad.pop(), final, aux_grads)
             self._backward_embed([g], [mb], final)
             if tapes:
                 self.vision.backward([mb], tapes, final=j == last_imaged)
-            loss_sum += loss
         return loss_sum
 
     def _layer(self, i: int, weights: Weights, x: torch.Tensor, ctx: LayerContext):
@@ -415,8 +451,10 @@ class StreamingEngine:
             weights["lm_head.weight"] = emb.requires_grad_() if requires_grad else emb
         return weights
 
-    def _head(self, hiddens: list[torch.Tensor], mbs: list[MicroBatch], inv_n: float, final: bool):
-        """Loss over the final hidden states and its gradients, in chunks of selected tokens."""
+    def _head(self, hiddens: Iterable[torch.Tensor], mbs: list[MicroBatch], inv_n: float, final: bool,
+              on_grad: Callable[[int, torch.Tensor], None]) -> torch.Tensor:
+        """Loss over each micro-batch's final hidden state, in chunks of selected tokens; hands each
+        micro-batch's gradient to `on_grad` as soon as it is complete and returns the loss sum."""
         head = self.templates["head"]
         weights = self._bind_head(requires_grad=True)
         leaves = head.leaves(weights)
@@ -426,9 +464,8 @@ class StreamingEngine:
             # The tied embedding's head gradient waits on the device for the embedding's own part.
             sums.append(self._grad_sum("embed", weights["lm_head.weight"].numel()))
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        grads = []
         chunk = self.cfg.loss_chunk_tokens
-        for h_BTD, mb in zip(hiddens, mbs, strict=True):
+        for j, (h_BTD, mb) in enumerate(zip(hiddens, mbs, strict=True)):
             h_ND = h_BTD.reshape(-1, h_BTD.shape[-1])
             sel_ND = h_ND.index_select(0, mb.loss_index)
             g_sel = torch.empty_like(sel_ND)
@@ -440,12 +477,12 @@ class StreamingEngine:
                 g_sel[s : s + chunk] = g[0]
                 torch._foreach_add_(sums, [t.reshape(-1) for t in g[1:]])
                 loss_sum += loss.detach()
-            grads.append(torch.zeros_like(h_ND).index_copy_(0, mb.loss_index, g_sel).view_as(h_BTD))
+            on_grad(j, torch.zeros_like(h_ND).index_copy_(0, mb.loss_index, g_sel).view_as(h_BTD))
         if final:
             self._send_grad("head", self._grad_sums.pop("head"))
-        return grads, loss_sum
+        return loss_sum
 
-    def _eval_head(self, hiddens: list[torch.Tensor], mbs: list[MicroBatch]) -> torch.Tensor:
+    def _eval_head(self, hiddens: Iterable[torch.Tensor], mbs: list[MicroBatch]) -> torch.Tensor:
         """The summed loss of the final hidden states, in the training head's chunks, with no graph."""
         head = self.templates["head"]
         weights = self._bind_head(requires_grad=False)
@@ -457,16 +494,17 @@ class StreamingEngine:
                 loss_sum += _chunk_loss(head, weights, sel_ND[s : s + chunk], mb.loss_target[s : s + chunk])
         return loss_sum
 
-    def _backward_block(self, b: int, checkpoint: list[torch.Tensor], grads: list[torch.Tensor],
-                        contexts: list[LayerContext], aux_grads: list[dict[int, torch.Tensor]]) -> list[torch.Tensor]:
+    def _backward_block(self, b: int, contexts: list[LayerContext], aux_grads: list[dict[int, torch.Tensor]]) -> None:
+        """Recompute block b from each micro-batch's checkpoint and run it backward, parking the
+        gradient of its input for the block before."""
+        park, carry = self.activations, len(self._blocks())
         block = self._blocks()[b]
         weights: dict[int, Weights] = {}
-        last = len(checkpoint) - 1
-        for j, x in enumerate(checkpoint):
-            segments = self._run_layers(block, x, contexts[j], weights)
-            grads[j] = self._backward_layers(segments, weights, grads[j], j == last, aux_grads[j])
-            checkpoint[j] = None  # free this micro-batch's checkpoint as soon as it is used
-        return grads
+        last = len(contexts) - 1
+        for j, ctx in enumerate(contexts):
+            segments = self._run_layers(block, park.get((b, j)), ctx, weights)
+            g = self._backward_layers(segments, weights, park.get((carry, j)), j == last, aux_grads[j])
+            park.put((carry, j), g)
 
     def _run_layers(self, layers: range, x: torch.Tensor, ctx: LayerContext,
                     weights: dict[int, Weights]) -> list[Segment]:
@@ -499,7 +537,7 @@ class StreamingEngine:
             self._add_grad(f"layers.{i}", gs[1:], final, template.frozen_numel)
         return g
 
-    def _backward_embed(self, grads: list[torch.Tensor], mbs: list[MicroBatch], final: bool) -> None:
+    def _backward_embed(self, grads: Iterable[torch.Tensor], mbs: list[MicroBatch], final: bool) -> None:
         embed = self.templates["embed"]
         weights = embed.bind(self._weights("embed"), requires_grad=True)
         leaves = embed.leaves(weights)
@@ -541,6 +579,13 @@ class StreamingEngine:
             landed = self.streams.record(self.streams.d2h)
         self.outbox.add(grad, landed)  # keeps it alive until the copy has read it
         self.worker.submit(unit, host, landed, self._lr)
+
+
+def _cap_device_memory(device: torch.device, limit_gb: float) -> None:
+    """Let the caching allocator hand out at most `limit_gb` GiB (a smaller card, emulated): past it,
+    an allocation fails as it would on that card."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * 2**30 / total), device)
 
 
 def _chunk_loss(head: UnitTemplate, weights: Weights, x_ND: torch.Tensor, target_N: torch.Tensor) -> torch.Tensor:

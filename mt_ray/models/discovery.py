@@ -10,8 +10,10 @@ image-text model adds its vision tower and projector (`vision.py`) as units of t
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -74,8 +76,9 @@ class UnitSpec:
     frozen: bool = False
     """Never trained (a frozen vision tower): no moments, no gradient, no update."""
 
-    @property
+    @cached_property
     def numel(self) -> int:
+        """Parameters in the unit (cached: the calculator asks thousands of times; params never change)."""
         return sum(p.numel for p in self.params)
 
 
@@ -131,9 +134,13 @@ class ModelSpec:
 
 
 def load_config(model: str | PretrainedConfig | dict) -> PretrainedConfig:
-    """Accept a config object, a dict with `model_type`, or a local folder holding config.json."""
+    """Accept a config object, a dict with `model_type`, or a local folder holding config.json.
+
+    A config object is copied: the spec owns its config, so what an engine sets on it (the attention
+    backend) never reaches the caller's object, nor a process that object is later sent to.
+    """
     if isinstance(model, PretrainedConfig):
-        return model
+        return copy.deepcopy(model)
     if isinstance(model, dict):
         kwargs = dict(model)
         model_type = kwargs.pop("model_type", None)

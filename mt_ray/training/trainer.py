@@ -21,6 +21,7 @@ from mt_ray.config.run import RunConfig
 from mt_ray.data import build_dataloader, build_eval_batches, plan_split, split_micro_batches
 from mt_ray.data.mm_processor import processor_files
 from mt_ray.data.prefetch import BackgroundLoader
+from mt_ray.training.auto_fit import apply_auto_fit
 from mt_ray.training.backend import TrainingBackend, build_backend
 from mt_ray.training.callbacks import Callback, ResumePoint
 from mt_ray.training.model_source import load_image_encoder, load_model_and_tokenizer
@@ -52,8 +53,10 @@ class Trainer:
             self._build()
 
     def _build(self) -> None:
+        self.spec, self.tokenizer = load_model_and_tokenizer(self.cfg)
+        if self.cfg.engine.auto_fit:  # before anything is allocated: a run that cannot fit stops here
+            self.cfg = apply_auto_fit(self.cfg, self.spec)
         cfg, t = self.cfg, self.cfg.training
-        self.spec, self.tokenizer = load_model_and_tokenizer(cfg)
         images = load_image_encoder(cfg, self.spec)
         data = cfg.data.model_copy(update={"seed": t.seed})
         held_out = plan_split(data)  # drawn once: the loader skips exactly the rows the eval set scores

@@ -48,9 +48,11 @@ def test_info_and_calc_show_the_vision_tower(tmp_path, capsys):
     assert main(["info", "--path", str(folder)]) == 0
     info = capsys.readouterr().out
     assert "vision tower: 3 blocks" in info and "frozen: no moments, no gradient" in info and "projector:" in info
-    assert main(["calc", "--path", str(folder), "--seq", "256", "--global-batch", "8", "--json"]) == 0
+    assert main(["calc", "--path", str(folder), "--seq", "256", "--global-batch", "8", "--gpu-mem-gb", "80",
+                 "--host-mem-gb", "64", "--json"]) == 0
     text_only = json.loads(capsys.readouterr().out)
-    assert main(["calc", "--path", str(folder), "--seq", "256", "--global-batch", "8", "--image-tokens", "64",
+    assert main(["calc", "--path", str(folder), "--seq", "256", "--global-batch", "8", "--gpu-mem-gb", "80",
+                 "--host-mem-gb", "64", "--image-tokens", "64",
                  "--json"]) == 0
     rec = json.loads(capsys.readouterr().out)
     assert rec["vision_patches_per_sample"] == 256 and rec["vision_tower_params"] > 0

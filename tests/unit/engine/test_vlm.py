@@ -84,7 +84,8 @@ def engine_steps(folder, steps: list[list[dict]], freeze=(True, False), **engine
     ({}, (True, False)),  # LLaMA-Factory's defaults: tower frozen, projector trained
     ({"schedule": "resident"}, (False, False)),
     ({"checkpoint_every": 1}, (False, True)),
-], ids=["stream-frozen-tower", "resident-all-trained", "K1-frozen-projector"])
+    ({"checkpoint_every": 1, "checkpoint_placement": "host"}, (False, False)),  # the image features' gradient too
+], ids=["stream-frozen-tower", "resident-all-trained", "K1-frozen-projector", "K1-host-checkpoints"])
 def test_qwen2_5_vl_step_equals_transformers(folder, documents, engine_kw, freeze):
     [loss], before, state, store = engine_steps(folder, [[packed(documents)]], freeze, **engine_kw)
     ref = reference_model(folder, *freeze)
