@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from mt_ray.data.packing import collate
+from mt_ray.data.schema import IGNORE_INDEX, TokenizedExample
 from mt_ray.engine import OptimizerConfig
 from mt_ray.models.presets import preset_config
 
@@ -48,6 +50,22 @@ def random_micro_batches(vocab: int, batch: int, micro: int, seq: int, seed: int
     return [{"input_ids": torch.randint(0, vocab, (micro, seq), generator=g)} for _ in range(batch // micro)]
 
 
+def packed_micro_batches(vocab: int, batch: int, micro: int, seq: int, doc_tokens: int, seed: int = 0) -> list[dict]:
+    """Rows packed as the data loader packs them (`mt_ray.data.packing.collate`): `seq // doc_tokens`
+    documents of `doc_tokens` random tokens a row, position ids restarting at each, each document's first
+    label masked, the rest of the row padding."""
+    g = torch.Generator().manual_seed(seed)
+
+    def document() -> TokenizedExample:
+        ids = torch.randint(3, vocab, (doc_tokens,), generator=g).tolist()
+        return TokenizedExample(tuple(ids), (IGNORE_INDEX, *ids[1:]))
+
+    per_row = seq // doc_tokens
+    batches = [collate([[document() for _ in range(per_row)] for _ in range(micro)], seq, pad_id=0)
+               for _ in range(batch // micro)]
+    return [{k: b[k] for k in ("input_ids", "labels", "position_ids")} for b in batches]
+
+
 def attention_flops(cfg: PretrainedConfig, tokens: int, seq: int) -> float:
     """Causal attention matmul FLOPs for fwd+bwd (QK^T and PV), counted as 6x like the weights."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -56,13 +74,15 @@ def attention_flops(cfg: PretrainedConfig, tokens: int, seq: int) -> float:
 
 
 def metrics(args, cfg, n_params: int, step_s: float, system: str) -> dict:
-    """Throughput of one system: model TFLOPS = 6 x params x tokens / step time (MegaTrain's formula)."""
+    """Throughput of one system: model TFLOPS = 6 x params x tokens / step time (MegaTrain's formula).
+    Attention spans a document: the whole row, or `args.packed_docs` tokens where rows are packed."""
     tokens = args.batch * args.seq
     model_flops = 6 * n_params * tokens
+    span = getattr(args, "packed_docs", 0) or args.seq
     return {
         "system": system, "shape": args.shape, "params_b": n_params / 1e9, "batch": args.batch, "micro": args.micro,
         "seq": args.seq, "step_s": step_s, "tokens_per_s": tokens / step_s, "model_tflops": model_flops / step_s / 1e12,
-        "tflops_with_attn": (model_flops + attention_flops(cfg, tokens, args.seq)) / step_s / 1e12,
+        "tflops_with_attn": (model_flops + attention_flops(cfg, tokens, span)) / step_s / 1e12,
     }
 
 

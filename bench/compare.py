@@ -99,13 +99,15 @@ def spawn(args, system: str, argv: list[str]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p)
-    p.add_argument("--attn", default="sdpa", help="attention implementation for every system")
+    p.set_defaults(attn="sdpa")  # one attention implementation for every system
     p.add_argument("--systems", default="mt-ray,deepspeed,fsdp2,plain", help=f"comma list of {SYSTEMS}")
     p.add_argument("--timeout", type=int, default=900, help="seconds each system may take, set-up included")
     p.add_argument("--out", default="bench/results/compare.json")
     p.add_argument("--one", choices=SYSTEMS, help=argparse.SUPPRESS)  # child mode
     p.add_argument("--row-out", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.packed_docs:
+        p.error("--packed-docs: the peers train unpacked rows; measure packed rows with bench/engine_gpu.py")
     if args.one:
         write_json(args.row_out, run_one(args, args.one))
         return

@@ -7,6 +7,12 @@ optimizer thread's CPU time; GPU idle = step time minus compute-stream busy time
 
     python bench/engine_gpu.py --shape qwen2.5-7b --batch 128 --micro 16 --out results.json
 
+Packed rows (`--packed-docs N`: documents of N tokens packed as the data loader packs them) against
+unpacked ones, on each attention backend, on one engine (one host store) in one call:
+
+    python bench/engine_gpu.py --seq 1024 --runs 0:sdpa,256:sdpa,256:varlen,256:flex_attention \
+        --out bench/results/packed_7b.json
+
 Side-by-side runs against DeepSpeed, FSDP2 and plain PyTorch are `bench/compare.py`.
 """
 
@@ -25,6 +31,7 @@ from bench.common import (  # noqa: E402
     OPT,
     Timer,
     metrics,
+    packed_micro_batches,
     peak_rss_bytes,
     print_table,
     random_micro_batches,
@@ -36,43 +43,86 @@ from mt_ray.engine.sizing import device_bytes, predicted_step_seconds  # noqa: E
 from mt_ray.models.discovery import discover  # noqa: E402
 
 
-def run_engine(args, cfg) -> dict:
+def build_engine(args, cfg) -> tuple[StreamingEngine, float]:
+    """A randomly initialised engine on the GPU with the run's options; (engine, set-up seconds)."""
     spec = discover(cfg)
     ecfg = EngineConfig(device="cuda", compute_dtype="bf16", schedule=args.schedule, checkpoint_every=args.k,
                         stream_master=args.stream_master, grad_dtype=args.grad_dtype, loss_chunk_tokens=args.loss_chunk,
-                        kernels=args.kernels)
+                        kernels=args.kernels, attn_implementation=args.attn)
     opt = OPT.model_copy(update={"max_grad_norm": args.clip})
     t0 = time.perf_counter()
-    engine = StreamingEngine(spec, ecfg, opt, total_steps=args.warmup + args.steps + 4)
+    engine = StreamingEngine(spec, ecfg, opt, total_steps=(args.warmup + args.steps) * 16 + 4)
     engine.load_random(seed=0)
-    setup_s = time.perf_counter() - t0
-    mbs = random_micro_batches(cfg.vocab_size, args.batch, args.micro, args.seq)
+    return engine, time.perf_counter() - t0
+
+
+def micro_batches(args, cfg) -> list[dict]:
+    if args.packed_docs:
+        return packed_micro_batches(cfg.vocab_size, args.batch, args.micro, args.seq, args.packed_docs)
+    return random_micro_batches(cfg.vocab_size, args.batch, args.micro, args.seq)
+
+
+def measure(engine: StreamingEngine, args, cfg, profile: bool = False) -> dict:
+    """Warm-up and timed steps of `engine` on the run's batches; one result row."""
+    spec, ecfg = engine.spec, engine.cfg
+    mbs = micro_batches(args, cfg)
     losses = []
-    try:
-        for _ in range(args.warmup):
+    for _ in range(args.warmup):
+        losses.append(engine.train_step(mbs).loss)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    busy0 = engine.worker.busy_seconds
+    # Steady state: the clock starts while the optimizer still finishes the warm-up step
+    # (which the first timed step must wait for) and stops when the last step's GPU work
+    # ends (its own optimizer tail would overlap the next step): one boundary per step.
+    with Timer() as t:
+        for _ in range(args.steps):
             losses.append(engine.train_step(mbs).loss)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        busy0 = engine.worker.busy_seconds
-        # Steady state: the clock starts while the optimizer still finishes the warm-up step
-        # (which the first timed step must wait for) and stops when the last step's GPU work
-        # ends (its own optimizer tail would overlap the next step): one boundary per step.
-        with Timer() as t:
-            for _ in range(args.steps):
-                losses.append(engine.train_step(mbs).loss)
-        engine.synchronize()
-        step_s = t.seconds / args.steps
-        opt_s = (engine.worker.busy_seconds - busy0) / args.steps
-        split = profile_steps(engine, mbs) if args.profile else {}
-        row = metrics(args, cfg, spec.num_params, step_s, "mt-ray")
-        predicted = device_bytes(spec, ecfg, args.micro, args.seq, args.batch)["total"] / 2**30
-        row.update(split, optimizer_s=opt_s, setup_s=setup_s, losses=[float(x) for x in losses],
-                   host_bytes_per_param=peak_rss_bytes() / spec.num_params,
-                   peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30, calc_gpu_gib=predicted,
-                   calc_step_s=predicted_step_seconds(spec, ecfg, args.seq, args.batch))
-        return row
+    engine.synchronize()
+    step_s = t.seconds / args.steps
+    opt_s = (engine.worker.busy_seconds - busy0) / args.steps
+    peak_gpu = torch.cuda.max_memory_allocated() / 2**30
+    split = profile_steps(engine, mbs) if profile else {}
+    row = metrics(args, cfg, spec.num_params, step_s, "mt-ray")
+    predicted = device_bytes(spec, ecfg, args.micro, args.seq, args.batch)["total"] / 2**30
+    row.update(split, optimizer_s=opt_s, losses=[float(x) for x in losses], packed_docs=args.packed_docs,
+               attn=args.attn, attn_used=spec.config._attn_implementation,
+               host_bytes_per_param=peak_rss_bytes() / spec.num_params, peak_gpu_gib=peak_gpu,
+               calc_gpu_gib=predicted, calc_step_s=predicted_step_seconds(spec, ecfg, args.seq, args.batch))
+    return row
+
+
+def run_engine(args, cfg) -> dict:
+    """One engine, one measured run (the side-by-side comparison's mt-ray row)."""
+    engine, setup_s = build_engine(args, cfg)
+    try:
+        return {**measure(engine, args, cfg, profile=args.profile), "setup_s": setup_s}
     finally:
         engine.close()
+
+
+def run_variants(args, cfg, out: str) -> list[dict]:
+    """Each `--runs` entry (packed-docs:attention) on one engine, rows written as they finish."""
+    engine, setup_s = build_engine(args, cfg)
+    rows = []
+    try:
+        for entry in args.runs.split(","):
+            docs, attn = entry.split(":")
+            run = argparse.Namespace(**{**vars(args), "packed_docs": int(docs), "attn": attn})
+            engine.set_attention(attn)
+            try:
+                rows.append({**measure(engine, run, cfg), "setup_s": setup_s})
+            except torch.OutOfMemoryError as e:  # a step that failed midway leaves the engine unusable: stop
+                rows.append({"system": "mt-ray", "seq": args.seq, "packed_docs": run.packed_docs, "attn": attn,
+                             "status": f"out of GPU memory: {e}"[:160]})
+                break
+            finally:
+                write_json(out, {"args": vars(args), "device": torch.cuda.get_device_name(), "rows": rows})
+            print(f"{entry} ({rows[-1]['attn_used']}): {rows[-1]['model_tflops']:.0f} TFLOPS, "
+                  f"{rows[-1]['peak_gpu_gib']:.1f} GiB", flush=True)
+    finally:
+        engine.close()
+    return rows
 
 
 def profile_steps(engine: StreamingEngine, mbs, n: int = 3) -> dict:
@@ -144,6 +194,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-dtype", default="fp32", choices=["fp32", "compute"])
     p.add_argument("--loss-chunk", type=int, default=4096)
     p.add_argument("--kernels", default="torch", choices=["torch", "liger"], help="fused Liger kernels (mt-ray and every peer)")
+    p.add_argument("--attn", default="auto", help="engine.attn_implementation (auto, varlen, sdpa, flex_attention, ...)")
+    p.add_argument("--packed-docs", type=int, default=0,
+                   help="pack rows with documents of this many tokens, as the data loader does (0: unpacked rows)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="profile one extra step for the time split")
@@ -152,12 +205,14 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p)
+    p.add_argument("--runs", help="comma list of PACKED_DOCS:ATTN variants to measure on one engine, e.g. "
+                   "0:sdpa,256:sdpa,256:varlen (replaces --packed-docs and --attn)")
     p.add_argument("--out", default="bench/results/engine_gpu.json")
     args = p.parse_args()
 
     cfg = shape_config(args.shape)
-    rows = [run_engine(args, cfg)]
-    cols = ["system", "shape", "params_b", "batch", "seq", "step_s", "tokens_per_s", "model_tflops", "tflops_with_attn",
+    rows = run_variants(args, cfg, args.out) if args.runs else [run_engine(args, cfg)]
+    cols = ["system", "shape", "params_b", "batch", "seq", "packed_docs", "attn", "attn_used", "step_s", "tokens_per_s", "model_tflops", "tflops_with_attn",
             "peak_gpu_gib", "calc_gpu_gib", "host_bytes_per_param", "h2d_busy_s", "compute_busy_s", "d2h_busy_s", "optimizer_s",
             "gpu_idle_frac", "gpu_step_s", "calc_step_s"]
     print_table(rows, cols)

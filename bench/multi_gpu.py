@@ -37,6 +37,7 @@ from bench.common import print_table, random_micro_batches, shape_config, write_
 from mt_ray.cluster import ClusterConfig, DataParallelTrainer  # noqa: E402
 from mt_ray.cluster.node_memory import NodeMemoryPeak  # noqa: E402
 from mt_ray.cluster.sizing import size_cluster  # noqa: E402
+from mt_ray.cluster.store_settings import SYSTEM_CONFIG  # noqa: E402
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
 
@@ -129,7 +130,7 @@ def start_ray(nodes: int, gpus: int, store_bytes: int):
     import ray
 
     if nodes == 1:
-        ray.init(object_store_memory=store_bytes, include_dashboard=False)
+        ray.init(object_store_memory=store_bytes, include_dashboard=False, _system_config=SYSTEM_CONFIG)
         return ray.shutdown
     from ray.cluster_utils import Cluster
 
@@ -137,7 +138,7 @@ def start_ray(nodes: int, gpus: int, store_bytes: int):
     available = torch.cuda.device_count()
     devices = [",".join(str(g % available) for g in range(n * per, (n + 1) * per)) for n in range(nodes)]
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_gpus": per, "object_store_memory": store_bytes, "include_dashboard": False,
+        "num_gpus": per, "object_store_memory": store_bytes, "include_dashboard": False, "_system_config": SYSTEM_CONFIG,
         "env_vars": {"CUDA_VISIBLE_DEVICES": devices[0]}})
     for d in devices[1:]:
         cluster.add_node(num_gpus=per, object_store_memory=store_bytes, env_vars={"CUDA_VISIBLE_DEVICES": d})

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from mt_ray.cluster.store_settings import SYSTEM_CONFIG
 from mt_ray.training.callbacks import Callback
 
 ROOT = Path(__file__).resolve().parents[1]
 # Prestarted Ray workers import the engine in the background while a test does its own work.
-PRELOAD = {"preload_python_modules": ["mt_ray.cluster.worker"]}
+PRELOAD = {"preload_python_modules": ["mt_ray.cluster.worker"], **SYSTEM_CONFIG}
 
 
 class StopAt(Callback):

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from mt_ray.errors import MtRayError
+from mt_ray.errors import ConfigError, MtRayError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,14 +23,22 @@ def main(argv: list[str] | None = None) -> int:
 
     add_sweep_arguments(sweep)
 
-    calc = sub.add_parser("calc", help="largest micro-batch / checkpoint interval that fit, memory and step time")
-    calc.add_argument("--config", help="YAML run config providing the model (or use --preset/--path)")
+    calc = sub.add_parser("calc", help="the fastest configuration that fits this GPU and host, as a config snippet")
+    calc.add_argument("--config", help="YAML run config providing the model, engine and optimizer (or --preset/--path)")
     calc.add_argument("--preset", help="built-in model shape, e.g. qwen2.5-7b")
     calc.add_argument("--path", help="local Hugging Face model folder")
-    calc.add_argument("--seq", type=int, default=1024, help="sequence length")
-    calc.add_argument("--global-batch", type=int, default=128, help="sequences per optimizer step")
-    calc.add_argument("--gpu-mem-gb", type=float, default=80.0)
-    calc.add_argument("--host-mem-gb", type=float, default=128.0)
+    calc.add_argument("--seq", type=int, help="sequence length (default: the config's data.max_seq_len, else 1024)")
+    calc.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: the config's "
+                      "micro_batch_size x grad_accum_steps, else 128)")
+    calc.add_argument("--gpu-mem-gb", type=float, help="GPU memory in GiB (default: the local GPU's)")
+    calc.add_argument("--host-mem-gb", type=float, help="host memory for training in GiB (default: what this host "
+                      "has available: the cgroup limit, else MemAvailable)")
+    calc.add_argument("--h2d-gbps", type=float, default=50.0, help="host<->GPU link bandwidth in GB/s, each direction "
+                      "(50: the H100 host's PCIe 5.0, measured; about 25 for PCIe 4.0 x16)")
+    calc.add_argument("--gpu-tflops", type=float, default=500.0, help="bf16 decoder-layer throughput of the GPU "
+                      "(500: measured on the H100)")
+    calc.add_argument("--image-tokens", type=int, default=0,
+                      help="image-text models: image tokens per sample (part of --seq): the vision tower's share")
     calc.add_argument("--json", action="store_true", help="print JSON instead of a table")
     calc.add_argument("--workers", type=int, default=1, help="data-parallel workers (GPUs): adds the per-node figures")
     calc.add_argument("--nodes", type=int, default=1, help="nodes the workers and the fp32 state spread over")
@@ -72,27 +80,48 @@ def _sweep(args) -> int:
 
 
 def _calc(args) -> int:
-    from mt_ray.engine.sizing import recommend, render_recommendation
+    from mt_ray.engine.calculator import config_snippet, local_gpu_memory_gb, recommend, render_recommendation
+    from mt_ray.engine.host_store import GIB, available_host_bytes
+    from mt_ray.engine.sizing import Machine
 
-    spec = _spec(args)
-    rec = recommend(spec, args.seq, args.global_batch, args.gpu_mem_gb, args.host_mem_gb)
+    for flag in ("seq", "global_batch", "gpu_mem_gb", "host_mem_gb", "h2d_gbps", "gpu_tflops"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    run = _run_config(args)
+    if args.seq is None:
+        args.seq = run.data.max_seq_len if run else 1024
+    if args.global_batch is None:
+        args.global_batch = run.training.micro_batch_size * run.training.grad_accum_steps if run else 128
+    gpu = args.gpu_mem_gb if args.gpu_mem_gb is not None else local_gpu_memory_gb()
+    host = args.host_mem_gb if args.host_mem_gb is not None else available_host_bytes() / GIB
+    machine = Machine(layer_tflops=args.gpu_tflops, h2d_gbps=args.h2d_gbps)
+    engine = None
+    if run:  # the config's engine, as it runs on a GPU (bf16 unless it names a dtype)
+        dtype = "bf16" if run.engine.compute_dtype == "auto" else run.engine.compute_dtype
+        engine = run.engine.model_copy(update={"device": "cpu", "compute_dtype": dtype})
+    spec = _spec(args, run)
+    rec = recommend(spec, args.seq, args.global_batch, gpu, host, cfg=engine,
+                    opt=run.optimizer if run else None, machine=machine, image_tokens=args.image_tokens)
+    model = run.model.model_dump(exclude_defaults=True) if run else {"path": args.path} if args.path else {
+        "preset": args.preset or "tiny"}
     cluster = _cluster_sizing(spec, args) if args.workers > 1 or args.nodes > 1 else None
     if args.json:
-        print(json.dumps({**rec, **({"cluster": cluster.as_dict()} if cluster else {})}, indent=2))
-        return 0
-    print(render_recommendation(rec))
+        print(json.dumps({**rec, "config": config_snippet(rec, model) if rec["fits"] else None,
+                          **({"cluster": cluster.as_dict()} if cluster else {})}, indent=2))
+        return 0 if rec["fits"] else 1
+    print(render_recommendation(rec, model))
     if cluster is not None:
         from mt_ray.cluster.sizing import render_cluster
 
         print(render_cluster(cluster))
-    return 0
+    return 0 if rec["fits"] else 1
 
 
 def _cluster_sizing(spec, args):
     """Per-node host memory, object store and network of a data-parallel run of the recommended engine."""
     from mt_ray.cluster.sizing import size_cluster
     from mt_ray.engine.config import EngineConfig, OptimizerConfig
-    from mt_ray.errors import ConfigError
 
     if args.workers % args.nodes:
         raise ConfigError(f"--workers {args.workers} cannot spread evenly over --nodes {args.nodes}")
@@ -114,15 +143,22 @@ def _info(args) -> int:
     return 0
 
 
-def _spec(args):
+def _run_config(args):
+    if not getattr(args, "config", None):
+        return None
+    from mt_ray.config.run import load_run_config
+
+    return load_run_config(args.config)
+
+
+def _spec(args, run=None):
     from mt_ray.models.discovery import discover
     from mt_ray.models.presets import preset_config
 
-    if getattr(args, "config", None):
-        from mt_ray.config.run import load_run_config
+    if run is not None or getattr(args, "config", None):
         from mt_ray.training import build_model_spec
 
-        return build_model_spec(load_run_config(args.config))
+        return build_model_spec(run or _run_config(args))
     if args.path:
         return discover(args.path)
     return discover(preset_config(args.preset or "tiny"))

@@ -35,6 +35,7 @@ from mt_ray.cluster.errors import ClusterError, ClusterLostError
 from mt_ray.cluster.partition import ShardPlan
 from mt_ray.cluster.shard import CoordinatorShard
 from mt_ray.cluster.sizing import GIB, ClusterSizing, size_cluster
+from mt_ray.cluster.store_settings import SYSTEM_CONFIG
 from mt_ray.cluster.wire import from_numpy, to_numpy
 from mt_ray.cluster.worker import EngineWorker
 from mt_ray.engine.batch import IGNORE_INDEX
@@ -129,7 +130,7 @@ def init_ray(cfg: ClusterConfig, object_store_bytes: int) -> bool:
         ray.init(address=address)
         return True
     store = int(cfg.object_store_memory_gb * GIB) if cfg.object_store_memory_gb else object_store_bytes
-    ray.init(num_cpus=cfg.num_cpus, object_store_memory=store, include_dashboard=False)
+    ray.init(num_cpus=cfg.num_cpus, object_store_memory=store, include_dashboard=False, _system_config=SYSTEM_CONFIG)
     return True
 
 

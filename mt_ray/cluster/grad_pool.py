@@ -60,6 +60,12 @@ class GradPool:
             self._held[unit] = ref
         return from_numpy(ray.get(ref), self.dtype)
 
+    def keep(self, unit: str, ref: ray.ObjectRef) -> torch.Tensor:
+        """Hold an object already in the store (a lone worker's gradient) as `unit`'s; returns a read-only view."""
+        with self._lock:
+            self._held[unit] = ref
+        return from_numpy(ray.get(ref), self.dtype)
+
     def release(self, unit: str) -> None:
         """The optimizer has applied `unit`'s gradient."""
         with self._lock:

@@ -5,9 +5,11 @@ shard plays two roles:
 - **node reducer.** The node's workers hand it every unit gradient through the node's object
   store. Once all local workers' gradients of a unit are in, it sums them in fp32 (rank order),
   and sends that one partial sum to the unit's owner, or keeps it when it owns the unit itself:
-  each node's gradients cross the network once.
+  each node's gradients cross the network once. A node with one worker has nothing to sum: its
+  worker's object itself goes on to the owner.
 - **owner.** For its own units it adds the nodes' partial sums (node order), hands the sum to
-  the engine's `OptimizerWorker`, and after each update publishes the unit's compute-dtype
+  the engine's `OptimizerWorker` (a lone contribution, one node with one worker, is handed
+  over as it is: the sum of one gradient is that gradient), and after each update publishes the unit's compute-dtype
   weights in its object store, from which every node pulls one copy for its workers.
 With clipping, the driver gathers each shard's norm² of its summed units and hands the global
 norm back (`apply_norm`); no unit is updated before every gradient of the step is in.
@@ -32,7 +34,7 @@ from mt_ray.cluster.errors import ClusterError, StaleGenerationError
 from mt_ray.cluster.grad_pool import GradPool
 from mt_ray.cluster.node_memory import NodeMemoryPeak
 from mt_ray.cluster.partition import ShardPlan
-from mt_ray.cluster.wire import from_numpy, sum_in_order, to_numpy
+from mt_ray.cluster.wire import from_numpy, norm_sq_of, sum_in_order, to_numpy
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import HostStore, peak_rss_bytes
 from mt_ray.engine.optimizer import UnitOptimizer, lr_at
@@ -59,8 +61,8 @@ class _Generation:
     number: int
     step: int
     opt: OptimizerWorker
-    local: dict[tuple[int, str], dict[int, np.ndarray]] = field(default_factory=dict)
-    remote: dict[tuple[int, str], dict[int, np.ndarray]] = field(default_factory=dict)
+    local: dict[tuple[int, str], dict[int, ray.ObjectRef]] = field(default_factory=dict)
+    remote: dict[tuple[int, str], dict[int, list[ray.ObjectRef] | np.ndarray]] = field(default_factory=dict)
     norms: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     forwarded: dict[int, list[ray.ObjectRef]] = field(default_factory=dict)
     summed: dict[tuple[int, str], threading.Event] = field(default_factory=dict)  # set once a unit's sum is done
@@ -167,7 +169,7 @@ class CoordinatorShard:
         for opt in self.optimizers.values():
             opt.set_step(step)  # Adam's bias correction counts the updates applied: `step` of them
         opt_worker = OptimizerWorker(self.store, self.optimizers, self.pool, self.owned_names,
-                                     self.opt_cfg.max_grad_norm, self.threads, grads_read_only=self.clips)
+                                     self.opt_cfg.max_grad_norm, self.threads, grads_read_only=True)
         opt_worker.reset_versions(step)
         with self._cond:
             self.gen = _Generation(generation, step, opt_worker)
@@ -250,8 +252,9 @@ class CoordinatorShard:
             ref = ray.put(to_numpy(self.store.master_of(unit).to(self.cfg.dtype)))
         return [ref]
 
-    def put_grad(self, generation: int, step: int, rank: int, unit: str, grad: np.ndarray) -> None:
-        """One local worker's gradient of `unit` (a read-only view of this node's object store).
+    def put_grad(self, generation: int, step: int, rank: int, unit: str, grad: list[ray.ObjectRef]) -> None:
+        """One local worker's gradient of `unit`: `[ref]` to the object it put in this node's store
+        (in a list, so Ray hands over the reference, which a lone gradient is passed on as).
 
         Returns once it has been summed, so a worker that bounds its unanswered calls bounds
         the gradients it keeps in the object store.
@@ -262,7 +265,7 @@ class CoordinatorShard:
             gen = self.gen
             summed = gen.summed.setdefault((step, unit), threading.Event())
             got = gen.local.setdefault((step, unit), {})
-            got[rank] = grad
+            [got[rank]] = grad
             if len(got) == self.num_local:
                 del gen.local[(step, unit)]
                 self._on_local_sum(gen, step, unit, got)
@@ -296,14 +299,18 @@ class CoordinatorShard:
 
     # ------------------------------------------------------------------ sums
 
-    def _on_local_sum(self, gen: _Generation, step: int, unit: str, got: dict[int, np.ndarray]) -> None:
+    def _on_local_sum(self, gen: _Generation, step: int, unit: str, got: dict[int, ray.ObjectRef]) -> None:
         """Every local worker's gradient of `unit` is in (lock held): sum and send on, or add as this node's part."""
-        arrays = [got[r] for r in sorted(got)]
+        refs = [got[r] for r in sorted(got)]
         owner = self.plan.owner(unit)
-        if owner != self.shard:
-            self._reducer.submit(self._guarded, gen, step, unit, self._forward_partial, owner, arrays)
+        if owner == self.shard:
+            self._add_contribution(gen, step, unit, self.shard, refs)
+        elif len(refs) == 1:  # nothing to sum: the worker's object goes on as this node's partial
+            gen.forwarded.setdefault(step, []).append(
+                self.peers[owner].put_partial.remote(gen.number, step, self.shard, unit, refs[0]))
+            gen.summed.pop((step, unit)).set()
         else:
-            self._add_contribution(gen, step, unit, self.shard, arrays)
+            self._reducer.submit(self._guarded, gen, step, unit, self._forward_partial, owner, refs)
 
     def _add_contribution(self, gen: _Generation, step: int, unit: str, node: int, part) -> None:
         """A node's contribution to an owned unit (lock held); the last one starts the sum."""
@@ -314,9 +321,11 @@ class CoordinatorShard:
             return
         del gen.remote[(step, unit)]
         # Node order, each node's workers in rank order: the sum never depends on arrival order.
-        ordered = [(a, self.grad_dtype) for n in range(self.num_shards)
-                   for a in (got[n] if isinstance(got[n], list) else [got[n]])]
-        self._reducer.submit(self._guarded, gen, step, unit, self._sum_owned, ordered)
+        ordered = [a for n in range(self.num_shards) for a in (got[n] if isinstance(got[n], list) else [got[n]])]
+        if len(ordered) == 1:  # one node with one worker: its object is the gradient
+            self._reducer.submit(self._guarded, gen, step, unit, self._keep_owned, ordered[0])
+        else:
+            self._reducer.submit(self._guarded, gen, step, unit, self._sum_owned, ordered)
 
     def _guarded(self, gen: _Generation, step: int, unit: str, fn: Callable, *args) -> None:
         """Run one sum on the reduce thread; whatever happens, the workers waiting on it wake."""
@@ -334,10 +343,14 @@ class CoordinatorShard:
             if event is not None:
                 event.set()
 
-    def _forward_partial(self, gen: _Generation, step: int, unit: str, owner: int, arrays: list[np.ndarray]) -> None:
+    def _arrays(self, parts: list[ray.ObjectRef | np.ndarray]) -> list[tuple[np.ndarray, torch.dtype]]:
+        """Read-only views of local objects (by reference) and of other nodes' sums (as Ray delivered them)."""
+        return [(ray.get(p) if isinstance(p, ray.ObjectRef) else p, self.grad_dtype) for p in parts]
+
+    def _forward_partial(self, gen: _Generation, step: int, unit: str, owner: int, refs: list[ray.ObjectRef]) -> None:
         i, buf = self.pool.acquire(unit)
         try:
-            sum_in_order([(a, self.grad_dtype) for a in arrays], buf)
+            sum_in_order(self._arrays(refs), buf)
             ref = ray.put(to_numpy(buf))  # the one copy of this node's gradient that crosses the network
         finally:
             self.pool.give_back(i)
@@ -345,12 +358,20 @@ class CoordinatorShard:
         with self._cond:
             gen.forwarded.setdefault(step, []).append(call)
 
-    def _sum_owned(self, gen: _Generation, step: int, unit: str, ordered: list) -> None:
+    def _sum_owned(self, gen: _Generation, step: int, unit: str, parts: list) -> None:
         i, buf = self.pool.acquire(unit)
-        norm_sq = sum_in_order(ordered, buf)
-        del ordered  # the workers' and nodes' objects can be freed now
+        norm_sq = sum_in_order(self._arrays(parts), buf)
+        del parts  # the workers' and nodes' objects can be freed now
         # With clipping the sum waits for the global norm in the object store, not in this process.
         grad = self.pool.hold(unit, i) if self.clips else self.pool.lend(unit, i)
+        self._to_optimizer(gen, step, unit, grad, norm_sq)
+
+    def _keep_owned(self, gen: _Generation, step: int, unit: str, ref: ray.ObjectRef) -> None:
+        """The lone worker's object is the unit's gradient: kept, not copied, until the optimizer is done."""
+        grad = self.pool.keep(unit, ref)
+        self._to_optimizer(gen, step, unit, grad, norm_sq_of(grad))
+
+    def _to_optimizer(self, gen: _Generation, step: int, unit: str, grad: torch.Tensor, norm_sq: torch.Tensor) -> None:
         with self._cond:
             if gen.stopped:
                 self.pool.release(unit)

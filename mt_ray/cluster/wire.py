@@ -36,6 +36,16 @@ def from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 SUM_CHUNK = 1 << 20
 
 
+def norm_sq_of(t: torch.Tensor) -> torch.Tensor:
+    """fp32 norm² of a gradient of any dtype, a chunk at a time (no full-size fp32 temporary)."""
+    acc = torch.empty(min(SUM_CHUNK, t.numel()), dtype=torch.float32)
+    norm_sq = torch.zeros((), dtype=torch.float64)
+    for lo in range(0, t.numel(), SUM_CHUNK):
+        hi = min(lo + SUM_CHUNK, t.numel())
+        norm_sq += torch.linalg.vector_norm(acc[: hi - lo].copy_(t[lo:hi])).square()
+    return norm_sq.to(torch.float32)
+
+
 def sum_in_order(arrays: list[tuple[np.ndarray, torch.dtype]], out: torch.Tensor) -> torch.Tensor:
     """Sum gradients read from the object store into `out` (any dtype); returns the fp32 norm² of the sum.
 

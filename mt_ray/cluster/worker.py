@@ -245,7 +245,7 @@ class ObjectStoreGrads:
                     landed.synchronize()  # the device->host copy of this gradient has finished
                 ref = ray.put(to_numpy(grad))  # the one host copy: into shared memory
                 self.buffers.release(unit)
-                self._sent.append(self.shard.put_grad.remote(self.generation, step, self.rank, unit, ref))
+                self._sent.append(self.shard.put_grad.remote(self.generation, step, self.rank, unit, [ref]))
             except BaseException as e:  # surfaced to the engine thread by submit/flush
                 self._error = e
             finally:

@@ -57,6 +57,12 @@ class ModelConfig(_Section):
     """`auto`: pretrained weights when `path` holds safetensors, else random init."""
     tokenizer: str | None = None
     """Tokenizer folder; default: `path`, else the built-in tiny tokenizer."""
+    freeze_vision_tower: bool = True
+    """Image-text models: the vision tower (patch embedding, blocks, norms) is not trained: no Adam moments, no
+    gradient, no update (LLaMA-Factory's option of the same name and default)."""
+    freeze_multi_modal_projector: bool = False
+    """Image-text models: the projector from the tower into the language model is not trained either
+    (LLaMA-Factory's option of the same name and default)."""
 
 
 class TrainingConfig(_Section):

@@ -6,11 +6,13 @@ is computed here from CPU tensors, so the step never has to ask the device for a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from mt_ray.models.context import Span, document_spans
+from mt_ray.models.context import Documents, document_spans
 
 IGNORE_INDEX = -100
 
@@ -25,11 +27,30 @@ class MicroBatch:
     loss_target: torch.Tensor  # the label each of those tokens predicts
     num_loss_tokens: int
     num_tokens: int
-    documents: list[Span]  # each document's [start, end) in the flattened batch (position-id restarts)
+    documents: Documents  # where each document lies in the flattened batch (position-id restarts)
+    images: dict[str, torch.Tensor] | None = None  # the image inputs (pixel_values, image_grid_thw, ...), in token order
+    rope_position_ids: torch.Tensor | None = None  # [4, B, T] text then multi-dimensional rotary positions (Qwen-VL)
+    image_features: Any = None  # what get_image_features returned for `images` (set by the vision stage)
+    feature_grads: list[torch.Tensor | None] | None = None  # their gradient (set by the embedding's backward)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """The position ids the body takes: [4, B, T] where it has multi-dimensional rotary positions, else [B, T]."""
+        return self.position_ids_BT if self.rope_position_ids is None else self.rope_position_ids
 
 
-def prepare_micro_batch(batch: dict[str, torch.Tensor], device: torch.device) -> MicroBatch:
-    """Shift labels (token t predicts label t+1, as transformers does) and select the loss tokens."""
+RopePositions = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor | None]
+
+
+def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
+                        rope_positions: RopePositions | None = None) -> MicroBatch:
+    """Shift labels (token t predicts label t+1, as transformers does) and select the loss tokens.
+
+    `batch["images"]`, where present, holds each row's images (a list per row of the processor's
+    tensors for one image); they are concatenated in token order. `rope_positions(input_ids,
+    position_ids, image_grid_thw)` gives a model with multi-dimensional rotary positions its
+    [4, B, T] positions (host tensors).
+    """
     input_ids = batch["input_ids"]
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
@@ -43,6 +64,10 @@ def prepare_micro_batch(batch: dict[str, torch.Tensor], device: torch.device) ->
     flat = shifted.reshape(-1)
     index = (flat != IGNORE_INDEX).nonzero().squeeze(1)
     pin = device.type == "cuda"
+    spans = document_spans(position_ids)
+    cu_seq_lens = torch.tensor([s for s, _ in spans] + [B * T], dtype=torch.int32)
+    images = _collate_images(batch.get("images"))
+    rope = rope_positions(input_ids, position_ids, (images or {}).get("image_grid_thw")) if rope_positions else None
     return MicroBatch(
         input_ids_BT=_to(input_ids, device, pin),
         position_ids_BT=_to(position_ids.contiguous(), device, pin),
@@ -50,8 +75,18 @@ def prepare_micro_batch(batch: dict[str, torch.Tensor], device: torch.device) ->
         loss_target=_to(flat[index], device, pin),
         num_loss_tokens=int(index.numel()),
         num_tokens=B * T,
-        documents=document_spans(position_ids),
+        documents=Documents(spans, _to(cu_seq_lens, device, pin), max(e - s for s, e in spans)),
+        images={k: _to(v, device, pin) for k, v in images.items()} if images else None,
+        rope_position_ids=_to(rope, device, pin) if rope is not None else None,
     )
+
+
+def _collate_images(rows: list[list[dict[str, torch.Tensor]]] | None) -> dict[str, torch.Tensor] | None:
+    """Every image of the micro-batch, row after row, each key's tensors concatenated (None without images)."""
+    images = [image for row in rows or [] for image in row]
+    if not images:
+        return None
+    return {k: torch.cat([image[k] for image in images]) for k in images[0]}
 
 
 def _to(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:

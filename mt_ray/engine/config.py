@@ -37,6 +37,14 @@ class EngineConfig(_Strict):
     checkpoint_every: int = Field(
         4, ge=1, description="K: keep the hidden state every K layers and recompute blocks of K layers in backward."
     )
+    checkpoint_placement: Literal["device", "host"] = Field(
+        "device",
+        description="Where the streaming schedule's hidden states wait between blocks (the checkpoints, the last "
+        "block's output, the gradient flowing back). 'device': on the GPU, which then holds L/K + 1 hidden states "
+        "per token of the step. 'host': in pinned host memory (the same amount, allocated once), copied out and "
+        "fetched back on the copy streams, overlapped with compute, so GPU memory no longer grows with the "
+        "step's tokens.",
+    )
     stream_master: bool = Field(
         False,
         description="Stream the fp32 master and cast on the device instead of keeping a compute-dtype host copy "
@@ -52,9 +60,11 @@ class EngineConfig(_Strict):
     loss_chunk_tokens: int = Field(4096, ge=1, description="Tokens per LM-head chunk; bounds the fp32 logits in memory.")
     attn_implementation: str = Field(
         "auto",
-        description="transformers attention backend: 'auto' (SDPA, or eager for a family whose attention uses "
-        "soft-capping or sinks, which SDPA drops), sdpa, eager, flex_attention, flash_attention_2. A backend that "
-        "lacks a feature the family uses is refused.",
+        description="attention backend: 'auto' (eager for a family whose attention uses soft-capping or sinks, which "
+        "SDPA drops; on CUDA with bf16/fp16 'varlen' where the family allows it; SDPA otherwise), 'varlen' (PyTorch's "
+        "variable-length flash attention: packed rows keep their documents apart with no T x T mask; on the CPU each "
+        "document runs through SDPA alone), or a transformers name: sdpa, eager, flex_attention, flash_attention_2. "
+        "A backend that lacks a feature the family uses, or cannot run here, is refused.",
     )
     kernels: Literal["torch", "liger"] = Field(
         "torch",
@@ -67,6 +77,16 @@ class EngineConfig(_Strict):
     host_memory_limit_gb: float | None = Field(
         None, gt=0, description="Host memory this job may use; default: cgroup limit, else MemAvailable."
     )
+    gpu_memory_limit_gb: float | None = Field(
+        None, gt=0, description="GPU memory (GiB) this job may use, enforced on CUDA through the caching allocator "
+        "(emulates a smaller card) and used by auto_fit; default: the whole device."
+    )
+    auto_fit: bool = Field(
+        False, description="mt-ray train: before building the engine, let the calculator choose the schedule, K, "
+        "checkpoint placement, loss chunk, prefetch depth, stream_master, grad_dtype and training.micro_batch_size "
+        "(global batch and seq kept) that fit this GPU and host fastest, log the choices, and stop with the "
+        "calculator's reason when nothing fits."
+    )
     optimizer_threads: int | None = Field(
         None, ge=1, description="CPU threads for the optimizer; default: all cores but one (kept for launching GPU work)."
     )
@@ -76,6 +96,13 @@ class EngineConfig(_Strict):
         if self.kernels == "liger" and self.device == "cpu":
             raise ValueError("kernels: liger runs Triton kernels on CUDA only, but device is cpu; "
                              "use kernels: torch, or device: cuda")
+        return self
+
+    @model_validator(mode="after")
+    def _host_placement_needs_streaming(self) -> EngineConfig:
+        if self.checkpoint_placement == "host" and self.schedule == "resident":
+            raise ValueError("checkpoint_placement: host applies to schedule: stream (the resident schedule keeps "
+                             "no checkpoints); use checkpoint_placement: device, or schedule: stream")
         return self
 
     @property

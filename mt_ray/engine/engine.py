@@ -1,30 +1,40 @@
 """The streaming engine: one training step of a model whose state lives in host memory.
 
 Schedule of a step (L layers, blocks of K layers, M micro-batches):
-  forward   embed -> layer 0 .. L-1 -> head, every micro-batch through a unit while its weights
-            are resident (one upload serves the whole batch); the hidden state entering each
-            block is kept (the checkpoints).
+  forward   embed every micro-batch, then block by block: every micro-batch through the block's
+            K layers while their weights are resident (one upload serves the whole batch); the
+            hidden state entering each block is parked (the checkpoints), and so is the last
+            block's output.
   head      final norm + LM head + loss, forward and backward together, in token chunks so
-            full-vocabulary fp32 logits never exist.
+            full-vocabulary fp32 logits never exist; each micro-batch's gradient is parked.
   backward  block by block from the last: upload the block's K layers once, then per
             micro-batch recompute the block from its checkpoint and run it backward layer by
-            layer. A layer's gradient leaves the device as soon as the last micro-batch has
-            contributed to it. Finally the embedding.
+            layer, parking the gradient for the block before. A layer's gradient leaves the
+            device as soon as the last micro-batch has contributed to it. Finally the embedding.
 So each unit's weights cross the bus twice a step (forward, backward), and the optimizer
-thread updates units while the backward pass continues.
+thread updates units while the backward pass continues. Parked hidden states wait on the
+device or in pinned host memory (`checkpoint_placement`, see activations.py): slot b < L/K holds
+block b's checkpoint, slot L/K the last block's output, then the gradient flowing back.
 
 An evaluation (`evaluate`) is the forward and the head's chunked loss alone: one pass of the
-weights, no gradient, nothing for the optimizer, and the templates in eval mode.
+weights, no gradient, nothing for the optimizer, and the templates in eval mode; its hidden
+states are parked as a training step's are.
 
 The resident schedule (`schedule: resident`, for models that fit) uploads each unit once a step
 and keeps it, with an fp32 gradient sum per unit, on the device; every micro-batch then runs
 embed -> layers -> head -> backward with its activations kept, so nothing is recomputed
 (6·N·T instead of 8·N·T FLOPs). Gradients leave during the last micro-batch's backward.
 
-Packed rows keep their documents apart: attention through the masks transformers builds from
-the position ids, and layers with linear attention, short convolutions or Mamba by running each
+Packed rows keep their documents apart: attention through each micro-batch's document bounds
+(the varlen backend, `auto`'s choice on CUDA) or the masks transformers builds from the position
+ids (SDPA, eager, flex), and layers with linear attention, short convolutions or Mamba by running each
 document through them alone (`LayerContext`). A MoE config with `output_router_logits` adds the
 family's router load-balancing loss (`RouterLoss`).
+
+An image-text model adds its vision tower and projector (`VisionStage`): their units stream
+before the language model's in the forward and after them in the backward; the image features
+enter through the body's own scatter over the image tokens. Frozen units (the tower, by
+default) have no moments and send no gradient.
 
 Tensor shape key: B batch, T tokens, D hidden, N selected tokens, V vocabulary.
 """
@@ -32,13 +42,14 @@ Tensor shape key: B batch, T tokens, D hidden, N selected tokens, V vocabulary.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from mt_ray.engine.activations import build_activation_store, streamed_step_plan
 from mt_ray.engine.batch import MicroBatch, prepare_micro_batch
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import HostStore
@@ -47,7 +58,8 @@ from mt_ray.engine.optimizer_worker import OptimizerWorker
 from mt_ray.engine.seams import GradSink, WeightSource
 from mt_ray.engine.sizing import grad_buffer_bytes, grad_buffers_per_unit
 from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
-from mt_ray.engine.transfer import GradBuffers, GradOutbox, StreamSet, WeightStreamer
+from mt_ray.engine.transfer import GradBuffers, Outbox, StreamSet, WeightStreamer
+from mt_ray.engine.vision_stage import VisionStage, feature_leaves
 from mt_ray.models.attention import resolve_attention
 from mt_ray.models.context import LayerContext, LayerContextBuilder
 from mt_ray.models.discovery import ModelSpec
@@ -104,21 +116,23 @@ class StreamingEngine:
         self.device = cfg.resolve_device()
         self.dtype = cfg.dtype
         self.step_idx = 0
-        spec.config._attn_implementation = resolve_attention(spec, cfg.attn_implementation, self.device)
+        if cfg.gpu_memory_limit_gb is not None and self.device.type == "cuda":
+            _cap_device_memory(self.device, cfg.gpu_memory_limit_gb)
+        spec.config._attn_implementation = resolve_attention(spec, cfg.attn_implementation, self.device, self.dtype)
         apply_kernels(spec, cfg.kernels, self.device)  # before any allocation, and before the templates
         pin = self.device.type == "cuda"
         copy_dtype = None if cfg.stream_master or self.dtype == torch.float32 else self.dtype
         self.grad_dtype = grad_dtype = cfg.grad_torch_dtype
-        numels = {u.name: u.numel for u in spec.units}
+        numels = {u.name: u.numel for u in spec.trainable_units}  # frozen units send no gradient
         local = grad_sink is None
         # An outside sink ships each gradient on at once and frees its slab: a few slabs suffice.
         per_unit = local and grad_buffers_per_unit(cfg, opt_cfg)
         grad_bytes = grad_buffer_bytes(numels, grad_dtype, per_unit, cfg.grad_slabs)
         self.store = HostStore(spec, copy_dtype, pin, grad_bytes, cfg.host_memory_limit_gb) if local else None
         self.grad_buffers = GradBuffers(numels, grad_dtype, pin, per_unit=per_unit, slabs=cfg.grad_slabs)
-        self.optimizers = {u.name: UnitOptimizer(self.store, u, opt_cfg) for u in spec.units} if local else {}
+        self.optimizers = {u.name: UnitOptimizer(self.store, u, opt_cfg) for u in spec.trainable_units} if local else {}
         self.worker = grad_sink if not local else OptimizerWorker(
-            self.store, self.optimizers, self.grad_buffers, [u.name for u in spec.units],
+            self.store, self.optimizers, self.grad_buffers, list(numels),
             opt_cfg.max_grad_norm, cfg.optimizer_thread_count if pin else None,
         )
         self.streams = StreamSet(self.device)
@@ -130,10 +144,13 @@ class StreamingEngine:
         hold = len(spec.units) if self.resident else max(cfg.checkpoint_every, 2)
         self.streamer = WeightStreamer(source, self.streams, self.dtype, depth, hold,
                                        (weight_source or self.worker).wait_updated)
-        self.outbox = GradOutbox(self.streams)
+        self.outbox = Outbox(self.streams)
+        self.activations = build_activation_store(cfg.checkpoint_placement, self.streams, self.dtype,
+                                                  cfg.host_memory_limit_gb)
         self.templates = build_templates(spec, self.device)
         self.context = LayerContextBuilder(spec, self.device)
         self.layer_templates = [self.templates[u.kind] for u in spec.layer_units]
+        self.vision = VisionStage(spec, self.templates, self.device, self._weights, self._add_grad) if spec.vision else None
         kinds = [self.templates[k].module for k in spec.layer_kinds]
         self.router_loss = RouterLoss(spec, kinds) if RouterLoss.wanted(spec) else None
         self._embed_shape = next(p.shape for p in spec.unit("embed").params if p.local_name == "weight")
@@ -150,17 +167,18 @@ class StreamingEngine:
         passes the count over the whole global batch, so the workers' gradients sum to the
         gradient of the global mean loss.
         """
-        mbs = [prepare_micro_batch(b, self.device) for b in micro_batches]
+        mbs = self._prepare(micro_batches)
         n_loss = sum(mb.num_loss_tokens for mb in mbs)
         n_norm = n_loss if loss_normaliser is None else loss_normaliser
         if n_norm == 0:
             raise ValueError("this step has no token that carries loss (every label is -100)")
         lr = lr_at(self.step_idx, self.opt_cfg, self.total_steps)
-        self.streamer.start(self._upload_plan(), version=self.step_idx)
+        self.streamer.start(self._upload_plan(mbs), version=self.step_idx)
         self._norm_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         self._lr = lr
         self._grad_sums: dict[str, torch.Tensor] = {}
         self._kept: dict[str, torch.Tensor] = {}
+        self._sent: set[str] = set()
         # Router loss: each micro-batch weighted by its share of the step's loss tokens.
         self._aux_sum = torch.zeros((), dtype=torch.float32, device=self.device) if self.router_loss else None
         aux_weights = [mb.num_loss_tokens / n_norm for mb in mbs]
@@ -168,12 +186,22 @@ class StreamingEngine:
         if self.resident:
             loss_sum = self._resident_step(mbs, 1.0 / n_norm, aux_weights)
         else:
-            hiddens, contexts, checkpoints, aux_grads = self._forward(mbs, aux_weights)
-            grads, loss_sum = self._head(hiddens, mbs, 1.0 / n_norm, final=True)
-            for b in reversed(range(len(checkpoints))):
-                grads = self._backward_block(b, checkpoints.pop(), grads, contexts, aux_grads)
-            self._backward_embed(grads, mbs, final=True)
+            imaged = [mb for mb in mbs if mb.images is not None]
+            tapes = self.vision.forward(imaged) if imaged else []
+            park, carry = self.activations, len(self._blocks())
+            park.start(streamed_step_plan(carry, len(mbs), train=True), self._hidden_numels(mbs))
+            contexts, aux_grads = self._forward(mbs, aux_weights)
+            loss_sum = self._head(self._carried(len(mbs)), mbs, 1.0 / n_norm, True,
+                                  lambda j, g: park.put((carry, j), g))
+            for b in reversed(range(carry)):
+                self._backward_block(b, contexts, aux_grads)
+            self._backward_embed(self._carried(len(mbs)), mbs, final=True)
+            if imaged:
+                self.vision.backward(imaged, tapes)
         self._kept.clear()
+        for unit in self.vision.trainable if self.vision else ():
+            if unit not in self._sent:  # no image this step: the unit is not updated (torch skips a None grad)
+                self.worker.submit(unit, None, None, lr)
 
         with self.streams.on(self.streams.d2h):
             # The clip coefficient needs the global norm on the host; only the worker waits for it.
@@ -194,18 +222,31 @@ class StreamingEngine:
         No gradient is computed or sent, no optimizer state changes and the step count stays.
         The templates run in eval mode (no dropout or router noise), as after `model.eval()`. The
         loss is the token cross-entropy alone: a MoE router's auxiliary loss is a training term.
-        Every micro-batch passes each unit while it is resident, so the activations of all of
-        them are live at once: give as many as a training step holds.
+        Every micro-batch passes each block while it is resident, and their hidden states wait
+        where a training step's do: give as many as a training step holds.
         """
-        mbs = [prepare_micro_batch(b, self.device) for b in micro_batches]
+        mbs = self._prepare(micro_batches)
+        imaged = [mb for mb in mbs if mb.images is not None]
         plan = ["embed", *(f"layers.{i}" for i in range(self.spec.num_layers)), "head"]
+        plan = (self.vision.plan()[0] if imaged else []) + plan
         self.streamer.start(plan + (["embed"] if self.spec.tied and not self.resident else []), version=self.step_idx)
         self._kept = {}
+        self.activations.start(streamed_step_plan(len(self._blocks()), len(mbs), train=False),
+                               self._hidden_numels(mbs))
         with _eval_mode(t.module for t in self.templates.values()), torch.no_grad():
-            hiddens, _, _, _ = self._forward(mbs, keep_checkpoints=False)
-            loss_sum = self._eval_head(hiddens, mbs)
+            if imaged:
+                self.vision.forward(imaged)
+            self._forward(mbs)
+            loss_sum = self._eval_head(self._carried(len(mbs)), mbs)
         self._kept.clear()
         return EvalResult(loss_sum, sum(mb.num_loss_tokens for mb in mbs), sum(mb.num_tokens for mb in mbs))
+
+    def set_attention(self, requested: str) -> str:
+        """Switch the attention backend between steps, resolved as `EngineConfig.attn_implementation` is at
+        start; returns the backend now in use. Benchmarks compare backends on one host store this way."""
+        self.spec.config._attn_implementation = resolve_attention(self.spec, requested, self.device, self.dtype)
+        self.context = LayerContextBuilder(self.spec, self.device)
+        return self.spec.config._attn_implementation
 
     def synchronize(self) -> None:
         """Wait until every update of the steps run so far is in the master weights."""
@@ -226,9 +267,11 @@ class StreamingEngine:
         for unit in self.spec.units:
             self.store.load_named(unit, state)
 
-    def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32) -> Path:
-        """Write the trained weights as a Hugging Face folder that `from_pretrained` loads."""
-        return export_hf(self.spec, self.state_dict(), out_dir, tokenizer, dtype)
+    def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32,
+               extra_files: tuple[Path, ...] = ()) -> Path:
+        """Write the trained weights as a Hugging Face folder that `from_pretrained` loads (`extra_files`
+        copied in: an image-text model's processor files)."""
+        return export_hf(self.spec, self.state_dict(), out_dir, tokenizer, dtype, extra_files=extra_files)
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Everything a checkpoint needs: the flat fp32 master/moment buffers and the step.
@@ -280,6 +323,7 @@ class StreamingEngine:
         if self.router_loss is not None:
             self.router_loss.close()
         self.worker.close()
+        self.activations.close()
         self.grad_buffers.close()
         if self.store is not None:
             self.store.close()
@@ -290,14 +334,19 @@ class StreamingEngine:
         K, L = self.cfg.checkpoint_every, self.spec.num_layers
         return [range(s, min(s + K, L)) for s in range(0, L, K)]
 
-    def _upload_plan(self) -> list[str]:
+    def _prepare(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[MicroBatch]:
+        rope = self.context.rope_positions if self.spec.vision is not None else None
+        return [prepare_micro_batch(b, self.device, rope) for b in micro_batches]
+
+    def _upload_plan(self, mbs: list[MicroBatch]) -> list[str]:
         layers = [f"layers.{i}" for i in range(self.spec.num_layers)]
+        vision_fwd, vision_bwd = self.vision.plan() if any(mb.images is not None for mb in mbs) else ([], [])
         if self.resident:
-            return ["embed", *layers, "head"]
-        plan = ["embed", *layers, "head"] + (["embed"] if self.spec.tied else [])
+            return [*dict.fromkeys(vision_fwd), "embed", *layers, "head"]
+        plan = vision_fwd + ["embed", *layers, "head"] + (["embed"] if self.spec.tied else [])
         for block in reversed(self._blocks()):
             plan += [f"layers.{i}" for i in block]
-        return plan + ["embed"]
+        return plan + ["embed"] + vision_bwd
 
     def _weights(self, unit: str) -> torch.Tensor:
         """The unit's flat device weights: the next upload, or the step's kept copy when resident."""
@@ -308,51 +357,65 @@ class StreamingEngine:
                 self._kept[unit] = flat
         return flat
 
-    def _embed(self, mbs: list[MicroBatch]) -> tuple[list[torch.Tensor], list[LayerContext]]:
-        """Embedded inputs and the layers' context of each micro-batch (no graph)."""
-        embed = self.templates["embed"]
-        w = embed.bind(self._weights("embed"))
-        hiddens, contexts = [], []
-        with torch.no_grad():
-            for mb in mbs:
-                h0, ctx = self.context(embed(w, mb.input_ids_BT), mb.input_ids_BT, mb.position_ids_BT, mb.documents)
-                hiddens.append(h0)
-                contexts.append(ctx)
-        return hiddens, contexts
+    def _hidden_numels(self, mbs: list[MicroBatch]) -> list[int]:
+        return [mb.input_ids_BT.numel() * self.spec.text_config.hidden_size for mb in mbs]
 
-    def _forward(self, mbs: list[MicroBatch], aux_weights: list[float] | None = None, keep_checkpoints: bool = True):
-        """Every micro-batch through every layer without a graph, keeping the hidden states entering each
-        block (and, given `aux_weights`, the router loss's gradients into each MoE layer's router logits)."""
-        hiddens, contexts = self._embed(mbs)
-        checkpoints = []
+    def _carried(self, n_micro: int) -> Iterator[torch.Tensor]:
+        """Each micro-batch's carry in turn (the last block's output, or the gradient flowing back)."""
+        carry = len(self._blocks())
+        return (self.activations.get((carry, j)) for j in range(n_micro))
+
+    def _embed(self, weights: Weights, mb: MicroBatch) -> tuple[torch.Tensor, LayerContext]:
+        """A micro-batch's embedded input and its layers' context (no graph)."""
+        with torch.no_grad():
+            h0 = self.templates["embed"](weights, mb.input_ids_BT)
+            return self.context(h0, mb.input_ids_BT, mb.positions, mb.documents, mb.images, mb.image_features)
+
+    def _forward(self, mbs: list[MicroBatch], aux_weights: list[float] | None = None):
+        """Park every micro-batch's embedding, then run each block over every micro-batch in turn without a
+        graph, parking its output (the next block's checkpoint). Returns each micro-batch's layer context
+        and, given `aux_weights`, the router loss's gradients into each MoE layer's router logits."""
+        park, contexts = self.activations, []
+        embed = self.templates["embed"].bind(self._weights("embed"))
+        for j, mb in enumerate(mbs):
+            h0, ctx = self._embed(embed, mb)
+            contexts.append(ctx)
+            park.put((0, j), h0)
+        del embed  # the streamer may free the embedding's upload before the layers need the memory
         router_logits: list[dict[int, torch.Tensor]] = [{} for _ in mbs]
         with torch.no_grad():
-            for block in self._blocks():
-                if keep_checkpoints:
-                    checkpoints.append(list(hiddens))
-                for i in block:
-                    weights = self.layer_templates[i].bind(self._weights(f"layers.{i}"))
-                    for j, ctx in enumerate(contexts):
-                        hiddens[j], logits = self._layer(i, weights, hiddens[j], ctx)
+            for b, block in enumerate(self._blocks()):
+                weights: dict[int, Weights] = {}
+                for j, ctx in enumerate(contexts):
+                    x = park.get((b, j))
+                    for i in block:
+                        if i not in weights:  # bound when first reached: compute waits for this upload only
+                            weights[i] = self.layer_templates[i].bind(self._weights(f"layers.{i}"))
+                        x, logits = self._layer(i, weights[i], x, ctx)
                         if logits is not None:
                             router_logits[j][i] = logits
+                    park.put((b + 1, j), x)
         aux_grads = [] if aux_weights is None else [
             self._router_loss_grads(lg, w) for lg, w in zip(router_logits, aux_weights, strict=True)]
-        return hiddens, contexts, checkpoints, aux_grads
+        return contexts, aux_grads
 
     def _resident_step(self, mbs: list[MicroBatch], inv_n: float, aux_weights: list[float]) -> torch.Tensor:
         """Each micro-batch forward and backward in turn, activations kept, weights bound once."""
         weights: dict[int, Weights] = {}
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        head_grad: list[torch.Tensor] = []  # the head hands each micro-batch's gradient over here
+        last_imaged = max((j for j, mb in enumerate(mbs) if mb.images is not None), default=-1)
         for j, mb in enumerate(mbs):
             final = j == len(mbs) - 1
-            [h], [ctx] = self._embed([mb])
+            tapes = self.vision.forward([mb]) if mb.images is not None else []
+            h, ctx = self._embed(self.templates["embed"].bind(self._weights("embed")), mb)
             segments = self._run_layers(range(self.spec.num_layers), h, ctx, weights)
             aux_grads = self._router_loss_grads({i: lg for i, _, _, lg in segments if lg is not None}, aux_weights[j])
-            [g], loss = self._head([segments[-1][2].detach()], [mb], inv_n, final)
-            g = self._backward_layers(segments, weights, g, final, aux_grads)
+            loss_sum += self._head([segments[-1][2].detach()], [mb], inv_n, final, lambda _, g: head_grad.append(g))
+            g = self._backward_layers(segments, weights, head_grad.pop(), final, aux_grads)
             self._backward_embed([g], [mb], final)
-            loss_sum += loss
+            if tapes:
+                self.vision.backward([mb], tapes, final=j == last_imaged)
         return loss_sum
 
     def _layer(self, i: int, weights: Weights, x: torch.Tensor, ctx: LayerContext):
@@ -376,8 +439,10 @@ class StreamingEngine:
             weights["lm_head.weight"] = emb.requires_grad_() if requires_grad else emb
         return weights
 
-    def _head(self, hiddens: list[torch.Tensor], mbs: list[MicroBatch], inv_n: float, final: bool):
-        """Loss over the final hidden states and its gradients, in chunks of selected tokens."""
+    def _head(self, hiddens: Iterable[torch.Tensor], mbs: list[MicroBatch], inv_n: float, final: bool,
+              on_grad: Callable[[int, torch.Tensor], None]) -> torch.Tensor:
+        """Loss over each micro-batch's final hidden state, in chunks of selected tokens; hands each
+        micro-batch's gradient to `on_grad` as soon as it is complete and returns the loss sum."""
         head = self.templates["head"]
         weights = self._bind_head(requires_grad=True)
         leaves = head.leaves(weights)
@@ -387,9 +452,8 @@ class StreamingEngine:
             # The tied embedding's head gradient waits on the device for the embedding's own part.
             sums.append(self._grad_sum("embed", weights["lm_head.weight"].numel()))
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        grads = []
         chunk = self.cfg.loss_chunk_tokens
-        for h_BTD, mb in zip(hiddens, mbs, strict=True):
+        for j, (h_BTD, mb) in enumerate(zip(hiddens, mbs, strict=True)):
             h_ND = h_BTD.reshape(-1, h_BTD.shape[-1])
             sel_ND = h_ND.index_select(0, mb.loss_index)
             g_sel = torch.empty_like(sel_ND)
@@ -401,12 +465,12 @@ class StreamingEngine:
                 g_sel[s : s + chunk] = g[0]
                 torch._foreach_add_(sums, [t.reshape(-1) for t in g[1:]])
                 loss_sum += loss.detach()
-            grads.append(torch.zeros_like(h_ND).index_copy_(0, mb.loss_index, g_sel).view_as(h_BTD))
+            on_grad(j, torch.zeros_like(h_ND).index_copy_(0, mb.loss_index, g_sel).view_as(h_BTD))
         if final:
             self._send_grad("head", self._grad_sums.pop("head"))
-        return grads, loss_sum
+        return loss_sum
 
-    def _eval_head(self, hiddens: list[torch.Tensor], mbs: list[MicroBatch]) -> torch.Tensor:
+    def _eval_head(self, hiddens: Iterable[torch.Tensor], mbs: list[MicroBatch]) -> torch.Tensor:
         """The summed loss of the final hidden states, in the training head's chunks, with no graph."""
         head = self.templates["head"]
         weights = self._bind_head(requires_grad=False)
@@ -418,16 +482,17 @@ class StreamingEngine:
                 loss_sum += _chunk_loss(head, weights, sel_ND[s : s + chunk], mb.loss_target[s : s + chunk])
         return loss_sum
 
-    def _backward_block(self, b: int, checkpoint: list[torch.Tensor], grads: list[torch.Tensor],
-                        contexts: list[LayerContext], aux_grads: list[dict[int, torch.Tensor]]) -> list[torch.Tensor]:
+    def _backward_block(self, b: int, contexts: list[LayerContext], aux_grads: list[dict[int, torch.Tensor]]) -> None:
+        """Recompute block b from each micro-batch's checkpoint and run it backward, parking the
+        gradient of its input for the block before."""
+        park, carry = self.activations, len(self._blocks())
         block = self._blocks()[b]
         weights: dict[int, Weights] = {}
-        last = len(checkpoint) - 1
-        for j, x in enumerate(checkpoint):
-            segments = self._run_layers(block, x, contexts[j], weights)
-            grads[j] = self._backward_layers(segments, weights, grads[j], j == last, aux_grads[j])
-            checkpoint[j] = None  # free this micro-batch's checkpoint as soon as it is used
-        return grads
+        last = len(contexts) - 1
+        for j, ctx in enumerate(contexts):
+            segments = self._run_layers(block, park.get((b, j)), ctx, weights)
+            g = self._backward_layers(segments, weights, park.get((carry, j)), j == last, aux_grads[j])
+            park.put((carry, j), g)
 
     def _run_layers(self, layers: range, x: torch.Tensor, ctx: LayerContext,
                     weights: dict[int, Weights]) -> list[Segment]:
@@ -460,16 +525,18 @@ class StreamingEngine:
             self._add_grad(f"layers.{i}", gs[1:], final, template.frozen_numel)
         return g
 
-    def _backward_embed(self, grads: list[torch.Tensor], mbs: list[MicroBatch], final: bool) -> None:
+    def _backward_embed(self, grads: Iterable[torch.Tensor], mbs: list[MicroBatch], final: bool) -> None:
         embed = self.templates["embed"]
         weights = embed.bind(self._weights("embed"), requires_grad=True)
         leaves = embed.leaves(weights)
         for j, (g, mb) in enumerate(zip(grads, mbs, strict=True)):
+            features, feature_leaves_ = feature_leaves(mb.image_features) if mb.images is not None else (None, [])
             with torch.enable_grad():
-                h0, _ = self.context(embed(weights, mb.input_ids_BT), mb.input_ids_BT, mb.position_ids_BT,
-                                     mb.documents)
-                gs = torch.autograd.grad(h0, leaves, g)
-            self._add_grad("embed", gs, final and j == len(mbs) - 1, embed.frozen_numel)
+                h0, _ = self.context(embed(weights, mb.input_ids_BT), mb.input_ids_BT, mb.positions,
+                                     mb.documents, mb.images, features)
+                gs = torch.autograd.grad(h0, [*leaves, *feature_leaves_], g, allow_unused=bool(feature_leaves_))
+            mb.feature_grads = list(gs[len(leaves):])  # the image features' gradient, for the vision stage
+            self._add_grad("embed", gs[:len(leaves)], final and j == len(mbs) - 1, embed.frozen_numel)
 
     # ------------------------------------------------------------------ gradients out
 
@@ -489,6 +556,7 @@ class StreamingEngine:
 
     def _send_grad(self, unit: str, acc: torch.Tensor) -> None:
         """Ship a finished fp32 gradient to the host and queue its optimizer update."""
+        self._sent.add(unit)
         self._norm_sq += torch.linalg.vector_norm(acc).square()
         grad = acc.to(self.grad_dtype)
         done_on_compute = self.streams.record(self.streams.compute)
@@ -499,6 +567,13 @@ class StreamingEngine:
             landed = self.streams.record(self.streams.d2h)
         self.outbox.add(grad, landed)  # keeps it alive until the copy has read it
         self.worker.submit(unit, host, landed, self._lr)
+
+
+def _cap_device_memory(device: torch.device, limit_gb: float) -> None:
+    """Let the caching allocator hand out at most `limit_gb` GiB (a smaller card, emulated): past it,
+    an allocation fails as it would on that card."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * 2**30 / total), device)
 
 
 def _chunk_loss(head: UnitTemplate, weights: Weights, x_ND: torch.Tensor, target_N: torch.Tensor) -> torch.Tensor:

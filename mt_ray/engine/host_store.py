@@ -3,14 +3,15 @@
 Every unit (embedding, each decoder layer, final norm + head) owns one contiguous slice of
 four big host buffers: the fp32 master weights, the fp32 Adam moments m and v, and the copy
 that is streamed to the device (in the compute dtype, or no copy at all when the fp32 master
-is streamed and cast on the device). One allocation per buffer keeps pinning cheap: a single
+is streamed and cast on the device). A frozen unit (a frozen vision tower) has no slice of
+the moments: it is never updated. One allocation per buffer keeps pinning cheap: a single
 `cudaHostRegister` call covers the whole streamed buffer.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -31,19 +32,24 @@ class StoreLayout:
     numels: dict[str, int]
     total: int
     copy_dtype: torch.dtype | None
+    moment_offsets: dict[str, int] = field(default_factory=dict)
+    """Each trained unit's slice of the Adam moments (frozen units have none)."""
+    moment_total: int = 0
 
     @property
     def bytes_per_param(self) -> float:
-        copy = torch.empty((), dtype=self.copy_dtype).element_size() if self.copy_dtype else 0
-        return 12 + copy
+        """Host bytes per parameter, averaged over trained and frozen units."""
+        return self.nbytes / max(1, self.total)
 
     @property
     def nbytes(self) -> int:
-        return int(self.total * self.bytes_per_param)
+        copy = torch.empty((), dtype=self.copy_dtype).element_size() if self.copy_dtype else 0
+        return (4 + copy) * self.total + 8 * self.moment_total
 
     def describe(self) -> dict[str, list[int]]:
-        """Each unit's [offset, numel]: stored with a checkpoint, which loads only into the same layout."""
-        return {u: [off, self.numels[u]] for u, off in self.offsets.items()}
+        """Each unit's [offset, numel] ([offset, numel, 0] when frozen): stored with a checkpoint, which loads
+        only into the same layout."""
+        return {u: [off, self.numels[u]] + ([] if u in self.moment_offsets else [0]) for u, off in self.offsets.items()}
 
     def check_matches(self, saved: dict[str, list[int]]) -> None:
         if saved != self.describe():
@@ -53,12 +59,15 @@ class StoreLayout:
 def plan_layout(spec: ModelSpec, copy_dtype: torch.dtype | None, units: list[UnitSpec] | None = None) -> StoreLayout:
     """Each unit's slice of the flat buffers, in model order (`units`: a part of the model, e.g. one
     coordinator shard's, laid out from offset 0)."""
-    offsets, numels, total = {}, {}, 0
+    offsets, numels, total, moment_offsets, moment_total = {}, {}, 0, {}, 0
     for unit in spec.units if units is None else units:
         offsets[unit.name] = total
         numels[unit.name] = unit.numel
         total += unit.numel
-    return StoreLayout(offsets, numels, total, copy_dtype)
+        if not unit.frozen:
+            moment_offsets[unit.name] = moment_total
+            moment_total += unit.numel
+    return StoreLayout(offsets, numels, total, copy_dtype, moment_offsets, moment_total)
 
 
 def available_host_bytes(limit_gb: float | None = None) -> int:
@@ -103,8 +112,8 @@ class HostStore:
             )
         n = self.layout.total
         self.master = torch.empty(n, dtype=torch.float32)
-        self.exp_avg = torch.zeros(n, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32)
+        self.exp_avg = torch.zeros(self.layout.moment_total, dtype=torch.float32)
+        self.exp_avg_sq = torch.zeros(self.layout.moment_total, dtype=torch.float32)
         self.copy = torch.empty(n, dtype=copy_dtype) if copy_dtype is not None else None
         self._registered: list[torch.Tensor] = []
         if pin:
@@ -123,7 +132,9 @@ class HostStore:
         return self._slice(self.master, unit)
 
     def moments_of(self, unit: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._slice(self.exp_avg, unit), self._slice(self.exp_avg_sq, unit)
+        off = self.layout.moment_offsets[unit]  # KeyError for a frozen unit: it has no moments
+        n = self.layout.numels[unit]
+        return self.exp_avg[off : off + n], self.exp_avg_sq[off : off + n]
 
     def streamed_of(self, unit: str) -> torch.Tensor:
         return self._slice(self.streamed_buffer, unit)

@@ -1,7 +1,10 @@
 """The CPU thread that runs each unit's optimizer as soon as its gradient has landed.
 
 Without clipping a unit is updated the moment its gradient arrives, overlapping the rest of
-the backward pass. With clipping, gradients wait in their buffers until the step's global
+the backward pass. A unit the step did not use (a vision unit in a step without images) is
+submitted without a gradient: like a parameter whose `.grad` is None in torch's AdamW, it is
+left unchanged and its step count stays, but its version advances. Frozen units are not the
+worker's: waiting on one returns at once. With clipping, gradients wait in their buffers until the step's global
 norm is known; the worker then updates units in forward order, so the next step's forward can
 start on the embedding and layer 0 while later layers are still being updated.
 """
@@ -23,7 +26,7 @@ from mt_ray.engine.transfer import GradBuffers
 @dataclass
 class _Grad:
     unit: str
-    grad: torch.Tensor
+    grad: torch.Tensor | None  # None: the step did not use the unit; it is not updated
     landed: torch.cuda.Event | None
     lr: float
 
@@ -63,7 +66,7 @@ class OptimizerWorker:
     def clips(self) -> bool:
         return self.max_grad_norm > 0
 
-    def submit(self, unit: str, grad: torch.Tensor, landed: torch.cuda.Event | None, lr: float) -> None:
+    def submit(self, unit: str, grad: torch.Tensor | None, landed: torch.cuda.Event | None, lr: float) -> None:
         self._raise_if_failed()
         self._queue.put(_Grad(unit, grad, landed, lr))
 
@@ -71,7 +74,9 @@ class OptimizerWorker:
         self._queue.put(_EndOfStep(norm_sq, ready, lr))
 
     def wait_updated(self, unit: str, version: int) -> None:
-        """Block until `unit` has been updated `version` times (CPU-side wait only)."""
+        """Block until `unit` has been updated `version` times (CPU-side wait only; a frozen unit never changes)."""
+        if unit not in self.version:
+            return
         with self._cond:
             self._cond.wait_for(lambda: self.version[unit] >= version or self._error is not None)
         self._raise_if_failed()
@@ -122,6 +127,9 @@ class OptimizerWorker:
         self._pending.clear()
 
     def _update(self, g: _Grad, coef: float) -> None:
+        if g.grad is None:
+            self._advance(g.unit)
+            return
         if g.landed is not None:
             g.landed.synchronize()  # this gradient's device->host copy is complete
         t0 = time.perf_counter()
@@ -131,6 +139,9 @@ class OptimizerWorker:
         self.store.refresh_copy(g.unit)
         self.buffers.release(g.unit)
         self.busy_seconds += time.perf_counter() - t0
+        self._advance(g.unit)
+
+    def _advance(self, unit: str) -> None:
         with self._cond:
-            self.version[g.unit] += 1
+            self.version[unit] += 1
             self._cond.notify_all()

@@ -1,33 +1,31 @@
-"""Resource calculator: host and device memory of a run, and the batch shape that fits.
+"""Resource models: host and device memory of a run, and its step time.
 
 Host memory is exact (it is the engine's own allocation plan). Device memory is a model of the
-schedule's peak (streaming: the backward of one block: checkpoints of every micro-batch, K layers
-plus prefetched ones, one micro-batch's recompute activations, fp32 gradient accumulators;
-resident: every weight and gradient sum and one micro-batch's activations through all layers),
-with per-token activation bytes counted from the decoder layer's shapes. Step time is predicted
-from the machine's matmul rate and link bandwidth (defaults: the lent H100's measured figures).
+schedule's peak (streaming: the backward of one block: the parked hidden states (every
+micro-batch's checkpoints on the device, or a few micro-batches' when they are parked in host
+memory), K layers plus prefetched ones, one micro-batch's recompute activations, fp32 gradient
+accumulators; resident: every weight and gradient sum and one micro-batch's activations through
+all layers), with per-token activation bytes counted from the decoder layer's shapes. Step time is
+predicted from the machine's matmul rate and link bandwidth (defaults: the lent H100's measured
+figures). The search over configurations is `calculator.py`. An image-text model adds its vision
+tower: given the image tokens per sample, the block outputs a step keeps on the device (every
+block's, for every sample with images) and the tower's compute.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
 import torch
 
+from mt_ray.engine.activations import host_placement_device_hiddens
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import plan_layout
 from mt_ray.models.discovery import ModelSpec
+from mt_ray.models.vision import VISION_PROJECTOR
 
 GIB = 1024**3
-# Larger micro-batches gain nothing measurable on an H100 (7B: 16 x 1k and 1 x 16k run alike), while
-# the backward's temporaries, which the device model does not count, grow with them.
-MAX_MICRO_TOKENS = 16384
-# The resident schedule saves the recompute but exposes the optimizer pass, and its micro-batch
-# shares the GPU with every weight and gradient sum. Measured on the H100 (seq 1024), it wins with
-# 8k-token micro-batches (1.5B: 2.34 vs 2.67 s; 3B: 5.3 vs 6.06 s) and loses with 2k (7B: 18.5 vs 15.8 s).
-RESIDENT_MIN_MICRO_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,7 @@ class Machine:
     """Measured ceilings used for time predictions (H100 PCIe host, see PERFORMANCE.md)."""
 
     layer_tflops: float = 500.0  # bf16 decoder-layer fwd+bwd throughput
-    h2d_gbps: float = 50.0
+    h2d_gbps: float = 50.0  # the host link, each direction (pinned copies run at 48-55 GB/s either way)
     adam_gparams_per_s: float = 3.0
 
 
@@ -56,13 +54,26 @@ def grad_buffers_per_unit(cfg: EngineConfig, opt: OptimizerConfig) -> bool:
     return opt.max_grad_norm > 0 or cfg.schedule == "resident"
 
 
-def host_bytes(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig) -> int:
-    """Exactly what the engine allocates in host memory for state and gradient buffers."""
+def host_bytes(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, seq: int = 0, global_batch: int = 0) -> int:
+    """Exactly what the engine allocates in host memory for state, gradient buffers and (with
+    `checkpoint_placement: host`) the slab a step of `global_batch` x `seq` tokens parks hidden states in."""
     dtype = cfg.dtype
     copy = None if cfg.stream_master or dtype == torch.float32 else dtype
-    numels = {u.name: u.numel for u in spec.units}
+    numels = {u.name: u.numel for u in spec.trainable_units}  # frozen units send no gradient
     per_unit = grad_buffers_per_unit(cfg, opt)
-    return plan_layout(spec, copy).nbytes + grad_buffer_bytes(numels, cfg.grad_torch_dtype, per_unit, cfg.grad_slabs)
+    state = plan_layout(spec, copy).nbytes + grad_buffer_bytes(numels, cfg.grad_torch_dtype, per_unit, cfg.grad_slabs)
+    return state + activation_slab_bytes(spec, cfg, seq * global_batch)
+
+
+def activation_slab_bytes(spec: ModelSpec, cfg: EngineConfig, tokens: int) -> int:
+    """The pinned slab of host-placed hidden states: a checkpoint per block and the carry, per token."""
+    if cfg.checkpoint_placement != "host":
+        return 0
+    return (_num_blocks(spec, cfg) + 1) * tokens * spec.text_config.hidden_size * cfg.dtype.itemsize
+
+
+def _num_blocks(spec: ModelSpec, cfg: EngineConfig) -> int:
+    return math.ceil(spec.num_layers / cfg.checkpoint_every)
 
 
 def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2, kernels: str = "torch") -> int:
@@ -72,7 +83,7 @@ def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2, kernels: s
     keep only their input, which the layer holds anyway, and its SwiGLU recomputes act(gate)
     (H100, 3B resident, micro 11: 92.6 KB per token per layer measured, 92.5 modelled).
     """
-    c = spec.config
+    c = spec.text_config
     d = c.hidden_size
     head_dim = getattr(c, "head_dim", None) or d // c.num_attention_heads
     q = c.num_attention_heads * head_dim
@@ -81,7 +92,8 @@ def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2, kernels: s
     attn = (d + 3 * q + 4 * kv + d) * dtype_bytes  # qkv, rotary temporaries, attention out, o_proj in
     if kernels == "liger":
         return attn + (d + 3 * inter) * dtype_bytes  # gate, up, act*up
-    norms = 2 * d * (4 + 4 + dtype_bytes)  # two RMSNorms: fp32 input, fp32 normalised, its cast back
+    # two RMSNorms: fp32 input, fp32 normalised and its cast back (no copies when computing in fp32)
+    norms = 2 * d * (4 + 4 + dtype_bytes) if dtype_bytes < 4 else 2 * d * 4
     mlp = (d + 4 * inter) * dtype_bytes  # gate, up, act(gate), act*up
     return norms + attn + mlp
 
@@ -92,31 +104,104 @@ def logit_bytes(dtype_bytes: int) -> int:
     return dtype_bytes + 4 + 4 + (4 + dtype_bytes if dtype_bytes < 4 else 0)
 
 
-def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int, global_batch: int) -> dict[str, int]:
-    """Peak device memory of a step, by part (bytes)."""
+@dataclass(frozen=True)
+class VisionSizes:
+    """An image-text model's vision side, for `image_tokens` image tokens per sample."""
+
+    patches: int  # per sample: image tokens times the tokens one merges (Qwen-VL: 2x2)
+    tower_params: int
+    tower_trains: bool
+    projector_params: int
+    projector_trains: bool
+    hidden: int
+    depth: int
+
+    def kept_bytes(self, samples: int, dtype_bytes: int) -> int:
+        """Every block's output for `samples` samples: kept on the device from the vision forward to its backward."""
+        return samples * self.patches * self.hidden * self.depth * dtype_bytes
+
+    def flops(self, samples: int, image_tokens: int) -> float:
+        """Matmul FLOPs of a step: the tower once forward (recomputed and run backward when it trains: 8x
+        instead of 2x), the projector forward, and again with its backward when anything trains."""
+        tower = (8 if self.tower_trains else 2) * self.tower_params * self.patches
+        projector = (8 if self.tower_trains or self.projector_trains else 2) * self.projector_params * image_tokens
+        return samples * float(tower + projector)
+
+
+def vision_sizes(spec: ModelSpec, image_tokens: int) -> VisionSizes | None:
+    """None for a text model."""
+    if spec.vision is None:
+        return None
+    vc = spec.config.vision_config
+    tower = [u for u in spec.units if u.name.startswith("vision.") and u.name != VISION_PROJECTOR]
+    projector = spec.unit(VISION_PROJECTOR)
+    merge = getattr(vc, "spatial_merge_size", 1) ** 2
+    return VisionSizes(image_tokens * merge, sum(u.numel for u in tower), not tower[0].frozen, projector.numel,
+                       not projector.frozen, vc.hidden_size, len(spec.vision.blocks))
+
+
+def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int, global_batch: int,
+                 image_tokens: int = 0) -> dict[str, int]:
+    """Peak device memory of a step, by part (bytes); `image_tokens` per sample for an image-text model,
+    whose vision block outputs stay on the device through the language model (`vision_outputs`).
+
+    The parts are those of the last block's backward; `head_or_embed_extra` is what the loss, the
+    first block's backward or the embedding's backward needs beyond it, where one of them peaks higher.
+    """
+    parts = _text_device_bytes(spec, cfg, micro_batch, seq, global_batch)
+    vision = vision_sizes(spec, image_tokens)
+    if vision is not None and image_tokens:
+        samples = micro_batch if cfg.schedule == "resident" else global_batch
+        parts["vision_outputs"] = vision.kept_bytes(samples, cfg.dtype.itemsize)
+        parts["total"] += parts["vision_outputs"]
+    return parts
+
+
+def _text_device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int,
+                       global_batch: int) -> dict[str, int]:
     if cfg.schedule == "resident":
         return _resident_device_bytes(spec, cfg, micro_batch * seq)
-    c = spec.config
-    d, k, n_layers = c.hidden_size, cfg.checkpoint_every, spec.num_layers
-    size, grad_size = cfg.dtype.itemsize, cfg.grad_torch_dtype.itemsize
+    d, k = spec.text_config.hidden_size, cfg.checkpoint_every
+    size = cfg.dtype.itemsize
     layer = max(u.numel for u in spec.layer_units)
+    embed, lm_head = spec.unit("embed").numel, _lm_head_numel(spec)
     depth = cfg.prefetch_units or k
     hold = max(k, 2)  # units the schedule uses at once (a block, or the head with a tied embedding)
     tokens, mb_tokens = global_batch * seq, micro_batch * seq
+    # Parked hidden states at the last block's backward: on the device, a checkpoint per block and
+    # the carry for every token of the step; in host memory, a few micro-batches' in flight. From the
+    # first block's backward on, only checkpoint 0 and the carry are left. Either way one more is made.
+    host = cfg.checkpoint_placement == "host"
+    parked_last = (host_placement_device_hiddens() * mb_tokens if host else (_num_blocks(spec, cfg) + 1) * tokens)
+    parked_first = parked_last if host else 2 * tokens
     parts = {
         "weights": (depth + hold) * layer * size + (layer * 4 if cfg.stream_master else 0),
-        "checkpoints": math.ceil(n_layers / k) * tokens * d * size,
-        "hidden_and_grad": 2 * tokens * d * size,
+        "parked_hiddens": (parked_last + mb_tokens) * d * size,
         "recompute": k * mb_tokens * activation_bytes_per_token(spec, size, cfg.kernels),
-        # fp32 sums of a block, plus the gradients on their way out (cast, or the sums themselves)
-        "grad_accumulators": k * layer * 4 + (2 * layer * grad_size if grad_size < 4 else 0),
+        "grad_accumulators": k * layer * 4 + _outbox_bytes(spec, cfg),  # a block's fp32 sums
+        # A tied embedding's fp32 gradient sum waits from the head to the embedding's backward.
+        "tied_embedding_grad": embed * 4 if spec.tied else 0,
     }
-    # The loss phase instead holds the head's fp32 gradient sum and one autograd gradient, and one
-    # chunk of logits; the peak is whichever phase is larger.
-    head_phase = _loss_chunk_bytes(spec, cfg, mb_tokens) + _lm_head_numel(spec) * 4
-    parts["head_or_embed_extra"] = max(0, head_phase - parts["recompute"] - parts["grad_accumulators"])
+    last = sum(parts.values())
+    common = _outbox_bytes(spec, cfg) + parts["tied_embedding_grad"]
+    # The loss: one chunk of logits and the untied head's fp32 sum, the LM head in place of a layer.
+    head = (last - parts["recompute"] - k * layer * 4 + _loss_chunk_bytes(spec, cfg, mb_tokens)
+            + (0 if spec.tied else lm_head * 4) + (lm_head - layer) * size)
+    # The first block's backward has the embedding in flight instead of `depth` layers.
+    first = last + (embed - depth * layer) * size - (parked_last - parked_first) * d * size
+    # The embedding's backward: its weights, autograd's dense gradient, their flat copy and its fp32 cast.
+    embed_bwd = ((hold - 1) * layer * size + embed * (3 * size + (4 if size < 4 else 0))
+                 + (parked_first + mb_tokens) * d * size + common)
+    parts["head_or_embed_extra"] = max(0, head - last, first - last, embed_bwd - last)
     parts["total"] = sum(parts.values())
     return parts
+
+
+def _outbox_bytes(spec: ModelSpec, cfg: EngineConfig) -> int:
+    """The two gradients last sent (cast, or the fp32 sums themselves) wait until two more follow:
+    through the last block, the untied LM head's; else two layers'."""
+    layer = max(u.numel for u in spec.layer_units)
+    return max(0 if spec.tied else _lm_head_numel(spec), 2 * layer) * cfg.grad_torch_dtype.itemsize
 
 
 def _resident_device_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> dict[str, int]:
@@ -126,9 +211,10 @@ def _resident_device_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -
     layer = max(u.numel for u in spec.layer_units)
     parts = {
         "weights": spec.num_params * size + (layer * 4 if cfg.stream_master else 0),
-        "grad_sums": spec.num_params * 4 + (2 * layer * grad_size if grad_size < 4 else 0),
+        # every fp32 sum, and the previous step's last two gradients sent (the embedding's) still in the outbox
+        "grad_sums": spec.num_params * 4 + max(spec.unit("embed").numel, 2 * layer) * grad_size,
         "activations": spec.num_layers * mb_tokens * activation_bytes_per_token(spec, size, cfg.kernels)
-        + 2 * mb_tokens * spec.config.hidden_size * size,
+        + 2 * mb_tokens * spec.text_config.hidden_size * size,
         "loss_chunk": _loss_chunk_bytes(spec, cfg, mb_tokens),
     }
     parts["total"] = sum(parts.values())
@@ -143,65 +229,44 @@ def _loss_chunk_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> int
     """One chunk of logits with its fp32 temporaries, and the LM head's autograd gradient."""
     size = cfg.dtype.itemsize
     chunk = min(cfg.loss_chunk_tokens, mb_tokens)
-    return _lm_head_numel(spec) * size + chunk * spec.config.vocab_size * logit_bytes(size)
+    return _lm_head_numel(spec) * size + chunk * spec.text_config.vocab_size * logit_bytes(size)
 
 
 def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_batch: int,
-                           machine: Machine = Machine()) -> float:
-    """Compute or streaming, whichever bounds, plus the optimizer time the GPU waits for.
+                           machine: Machine = Machine(), image_tokens: int = 0) -> float:
+    """Compute or the host link, whichever bounds, plus what the GPU waits for: the optimizer time
+    it cannot hide, and the uploads a prefetch shallower than K leaves exposed.
 
     Streaming: 8·N·T (full recompute), weights cross twice, and only the embedding's update is
     exposed (layers update under the next forward). Resident: 6·N·T, weights cross once, and the
     whole optimizer pass is exposed (the next step's first micro-batch waits for every layer).
+    Gradients cross back once; hidden states parked in host memory cross both ways (per token,
+    each block's checkpoint and the gradient flowing back). An image-text model's tokens compute with the
+    language model alone; its vision tower adds `VisionSizes.flops` for `image_tokens` per sample.
     """
     tokens = global_batch * seq
+    n = spec.num_params
     resident = cfg.schedule == "resident"
-    compute = (6 if resident else 8) * spec.num_params * tokens / (machine.layer_tflops * 1e12)
-    stream_bytes = spec.num_params * (4 if cfg.stream_master else 2) * (1 if resident else 2)
-    stream = stream_bytes / (machine.h2d_gbps * 1e9)
-    exposed_opt = (spec.num_params if resident else spec.unit("embed").numel) / (machine.adam_gparams_per_s * 1e9)
-    return max(compute, stream) + exposed_opt
-
-
-def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, host_mem_gb: float,
-              cfg: EngineConfig | None = None, opt: OptimizerConfig | None = None,
-              max_micro_tokens: int = MAX_MICRO_TOKENS) -> dict:
-    """The schedule and the largest micro-batch (up to `max_micro_tokens` tokens) that fit the GPU.
-
-    The resident schedule when a micro-batch of at least RESIDENT_MIN_MICRO_TOKENS fits beside the
-    whole model; else streaming with K=4 (the measured default; prefetch depth follows K) unless
-    only another K fits. Also the host memory needed and the predicted step time.
-    """
-    cfg = cfg or EngineConfig(device="cpu", compute_dtype="bf16")
-    opt = opt or OptimizerConfig()
-    budget = gpu_mem_gb * GIB * 0.9  # headroom for the allocator and the CUDA context
-    sizes = [mb for mb in _divisors_desc(global_batch) if mb * seq <= max_micro_tokens] or [1]
-
-    def option(schedule: str, k: int, mb: int) -> tuple[EngineConfig, int, int]:
-        c = cfg.model_copy(update={"schedule": schedule, "checkpoint_every": k})
-        return c, mb, device_bytes(spec, c, mb, seq, global_batch)["total"]
-
-    resident = (option("resident", cfg.checkpoint_every, mb) for mb in sizes if mb * seq >= RESIDENT_MIN_MICRO_TOKENS)
-    streamed = (option("stream", k, mb) for mb in sizes for k in (4, 2, 8, 1))
-    best = next((o for o in itertools.chain(resident, streamed) if o[2] <= budget), None)  # best first
-    chosen = best[0] if best else cfg
-    host = host_bytes(spec, chosen, opt)
-    out = {
-        "params": spec.num_params, "seq": seq, "global_batch": global_batch,
-        "host_gib": host / GIB, "host_bytes_per_param": host / spec.num_params, "host_fits": host <= host_mem_gb * GIB,
-        "predicted_step_s": predicted_step_seconds(spec, chosen, seq, global_batch),
-    }
-    if best is None:
-        out.update(fits=False, reason="even one sequence per micro-batch does not fit; lower seq or global_batch")
-    else:
-        out.update(fits=True, schedule=chosen.schedule, checkpoint_every=chosen.checkpoint_every,
-                   micro_batch_size=best[1], device_gib=best[2] / GIB)
-    return out
-
-
-def render_recommendation(rec: dict) -> str:
-    lines = [f"{k:>22}: {v:.3g}" if isinstance(v, float) else f"{k:>22}: {v}" for k, v in rec.items()]
-    return "\n".join(lines)
+    flops = (6 if resident else 8) * spec.text_params * tokens
+    vision = vision_sizes(spec, image_tokens)
+    if vision is not None:
+        flops += vision.flops(global_batch, image_tokens)
+    compute = flops / (machine.layer_tflops * 1e12)
+    weight_size = 4 if cfg.stream_master else 2  # per parameter per pass
+    h2d = n * weight_size * (1 if resident else 2)
+    d2h = n * cfg.grad_torch_dtype.itemsize
+    blocks = _num_blocks(spec, cfg)
+    if cfg.checkpoint_placement == "host" and not resident:
+        hidden = tokens * spec.text_config.hidden_size * cfg.dtype.itemsize
+        h2d += (3 * blocks + 2) * hidden  # forward and backward fetches of checkpoints and gradients
+        d2h += (2 * blocks + 2) * hidden
+    link = max(h2d, d2h) / (machine.h2d_gbps * 1e9)
+    exposed_opt = (n if resident else spec.unit("embed").numel) / (machine.adam_gparams_per_s * 1e9)
+    # A block's first micro-batch waits for the K - depth uploads not yet in flight, each pass.
+    layer_upload = max(u.numel for u in spec.layer_units) * weight_size / (machine.h2d_gbps * 1e9)
+    depth = cfg.prefetch_units or cfg.checkpoint_every
+    stall = 0.0 if resident else 2 * blocks * max(0, cfg.checkpoint_every - depth) * layer_upload
+    return max(compute, link) + exposed_opt + stall
 
 
 def describe_model(spec: ModelSpec) -> str:
@@ -220,8 +285,15 @@ def describe_model(spec: ModelSpec) -> str:
           for kind, n in kinds.items()],
         f"host memory (bf16 copy, no clipping): {bf16 / GIB:.1f} GiB ({bf16 / spec.num_params:.1f} B/param)",
     ]
+    vision = vision_sizes(spec, 0)
+    if vision is not None:
+        bf16_copy = 2  # the streamed compute-dtype copy, as above
+        tower_bytes = vision.tower_params * (4 + bf16_copy + (8 + bf16_copy if vision.tower_trains else 0))
+        lines += [
+            f"vision tower: {vision.depth} blocks, {vision.tower_params / 1e6:.1f} M params "
+            f"({'trained' if vision.tower_trains else 'frozen: no moments, no gradient'}), "
+            f"host memory {tower_bytes / GIB:.2f} GiB",
+            f"projector: {vision.projector_params / 1e6:.1f} M params ({'trained' if vision.projector_trains else 'frozen'})",
+            f"language model: {spec.text_params / 1e9:.3f} B params",
+        ]
     return "\n".join(lines)
-
-
-def _divisors_desc(n: int) -> list[int]:
-    return [d for d in range(n, 0, -1) if n % d == 0]

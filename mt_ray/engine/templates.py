@@ -16,7 +16,7 @@ from torch import nn
 from torch.func import functional_call
 from transformers.modeling_outputs import MoeModelOutputWithPast
 
-from mt_ray.models.context import shallow_copy
+from mt_ray.models.context import shallow_copy, with_submodule
 from mt_ray.models.discovery import ModelSpec, ParamInfo, meta_free_buffers_to
 
 Weights = dict[str, torch.Tensor]
@@ -49,6 +49,16 @@ class UnitTemplate:
         return functional_call(self.module, weights, args, kwargs, tie_weights=False)
 
 
+class _HandedBack(MoeModelOutputWithPast):
+    """The body's output as the head sees it: the hidden states, and None for any other field the family's
+    forward reads (Qwen2.5-VL passes on `rope_deltas`)."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
 class _HandBack:
     """Stands in for the decoder body's forward: returns the hidden states it was handed.
 
@@ -60,7 +70,7 @@ class _HandBack:
         self.hidden: torch.Tensor | None = None
 
     def __call__(self, *args, **kwargs) -> MoeModelOutputWithPast:
-        return MoeModelOutputWithPast(last_hidden_state=self.hidden)
+        return _HandedBack(last_hidden_state=self.hidden)
 
 
 class HeadModule(nn.Module):
@@ -76,11 +86,13 @@ class HeadModule(nn.Module):
         super().__init__()
         self.norm = getattr(spec.base, spec.norm_attr)
         self.lm_head = spec.skeleton.get_output_embeddings()
-        body_path = next(n for n, m in spec.skeleton.named_modules() if m is spec.base)
-        feeder = shallow_copy(spec.base)  # keeps the body's attributes: the head may read them
+        # An image-text model's forward calls its composite body, which embeds and scatters images itself.
+        body = spec.vision.outer if spec.vision is not None else spec.base
+        body_path = next(n for n, m in spec.skeleton.named_modules() if m is body)
+        feeder = shallow_copy(body)  # keeps the body's attributes: the head may read them
         feeder.forward = self.__dict__["_hand_back"] = _HandBack()
         # Kept out of `_modules`, so binding sees only norm and lm_head (which the copy shares).
-        self.__dict__["_causal_lm"] = _with_submodule(spec.skeleton, body_path, feeder)
+        self.__dict__["_causal_lm"] = with_submodule(spec.skeleton, body_path, feeder)
 
     def forward(self, h_ND: torch.Tensor) -> torch.Tensor:
         normed = self.norm(h_ND)
@@ -92,16 +104,9 @@ class HeadModule(nn.Module):
         return logits.view(*h_ND.shape[:-1], -1)
 
 
-def _with_submodule(root: nn.Module, path: str, module: nn.Module) -> nn.Module:
-    """A shallow copy of `root` whose submodule at dotted `path` is `module` (root is untouched)."""
-    head, _, rest = path.partition(".")
-    clone = shallow_copy(root)
-    clone._modules[head] = _with_submodule(root._modules[head], rest, module) if rest else module
-    return clone
-
-
 def build_templates(spec: ModelSpec, device: torch.device) -> dict[str, UnitTemplate]:
-    """One template per unit kind: 'embed', 'head' and each distinct decoder-layer kind."""
+    """One template per unit kind: 'embed', 'head', each distinct decoder-layer kind and vision-block kind
+    (the vision stage makes the templates of `vision.embed` and `vision.projector` itself)."""
     embed = spec.skeleton.get_input_embeddings()
     head = HeadModule(spec)
     # A tied head binds only the norm from its own unit; the engine adds the embedding matrix.
@@ -109,7 +114,8 @@ def build_templates(spec: ModelSpec, device: torch.device) -> dict[str, UnitTemp
         "embed": UnitTemplate(embed, spec.unit("embed").params, device),
         "head": UnitTemplate(head, spec.unit("head").params, device),
     }
-    for kind, module in spec.layer_kinds.items():
-        params = next(u.params for u in spec.layer_units if u.kind == kind)
+    kinds = {**spec.layer_kinds, **(spec.vision.block_kinds if spec.vision is not None else {})}
+    for kind, module in kinds.items():
+        params = next(u.params for u in spec.units if u.kind == kind)
         templates[kind] = UnitTemplate(module, params, device)
     return templates

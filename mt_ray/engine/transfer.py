@@ -1,9 +1,9 @@
 """Moving weights host->device ahead of use and gradients device->host as they finish.
 
-On CUDA three streams run at once: `compute` (the default stream), `h2d` (weight uploads)
-and `d2h` (gradient downloads). Every hand-over between them is an event; nothing here
-synchronises the whole device. On CPU the same code runs with no streams: copies are
-synchronous and events are None.
+On CUDA three streams run at once: `compute` (the default stream), `h2d` (weight uploads, and
+hidden states fetched back) and `d2h` (gradients, and hidden states parked in host memory). Every
+hand-over between them is an event; nothing here synchronises the whole device. On CPU the
+same code runs with no streams: copies are synchronous and events are None.
 """
 
 from __future__ import annotations
@@ -136,11 +136,12 @@ class WeightStreamer:
         return _Upload(unit, flat, ready)
 
 
-class GradOutbox:
-    """Device gradients on their way to the host, freed only once their copy has run.
+class Outbox:
+    """Device tensors on their way to the host (gradients, parked hidden states), freed only
+    once their copy has run.
 
     Like the weight streamer, it bounds device memory without `record_stream`: after `keep`
-    newer gradients are queued, the compute stream waits for the oldest one's copy (long
+    newer tensors are queued, the compute stream waits for the oldest one's copy (long
     finished by then) before its buffer is dropped back to the compute stream's pool.
     """
 

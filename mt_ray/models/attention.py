@@ -2,9 +2,11 @@
 
 SDPA cannot express attention-logit soft-capping (Gemma 2) or learned attention sinks (GPT-OSS):
 transformers' SDPA path drops both without a word, and the model trains as a different model.
-`auto` (the default) takes SDPA where the family needs neither, and eager attention, which
-implements both exactly as transformers defines them, where it does. A backend named explicitly
-that lacks a feature the family uses is refused.
+`auto` (the default) takes eager attention, which implements both exactly as transformers
+defines them, where the family needs either. Otherwise it takes `PACKED_ROWS_BACKEND` on CUDA
+where that backend can run the model (packed rows then keep their documents apart with no dense
+T x T mask: see mt_ray/models/varlen.py), and SDPA elsewhere (the CPU, fp32). A backend named
+explicitly that lacks a feature the family uses, or cannot run here, is refused.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import ModelSpec
+from mt_ray.models.varlen import VARLEN, register_varlen, varlen_problem
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +26,12 @@ _IMPLEMENTS = {
     "eager": {"soft-capping", "sinks"},
     "flex_attention": {"soft-capping", "sinks on cuda"},
     "flash_attention_2": {"soft-capping"},
+    VARLEN: set(),
 }
+
+# What `auto` trains with on CUDA where the family allows it: packed rows (the data default) at the
+# speed of unpacked ones, with no mask held through the step (measured: bench/results/packed_7b.json).
+PACKED_ROWS_BACKEND = VARLEN
 
 
 def attention_features(spec: ModelSpec) -> set[str]:
@@ -36,14 +44,17 @@ def attention_features(spec: ModelSpec) -> set[str]:
     return features
 
 
-def resolve_attention(spec: ModelSpec, requested: str, device: torch.device) -> str:
-    """The backend to set as `config._attn_implementation` for `requested` ('auto' or a transformers name)."""
+def resolve_attention(spec: ModelSpec, requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend to set as `config._attn_implementation` for `requested` ('auto', 'varlen' or a transformers
+    name), computing in `dtype` on `device`."""
     needs = attention_features(spec)
     model_type = spec.config.model_type
     if requested == "auto":
         if needs:
             logger.info("attention: eager for '%s', which uses %s (SDPA drops it)", model_type, ", ".join(sorted(needs)))
             return "eager"
+        if device.type == "cuda" and _can_run(spec, PACKED_ROWS_BACKEND, device, dtype):
+            return _registered(PACKED_ROWS_BACKEND)
         return spec.skeleton.get_correct_attn_implementation(None)  # SDPA, or eager where the family lacks it
     if requested == "flex_attention" and device.type != "cuda":
         raise ConfigError("engine.attn_implementation: 'flex_attention' trains on CUDA only (torch's FlexAttention "
@@ -55,7 +66,26 @@ def resolve_attention(spec: ModelSpec, requested: str, device: torch.device) -> 
             f"engine.attn_implementation: '{requested}' does not implement the attention {', '.join(sorted(lacking))} "
             f"that '{model_type}' uses (transformers would drop it silently); use 'auto' (eager attention)"
         )
+    if requested == VARLEN:
+        problem = varlen_problem(spec, device, dtype)
+        if problem:
+            raise ConfigError(f"engine.attn_implementation: 'varlen' {problem}; use 'auto'")
+        return register_varlen()
     try:
         return spec.skeleton.get_correct_attn_implementation(requested)
     except (ValueError, ImportError) as e:
         raise ConfigError(f"engine.attn_implementation: '{requested}' cannot run '{model_type}': {e}") from None
+
+
+def _can_run(spec: ModelSpec, backend: str, device: torch.device, dtype: torch.dtype) -> bool:
+    if backend == VARLEN:
+        return varlen_problem(spec, device, dtype) is None
+    try:
+        spec.skeleton.get_correct_attn_implementation(backend)
+    except (ValueError, ImportError):
+        return False
+    return True
+
+
+def _registered(backend: str) -> str:
+    return register_varlen() if backend == VARLEN else backend

@@ -9,12 +9,20 @@ what each layer is called with and pass the hidden state through. The recorded a
 the layer context: the engine replays them into the weightless layer templates.
 
 Packed rows: attention keeps documents apart through the masks transformers builds from the
-position ids. Linear attention, short convolutions and Mamba mixers do not (their CPU and
+position ids, or, for backends that take document bounds instead of a mask (varlen, flash), through
+the micro-batch's `cu_seq_lens` given to every layer (built once per micro-batch, on the host, and
+shared by all layers: `Documents`). Linear attention, short convolutions and Mamba mixers do not (their CPU and
 reference paths ignore the `cu_seq_lens` / `seq_idx` boundaries of transformers'
 padding-free path), nor do the masks of a body that builds them without the position ids
 (GPT-OSS). For such models (`ModelSpec.isolate_documents`, or a probe of the masks at start)
 each document gets its own context and runs through each layer alone: exactly what it
 computes unpacked.
+
+Image-text models: the body is the composite model (`Qwen2_5_VLModel`, ...), whose forward
+embeds the tokens, asks its `get_image_features` for the image features (here: a feed of what
+the engine's vision stage computed) and scatters them over the image tokens, exactly as
+transformers does; multi-dimensional rotary positions come from the family's own
+`get_rope_index`, document by document.
 """
 
 from __future__ import annotations
@@ -28,10 +36,26 @@ from typing import Any
 import torch
 from torch import nn
 
+from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.discovery import ModelSpec, meta_free_buffers_to
+from mt_ray.models.varlen import takes_document_bounds
 
 LayerKwargs = dict[str, Any]
 Span = tuple[int, int]  # [start, end) of one document in the flattened [B*T] batch
+
+
+@dataclass
+class Documents:
+    """Where the documents of a micro-batch lie in its flattened [B*T] tokens (position-id restarts)."""
+
+    spans: list[Span]  # each document's [start, end), on the host
+    cu_seq_lens: torch.Tensor  # int32 [documents + 1] on the device: each document's start, then B*T
+    max_length: int  # the longest document
+
+    def flash_kwargs(self) -> LayerKwargs:
+        """The bounds as transformers' flash path (and the varlen backend) takes them from a layer's arguments."""
+        return {"cu_seq_lens_q": self.cu_seq_lens, "cu_seq_lens_k": self.cu_seq_lens,
+                "max_length_q": self.max_length, "max_length_k": self.max_length}
 
 
 @dataclass
@@ -70,6 +94,16 @@ class _EmbeddingFeed(nn.Module):
         return self.pending
 
 
+class _ImageFeatures:
+    """Stands in for the composite body's `get_image_features`: returns what the vision stage computed."""
+
+    def __init__(self) -> None:
+        self.pending: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.pending
+
+
 class _RecordingLayer(nn.Module):
     """Stands in for decoder layer `index`: records its call, returns the input unchanged."""
 
@@ -78,7 +112,7 @@ class _RecordingLayer(nn.Module):
         self.index = index
         self.log = log
         # Bodies index a layer's output when the layer returns a tuple (Falcon-H1): return the same kind.
-        self.returns_tuple = _returns_tuple(template)
+        self.returns_tuple = returns_tuple(template)
         # Bodies read attributes such as `attention_type` off their layers; mirror them.
         for attr in ("attention_type", "layer_type", "is_sliding"):
             if hasattr(template, attr):
@@ -91,7 +125,7 @@ class _RecordingLayer(nn.Module):
         return (hidden_states,) if self.returns_tuple else hidden_states
 
 
-def _returns_tuple(layer: nn.Module) -> bool:
+def returns_tuple(layer: nn.Module) -> bool:
     annotation = inspect.signature(type(layer).forward).return_annotation
     text = annotation if isinstance(annotation, str) else repr(annotation)
     return re.match(r"(typing\.)?tuple\b", text, re.IGNORECASE) is not None
@@ -113,24 +147,44 @@ class LayerContextBuilder:
         self.body._modules[next(n for n, c in body.named_children() if c is embed)] = self.feed
         self.body._modules[spec.layers_attr] = stubs
         self.body._modules[spec.norm_attr] = nn.Identity()
+        self.vision = spec.vision
+        self.images = _ImageFeatures()
+        if spec.vision is not None:  # the composite body around the language model runs the image scatter
+            outer = spec.vision.outer
+            self.body = with_submodule(outer, next(n for n, m in outer.named_modules() if m is body), self.body)
+            self.body.get_image_features = self.images
+        # Gemma 3 lets image tokens attend to each other both ways: its body reads them off token_type_ids.
+        self.token_types = spec.vision is not None and "token_type_ids" in inspect.signature(
+            spec.vision.outer.forward).parameters
         meta_free_buffers_to(self.body, device)
         self.num_layers = len(layers)
+        self.bounds_not_masks = takes_document_bounds(spec.config._attn_implementation)
         self.isolate_documents = spec.isolate_documents or not self._masks_keep_documents_apart(spec, device)
+        if self.isolate_documents and spec.vision is not None:
+            raise ModelNotSupportedError(
+                f"'{spec.config.model_type}': its documents must run through the layers one at a time, which "
+                "mt-ray does not yet do with images; this image-text family cannot be trained yet"
+            )
 
     def __call__(self, embeds_BTD: torch.Tensor, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
-                 documents: list[Span]) -> tuple[torch.Tensor, LayerContext]:
+                 documents: Documents, images: dict[str, torch.Tensor] | None = None,
+                 features: Any = None) -> tuple[torch.Tensor, LayerContext]:
         """The hidden state that enters layer 0 and the layers' context.
 
-        `embeds_BTD` is the input embedding's output; `documents` are the spans of the flattened
-        batch (from `document_spans`, on the host).
+        `embeds_BTD` is the input embedding's output; `documents` says where the micro-batch's
+        documents lie (`prepare_micro_batch` builds it). An image-text model takes [4, B, T] positions
+        (`rope_positions`) where it has multi-dimensional rotary positions, the micro-batch's image
+        inputs (`pixel_values`, `image_grid_thw`, ...) and `features`, what `get_image_features` returns.
         """
         if not self.isolate_documents:
-            h0, per_layer = self._record(embeds_BTD, input_ids_BT, position_ids_BT)
+            h0, per_layer = self._record(embeds_BTD, input_ids_BT, position_ids_BT, images, features)
+            if self.bounds_not_masks:  # one set of bounds for every layer: the body built no mask
+                per_layer = [{**kw, **documents.flash_kwargs()} for kw in per_layer]
             return h0, LayerContext(whole=per_layer)
         B, T, D = embeds_BTD.shape
         flat = embeds_BTD.reshape(1, B * T, D), input_ids_BT.reshape(1, B * T), position_ids_BT.reshape(1, B * T)
         h0s, per_document = [], []
-        for s, e in documents:
+        for s, e in documents.spans:
             h0, per_layer = self._record(*(t[:, s:e] for t in flat))
             h0s.append(h0)
             per_document.append(((s, e), per_layer))
@@ -138,22 +192,56 @@ class LayerContextBuilder:
 
     def _masks_keep_documents_apart(self, spec: ModelSpec, device: torch.device) -> bool:
         """Probe: does every layer's attention mask for the row [doc 0 0, doc 1 1] stop token 2 from
-        seeing token 1? Flash attention takes the boundaries from the position ids instead."""
-        if "flash" in spec.config._attn_implementation:
+        seeing token 1? Backends that take document bounds are given the engine's own."""
+        if self.bounds_not_masks:
             return True
         embeds = torch.zeros(1, 4, spec.skeleton.get_input_embeddings().weight.shape[-1], device=device)
         ids = torch.zeros(1, 4, dtype=torch.long, device=device)
-        _, per_layer = self._record(embeds, ids, torch.tensor([[0, 1, 0, 1]], device=device))
+        positions = torch.tensor([[0, 1, 0, 1]], device=device)
+        if self.vision is not None and self.vision.rope_index:
+            positions = positions.expand(4, 1, 4)  # text-only rows: every rotary axis follows the text position
+        _, per_layer = self._record(embeds, ids, positions)
         return all(_blocks(kw["attention_mask"], 2, 1) for kw in per_layer if "attention_mask" in kw)
 
-    def _record(self, embeds: torch.Tensor, input_ids: torch.Tensor,
-                position_ids: torch.Tensor) -> tuple[torch.Tensor, list[LayerKwargs]]:
+    def rope_positions(self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
+                       image_grid_thw: torch.Tensor | None) -> torch.Tensor | None:
+        """[4, B, T] positions for a body with multi-dimensional rotary positions (None for others): the
+        text positions, then the family's own `get_rope_index` of each document (host tensors in and out).
+
+        `get_rope_index` numbers one unpacked row; a packed row's documents each start at 0 and take
+        their own images, in order, so each goes through it alone.
+        """
+        if self.vision is None or not self.vision.rope_index:
+            return None
+        B, T = input_ids_BT.shape
+        rope_3BT = position_ids_BT[None].repeat(3, 1, 1)
+        is_image_BT = (input_ids_BT == self.vision.image_token_id).int()
+        image = 0
+        for s, e in document_spans(position_ids_BT):
+            b, lo, hi = s // T, s % T, s % T + (e - s)
+            types = is_image_BT[b, lo:hi]
+            runs = int(types[0]) + int(((types[1:] == 1) & (types[:-1] == 0)).sum())
+            if runs:
+                grids = image_grid_thw[image:image + runs]
+                rope, _ = self.vision.outer.get_rope_index(input_ids_BT[b:b + 1, lo:hi], mm_token_type_ids=types[None],
+                                                           image_grid_thw=grids)
+                rope_3BT[:, b, lo:hi] = rope[:, 0]
+                image += runs
+        return torch.cat([position_ids_BT[None], rope_3BT])
+
+    def _record(self, embeds: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                images: dict[str, torch.Tensor] | None = None,
+                features: Any = None) -> tuple[torch.Tensor, list[LayerKwargs]]:
         self.log.clear()
         self.feed.pending = embeds
+        self.images.pending = features
+        extra = dict(images or {})
+        if self.token_types:
+            extra["token_type_ids"] = (input_ids == self.vision.image_token_id).long()
         try:
-            self.body(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            self.body(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
         finally:
-            self.feed.pending = None
+            self.feed.pending = self.images.pending = None
         if len(self.log) != self.num_layers:
             raise RuntimeError(f"body called {len(self.log)} of {self.num_layers} layers")
         h0 = self.log[0][0]
@@ -185,6 +273,14 @@ def document_spans(position_ids_BT: torch.Tensor) -> list[Span]:
     starts_BT[:, 1:] = position_ids_BT[:, 1:] != position_ids_BT[:, :-1] + 1
     starts = [*starts_BT.reshape(-1).nonzero().squeeze(1).tolist(), B * T]
     return list(zip(starts[:-1], starts[1:], strict=True))
+
+
+def with_submodule(root: nn.Module, path: str, module: nn.Module) -> nn.Module:
+    """A shallow copy of `root` whose submodule at dotted `path` is `module` (root is untouched)."""
+    head, _, rest = path.partition(".")
+    clone = shallow_copy(root)
+    clone._modules[head] = with_submodule(root._modules[head], rest, module) if rest else module
+    return clone
 
 
 def shallow_copy(module: nn.Module) -> nn.Module:

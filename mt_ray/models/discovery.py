@@ -1,26 +1,38 @@
-"""Discover the structure of a Hugging Face decoder-only model without materialising it.
+"""Discover the structure of a Hugging Face decoder-only or image-text model without materialising it.
 
 The engine needs to know, for any causal LM, which module embeds tokens, which list holds the
 decoder layers, which module is the final norm and which is the LM head, whether the head is
 tied to the embedding, and which layers share one structure (so one template serves them).
 We find all of this by walking a skeleton built on the meta device, never by a list of model
-families, so a new family that follows the usual layout works without code changes.
+families, so a new family that follows the usual layout works without code changes. An
+image-text model adds its vision tower and projector (`vision.py`) as units of their own.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
 import transformers
 from accelerate import init_empty_weights
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from mt_ray.errors import ModelNotSupportedError
+from mt_ray.models.vision import (
+    VISION_EMBED,
+    VISION_PROJECTOR,
+    VisionSpec,
+    block_unit,
+    check_verified,
+    find_vision,
+    is_vision_config,
+)
 
 # Attributes that differ between layers but do not change what a layer computes when no
 # KV cache is used; everything else that differs splits layers into separate kinds.
@@ -61,9 +73,12 @@ class UnitSpec:
     name: str
     params: list[ParamInfo]
     kind: str
+    frozen: bool = False
+    """Never trained (a frozen vision tower): no moments, no gradient, no update."""
 
-    @property
+    @cached_property
     def numel(self) -> int:
+        """Parameters in the unit (cached: the calculator asks thousands of times; params never change)."""
         return sum(p.numel for p in self.params)
 
 
@@ -82,6 +97,8 @@ class ModelSpec:
     isolate_documents: bool = False
     """The layers carry state along the sequence outside attention (linear attention, short
     convolutions, Mamba): the documents of a packed row must run through them one at a time."""
+    vision: VisionSpec | None = None
+    """An image-text model's tower and projector (their units are named `vision.*`); None for a text model."""
 
     @property
     def num_layers(self) -> int:
@@ -98,14 +115,32 @@ class ModelSpec:
     def num_params(self) -> int:
         return sum(u.numel for u in self.units)
 
+    @property
+    def text_params(self) -> int:
+        """The language model's parameters (all of them for a text model): what each token computes with."""
+        return sum(u.numel for u in self.units if not u.name.startswith("vision."))
+
+    @property
+    def trainable_units(self) -> list[UnitSpec]:
+        return [u for u in self.units if not u.frozen]
+
+    @property
+    def text_config(self) -> PretrainedConfig:
+        """The language model's config (the config itself for a text model)."""
+        return self.config.get_text_config()
+
     def __post_init__(self) -> None:
         self._by_name = {u.name: u for u in self.units}
 
 
 def load_config(model: str | PretrainedConfig | dict) -> PretrainedConfig:
-    """Accept a config object, a dict with `model_type`, or a local folder holding config.json."""
+    """Accept a config object, a dict with `model_type`, or a local folder holding config.json.
+
+    A config object is copied: the spec owns its config, so what an engine sets on it (the attention
+    backend) never reaches the caller's object, nor a process that object is later sent to.
+    """
     if isinstance(model, PretrainedConfig):
-        return model
+        return copy.deepcopy(model)
     if isinstance(model, dict):
         kwargs = dict(model)
         model_type = kwargs.pop("model_type", None)
@@ -142,24 +177,31 @@ def _check_known_model_type(model_type: str | None, where: str) -> None:
 
 
 def build_skeleton(config: PretrainedConfig) -> nn.Module:
-    """Build the causal LM with parameters on the meta device and real buffers (rotary tables)."""
+    """Build the causal LM (or image-text model) with parameters on the meta device and real buffers
+    (rotary tables)."""
     if getattr(config, "is_encoder_decoder", False):
         raise ModelNotSupportedError(
             f"'{config.model_type}' is an encoder-decoder model; mt-ray trains decoder-only causal LMs "
             "(Llama, Qwen, Mistral, Gemma, Phi, ...)."
         )
+    if is_vision_config(config):
+        check_verified(config)
+    auto = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
     try:
         with init_empty_weights(include_buffers=False):
-            return AutoModelForCausalLM.from_config(config)
+            return auto.from_config(config)
     except ValueError as e:
         raise ModelNotSupportedError(
-            f"'{config.model_type}' has no causal-LM class in transformers ({e}); mt-ray trains models "
-            "that AutoModelForCausalLM can build."
+            f"'{config.model_type}' has no causal-LM or image-text class in transformers ({e}); mt-ray trains "
+            "models that AutoModelForCausalLM or AutoModelForImageTextToText can build."
         ) from None
 
 
-def discover(model: str | PretrainedConfig | dict) -> ModelSpec:
-    """Find embedding, decoder layers, final norm, LM head and layer kinds of a causal LM."""
+def discover(model: str | PretrainedConfig | dict, freeze_vision_tower: bool = True,
+             freeze_multi_modal_projector: bool = False) -> ModelSpec:
+    """Find embedding, decoder layers, final norm, LM head and layer kinds of a causal LM; of an
+    image-text model also the vision tower's units and the projector's, frozen as asked (the
+    defaults are LLaMA-Factory's: tower frozen, projector trained)."""
     config = load_config(model)
     skeleton = build_skeleton(config)
     embed = skeleton.get_input_embeddings()
@@ -170,26 +212,60 @@ def discover(model: str | PretrainedConfig | dict) -> ModelSpec:
     if head is None or not isinstance(head, nn.Linear):
         raise ModelNotSupportedError(f"'{config.model_type}' has no linear LM head; it is not a causal LM")
     tied = head.weight is embed.weight or bool(getattr(config, "tie_word_embeddings", False))
-    _reject_unknown_parameters(skeleton, base, embed, head, layers_attr, norm_attr)
+    vision = find_vision(skeleton, config, base) if is_vision_config(config) else None
+    _reject_unknown_parameters(skeleton, base, embed, head, layers_attr, norm_attr, vision)
 
     names = {id(m): n for n, m in skeleton.named_modules()}
     layers = getattr(base, layers_attr)
-    kinds: dict[tuple, str] = {}
     layer_kinds: dict[str, nn.Module] = {}
-    units = [UnitSpec("embed", _params(embed, names[id(embed)]), "embed")]
-    for i, layer in enumerate(layers):
-        fp = _fingerprint(layer)
-        if fp not in kinds:
-            kinds[fp] = f"{type(layer).__name__}#{len(kinds)}"
-            layer_kinds[kinds[fp]] = layer
-        units.append(UnitSpec(f"layers.{i}", _params(layer, names[id(layer)]), kinds[fp]))
+    units = _vision_units(vision, freeze_vision_tower, freeze_multi_modal_projector) if vision else []
+    units.append(UnitSpec("embed", _params(embed, names[id(embed)]), "embed"))
+    kinds = _kinds(layers, layer_kinds)
+    units += [UnitSpec(f"layers.{i}", _params(layer, names[id(layer)]), kinds[i]) for i, layer in enumerate(layers)]
     norm = getattr(base, norm_attr)
     head_params = _params(norm, names[id(norm)], prefix="norm.")
     if not tied:
         head_params += _params(head, names[id(head)], prefix="lm_head.")
     units.append(UnitSpec("head", _decayed_first(head_params), "head"))
     isolate = _carries_sequence_state(skeleton, layers)
-    return ModelSpec(config, skeleton, base, layers_attr, norm_attr, tied, units, layer_kinds, isolate)
+    return ModelSpec(config, skeleton, base, layers_attr, norm_attr, tied, units, layer_kinds, isolate, vision)
+
+
+def _kinds(layers: nn.ModuleList, kind_modules: dict[str, nn.Module], prefix: str = "") -> list[str]:
+    """Each layer's kind name (layers that compute the same function share one); fills `kind_modules`."""
+    kinds: dict[tuple, str] = {}
+    out = []
+    for layer in layers:
+        fp = _fingerprint(layer)
+        if fp not in kinds:
+            kinds[fp] = f"{prefix}{type(layer).__name__}#{len(kinds)}"
+            kind_modules[kinds[fp]] = layer
+        out.append(kinds[fp])
+    return out
+
+
+def _vision_units(vision: VisionSpec, freeze_tower: bool, freeze_projector: bool) -> list[UnitSpec]:
+    """The tower's non-block parameters (`vision.embed`), each block, then the projector.
+
+    `vision.embed` and the projector are bound together to the composite body (names relative to it),
+    which runs the family's own `get_image_features` around the blocks."""
+    outer, path = vision.outer, vision.outer_path
+    saved = outer.state_dict(keep_vars=True)
+    projector = tuple(f"{p}." for p in vision.projector_paths)
+    blocks = f"{vision.blocks_path}."
+
+    def entries(keep) -> list[ParamInfo]:
+        return _decayed_first([ParamInfo(f"{path}.{n}", n, tuple(t.shape), isinstance(t, nn.Parameter))
+                               for n, t in saved.items() if keep(n)])
+
+    tower = entries(lambda n: n.startswith(f"{vision.tower_path}.") and not n.startswith((*projector, blocks)))
+    units = [UnitSpec(VISION_EMBED, tower, VISION_EMBED, frozen=freeze_tower)]
+    names = _kinds(vision.blocks, vision.block_kinds, prefix="vision:")
+    for i, block in enumerate(vision.blocks):
+        units.append(UnitSpec(block_unit(i), _params(block, f"{path}.{blocks}{i}"), names[i], frozen=freeze_tower))
+    units.append(UnitSpec(VISION_PROJECTOR, entries(lambda n: n.startswith(projector)), VISION_PROJECTOR,
+                          frozen=freeze_projector))
+    return units
 
 
 def _params(module: nn.Module, path: str, prefix: str = "") -> list[ParamInfo]:
@@ -230,7 +306,7 @@ def _find_base(skeleton: nn.Module, embed: nn.Module) -> nn.Module:
 
 def _find_layers(base: nn.Module, config: PretrainedConfig) -> str:
     """The ModuleList of decoder layers: the direct child list with one entry per hidden layer."""
-    n = getattr(config, "num_hidden_layers", None)
+    n = getattr(config.get_text_config(), "num_hidden_layers", None)
     lists = [name for name, c in base.named_children() if isinstance(c, nn.ModuleList) and len(c) == n]
     if len(lists) != 1:
         raise ModelNotSupportedError(
@@ -255,11 +331,14 @@ def _find_final_norm(base: nn.Module, embed: nn.Module, layers_attr: str) -> str
 
 
 def _reject_unknown_parameters(
-    skeleton: nn.Module, base: nn.Module, embed: nn.Module, head: nn.Module, layers_attr: str, norm_attr: str
+    skeleton: nn.Module, base: nn.Module, embed: nn.Module, head: nn.Module, layers_attr: str, norm_attr: str,
+    vision: VisionSpec | None = None,
 ) -> None:
     """Parameters outside the units would silently never train, and saved buffers outside them would
     never load: refuse such a model instead."""
-    owners = (embed, head, getattr(base, layers_attr), getattr(base, norm_attr))
+    owners = [embed, head, getattr(base, layers_attr), getattr(base, norm_attr)]
+    if vision is not None:
+        owners += [vision.outer.get_submodule(p) for p in (vision.tower_path, *vision.projector_paths)]
     known = {id(t) for m in owners for t in (*m.parameters(), *m.buffers())}
     unknown = [n for n, t in skeleton.state_dict(keep_vars=True).items() if id(t) not in known]
     if unknown:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -20,12 +20,18 @@ from torch import nn
 
 from mt_ray.models.conversion import SAFE_INDEX, SAFE_SINGLE, CheckpointReader, to_checkpoint_format
 from mt_ray.models.discovery import ModelSpec, UnitSpec
+from mt_ray.models.vision import VISION_BLOCK_PREFIX
 
 UnitSink = Callable[[UnitSpec, dict[str, torch.Tensor]], None]
 
 
 def unit_module(spec: ModelSpec, unit: UnitSpec) -> nn.Module:
-    """The skeleton module whose parameters make up `unit` (head: a norm + lm_head container)."""
+    """The skeleton module whose parameters make up `unit` (head: a norm + lm_head container; a vision
+    unit: its block, or a copy of the modules owning its parameters at their paths in the composite body)."""
+    if unit.name.startswith(VISION_BLOCK_PREFIX):
+        return spec.vision.blocks[int(unit.name.rsplit(".", 1)[1])]
+    if unit.name.startswith("vision."):
+        return _owners(spec.vision.outer, [p.local_name for p in unit.params])
     if unit.name == "embed":
         return spec.skeleton.get_input_embeddings()
     if unit.name == "head":
@@ -34,6 +40,24 @@ def unit_module(spec: ModelSpec, unit: UnitSpec) -> nn.Module:
             parts["lm_head"] = spec.skeleton.get_output_embeddings()
         return nn.ModuleDict(parts)
     return getattr(spec.base, spec.layers_attr)[int(unit.name.split(".")[1])]
+
+
+def _owners(root: nn.Module, names: list[str]) -> nn.Module:
+    """A module holding a copy of each module that owns one of `names`, at its path under `root`."""
+    tree = nn.Module()
+    attached: list[str] = []
+    for path in sorted({n.rpartition(".")[0] for n in names}, key=len):
+        if any(path.startswith(f"{a}.") for a in attached):
+            continue  # its ancestor's copy holds it
+        parent = tree
+        *parents, leaf = path.split(".")
+        for part in parents:
+            if part not in parent._modules:
+                parent.add_module(part, nn.Module())
+            parent = parent._modules[part]
+        parent.add_module(leaf, root.get_submodule(path))
+        attached.append(path)
+    return tree
 
 
 def init_random(spec: ModelSpec, sink: UnitSink, seed: int = 0, device: str | torch.device = "cpu") -> None:
@@ -62,11 +86,13 @@ def load_safetensors(spec: ModelSpec, folder: str | Path, sink: UnitSink) -> Non
 
 
 def export_hf(spec: ModelSpec, state: dict[str, torch.Tensor], out_dir: str | Path, tokenizer=None,
-              dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 1024**3) -> Path:
+              dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 1024**3,
+              extra_files: Sequence[Path] = ()) -> Path:
     """Write a Hugging Face folder (config, safetensors shards, tokenizer) that from_pretrained loads.
 
-    The folder is assembled under a temporary name and renamed when complete. Tensors are copied
-    one shard at a time, so exporting never doubles the model in memory.
+    `extra_files` are copied in as they are (an image-text model's processor files). The folder is
+    assembled under a temporary name and renamed when complete. Tensors are copied one shard at a
+    time, so exporting never doubles the model in memory.
     """
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
@@ -92,6 +118,8 @@ def export_hf(spec: ModelSpec, state: dict[str, torch.Tensor], out_dir: str | Pa
         (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2))
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    for file in extra_files:
+        shutil.copy2(file, tmp / Path(file).name)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)  # the folder appears complete or not at all

@@ -14,6 +14,7 @@ import torch
 
 from mt_ray.config.run import RunConfig
 from mt_ray.engine import EvalResult, StepResult, StreamingEngine
+from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import ModelSpec
 from mt_ray.training.model_source import pretrained_weights
 
@@ -62,6 +63,10 @@ def build_backend(cfg: RunConfig, spec: ModelSpec) -> TrainingBackend:
     weights = initial_weights(cfg)
     steps = cfg.training.steps
     if cfg.cluster.num_workers > 1:
+        if spec.vision is not None:
+            raise ConfigError(f"cluster.num_workers: the image-text model '{spec.config.model_type}' trains on one "
+                              "engine for now (data-parallel workers do not carry images yet); set "
+                              "cluster.num_workers=1")
         from mt_ray.cluster import DataParallelTrainer  # Ray is needed only here
 
         return DataParallelTrainer(spec, cfg.engine, cfg.optimizer, cfg.cluster.num_workers, steps,

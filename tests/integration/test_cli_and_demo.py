@@ -36,7 +36,7 @@ def test_cli_reports_config_errors_without_traceback(capsys):
 def test_cli_info_and_calc(capsys):
     assert main(["info", "--preset", "qwen2.5-7b"]) == 0
     assert "Qwen2DecoderLayer#0: 28 layers" in capsys.readouterr().out
-    assert main(["calc", "--preset", "qwen2.5-7b", "--json"]) == 0
+    assert main(["calc", "--preset", "qwen2.5-7b", "--gpu-mem-gb", "80", "--host-mem-gb", "128", "--json"]) == 0
     rec = json.loads(capsys.readouterr().out)
     assert rec["fits"] and rec["params"] == 7615616512
 

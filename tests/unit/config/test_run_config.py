@@ -20,7 +20,7 @@ def test_shipped_configs_validate(path):
 
 @pytest.mark.parametrize("path", [p for p in CONFIGS if p.stem != "demo"], ids=lambda p: p.stem)
 def test_model_configs_carry_the_calculators_batch_for_an_80gb_gpu(path):
-    from mt_ray.engine.sizing import recommend
+    from mt_ray.engine.calculator import recommend
     from mt_ray.models.discovery import discover
     from mt_ray.models.presets import preset_config
 

@@ -13,7 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from mt_ray.engine import EngineConfig, StreamingEngine
 from mt_ray.errors import ConfigError
+from mt_ray.models.discovery import discover
 from tests.family_checks import (
     OPT,
     assert_same_step,
@@ -44,6 +46,37 @@ def test_family_trains_from_its_checkpoint_on_packed_rows(family, tmp_path):
     result, state = engine_step(tmp_path, [packed_micro_batch(docs)])
     ref_loss, before, ref_state = reference_step(tmp_path, docs)
     assert_same_step(state, before, ref_state, result.loss.item(), ref_loss)
+
+
+@pytest.mark.parametrize("family", [f for f in CHECKPOINT_FAMILIES if f not in ("gemma2", "gpt_oss")])  # eager's
+def test_varlen_trains_every_family_on_packed_rows_as_documents_alone(family, tmp_path):
+    """The varlen backend (`auto`'s choice on CUDA) keeps documents apart from their bounds alone, with no mask.
+    On the CPU each document runs through SDPA alone with the arguments the flash kernel gets on CUDA
+    (the bounds, each layer's sliding window and scale, grouped or MLA heads), so this checks all of them."""
+    save_checkpoint(family, tmp_path)
+    docs = documents()
+    result, state = engine_step(tmp_path, [packed_micro_batch(docs)], attn_implementation="varlen")
+    ref_loss, before, ref_state = reference_step(tmp_path, docs)
+    assert_same_step(state, before, ref_state, result.loss.item(), ref_loss)
+
+
+def test_set_attention_switches_the_backend_between_steps(tmp_path):
+    """A step after switching to varlen is the step an engine started on varlen takes (benchmarks rely on it)."""
+    save_checkpoint("mistral", tmp_path)
+    mb = packed_micro_batch(documents())
+    engine = StreamingEngine(discover(str(tmp_path)), EngineConfig(device="cpu", attn_implementation="sdpa"), OPT,
+                             total_steps=1)
+    try:
+        engine.load_pretrained(tmp_path)
+        assert engine.set_attention("varlen") == "varlen"
+        loss = engine.train_step([mb]).loss.item()
+        state = engine.state_dict()
+    finally:
+        engine.close()
+    result, ref_state = engine_step(tmp_path, [mb], attn_implementation="varlen")
+    assert loss == pytest.approx(result.loss.item(), rel=1e-6)
+    for name, w in ref_state.items():
+        torch.testing.assert_close(state[name], w, msg=name)
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next", "falcon_h1", "deepseek_v3"])

@@ -11,23 +11,28 @@ STEPS = 3
 OPT = OptimizerConfig(lr=2e-3, weight_decay=0.1, max_grad_norm=1.0, warmup_steps=1, schedule="cosine")
 
 
-def run_both(cfg, opt_cfg=OPT, engine_kw=None, steps=STEPS, packed=False):
+def run_both(cfg, opt_cfg=OPT, engine_kw=None, steps=STEPS, packed=False, n_micro=2):
     ref = reference_model(cfg)
-    mbs = tiny_batches()
+    mbs = tiny_batches(n_micro=n_micro)
     if packed:  # restart positions mid-row: two documents share a row
         for mb in mbs:
             mb["position_ids"][:, 7:] -= 7
     batches = [mbs] * steps  # the same data every step, so the loss must fall
-    engine_cfg = EngineConfig(**{"device": "cpu", "compute_dtype": "fp32", "checkpoint_every": 2, **(engine_kw or {})})
-    engine = StreamingEngine(discover(cfg), engine_cfg, opt_cfg, total_steps=steps)
-    try:
-        engine.load_state_dict(ref.state_dict())
-        losses = [engine.train_step(mbs).loss.item() for mbs in batches]
-        state = {k: v.clone() for k, v in engine.state_dict().items()}
-    finally:
-        engine.close()
+    losses, state = train_engine(cfg, ref.state_dict(), batches, opt_cfg, engine_kw)
     ref_losses = reference_train(ref, batches, opt_cfg)
     return losses, ref_losses, state, ref.state_dict()
+
+
+def train_engine(cfg, weights, batches, opt_cfg=OPT, engine_kw=None):
+    """The engine's losses and final master weights after one step per entry of `batches`."""
+    engine_cfg = EngineConfig(**{"device": "cpu", "compute_dtype": "fp32", "checkpoint_every": 2, **(engine_kw or {})})
+    engine = StreamingEngine(discover(cfg), engine_cfg, opt_cfg, total_steps=len(batches))
+    try:
+        engine.load_state_dict(weights)
+        losses = [engine.train_step(mbs).loss.item() for mbs in batches]
+        return losses, {k: v.clone() for k, v in engine.state_dict().items()}
+    finally:
+        engine.close()
 
 
 def assert_same(losses, ref_losses, state, ref_state, atol=2e-5):
@@ -77,6 +82,31 @@ def test_resident_schedule_is_bit_identical_to_streaming():
     assert resident[0] == streamed[0]
     for name, w in streamed[2].items():
         assert torch.equal(resident[2][name], w), name
+
+
+@pytest.mark.parametrize(("family", "engine_kw", "n_micro"), [
+    ("llama", {}, 2),
+    ("llama", {"checkpoint_every": 1, "prefetch_units": 1, "loss_chunk_tokens": 5}, 3),
+    ("llama", {"checkpoint_every": 5}, 2),  # one block: only the embedding's checkpoint
+    ("qwen2-tied", {}, 1),  # one micro-batch: forward gets take the newest put without a round trip
+    ("gemma3_text", {"checkpoint_every": 3}, 4),  # a ragged last block
+])
+def test_host_checkpoints_are_bit_identical_to_device(family, engine_kw, n_micro):
+    """Parking hidden states in host memory moves them and nothing else: same losses, same weights."""
+    cfg = tiny_config(family)
+    weights = reference_model(cfg).state_dict()
+    # Three steps of different lengths: the slab is allocated once and reused for a shorter step.
+    batches = [tiny_batches(n_micro=n_micro, seq=12), tiny_batches(n_micro=n_micro, seq=9, seed=1),
+               tiny_batches(n_micro=n_micro, seq=12, seed=2)]
+    device = train_engine(cfg, weights, batches, engine_kw=engine_kw)
+    host = train_engine(cfg, weights, batches, engine_kw={**engine_kw, "checkpoint_placement": "host"})
+    assert host[0] == device[0]
+    for name, w in device[1].items():
+        assert torch.equal(host[1][name], w), name
+
+
+def test_host_checkpoints_match_pytorch():
+    assert_same(*run_both(tiny_config("qwen2"), engine_kw={"checkpoint_placement": "host"}, packed=True))
 
 
 def test_packed_rows_match_pytorch():

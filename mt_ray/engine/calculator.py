@@ -1,0 +1,266 @@
+"""`mt-ray calc`: the fastest configuration that fits a GPU and a host, or why none does.
+
+The search covers every memory knob of the engine: schedule, K, micro-batch, checkpoint
+placement, prefetch depth, loss chunk, stream_master and gradient dtype, judged with the memory
+and time models of sizing.py. Of the configurations that fit both the GPU (90% of it: the
+allocator and the CUDA context need the rest) and the host, it takes the fastest predicted; among
+those within 2% of it, the first in preference order (larger micro-batches, K=4, checkpoints on
+the device, deeper prefetch, larger loss chunks, the given stream_master and gradient dtype),
+because the time model cannot tell such configurations apart and these are the measured defaults.
+When nothing fits it names the binding constraint and the largest seq, global batch and (for the
+host) model size that would fit. The host keeps HOST_RESERVE_GIB for the process itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import yaml
+
+from mt_ray.engine.config import EngineConfig, OptimizerConfig
+from mt_ray.engine.sizing import (
+    GIB,
+    Machine,
+    activation_slab_bytes,
+    device_bytes,
+    host_bytes,
+    predicted_step_seconds,
+    vision_sizes,
+)
+from mt_ray.errors import ConfigError
+from mt_ray.models.discovery import ModelSpec
+
+# Larger micro-batches gain nothing measurable on an H100 (7B: 16 x 1k and 1 x 16k run alike), while
+# the backward's temporaries, which the device model does not count, grow with them.
+MAX_MICRO_TOKENS = 16384
+# The resident schedule saves the recompute but exposes the optimizer pass, and its micro-batch
+# shares the GPU with every weight and gradient sum. Measured on the H100 (seq 1024), it wins with
+# 8k-token micro-batches (1.5B: 2.34 vs 2.67 s; 3B: 5.3 vs 6.06 s) and loses with 2k (7B: 18.5 vs 15.8 s).
+RESIDENT_MIN_MICRO_TOKENS = 8192
+GPU_HEADROOM = 0.9  # of the GPU's memory the step may use; the rest is the allocator's and CUDA context's
+# Host memory the process needs beyond what the engine allocates (Python, torch, the CUDA context):
+# the 7B step measured 14.3 B/param of peak RSS against 14.0 allocated, 2.3 GB more.
+HOST_RESERVE_GIB = 3.0
+NEAR_FASTEST = 1.02  # predicted times this close are a tie, broken by preference order
+K_ORDER = (4, 2, 8, 1)
+SEQ_STEP = 128  # the largest seq that fits is named in multiples of this  # 4 is the measured default
+LOSS_CHUNKS = (4096, 2048, 1024, 512, 256)
+# Knobs the search sets, as EngineConfig fields, in the order the snippet lists them.
+SEARCHED = ("schedule", "checkpoint_every", "checkpoint_placement", "prefetch_units", "loss_chunk_tokens",
+            "stream_master", "grad_dtype")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One configuration and what it costs."""
+
+    cfg: EngineConfig
+    micro_batch: int
+    device: int
+    host: int
+    seconds: float
+
+
+def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, host_mem_gb: float,
+              cfg: EngineConfig | None = None, opt: OptimizerConfig | None = None, machine: Machine | None = None,
+              max_micro_tokens: int = MAX_MICRO_TOKENS, image_tokens: int = 0) -> dict:
+    """The fastest configuration that fits `gpu_mem_gb` and `host_mem_gb` (GiB), or why none does.
+
+    `cfg` gives everything not searched (dtype, kernels, grad slabs) and the stream_master and
+    gradient dtype to prefer on a tie; `opt` decides whether clipping holds every gradient.
+    `image_tokens`: an image-text model's image tokens per sample (part of `seq`), for its vision tower.
+    """
+    cfg = cfg or EngineConfig(device="cpu", compute_dtype="bf16")
+    opt = opt or OptimizerConfig()
+    machine = machine or Machine()
+    search = _Search(spec, cfg, opt, machine, gpu_mem_gb * GIB * GPU_HEADROOM, (host_mem_gb - HOST_RESERVE_GIB) * GIB,
+                     max_micro_tokens, image_tokens)
+    out = {"params": spec.num_params, "seq": seq, "global_batch": global_batch, "gpu_mem_gb": gpu_mem_gb,
+           "host_mem_gb": host_mem_gb, "h2d_gbps": machine.h2d_gbps}
+    vision = vision_sizes(spec, image_tokens)
+    if vision is not None:
+        out.update(vision_tower_params=vision.tower_params, vision_projector_params=vision.projector_params,
+                   image_tokens=image_tokens, vision_patches_per_sample=vision.patches)
+    options = list(search.options(seq, global_batch))
+    best = _fastest([o for o in options if search.fits(o)])
+    if best is None:
+        return {**out, "fits": False, **search.why_not(options, seq, global_batch)}
+    c = best.cfg
+    return {
+        **out, "fits": True, **{k: getattr(c, k) for k in SEARCHED}, "prefetch_units": c.prefetch_units or
+        c.checkpoint_every, "micro_batch_size": best.micro_batch, "grad_accum_steps": global_batch // best.micro_batch,
+        "device_gib": best.device / GIB, "host_gib": best.host / GIB, "host_bytes_per_param": best.host / spec.num_params,
+        "predicted_step_s": best.seconds, "model_tflops": 6 * spec.text_params * seq * global_batch / best.seconds / 1e12,
+    }
+
+
+class _Search:
+    """The candidate configurations of one model on one machine, and the limits when none fits."""
+
+    def __init__(self, spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, machine: Machine,
+                 gpu_budget: float, host_budget: float, max_micro_tokens: int, image_tokens: int = 0):
+        self.spec, self.cfg, self.opt, self.machine = spec, cfg, opt, machine
+        self.gpu_budget, self.host_budget = gpu_budget, host_budget
+        self.max_micro_tokens = max_micro_tokens
+        self.image_tokens = image_tokens
+
+    def fits(self, o: Option) -> bool:
+        return o.device <= self.gpu_budget and o.host <= self.host_budget
+
+    def options(self, seq: int, global_batch: int, micro_batches: list[int] | None = None) -> Iterator[Option]:
+        """Every configuration, in preference order."""
+        if micro_batches is None:
+            micro_batches = [m for m in _divisors_desc(global_batch) if m * seq <= self.max_micro_tokens] or [1]
+        host: dict[tuple, int] = {}  # neither depends on the micro-batch or the loss chunk: each once
+        seconds: dict[tuple, float] = {}
+        for micro in micro_batches:
+            for knobs in self._knobs(micro * seq):
+                c = self.cfg.model_copy(update=knobs)
+                key = tuple(v for k, v in knobs.items() if k != "loss_chunk_tokens")
+                if key not in host:
+                    host[key] = host_bytes(self.spec, c, self.opt, seq, global_batch)
+                    seconds[key] = predicted_step_seconds(self.spec, c, seq, global_batch, self.machine,
+                                                          self.image_tokens)
+                yield Option(c, micro, device_bytes(self.spec, c, micro, seq, global_batch, self.image_tokens)["total"],
+                             host[key], seconds[key])
+
+    def _knobs(self, micro_tokens: int) -> Iterator[dict]:
+        chunks = _loss_chunks(self.cfg.loss_chunk_tokens, micro_tokens)
+        precisions = list(dict.fromkeys([(self.cfg.stream_master, self.cfg.grad_dtype),
+                                         *((s, g) for s in (False, True) for g in ("fp32", "compute"))]))
+        layouts = [("resident", self.cfg.checkpoint_every, "device", None)] if micro_tokens >= RESIDENT_MIN_MICRO_TOKENS else []
+        layouts += [("stream", k, place, depth) for k in K_ORDER for place in ("device", "host")
+                    for depth in dict.fromkeys((k, k // 2 or 1, 1))]
+        for schedule, k, place, depth in layouts:
+            for chunk in chunks:
+                for stream_master, grad_dtype in precisions:
+                    yield {"schedule": schedule, "checkpoint_every": k, "checkpoint_placement": place,
+                           "prefetch_units": None if depth == k else depth, "loss_chunk_tokens": chunk,
+                           "stream_master": stream_master, "grad_dtype": grad_dtype}
+
+    def why_not(self, options: list[Option], seq: int, global_batch: int) -> dict:
+        """The binding constraint, the reason in words, and the largest seq, global batch and model that fit."""
+        lean_gpu = min(options, key=lambda o: o.device)
+        lean_host = min(options, key=lambda o: o.host)
+        gpu_ok, host_ok = lean_gpu.device <= self.gpu_budget, lean_host.host <= self.host_budget
+        reasons = []
+        if not gpu_ok:
+            reasons.append(f"GPU: the leanest configuration ({_describe(lean_gpu)}) needs {_gib(lean_gpu.device)} "
+                           f"for {global_batch} x {seq} tokens, over the {_gib(self.gpu_budget)} budget "
+                           f"({GPU_HEADROOM:.0%} of the GPU)")
+        if not host_ok:
+            reasons.append(self._host_reason(options, lean_host, seq, global_batch))
+        if gpu_ok and host_ok:
+            fit_gpu = min((o for o in options if o.device <= self.gpu_budget), key=lambda o: o.host)
+            reasons.append(f"GPU and host together: what fits the GPU ({_describe(fit_gpu)}) needs "
+                           f"{_gib(fit_gpu.host)} of host memory, over {_gib(self.host_budget)}")
+        binding = "gpu" if not gpu_ok and host_ok else "host" if gpu_ok and not host_ok else "gpu and host"
+        limits = {"max_seq": self._largest(lambda s: self._any_fit(s, global_batch), seq - 1, SEQ_STEP if seq > SEQ_STEP else 1),
+                  "max_global_batch": self._largest(lambda b: self._any_fit(seq, b), global_batch - 1),
+                  "max_params": self._max_params(lean_host, seq, global_batch)}
+        hints = [f"seq {limits['max_seq']} fits at global batch {global_batch}" if limits["max_seq"] else "",
+                 f"global batch {limits['max_global_batch']} fits at seq {seq}" if limits["max_global_batch"] else "",
+                 f"this host holds models up to {limits['max_params'] / 1e9:.2f} B parameters"
+                 if not host_ok and limits["max_params"] else ""]
+        reason = "; ".join(reasons) + "".join(f"; {h}" for h in hints if h)
+        return {"binding": binding, "reason": reason, **limits}
+
+    def _host_reason(self, options: list[Option], lean: Option, seq: int, global_batch: int) -> str:
+        c = lean.cfg
+        slab = activation_slab_bytes(self.spec, c, seq * global_batch)
+        text = (f"host: the leanest state (stream_master={c.stream_master}, grad_dtype={c.grad_dtype}, checkpoints on "
+                f"the {c.checkpoint_placement}: {(lean.host - slab) / self.spec.num_params:.1f} B/param) needs "
+                f"{_gib(lean.host)}, over {_gib(self.host_budget)} (with {HOST_RESERVE_GIB:g} GiB kept "
+                "for the process)")
+        if self.opt.max_grad_norm > 0:
+            unclipped = self.opt.model_copy(update={"max_grad_norm": 0.0})
+            least = min(host_bytes(self.spec, o.cfg, unclipped, seq, global_batch) for o in options)
+            text += f"; without clipping (optimizer.max_grad_norm: 0) no step holds its gradients: {_gib(least)}"
+        return text
+
+    def _any_fit(self, seq: int, global_batch: int) -> bool:
+        # One sequence per micro-batch is the leanest on the GPU, and the host does not depend on it.
+        return any(self.fits(o) for o in self.options(seq, global_batch, micro_batches=[1]))
+
+    @staticmethod
+    def _largest(fits, high: int, step: int = 1) -> int | None:
+        """The largest multiple of `step` in [step, high] with fits(n) (fits is monotone), or None."""
+        low, high = 1, high // step
+        if high < 1 or not fits(step):
+            return None
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if fits(mid * step) else (low, mid - 1)
+        return low * step
+
+    def _max_params(self, lean: Option, seq: int, global_batch: int) -> int | None:
+        """Parameters this host holds at the leanest host state's bytes per parameter (slab aside)."""
+        slab = activation_slab_bytes(self.spec, lean.cfg, seq * global_batch)
+        per_param = (lean.host - slab) / self.spec.num_params
+        room = self.host_budget - slab
+        return int(room / per_param) if room > 0 else None
+
+
+def _fastest(options: list[Option]) -> Option | None:
+    """The first option (preference order) within NEAR_FASTEST of the fastest prediction."""
+    if not options:
+        return None
+    bound = min(o.seconds for o in options) * NEAR_FASTEST
+    return next(o for o in options if o.seconds <= bound)
+
+
+def _loss_chunks(first: int, micro_tokens: int) -> list[int]:
+    """Loss chunks to try, largest first, each changing the chunk a micro-batch actually runs."""
+    out, seen = [], set()
+    for chunk in (first, *(c for c in LOSS_CHUNKS if c < first)):
+        if min(chunk, micro_tokens) not in seen:
+            seen.add(min(chunk, micro_tokens))
+            out.append(chunk)
+    return out
+
+
+def _describe(o: Option) -> str:
+    c = o.cfg
+    if c.schedule == "resident":
+        return f"resident, micro-batch {o.micro_batch}"
+    return (f"K={c.checkpoint_every}, checkpoints on the {c.checkpoint_placement}, prefetch "
+            f"{c.prefetch_units or c.checkpoint_every}, loss chunk {c.loss_chunk_tokens}, micro-batch {o.micro_batch}, "
+            f"stream_master={c.stream_master}, grad_dtype={c.grad_dtype}")
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.3g} GiB"
+
+
+def _divisors_desc(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def config_snippet(rec: dict, model: dict | None = None) -> str:
+    """The recommendation as run-config YAML (`mt-ray train --config`), with the model section when given."""
+    sections = {"model": model} if model else {}
+    sections["data"] = {"max_seq_len": rec["seq"]}
+    sections["training"] = {"micro_batch_size": rec["micro_batch_size"], "grad_accum_steps": rec["grad_accum_steps"]}
+    sections["engine"] = {k: rec[k] for k in SEARCHED}
+    return yaml.safe_dump(sections, sort_keys=False)
+
+
+def render_recommendation(rec: dict, model: dict | None = None) -> str:
+    """A table of the figures, then the config snippet to run (or the reason nothing fits)."""
+    width = max(map(len, rec))
+    lines = [f"{k:>{width}}: {v:.3g}" if isinstance(v, float) else f"{k:>{width}}: {v}"
+             for k, v in rec.items() if k != "reason"]
+    if not rec["fits"]:
+        return "\n".join([*lines, "", f"nothing fits. {rec['reason']}"])
+    return "\n".join([*lines, "", "config:", config_snippet(rec, model).rstrip()])
+
+
+def local_gpu_memory_gb(device: torch.device | None = None) -> float:
+    """Memory of the local CUDA GPU (GiB), for a calculation that was given none."""
+    if not torch.cuda.is_available():
+        raise ConfigError("no CUDA GPU here to read the memory of: give the GPU memory in GiB "
+                          "(mt-ray calc --gpu-mem-gb 24, or engine.gpu_memory_limit_gb: 24)")
+    return torch.cuda.get_device_properties(device or torch.device("cuda")).total_memory / GIB
+

@@ -1,0 +1,114 @@
+"""Find the vision side of an image-text model by structure: its tower, the tower's blocks, the projector.
+
+An image-text model in transformers is a composite body (`Qwen2_5_VLModel`, `LlavaModel`, ...) that
+owns a vision tower (a PreTrainedModel built from `config.vision_config`), a projector into the
+language model's space and the language model itself; its forward embeds the tokens, asks its own
+`get_image_features` for the image features and scatters them over the image placeholder tokens.
+
+The split follows LLaMA-Factory, whose freeze options mt-ray takes over: the *tower* (patch
+embedding, blocks, norms) is frozen by `freeze_vision_tower`, the *projector* by
+`freeze_multi_modal_projector`. The projector is every parameterised child of the composite body
+beside the tower and the language model (`multi_modal_projector`), and the tower's own `merger`
+where the family keeps its projector inside the tower (Qwen2-VL, Qwen2.5-VL: LLaMA-Factory's
+`visual.merger`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from mt_ray.errors import ModelNotSupportedError
+
+VISION_EMBED = "vision.embed"
+VISION_PROJECTOR = "vision.projector"
+VISION_BLOCK_PREFIX = "vision.blocks."
+
+# Image-text families whose training mt-ray has shown equal to transformers' (tests/unit/engine/test_vlm.py).
+# Discovery finds the parts of any composite model, but each family's vision code has its own
+# habits (feature layers, deepstack injections, bidirectional image masks): until a parity test
+# covers a family it is refused rather than trained in a way nobody checked.
+VERIFIED_FAMILIES = ("qwen2_5_vl", "gemma3")
+
+# A tower child that is the family's projector although the tower owns it (LLaMA-Factory's projector_key).
+_PROJECTOR_IN_TOWER = ("merger",)
+
+
+@dataclass
+class VisionSpec:
+    """Where the vision parts sit, relative to the composite body `outer` (the skeleton's base model)."""
+
+    outer: nn.Module
+    outer_path: str
+    tower_path: str
+    blocks_path: str
+    projector_paths: list[str]
+    image_token_id: int
+    rope_index: bool
+    """The body computes multi-dimensional rotary positions (`get_rope_index`, Qwen-VL): positions are
+    [4, B, T], the text positions first (they keep packed documents apart) then temporal, height, width."""
+    block_kinds: dict[str, nn.Module] = field(default_factory=dict)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.outer.get_submodule(self.blocks_path)
+
+
+def block_unit(i: int) -> str:
+    return f"{VISION_BLOCK_PREFIX}{i}"
+
+
+def is_vision_config(config: PretrainedConfig) -> bool:
+    """An image-text config: it has a vision sub-config beside its text one."""
+    return "vision_config" in (getattr(config, "sub_configs", None) or {})
+
+
+def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: nn.Module) -> VisionSpec:
+    """The tower, its block list and the projector of an image-text skeleton."""
+    family = config.model_type
+    outer = skeleton.base_model
+    outer_path = next(n for n, m in skeleton.named_modules() if m is outer)
+    children = dict(outer.named_children())
+    towers = [n for n, c in children.items()
+              if isinstance(c, PreTrainedModel) and isinstance(c.config, type(config.vision_config))]
+    if len(towers) != 1 or not any(c is language_model for c in children.values()):
+        raise ModelNotSupportedError(
+            f"image-text family '{family}': expected its body {type(outer).__name__} to own one vision tower and "
+            f"the language model, found children {list(children)}; mt-ray cannot train this family yet"
+        )
+    tower_path = towers[0]
+    blocks_path = f"{tower_path}.{_find_blocks(children[tower_path], config.vision_config, family)}"
+    projectors = [n for n, c in children.items()
+                  if n != tower_path and c is not language_model and any(True for _ in c.parameters())]
+    projectors += [f"{tower_path}.{n}" for n in _PROJECTOR_IN_TOWER if hasattr(children[tower_path], n)]
+    if not projectors:
+        raise ModelNotSupportedError(f"image-text family '{family}': no projector found beside the vision tower "
+                                     f"of {type(outer).__name__}; mt-ray cannot train this family yet")
+    image_token_id = getattr(config, "image_token_id", None)
+    if image_token_id is None:
+        image_token_id = getattr(config, "image_token_index", None)
+    return VisionSpec(outer, outer_path, tower_path, blocks_path, projectors, image_token_id,
+                      rope_index=hasattr(outer, "get_rope_index"))
+
+
+def check_verified(config: PretrainedConfig) -> None:
+    """Refuse an image-text family whose training no parity test has checked."""
+    if config.model_type not in VERIFIED_FAMILIES:
+        raise ModelNotSupportedError(
+            f"image-text family '{config.model_type}' is not supported yet: mt-ray trains {', '.join(VERIFIED_FAMILIES)} "
+            "(each family's vision code is checked against transformers before it is trained)"
+        )
+
+
+def _find_blocks(tower: nn.Module, vision_config: PretrainedConfig, family: str) -> str:
+    """The one ModuleList in the tower with an entry per vision layer (`depth` or `num_hidden_layers`)."""
+    n = getattr(vision_config, "depth", None) or getattr(vision_config, "num_hidden_layers", None)
+    lists = [name for name, m in tower.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n]
+    if len(lists) != 1:
+        raise ModelNotSupportedError(
+            f"image-text family '{family}': expected one list of {n} vision blocks in {type(tower).__name__}, "
+            f"found {lists or 'none'}; mt-ray cannot train this family yet"
+        )
+    return lists[0]

@@ -1,0 +1,104 @@
+"""Run the family's own `get_image_features` around the vision tower's blocks, as context.py does for the
+decoder layers.
+
+Whatever a tower computes before its blocks (patch embedding, window reordering, rotary tables,
+attention lengths) and after them (merger, feature-layer selection, projector) is the family's code,
+so it runs as transformers defines it: `get_image_features` of a shallow copy of the composite body
+whose block list is replaced by stand-ins. They either *record* (block 0's input and each block's
+arguments, then stop the call at the last block: nothing after the blocks is needed) or *replay*
+(each hands back the output the engine computed for that block, so what follows the blocks runs on
+the real outputs, with gradients reaching them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from mt_ray.models.context import LayerKwargs, returns_tuple, with_submodule
+from mt_ray.models.discovery import ModelSpec, meta_free_buffers_to
+
+
+class _Recorded(Exception):
+    """Raised by the last block's stand-in while recording: the call has what it needs."""
+
+
+@dataclass
+class VisionTape:
+    """One micro-batch's tower: block 0's input, each block's arguments and (once computed) outputs; in the
+    backward, the gradients reaching each block's output and block 0's input."""
+
+    h0: torch.Tensor | None = None
+    args: list[tuple] = field(default_factory=list)  # positional arguments after the hidden state (SigLIP's mask)
+    kwargs: list[LayerKwargs] = field(default_factory=list)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    h0_grad: torch.Tensor | None = None
+
+    def block_input(self, i: int) -> torch.Tensor:
+        return self.h0 if i == 0 else self.outputs[i - 1]
+
+
+class _BlockStandIn(nn.Module):
+    """Stands in for vision block `index`: records its call, or hands back its computed output."""
+
+    def __init__(self, index: int, runner: VisionRunner, template: nn.Module):
+        super().__init__()
+        self.index = index
+        self.runner = runner
+        self.returns_tuple = returns_tuple(template)
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        tape = self.runner.tape
+        if self.runner.replaying:
+            out = tape.outputs[self.index]
+        else:
+            if self.index == 0:
+                tape.h0 = hidden_states
+            tape.args.append(args)
+            tape.kwargs.append(kwargs)
+            if self.index == self.runner.num_blocks - 1:
+                raise _Recorded
+            out = hidden_states
+        return (out,) if self.returns_tuple else out
+
+
+class VisionRunner:
+    """The family's `get_image_features` with stand-ins for the tower's blocks.
+
+    `module` is what the engine binds the `vision.embed` and `vision.projector` weights to (their
+    names are relative to the composite body); calling it runs `get_image_features`.
+    """
+
+    def __init__(self, spec: ModelSpec, device: torch.device):
+        vision = spec.vision
+        self.num_blocks = len(vision.blocks)
+        stand_ins = nn.ModuleList(_BlockStandIn(i, self, b) for i, b in enumerate(vision.blocks))
+        self.module = with_submodule(vision.outer, vision.blocks_path, stand_ins)
+        self.module.forward = self.module.get_image_features  # the copy's own, so it sees the stand-ins
+        meta_free_buffers_to(self.module, device)
+        self.tape = VisionTape()
+        self.replaying = False
+
+    def record(self, run: Callable[[], Any]) -> VisionTape:
+        """Run `run` (a call of `module`) up to the last block; returns block 0's input and every block's arguments."""
+        self.tape, self.replaying = VisionTape(), False
+        try:
+            run()
+        except _Recorded:
+            return self.tape
+        finally:
+            tape, self.tape = self.tape, VisionTape()
+        raise RuntimeError(f"get_image_features called {len(tape.kwargs)} of {self.num_blocks} vision blocks")
+
+    def replay(self, run: Callable[[], Any], outputs: list[torch.Tensor]) -> Any:
+        """Run `run` with each block handing back `outputs[i]`; returns what `get_image_features` returns."""
+        self.tape, self.replaying = VisionTape(outputs=outputs), True
+        try:
+            return run()
+        finally:
+            self.tape, self.replaying = VisionTape(), False

@@ -1,0 +1,66 @@
+"""`engine.auto_fit: true`: the run takes the calculator's fastest configuration that fits this GPU and host.
+
+Applied before anything is allocated, so a run that cannot fit stops with the calculator's reason
+instead of running out of memory mid-step. The global batch (`micro_batch_size x grad_accum_steps`)
+and the sequence length (`data.max_seq_len`) are kept; the calculator chooses the engine's memory
+knobs and how the global batch splits into micro-batches.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from mt_ray.config.run import RunConfig
+from mt_ray.engine.calculator import SEARCHED, local_gpu_memory_gb, recommend
+from mt_ray.engine.host_store import GIB, available_host_bytes
+from mt_ray.errors import ConfigError, InsufficientMemoryError
+from mt_ray.models.discovery import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+def apply_auto_fit(cfg: RunConfig, spec: ModelSpec) -> RunConfig:
+    """`cfg` with the recommended engine settings and micro-batch size; raises the calculator's reason
+    (`InsufficientMemoryError`) when nothing fits."""
+    engine, t = cfg.engine, cfg.training
+    if cfg.cluster.num_workers > 1:
+        raise ConfigError("engine.auto_fit: fits a single engine (cluster.num_workers: 1); for data-parallel workers "
+                          "run `mt-ray calc` for each worker's share of the global batch and set the keys it gives")
+    gpu_gb = _gpu_memory_gb(cfg)
+    host_gb = available_host_bytes(engine.host_memory_limit_gb) / GIB
+    global_batch = t.micro_batch_size * t.grad_accum_steps
+    rec = recommend(spec, cfg.data.max_seq_len, global_batch, gpu_gb, host_gb, cfg=engine, opt=cfg.optimizer)
+    if not rec["fits"]:
+        raise InsufficientMemoryError(f"engine.auto_fit: nothing fits a {gpu_gb:.3g} GiB GPU and {host_gb:.3g} GiB of "
+                                      f"host memory. {rec['reason']}")
+    chosen = {k: rec[k] for k in SEARCHED}
+    if chosen["prefetch_units"] == chosen["checkpoint_every"]:
+        chosen["prefetch_units"] = None  # the default: K
+    fitted = cfg.model_copy(update={
+        "engine": engine.model_validate({**engine.model_dump(), **chosen}),
+        "training": t.model_copy(update={"micro_batch_size": rec["micro_batch_size"],
+                                         "grad_accum_steps": rec["grad_accum_steps"]}),
+    })
+    choices = ", ".join([*(f"engine.{k}={rec[k]}" for k in SEARCHED),
+                         f"training.micro_batch_size={rec['micro_batch_size']}",
+                         f"training.grad_accum_steps={rec['grad_accum_steps']}"])
+    message = (f"auto_fit for a {gpu_gb:.3g} GiB GPU and {host_gb:.3g} GiB of host memory: {choices} (predicted "
+               f"{rec['device_gib']:.3g} GiB GPU, {rec['host_gib']:.3g} GiB host, {rec['predicted_step_s']:.3g} s/step)")
+    print(message, flush=True)  # on the console, as the trainer says where it resumes from
+    log.info(message)
+    return fitted
+
+
+def _gpu_memory_gb(cfg: RunConfig) -> float:
+    """engine.gpu_memory_limit_gb, capped by the device's memory when it is a GPU."""
+    limit, device = cfg.engine.gpu_memory_limit_gb, cfg.engine.resolve_device()
+    if device.type != "cuda":
+        if limit is None:
+            raise ConfigError("engine.auto_fit: there is no GPU to fit; set engine.gpu_memory_limit_gb to plan for one, "
+                              "or turn auto_fit off")
+        return limit
+    total = local_gpu_memory_gb(device)
+    return total if limit is None else min(limit, total)
+
+
+__all__ = ["apply_auto_fit"]

@@ -1,0 +1,47 @@
+"""A Ray the driver starts frees deleted objects at once, not in Ray's default one-second batches.
+
+A data-parallel step's object-store traffic is sized for the objects alive at once; objects kept
+for up to a second after their last reference went would spill the store (store_settings.py).
+"""
+
+import re
+import time
+
+import numpy as np
+import pytest
+
+from mt_ray.cluster import ClusterConfig
+
+ray = pytest.importorskip("ray")
+
+
+def _store_mib() -> int:
+    from ray._private.internal_api import memory_summary
+
+    summary = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
+    found = re.search(r"Plasma memory usage (\d+) MiB", summary)
+    return int(found.group(1)) if found else 0
+
+
+def _seconds_to_free() -> float:
+    ref = ray.put(np.ones(8 << 20, dtype=np.uint8))  # 8 MiB: in the store, not inlined
+    assert _store_mib() >= 8
+    del ref
+    t0 = time.monotonic()
+    while _store_mib() > 0 and time.monotonic() - t0 < 5:
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+def test_the_driver_starts_ray_that_frees_deleted_objects_at_once():
+    from mt_ray.cluster.driver import init_ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    assert init_ray(ClusterConfig(num_cpus=1), 100 << 20)
+    try:
+        # Ray's default frees once a second: five frees all under half a second is a 1-in-32 chance.
+        waits = [_seconds_to_free() for _ in range(5)]
+    finally:
+        ray.shutdown()
+    assert max(waits) < 0.5, waits

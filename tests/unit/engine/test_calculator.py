@@ -1,0 +1,132 @@
+"""The calculator searches every memory knob, returns a config that runs as written, and when nothing
+fits says which memory binds and what would fit."""
+
+import json
+
+import pytest
+import torch
+
+from mt_ray.cli.main import main
+from mt_ray.config.run import load_run_config
+from mt_ray.engine.calculator import SEARCHED, config_snippet, recommend
+from mt_ray.engine.config import EngineConfig, OptimizerConfig
+from mt_ray.engine.sizing import GIB, Machine, device_bytes, host_bytes
+from mt_ray.models.discovery import discover
+from mt_ray.models.presets import preset_config
+
+
+@pytest.fixture(scope="module")
+def qwen7b():
+    return discover(preset_config("qwen2.5-7b"))
+
+
+def chosen_engine(rec: dict) -> EngineConfig:
+    return EngineConfig(device="cpu", compute_dtype="bf16", **{k: rec[k] for k in SEARCHED})
+
+
+def test_7b_on_a_12gb_card_finds_a_configuration(qwen7b):
+    """The issue's case: 64 x 1k on 12 GB said 'even one sequence per micro-batch does not fit'."""
+    rec = recommend(qwen7b, 1024, 64, gpu_mem_gb=12, host_mem_gb=128)
+    assert rec["fits"], rec.get("reason")
+    cfg = chosen_engine(rec)
+    assert device_bytes(qwen7b, cfg, rec["micro_batch_size"], 1024, 64)["total"] <= 12 * 0.9 * GIB
+    assert host_bytes(qwen7b, cfg, OptimizerConfig(), 1024, 64) <= 128 * GIB
+    assert rec["micro_batch_size"] * rec["grad_accum_steps"] == 64
+    # The checkpoints of 64k tokens alone would take most of the card: they wait in host memory.
+    assert rec["checkpoint_placement"] == "host"
+    on_device = cfg.model_copy(update={"checkpoint_placement": "device"})
+    assert device_bytes(qwen7b, on_device, rec["micro_batch_size"], 1024, 64)["total"] > 12 * 0.9 * GIB
+
+
+def test_a_tight_host_gets_the_lean_state(qwen7b):
+    """18 B/param (bf16 copy, fp32 gradients held for clipping) does not fit 110 GiB; 14 does."""
+    rec = recommend(qwen7b, 1024, 64, gpu_mem_gb=24, host_mem_gb=110)
+    assert rec["fits"] and rec["stream_master"] and rec["grad_dtype"] == "compute"
+    assert rec["host_bytes_per_param"] == pytest.approx(14.0, abs=0.05)
+    roomy = recommend(qwen7b, 1024, 64, gpu_mem_gb=24, host_mem_gb=256)
+    assert not roomy["stream_master"] and roomy["grad_dtype"] == "fp32"  # the defaults, where they fit
+
+
+def test_smaller_cards_trade_checkpoints_k_and_loss_chunk_for_memory(qwen7b):
+    choices = {gb: recommend(qwen7b, 1024, 128, gpu_mem_gb=gb, host_mem_gb=1024) for gb in (80, 16, 10)}
+    knobs = {gb: tuple(r[k] for k in ("checkpoint_every", "checkpoint_placement", "loss_chunk_tokens"))
+             for gb, r in choices.items()}
+    assert knobs == {80: (4, "device", 4096), 16: (2, "host", 2048), 10: (1, "host", 512)}
+    assert all(r["device_gib"] <= 0.9 * gb for gb, r in choices.items())
+
+
+def test_the_link_bandwidth_enters_the_step_time(qwen7b):
+    """At 8 x 1k the weights' two passes outweigh the compute on a 25 GB/s PCIe 4.0 link."""
+    fast = recommend(qwen7b, 1024, 8, gpu_mem_gb=24, host_mem_gb=128, machine=Machine(h2d_gbps=50))
+    slow = recommend(qwen7b, 1024, 8, gpu_mem_gb=24, host_mem_gb=128, machine=Machine(h2d_gbps=25))
+    assert slow["predicted_step_s"] > 1.15 * fast["predicted_step_s"]
+    assert not slow["stream_master"]  # streaming the fp32 master would double the bytes on the slow link
+
+
+def test_too_small_a_host_names_the_host_and_the_largest_model(qwen7b):
+    rec = recommend(qwen7b, 1024, 64, gpu_mem_gb=12, host_mem_gb=64)
+    assert not rec["fits"] and rec["binding"] == "host"
+    assert rec["reason"].startswith("host:") and "14.0 B/param" in rec["reason"]
+    assert "max_grad_norm: 0" in rec["reason"]  # without clipping the gradients are not held
+    # 61 GiB (3 kept for the process) at 14 B/param
+    assert rec["max_params"] == pytest.approx(61 * GIB / 14, rel=0.01)
+    assert rec["max_seq"] is None and rec["max_global_batch"] is None  # no shape fits: the state does not
+
+
+def test_too_small_a_gpu_names_the_gpu_and_the_longest_sequence(qwen7b):
+    rec = recommend(qwen7b, 32768, 64, gpu_mem_gb=8, host_mem_gb=128)
+    assert not rec["fits"] and rec["binding"] == "gpu" and rec["reason"].startswith("GPU:")
+    seq = rec["max_seq"]
+    assert seq % 128 == 0
+    assert recommend(qwen7b, seq, 64, gpu_mem_gb=8, host_mem_gb=128)["fits"]
+    assert not recommend(qwen7b, seq + 128, 64, gpu_mem_gb=8, host_mem_gb=128)["fits"]
+
+
+def test_gpu_and_host_together_name_the_largest_global_batch(qwen7b):
+    """The GPU needs the checkpoints in host memory, where 512 x 4k of them do not fit beside the state."""
+    rec = recommend(qwen7b, 4096, 512, gpu_mem_gb=24, host_mem_gb=128)
+    assert not rec["fits"] and rec["binding"] == "gpu and host"
+    batch = rec["max_global_batch"]
+    assert recommend(qwen7b, 4096, batch, gpu_mem_gb=24, host_mem_gb=128)["fits"]
+    assert not recommend(qwen7b, 4096, batch + 1, gpu_mem_gb=24, host_mem_gb=128)["fits"]
+
+
+def test_the_snippet_is_a_run_config_with_the_recommendation(qwen7b, tmp_path):
+    rec = recommend(qwen7b, 1024, 64, gpu_mem_gb=12, host_mem_gb=128)
+    path = tmp_path / "fit.yaml"
+    path.write_text(config_snippet(rec, {"preset": "qwen2.5-7b"}))
+    cfg = load_run_config(path)
+    assert {k: getattr(cfg.engine, k) for k in SEARCHED} == {k: rec[k] for k in SEARCHED}
+    assert (cfg.training.micro_batch_size, cfg.training.grad_accum_steps) == (rec["micro_batch_size"],
+                                                                             rec["grad_accum_steps"])
+    assert cfg.data.max_seq_len == 1024 and cfg.model.preset == "qwen2.5-7b"
+
+
+def test_calc_command_prints_the_config_or_the_reason(capsys):
+    assert main(["calc", "--preset", "qwen2.5-7b", "--seq", "1024", "--global-batch", "64", "--gpu-mem-gb", "12",
+                 "--host-mem-gb", "128", "--h2d-gbps", "25", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["h2d_gbps"] == 25 and "checkpoint_placement: host" in out["config"]
+    assert main(["calc", "--preset", "qwen2.5-7b", "--gpu-mem-gb", "12", "--host-mem-gb", "64"]) == 1
+    assert "nothing fits. host:" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: calc reads its memory")
+def test_calc_without_a_gpu_asks_for_its_memory(capsys):
+    assert main(["calc", "--preset", "qwen2.5-7b", "--host-mem-gb", "128"]) == 2
+    assert "--gpu-mem-gb" in capsys.readouterr().err
+
+
+def test_bad_calc_input_is_one_clear_error(capsys):
+    assert main(["calc", "--preset", "qwen2.5-7b", "--gpu-mem-gb", "-1", "--host-mem-gb", "128"]) == 2
+    assert "--gpu-mem-gb must be positive" in capsys.readouterr().err
+
+
+def test_calc_takes_the_shape_of_the_step_from_a_config(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  preset: qwen2.5-7b\ndata:\n  max_seq_len: 2048\ntraining:\n  micro_batch_size: 2\n"
+                    "  grad_accum_steps: 12\nengine:\n  stream_master: true\n")
+    assert main(["calc", "--config", str(path), "--gpu-mem-gb", "24", "--host-mem-gb", "128", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["seq"], out["global_batch"]) == (2048, 24)
+    assert "preset: qwen2.5-7b" in out["config"] and "max_seq_len: 2048" in out["config"]

@@ -1,0 +1,163 @@
+"""Image-text models train in the engine exactly as transformers' own model trains.
+
+A tiny Qwen2.5-VL is saved with `save_pretrained` beside its processor; documents with 0, 1 and 2
+generated images go through the folder's own processor and are packed into one row (the engine), or
+run one by one (transformers' eager model, frozen as LLaMA-Factory freezes it). One step must give
+the same loss and the same update of every weight; a frozen tower stays bit-identical and holds no
+Adam moments.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mt_ray.engine import EngineConfig, StreamingEngine
+from mt_ray.errors import ModelNotSupportedError
+from mt_ray.models.discovery import discover
+from tests.family_checks import OPT, assert_same_step
+from tests.tiny_models import reference_train
+from tests.vlm_models import (
+    gemma3_document,
+    image_document,
+    make_image,
+    reference_model,
+    save_gemma3,
+    save_qwen2_5_vl,
+)
+
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
+
+
+@pytest.fixture(scope="module")
+def documents(folder):
+    docs = [image_document(folder, f"{IMAGE}what is this? a cat", [make_image(0)], 3),
+            image_document(folder, "some text only here and more", [], 2),
+            image_document(folder, f"two {IMAGE} and {IMAGE} pictures ok", [make_image(1, 8, 16), make_image(2)], 4)]
+    for doc in docs:
+        doc["labels"][0, 0] = -100  # in a packed row, a document's first token is predicted from the previous one
+        doc.pop("attention_mask")
+    return docs
+
+
+def packed(docs: list[dict]) -> dict:
+    """The documents in one row, positions restarting at each; each image's own tensors, in order."""
+    images = []
+    for doc in docs:
+        if "image_grid_thw" in doc:  # Qwen: patches of all images in one tensor
+            pixels = doc["pixel_values"].split(doc["image_grid_thw"].prod(-1).tolist())
+            images += [{"pixel_values": p, "image_grid_thw": doc["image_grid_thw"][k:k + 1]} for k, p in enumerate(pixels)]
+        elif "pixel_values" in doc:  # one [3, H, W] picture per image
+            images += [{"pixel_values": p[None]} for p in doc["pixel_values"]]
+    return {"input_ids": torch.cat([d["input_ids"] for d in docs], 1),
+            "labels": torch.cat([d["labels"] for d in docs], 1),
+            "position_ids": torch.cat([torch.arange(d["input_ids"].shape[1]) for d in docs])[None],
+            "images": [images]}
+
+
+def engine_steps(folder, steps: list[list[dict]], freeze=(True, False), **engine_kw):
+    spec = discover(str(folder), freeze_vision_tower=freeze[0], freeze_multi_modal_projector=freeze[1])
+    engine = StreamingEngine(spec, EngineConfig(device="cpu", **engine_kw), OPT, total_steps=len(steps))
+    try:
+        engine.load_pretrained(folder)
+        before = {k: v.clone() for k, v in engine.state_dict().items()}
+        losses = [engine.train_step(mbs).loss.item() for mbs in steps]
+        return losses, before, {k: v.clone() for k, v in engine.state_dict().items()}, engine.store
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(("engine_kw", "freeze"), [
+    ({}, (True, False)),  # LLaMA-Factory's defaults: tower frozen, projector trained
+    ({"schedule": "resident"}, (False, False)),
+    ({"checkpoint_every": 1}, (False, True)),
+    ({"checkpoint_every": 1, "checkpoint_placement": "host"}, (False, False)),  # the image features' gradient too
+], ids=["stream-frozen-tower", "resident-all-trained", "K1-frozen-projector", "K1-host-checkpoints"])
+def test_qwen2_5_vl_step_equals_transformers(folder, documents, engine_kw, freeze):
+    [loss], before, state, store = engine_steps(folder, [[packed(documents)]], freeze, **engine_kw)
+    ref = reference_model(folder, *freeze)
+    [ref_loss] = reference_train(ref, [documents], OPT)
+    assert_same_step(state, before, ref.state_dict(), loss, ref_loss)
+    tower = [k for k in state if ".visual." in k and ".merger." not in k]
+    projector = [k for k in state if ".visual.merger." in k]
+    for frozen, names in ((freeze[0], tower), (freeze[1], projector)):
+        for name in names:
+            assert torch.equal(state[name], before[name]) is frozen, name
+    trained = sum(t.numel() for name, t in state.items() if (name in tower and not freeze[0]) or
+                  (name in projector and not freeze[1]) or ".visual." not in name)
+    assert store.exp_avg.numel() == store.exp_avg_sq.numel() == trained  # frozen units hold no moments
+
+
+def test_a_step_without_images_leaves_the_projector_and_its_adam_count(folder, documents):
+    """transformers gives the projector no gradient (None) in a text-only step: AdamW skips it, so its
+    bias-correction count stays behind the language model's for the next step with images."""
+    text_only = [documents[1]]
+    losses, before, state, _ = engine_steps(folder, [[packed(text_only)], [packed(documents)]])
+    ref = reference_model(folder)
+    ref_losses = reference_train(ref, [text_only, documents], OPT)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_same_step(state, before, ref.state_dict(), losses[-1], ref_losses[-1])
+
+
+def test_vision_units_and_freeze_flags_are_discovered(folder):
+    spec = discover(str(folder))
+    names = [u.name for u in spec.units]
+    assert names == ["vision.embed", "vision.blocks.0", "vision.blocks.1", "vision.blocks.2", "vision.projector",
+                     "embed", "layers.0", "layers.1", "head"]
+    assert [u.name for u in spec.units if u.frozen] == names[:4]
+    covered = {p.hf_name for u in spec.units for p in u.params}
+    assert covered == set(spec.skeleton.state_dict())
+    assert {p.hf_name for p in spec.unit("vision.projector").params} == {
+        n for n in covered if n.startswith("model.visual.merger.")}
+    assert not discover(str(folder), False, True).unit("vision.blocks.1").frozen
+
+
+@pytest.fixture(scope="module")
+def gemma3_documents():
+    g = torch.Generator().manual_seed(0)
+    docs = [gemma3_document(7, 1, g), gemma3_document(6, 0, g), gemma3_document(5, 2, g)]
+    for doc in docs:
+        doc["labels"][0, 0] = -100
+    return docs
+
+
+@pytest.mark.parametrize(("engine_kw", "freeze"), [({}, (True, False)), ({"schedule": "resident"}, (False, False))],
+                         ids=["stream-frozen-tower", "resident-all-trained"])
+def test_gemma3_step_equals_transformers(tmp_path, gemma3_documents, engine_kw, freeze):
+    """SigLIP tower, average-pool projector, image tokens attending both ways, sliding-window layers. Two
+    steps: the projector starts at zero, so the tower's first gradient is zero."""
+    folder = save_gemma3(tmp_path, vision_use_head=False)  # as Gemma 3's checkpoints: no pooling head
+    losses, before, state, _ = engine_steps(folder, [[packed(gemma3_documents)]] * 2, freeze, **engine_kw)
+    ref = reference_model(folder, *freeze)
+    ref_losses = reference_train(ref, [gemma3_documents] * 2, OPT)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_same_step(state, before, ref.state_dict(), losses[-1], ref_losses[-1])
+    tower = [k for k in state if ".vision_tower." in k]
+    assert [k for k in tower if torch.equal(state[k], before[k]) is not freeze[0]] == []
+
+
+def test_a_trained_tower_with_parameters_transformers_never_uses_is_refused(tmp_path, gemma3_documents):
+    """SigLIP's pooling head gets no gradient under Gemma 3: torch leaves it unchanged, a flat unit would decay it."""
+    folder = save_gemma3(tmp_path, vision_use_head=True)
+    with pytest.raises(ModelNotSupportedError, match=r"parameters \['vision_tower.head.attention.in_proj_bias'.* are "
+                                                     "not used by get_image_features"):
+        engine_steps(folder, [[packed(gemma3_documents)]], (False, False))
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen3_vl", "qwen3_5"])
+def test_image_text_families_not_yet_trained_are_refused_by_name(family):
+    with pytest.raises(ModelNotSupportedError, match=f"image-text family '{family}' is not supported yet"):
+        discover({"model_type": family})

@@ -1,0 +1,125 @@
+"""Tiny image-text models with their processors, saved as transformers saves them, and images made here.
+
+Each family's folder holds what a hub checkpoint holds: config.json and safetensors written by
+`save_pretrained`, the tokenizer (the tiny one plus the family's image tokens) and the processor's
+files, so the engine, the data pipeline and transformers' reference all read the same folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig
+
+from mt_ray.data import load_tiny_tokenizer
+from mt_ray.data.mm_processor import load_processor
+
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+# ChatML whose messages may also hold a list of parts, an image written as Qwen2.5-VL's template writes it.
+QWEN_VL_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content is string %}{{- message.content }}{%- else %}{%- for part in message.content %}"
+    "{%- if part.type == 'image' %}{{- '" + QWEN_IMAGE + "' }}{%- elif part.type == 'text' %}{{- part.text }}"
+    "{%- endif %}{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+VLM_VOCAB = 896  # the tiny tokenizer and the image tokens, rounded up
+
+
+def qwen2_5_vl_config(tokenizer, **text) -> PretrainedConfig:
+    """Two language layers and three vision blocks (one with full attention, two with 8x8-pixel windows)."""
+    ids = dict(zip(QWEN_TOKENS, tokenizer.convert_tokens_to_ids(QWEN_TOKENS), strict=True))
+    return AutoConfig.for_model(
+        "qwen2_5_vl",
+        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VLM_VOCAB, initializer_range=0.2,
+                         rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, **text),
+        vision_config=dict(depth=3, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, window_size=8,
+                           fullatt_block_indexes=[1], initializer_range=0.2),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def save_qwen2_5_vl(folder: Path, seed: int = 0, **text) -> Path:
+    """A random tiny Qwen2.5-VL written by transformers, with its tokenizer and image processor."""
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = load_tiny_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *QWEN_TOKENS]})
+    tokenizer.chat_template = QWEN_VL_TEMPLATE
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(qwen2_5_vl_config(tokenizer, **text)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8,
+                             max_pixels=24 * 24).save_pretrained(folder)
+    (Path(folder) / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
+    return Path(folder)
+
+
+GEMMA_IMAGE_TOKEN = 90
+
+
+def save_gemma3(folder: Path, seed: int = 0, **vision) -> Path:
+    """A random tiny Gemma 3 (SigLIP tower of 16x16-pixel images, 4 image tokens each; sliding and full
+    attention layers) written by transformers. No processor: its documents are made by hand."""
+    config = AutoConfig.for_model(
+        "gemma3",
+        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, vocab_size=96, sliding_window=4, initializer_range=0.2,
+                         layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=16, patch_size=4, **vision),
+        mm_tokens_per_image=4, image_token_id=GEMMA_IMAGE_TOKEN, boi_token_id=91, eoi_token_id=92, initializer_range=0.2)
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
+    return Path(folder)
+
+
+def gemma3_document(text_tokens: int, images: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """[begin of image, its 4 tokens, end of image] per image, then text; what Gemma 3's processor returns
+    (token_type_ids mark the image tokens, which attend to each other both ways)."""
+    text = torch.randint(3, 89, (text_tokens,), generator=generator).tolist()
+    ids = torch.tensor([[t for _ in range(images) for t in (91, *[GEMMA_IMAGE_TOKEN] * 4, 92)] + text])
+    labels = ids.clone()
+    labels[:, :6 * images + 2] = -100
+    doc = {"input_ids": ids, "labels": labels, "token_type_ids": (ids == GEMMA_IMAGE_TOKEN).long()}
+    if images:
+        doc["pixel_values"] = torch.randn(images, 3, 16, 16, generator=generator)
+    return doc
+
+
+def make_image(seed: int, height: int = 16, width: int = 24) -> Image.Image:
+    """A random RGB picture (its sizes are multiples of 8, so it keeps its size in the tiny processor)."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def image_document(folder: Path, text: str, images: list[Image.Image], prompt_words: int) -> dict[str, torch.Tensor]:
+    """One document through the folder's own processor: `text` with the family's image placeholders,
+    labels masked over the first `prompt_words` pieces and every image token."""
+    processor = load_processor(folder)
+    out = processor(text=[text], images=images or None, return_tensors="pt")
+    ids = out["input_ids"]
+    labels = ids.clone()
+    labels[:, :prompt_words] = -100
+    labels[ids == processor.image_token_id] = -100
+    return {**out, "labels": labels}
+
+
+def reference_model(folder: Path, freeze_tower: bool = True, freeze_projector: bool = False) -> torch.nn.Module:
+    """transformers' own model from `folder` (eager attention), frozen as LLaMA-Factory freezes it."""
+    model = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").float()
+    for name, p in model.named_parameters():
+        tower = (".visual." in name and ".merger." not in name) or ".vision_tower." in name
+        projector = ".merger." in name or ".multi_modal_projector." in name
+        if (tower and freeze_tower) or (projector and freeze_projector):
+            p.requires_grad_(False)
+    return model
