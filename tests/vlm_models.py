@@ -96,6 +96,34 @@ def gemma3_document(text_tokens: int, images: int, generator: torch.Generator) -
     return doc
 
 
+def save_llava(folder: Path, seed: int = 0) -> Path:
+    """A random tiny LLaVA (CLIP tower of 16x16-pixel images, features of its second-to-last layer without
+    the CLS token: 16 image tokens each; a Llama language model) written by transformers."""
+    config = AutoConfig.for_model(
+        "llava",
+        text_config=dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=96, initializer_range=0.2),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                           num_attention_heads=2, image_size=16, patch_size=4, projection_dim=16),
+        image_token_id=GEMMA_IMAGE_TOKEN, vision_feature_layer=-2, vision_feature_select_strategy="default",
+        initializer_range=0.2)
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
+    return Path(folder)
+
+
+def llava_document(text_tokens: int, images: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Each image's 16 tokens, then text (the prompt's first two text tokens carry no loss)."""
+    text = torch.randint(3, 89, (text_tokens,), generator=generator).tolist()
+    ids = torch.tensor([[GEMMA_IMAGE_TOKEN] * 16 * images + text])
+    labels = ids.clone()
+    labels[:, :16 * images + 2] = -100
+    doc = {"input_ids": ids, "labels": labels}
+    if images:
+        doc["pixel_values"] = torch.randn(images, 3, 16, 16, generator=generator)
+    return doc
+
+
 def make_image(seed: int, height: int = 16, width: int = 24) -> Image.Image:
     """A random RGB picture (its sizes are multiples of 8, so it keeps its size in the tiny processor)."""
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)

@@ -111,6 +111,7 @@ class VisionStage:
                 used = [(t, g) for t, g in zip(flat, mb.feature_grads, strict=True) if g is not None]
                 inputs = [*p_leaves, *e_leaves, *(outs if self.tower_trains else [])]
                 gs = torch.autograd.grad([t for t, _ in used], inputs, [g for _, g in used], allow_unused=True)
+            raw = gs
             if self.tower_trains:
                 unused = {p.local_name for p, g in zip(self._embed_trainable, gs[len(p_leaves):], strict=False) if g is None}
             gs = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, gs, strict=True)]
@@ -119,7 +120,7 @@ class VisionStage:
             if self.tower_trains:  # vision.embed's part after the blocks; its part before them comes last
                 self.add_grad(VISION_EMBED, gs[len(p_leaves):len(p_leaves) + len(e_leaves)], False, self.embed.frozen_numel)
                 tape.outputs = [o.detach() for o in tape.outputs]
-                tape.grads = gs[len(p_leaves) + len(e_leaves):]
+                tape.grads = [None if g is None else g for g in raw[len(p_leaves) + len(e_leaves):]]
         if self.tower_trains:
             self._backward_tower(mbs, tapes, final, unused)
 
@@ -134,6 +135,8 @@ class VisionStage:
         for i in reversed(range(len(self.blocks))):
             template = self.block_templates[i]
             w = template.bind(self.weights(self.blocks[i]), requires_grad=True)
+            if all(tape.grads[i] is None for tape in tapes):
+                continue  # nothing after this block reads it (LLaVA's last layer): like torch, it is not updated
             for j, tape in enumerate(tapes):
                 x = tape.block_input(i).detach().requires_grad_()
                 with torch.enable_grad():
@@ -141,7 +144,7 @@ class VisionStage:
                     gs = torch.autograd.grad(out, [x, *template.leaves(w)], tape.grads[i])
                 self.add_grad(self.blocks[i], gs[1:], final and j == last, template.frozen_numel)
                 if i:
-                    tape.grads[i - 1] = tape.grads[i - 1] + gs[0]
+                    tape.grads[i - 1] = gs[0] if tape.grads[i - 1] is None else tape.grads[i - 1] + gs[0]
                 else:
                     tape.h0_grad = gs[0]
         w = self.embed.bind(self.weights(VISION_EMBED), requires_grad=True)

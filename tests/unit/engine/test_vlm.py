@@ -20,9 +20,11 @@ from tests.tiny_models import reference_train
 from tests.vlm_models import (
     gemma3_document,
     image_document,
+    llava_document,
     make_image,
     reference_model,
     save_gemma3,
+    save_llava,
     save_qwen2_5_vl,
 )
 
@@ -157,7 +159,33 @@ def test_a_trained_tower_with_parameters_transformers_never_uses_is_refused(tmp_
         engine_steps(folder, [[packed(gemma3_documents)]], (False, False))
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen3_vl", "qwen3_5"])
+def llava_documents():
+    g = torch.Generator().manual_seed(0)
+    docs = [llava_document(7, 1, g), llava_document(6, 0, g), llava_document(5, 2, g)]
+    for doc in docs:
+        doc["labels"][0, 0] = -100
+    return docs
+
+
+def test_llava_step_equals_transformers(tmp_path):
+    """CLIP tower whose second-to-last layer's hidden states (collected by transformers' hooks on the layer
+    class) feed the projector; the last layer is never read. Two steps, as the projector trains."""
+    folder = save_llava(tmp_path)
+    docs = llava_documents()
+    losses, before, state, _ = engine_steps(folder, [[packed(docs)]] * 2)
+    ref = reference_model(folder)
+    ref_losses = reference_train(ref, [docs] * 2, OPT)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_same_step(state, before, ref.state_dict(), losses[-1], ref_losses[-1])
+
+
+def test_llava_with_a_trained_tower_is_refused(tmp_path):
+    """LLaVA never reads CLIP's post-layernorm (its features come before it): the same refusal."""
+    with pytest.raises(ModelNotSupportedError, match=r"\['vision_tower.post_layernorm.bias'"):
+        engine_steps(save_llava(tmp_path), [[packed(llava_documents())]], (False, False))
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "idefics3"])
 def test_image_text_families_not_yet_trained_are_refused_by_name(family):
     with pytest.raises(ModelNotSupportedError, match=f"image-text family '{family}' is not supported yet"):
         discover({"model_type": family})
