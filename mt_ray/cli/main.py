@@ -27,8 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     calc.add_argument("--config", help="YAML run config providing the model, engine and optimizer (or --preset/--path)")
     calc.add_argument("--preset", help="built-in model shape, e.g. qwen2.5-7b")
     calc.add_argument("--path", help="local Hugging Face model folder")
-    calc.add_argument("--seq", type=int, default=1024, help="sequence length")
-    calc.add_argument("--global-batch", type=int, default=128, help="sequences per optimizer step")
+    calc.add_argument("--seq", type=int, help="sequence length (default: the config's data.max_seq_len, else 1024)")
+    calc.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: the config's "
+                      "micro_batch_size x grad_accum_steps, else 128)")
     calc.add_argument("--gpu-mem-gb", type=float, help="GPU memory in GiB (default: the local GPU's)")
     calc.add_argument("--host-mem-gb", type=float, help="host memory for training in GiB (default: what this host "
                       "has available: the cgroup limit, else MemAvailable)")
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
                       "(50: the H100 host's PCIe 5.0, measured; about 25 for PCIe 4.0 x16)")
     calc.add_argument("--gpu-tflops", type=float, default=500.0, help="bf16 decoder-layer throughput of the GPU "
                       "(500: measured on the H100)")
+    calc.add_argument("--image-tokens", type=int, default=0,
+                      help="image-text models: image tokens per sample (part of --seq): the vision tower's share")
     calc.add_argument("--json", action="store_true", help="print JSON instead of a table")
     calc.add_argument("--workers", type=int, default=1, help="data-parallel workers (GPUs): adds the per-node figures")
     calc.add_argument("--nodes", type=int, default=1, help="nodes the workers and the fp32 state spread over")
@@ -86,6 +89,10 @@ def _calc(args) -> int:
         if value is not None and value <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     run = _run_config(args)
+    if args.seq is None:
+        args.seq = run.data.max_seq_len if run else 1024
+    if args.global_batch is None:
+        args.global_batch = run.training.micro_batch_size * run.training.grad_accum_steps if run else 128
     gpu = args.gpu_mem_gb if args.gpu_mem_gb is not None else local_gpu_memory_gb()
     host = args.host_mem_gb if args.host_mem_gb is not None else available_host_bytes() / GIB
     machine = Machine(layer_tflops=args.gpu_tflops, h2d_gbps=args.h2d_gbps)
@@ -95,7 +102,7 @@ def _calc(args) -> int:
         engine = run.engine.model_copy(update={"device": "cpu", "compute_dtype": dtype})
     spec = _spec(args, run)
     rec = recommend(spec, args.seq, args.global_batch, gpu, host, cfg=engine,
-                    opt=run.optimizer if run else None, machine=machine)
+                    opt=run.optimizer if run else None, machine=machine, image_tokens=args.image_tokens)
     model = run.model.model_dump(exclude_defaults=True) if run else {"path": args.path} if args.path else {
         "preset": args.preset or "tiny"}
     cluster = _cluster_sizing(spec, args) if args.workers > 1 or args.nodes > 1 else None

@@ -16,6 +16,12 @@ weight streamer follows its upload plan: a fetch is issued ahead only once the p
 been, a get right after a put of the same key takes that put's device tensor (no round trip,
 which is every forward get when a step is one micro-batch), and a device tensor is dropped at
 its last get. On CPU the same code runs with no streams: copies are synchronous.
+
+Use (any schedule whose order of parked tensors is known before the step, not only this one):
+`store = build_activation_store(placement, streams, dtype)`; per step `store.start(plan, numels)`
+with `plan` a list of ("put" | "get", (slot, micro-batch)) and `numels[j]` micro-batch j's size,
+then `store.put(key, x)` / `x = store.get(key)` in exactly that order (a broken order raises);
+`store.close()` at the end. `streamed_step_plan` is the streaming engine's plan.
 """
 
 from __future__ import annotations
@@ -214,6 +220,28 @@ def build_activation_store(placement: str, streams: StreamSet, dtype: torch.dtyp
     if placement == "host":
         return HostActivationStore(streams, dtype, host_memory_limit_gb)
     return ActivationStore()
+
+
+def streamed_step_plan(n_blocks: int, n_micro: int, train: bool) -> list[Op]:
+    """Every put and get of a streamed step's parked hidden states, in the order the engine makes them.
+
+    Slot b < n_blocks holds block b's checkpoint (its input), slot n_blocks the carry: the last block's
+    output, then the gradient flowing back. Forward: every micro-batch's embedding, then block by block
+    each micro-batch's checkpoint read and the next one written. Training then runs the head (carry
+    read, gradient written) and each block backward from the last (checkpoint and gradient read, the
+    gradient of its input written); the embedding's backward reads the last gradient. An evaluation
+    reads the carry once, for the loss.
+    """
+    carry, mbs = n_blocks, range(n_micro)
+    plan: list[Op] = [("put", (0, j)) for j in mbs]
+    for b in range(n_blocks):
+        plan += [op for j in mbs for op in (("get", (b, j)), ("put", (b + 1, j)))]
+    if not train:
+        return plan + [("get", (carry, j)) for j in mbs]
+    plan += [op for j in mbs for op in (("get", (carry, j)), ("put", (carry, j)))]
+    for b in reversed(range(n_blocks)):
+        plan += [op for j in mbs for op in (("get", (b, j)), ("get", (carry, j)), ("put", (carry, j)))]
+    return plan + [("get", (carry, j)) for j in mbs]
 
 
 def _final_gets(plan: list[Op]) -> set[int]:

@@ -27,6 +27,7 @@ from mt_ray.engine.sizing import (
     device_bytes,
     host_bytes,
     predicted_step_seconds,
+    vision_sizes,
 )
 from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import ModelSpec
@@ -64,19 +65,24 @@ class Option:
 
 def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, host_mem_gb: float,
               cfg: EngineConfig | None = None, opt: OptimizerConfig | None = None, machine: Machine | None = None,
-              max_micro_tokens: int = MAX_MICRO_TOKENS) -> dict:
+              max_micro_tokens: int = MAX_MICRO_TOKENS, image_tokens: int = 0) -> dict:
     """The fastest configuration that fits `gpu_mem_gb` and `host_mem_gb` (GiB), or why none does.
 
     `cfg` gives everything not searched (dtype, kernels, grad slabs) and the stream_master and
     gradient dtype to prefer on a tie; `opt` decides whether clipping holds every gradient.
+    `image_tokens`: an image-text model's image tokens per sample (part of `seq`), for its vision tower.
     """
     cfg = cfg or EngineConfig(device="cpu", compute_dtype="bf16")
     opt = opt or OptimizerConfig()
     machine = machine or Machine()
     search = _Search(spec, cfg, opt, machine, gpu_mem_gb * GIB * GPU_HEADROOM, (host_mem_gb - HOST_RESERVE_GIB) * GIB,
-                     max_micro_tokens)
+                     max_micro_tokens, image_tokens)
     out = {"params": spec.num_params, "seq": seq, "global_batch": global_batch, "gpu_mem_gb": gpu_mem_gb,
            "host_mem_gb": host_mem_gb, "h2d_gbps": machine.h2d_gbps}
+    vision = vision_sizes(spec, image_tokens)
+    if vision is not None:
+        out.update(vision_tower_params=vision.tower_params, vision_projector_params=vision.projector_params,
+                   image_tokens=image_tokens, vision_patches_per_sample=vision.patches)
     options = list(search.options(seq, global_batch))
     best = _fastest([o for o in options if search.fits(o)])
     if best is None:
@@ -86,7 +92,7 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
         **out, "fits": True, **{k: getattr(c, k) for k in SEARCHED}, "prefetch_units": c.prefetch_units or
         c.checkpoint_every, "micro_batch_size": best.micro_batch, "grad_accum_steps": global_batch // best.micro_batch,
         "device_gib": best.device / GIB, "host_gib": best.host / GIB, "host_bytes_per_param": best.host / spec.num_params,
-        "predicted_step_s": best.seconds, "model_tflops": 6 * spec.num_params * seq * global_batch / best.seconds / 1e12,
+        "predicted_step_s": best.seconds, "model_tflops": 6 * spec.text_params * seq * global_batch / best.seconds / 1e12,
     }
 
 
@@ -94,10 +100,11 @@ class _Search:
     """The candidate configurations of one model on one machine, and the limits when none fits."""
 
     def __init__(self, spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, machine: Machine,
-                 gpu_budget: float, host_budget: float, max_micro_tokens: int):
+                 gpu_budget: float, host_budget: float, max_micro_tokens: int, image_tokens: int = 0):
         self.spec, self.cfg, self.opt, self.machine = spec, cfg, opt, machine
         self.gpu_budget, self.host_budget = gpu_budget, host_budget
         self.max_micro_tokens = max_micro_tokens
+        self.image_tokens = image_tokens
 
     def fits(self, o: Option) -> bool:
         return o.device <= self.gpu_budget and o.host <= self.host_budget
@@ -114,9 +121,10 @@ class _Search:
                 key = tuple(v for k, v in knobs.items() if k != "loss_chunk_tokens")
                 if key not in host:
                     host[key] = host_bytes(self.spec, c, self.opt, seq, global_batch)
-                    seconds[key] = predicted_step_seconds(self.spec, c, seq, global_batch, self.machine)
-                yield Option(c, micro, device_bytes(self.spec, c, micro, seq, global_batch)["total"], host[key],
-                             seconds[key])
+                    seconds[key] = predicted_step_seconds(self.spec, c, seq, global_batch, self.machine,
+                                                          self.image_tokens)
+                yield Option(c, micro, device_bytes(self.spec, c, micro, seq, global_batch, self.image_tokens)["total"],
+                             host[key], seconds[key])
 
     def _knobs(self, micro_tokens: int) -> Iterator[dict]:
         chunks = _loss_chunks(self.cfg.loss_chunk_tokens, micro_tokens)

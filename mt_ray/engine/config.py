@@ -78,7 +78,8 @@ class EngineConfig(_Strict):
         description="'liger': Liger's fused Triton kernels for RMSNorm, SwiGLU/GeGLU and rotary in every decoder "
         "layer and the final norm, with the family's own settings (fewer activation bytes kept for backward and "
         "fewer kernel launches; CUDA only; pip install liger-kernel). The loss stays the engine's chunked fp32 "
-        "cross-entropy. 'torch': the family's transformers code.",
+        "cross-entropy, and MoE experts transformers' own (Liger's fused experts compute fp32 as TF32). "
+        "'torch': the family's transformers code.",
     )
     host_memory_limit_gb: float | None = Field(
         None, gt=0, description="Host memory this job may use; default: cgroup limit, else MemAvailable."

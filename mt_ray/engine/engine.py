@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from mt_ray.engine.activations import Op, build_activation_store
+from mt_ray.engine.activations import build_activation_store, streamed_step_plan
 from mt_ray.engine.batch import MicroBatch, prepare_micro_batch
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import HostStore
@@ -191,7 +191,7 @@ class StreamingEngine:
             imaged = [mb for mb in mbs if mb.images is not None]
             tapes = self.vision.forward(imaged) if imaged else []
             park, carry = self.activations, len(self._blocks())
-            park.start(self._activation_plan(len(mbs), train=True), self._hidden_numels(mbs))
+            park.start(streamed_step_plan(carry, len(mbs), train=True), self._hidden_numels(mbs))
             contexts, aux_grads = self._forward(mbs, aux_weights)
             loss_sum = self._head(self._carried(len(mbs)), mbs, 1.0 / n_norm, True,
                                   lambda j, g: park.put((carry, j), g))
@@ -233,7 +233,8 @@ class StreamingEngine:
         plan = (self.vision.plan()[0] if imaged else []) + plan
         self.streamer.start(plan + (["embed"] if self.spec.tied and not self.resident else []), version=self.step_idx)
         self._kept = {}
-        self.activations.start(self._activation_plan(len(mbs), train=False), self._hidden_numels(mbs))
+        self.activations.start(streamed_step_plan(len(self._blocks()), len(mbs), train=False),
+                               self._hidden_numels(mbs))
         with _eval_mode(t.module for t in self.templates.values()), torch.no_grad():
             if imaged:
                 self.vision.forward(imaged)
@@ -268,9 +269,11 @@ class StreamingEngine:
         for unit in self.spec.units:
             self.store.load_named(unit, state)
 
-    def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32) -> Path:
-        """Write the trained weights as a Hugging Face folder that `from_pretrained` loads."""
-        return export_hf(self.spec, self.state_dict(), out_dir, tokenizer, dtype)
+    def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32,
+               extra_files: tuple[Path, ...] = ()) -> Path:
+        """Write the trained weights as a Hugging Face folder that `from_pretrained` loads (`extra_files`
+        copied in: an image-text model's processor files)."""
+        return export_hf(self.spec, self.state_dict(), out_dir, tokenizer, dtype, extra_files=extra_files)
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Everything a checkpoint needs: the flat fp32 master/moment buffers and the step.
@@ -355,19 +358,6 @@ class StreamingEngine:
             if self.resident:
                 self._kept[unit] = flat
         return flat
-
-    def _activation_plan(self, n_micro: int, train: bool) -> list[Op]:
-        """Every put and get of the streamed step's parked hidden states, in the order it makes them."""
-        carry, mbs = len(self._blocks()), range(n_micro)
-        plan: list[Op] = [("put", (0, j)) for j in mbs]
-        for b in range(carry):
-            plan += [op for j in mbs for op in (("get", (b, j)), ("put", (b + 1, j)))]
-        if not train:
-            return plan + [("get", (carry, j)) for j in mbs]  # the evaluation's loss
-        plan += [op for j in mbs for op in (("get", (carry, j)), ("put", (carry, j)))]  # the head
-        for b in reversed(range(carry)):
-            plan += [op for j in mbs for op in (("get", (b, j)), ("get", (carry, j)), ("put", (carry, j)))]
-        return plan + [("get", (carry, j)) for j in mbs]  # the embedding's backward
 
     def _hidden_numels(self, mbs: list[MicroBatch]) -> list[int]:
         return [mb.input_ids_BT.numel() * self.spec.text_config.hidden_size for mb in mbs]

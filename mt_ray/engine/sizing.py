@@ -7,7 +7,9 @@ memory), K layers plus prefetched ones, one micro-batch's recompute activations,
 accumulators; resident: every weight and gradient sum and one micro-batch's activations through
 all layers), with per-token activation bytes counted from the decoder layer's shapes. Step time is
 predicted from the machine's matmul rate and link bandwidth (defaults: the lent H100's measured
-figures). The search over configurations is `calculator.py`.
+figures). The search over configurations is `calculator.py`. An image-text model adds its vision
+tower: given the image tokens per sample, the block outputs a step keeps on the device (every
+block's, for every sample with images) and the tower's compute.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from mt_ray.engine.activations import host_placement_device_hiddens
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import plan_layout
 from mt_ray.models.discovery import ModelSpec
+from mt_ray.models.vision import VISION_PROJECTOR
 
 GIB = 1024**3
 
@@ -56,7 +59,7 @@ def host_bytes(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, seq: in
     `checkpoint_placement: host`) the slab a step of `global_batch` x `seq` tokens parks hidden states in."""
     dtype = cfg.dtype
     copy = None if cfg.stream_master or dtype == torch.float32 else dtype
-    numels = {u.name: u.numel for u in spec.units}
+    numels = {u.name: u.numel for u in spec.trainable_units}  # frozen units send no gradient
     per_unit = grad_buffers_per_unit(cfg, opt)
     state = plan_layout(spec, copy).nbytes + grad_buffer_bytes(numels, cfg.grad_torch_dtype, per_unit, cfg.grad_slabs)
     return state + activation_slab_bytes(spec, cfg, seq * global_batch)
@@ -101,12 +104,61 @@ def logit_bytes(dtype_bytes: int) -> int:
     return dtype_bytes + 4 + 4 + (4 + dtype_bytes if dtype_bytes < 4 else 0)
 
 
-def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int, global_batch: int) -> dict[str, int]:
-    """Peak device memory of a step, by part (bytes).
+@dataclass(frozen=True)
+class VisionSizes:
+    """An image-text model's vision side, for `image_tokens` image tokens per sample."""
+
+    patches: int  # per sample: image tokens times the tokens one merges (Qwen-VL: 2x2)
+    tower_params: int
+    tower_trains: bool
+    projector_params: int
+    projector_trains: bool
+    hidden: int
+    depth: int
+
+    def kept_bytes(self, samples: int, dtype_bytes: int) -> int:
+        """Every block's output for `samples` samples: kept on the device from the vision forward to its backward."""
+        return samples * self.patches * self.hidden * self.depth * dtype_bytes
+
+    def flops(self, samples: int, image_tokens: int) -> float:
+        """Matmul FLOPs of a step: the tower once forward (recomputed and run backward when it trains: 8x
+        instead of 2x), the projector forward, and again with its backward when anything trains."""
+        tower = (8 if self.tower_trains else 2) * self.tower_params * self.patches
+        projector = (8 if self.tower_trains or self.projector_trains else 2) * self.projector_params * image_tokens
+        return samples * float(tower + projector)
+
+
+def vision_sizes(spec: ModelSpec, image_tokens: int) -> VisionSizes | None:
+    """None for a text model."""
+    if spec.vision is None:
+        return None
+    vc = spec.config.vision_config
+    tower = [u for u in spec.units if u.name.startswith("vision.") and u.name != VISION_PROJECTOR]
+    projector = spec.unit(VISION_PROJECTOR)
+    merge = getattr(vc, "spatial_merge_size", 1) ** 2
+    return VisionSizes(image_tokens * merge, sum(u.numel for u in tower), not tower[0].frozen, projector.numel,
+                       not projector.frozen, vc.hidden_size, len(spec.vision.blocks))
+
+
+def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int, global_batch: int,
+                 image_tokens: int = 0) -> dict[str, int]:
+    """Peak device memory of a step, by part (bytes); `image_tokens` per sample for an image-text model,
+    whose vision block outputs stay on the device through the language model (`vision_outputs`).
 
     The parts are those of the last block's backward; `head_or_embed_extra` is what the loss, the
     first block's backward or the embedding's backward needs beyond it, where one of them peaks higher.
     """
+    parts = _text_device_bytes(spec, cfg, micro_batch, seq, global_batch)
+    vision = vision_sizes(spec, image_tokens)
+    if vision is not None and image_tokens:
+        samples = micro_batch if cfg.schedule == "resident" else global_batch
+        parts["vision_outputs"] = vision.kept_bytes(samples, cfg.dtype.itemsize)
+        parts["total"] += parts["vision_outputs"]
+    return parts
+
+
+def _text_device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int,
+                       global_batch: int) -> dict[str, int]:
     if cfg.schedule == "resident":
         return _resident_device_bytes(spec, cfg, micro_batch * seq)
     d, k = spec.text_config.hidden_size, cfg.checkpoint_every
@@ -181,7 +233,7 @@ def _loss_chunk_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> int
 
 
 def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_batch: int,
-                           machine: Machine = Machine()) -> float:
+                           machine: Machine = Machine(), image_tokens: int = 0) -> float:
     """Compute or the host link, whichever bounds, plus what the GPU waits for: the optimizer time
     it cannot hide, and the uploads a prefetch shallower than K leaves exposed.
 
@@ -189,12 +241,17 @@ def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_
     exposed (layers update under the next forward). Resident: 6·N·T, weights cross once, and the
     whole optimizer pass is exposed (the next step's first micro-batch waits for every layer).
     Gradients cross back once; hidden states parked in host memory cross both ways (per token,
-    each block's checkpoint and the gradient flowing back).
+    each block's checkpoint and the gradient flowing back). An image-text model's tokens compute with the
+    language model alone; its vision tower adds `VisionSizes.flops` for `image_tokens` per sample.
     """
     tokens = global_batch * seq
     n = spec.num_params
     resident = cfg.schedule == "resident"
-    compute = (6 if resident else 8) * n * tokens / (machine.layer_tflops * 1e12)
+    flops = (6 if resident else 8) * spec.text_params * tokens
+    vision = vision_sizes(spec, image_tokens)
+    if vision is not None:
+        flops += vision.flops(global_batch, image_tokens)
+    compute = flops / (machine.layer_tflops * 1e12)
     weight_size = 4 if cfg.stream_master else 2  # per parameter per pass
     h2d = n * weight_size * (1 if resident else 2)
     d2h = n * cfg.grad_torch_dtype.itemsize
@@ -228,4 +285,15 @@ def describe_model(spec: ModelSpec) -> str:
           for kind, n in kinds.items()],
         f"host memory (bf16 copy, no clipping): {bf16 / GIB:.1f} GiB ({bf16 / spec.num_params:.1f} B/param)",
     ]
+    vision = vision_sizes(spec, 0)
+    if vision is not None:
+        bf16_copy = 2  # the streamed compute-dtype copy, as above
+        tower_bytes = vision.tower_params * (4 + bf16_copy + (8 + bf16_copy if vision.tower_trains else 0))
+        lines += [
+            f"vision tower: {vision.depth} blocks, {vision.tower_params / 1e6:.1f} M params "
+            f"({'trained' if vision.tower_trains else 'frozen: no moments, no gradient'}), "
+            f"host memory {tower_bytes / GIB:.2f} GiB",
+            f"projector: {vision.projector_params / 1e6:.1f} M params ({'trained' if vision.projector_trains else 'frozen'})",
+            f"language model: {spec.text_params / 1e9:.3f} B params",
+        ]
     return "\n".join(lines)

@@ -153,6 +153,9 @@ class LayerContextBuilder:
             outer = spec.vision.outer
             self.body = with_submodule(outer, next(n for n, m in outer.named_modules() if m is body), self.body)
             self.body.get_image_features = self.images
+        # Gemma 3 lets image tokens attend to each other both ways: its body reads them off token_type_ids.
+        self.token_types = spec.vision is not None and "token_type_ids" in inspect.signature(
+            spec.vision.outer.forward).parameters
         meta_free_buffers_to(self.body, device)
         self.num_layers = len(layers)
         self.bounds_not_masks = takes_document_bounds(spec.config._attn_implementation)
@@ -232,8 +235,11 @@ class LayerContextBuilder:
         self.log.clear()
         self.feed.pending = embeds
         self.images.pending = features
+        extra = dict(images or {})
+        if self.token_types:
+            extra["token_type_ids"] = (input_ids == self.vision.image_token_id).long()
         try:
-            self.body(input_ids=input_ids, position_ids=position_ids, use_cache=False, **(images or {}))
+            self.body(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
         finally:
             self.feed.pending = self.images.pending = None
         if len(self.log) != self.num_layers:

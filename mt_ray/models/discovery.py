@@ -10,6 +10,7 @@ image-text model adds its vision tower and projector (`vision.py`) as units of t
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -115,6 +116,11 @@ class ModelSpec:
         return sum(u.numel for u in self.units)
 
     @property
+    def text_params(self) -> int:
+        """The language model's parameters (all of them for a text model): what each token computes with."""
+        return sum(u.numel for u in self.units if not u.name.startswith("vision."))
+
+    @property
     def trainable_units(self) -> list[UnitSpec]:
         return [u for u in self.units if not u.frozen]
 
@@ -128,9 +134,13 @@ class ModelSpec:
 
 
 def load_config(model: str | PretrainedConfig | dict) -> PretrainedConfig:
-    """Accept a config object, a dict with `model_type`, or a local folder holding config.json."""
+    """Accept a config object, a dict with `model_type`, or a local folder holding config.json.
+
+    A config object is copied: the spec owns its config, so what an engine sets on it (the attention
+    backend) never reaches the caller's object, nor a process that object is later sent to.
+    """
     if isinstance(model, PretrainedConfig):
-        return model
+        return copy.deepcopy(model)
     if isinstance(model, dict):
         kwargs = dict(model)
         model_type = kwargs.pop("model_type", None)

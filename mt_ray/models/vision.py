@@ -30,7 +30,7 @@ VISION_BLOCK_PREFIX = "vision.blocks."
 # Discovery finds the parts of any composite model, but each family's vision code has its own
 # habits (feature layers, deepstack injections, bidirectional image masks): until a parity test
 # covers a family it is refused rather than trained in a way nobody checked.
-VERIFIED_FAMILIES = ("qwen2_5_vl",)
+VERIFIED_FAMILIES = ("qwen2_5_vl", "gemma3", "llava")
 
 # A tower child that is the family's projector although the tower owns it (LLaMA-Factory's projector_key).
 _PROJECTOR_IN_TOWER = ("merger",)

@@ -150,7 +150,7 @@ def test_config_errors_name_the_dotted_key() -> None:
 
 def test_demo_registry_is_the_default(tokenizer) -> None:
     assert DataConfig().registry is None
-    assert set(load_registry(demo_registry_path()).entries) == {"demo_alpaca", "demo_sharegpt"}
+    assert set(load_registry(demo_registry_path()).entries) == {"demo_alpaca", "demo_sharegpt", "demo_mllm"}
 
 
 def local_entries(folder: Path) -> list[str]:
@@ -163,7 +163,7 @@ def test_every_llamafactory_local_entry_loads_or_says_why(tokenizer, llamafactor
     for name in local_entries(llamafactory_dir):
         info = json.loads((llamafactory_dir / "dataset_info.json").read_text())[name]
         config = small_config(registry=llamafactory_dir, datasets=[name], max_seq_len=256)
-        if info.get("ranking") or {"images", "videos", "audios", "kto_tag"} & set(info.get("columns", {})):
+        if info.get("ranking") or {"videos", "audios", "kto_tag"} & set(info.get("columns", {})):
             with pytest.raises(DatasetError, match=f"dataset '{name}' (is a preference|uses columns)"):
                 build_dataloader(config, tokenizer, 2)
             continue

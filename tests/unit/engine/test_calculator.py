@@ -120,3 +120,13 @@ def test_calc_without_a_gpu_asks_for_its_memory(capsys):
 def test_bad_calc_input_is_one_clear_error(capsys):
     assert main(["calc", "--preset", "qwen2.5-7b", "--gpu-mem-gb", "-1", "--host-mem-gb", "128"]) == 2
     assert "--gpu-mem-gb must be positive" in capsys.readouterr().err
+
+
+def test_calc_takes_the_shape_of_the_step_from_a_config(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  preset: qwen2.5-7b\ndata:\n  max_seq_len: 2048\ntraining:\n  micro_batch_size: 2\n"
+                    "  grad_accum_steps: 12\nengine:\n  stream_master: true\n")
+    assert main(["calc", "--config", str(path), "--gpu-mem-gb", "24", "--host-mem-gb", "128", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["seq"], out["global_batch"]) == (2048, 24)
+    assert "preset: qwen2.5-7b" in out["config"] and "max_seq_len: 2048" in out["config"]

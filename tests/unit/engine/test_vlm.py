@@ -18,7 +18,16 @@ from mt_ray.models.attention import resolve_attention
 from mt_ray.models.discovery import discover
 from tests.family_checks import OPT, assert_same_step
 from tests.tiny_models import reference_train
-from tests.vlm_models import image_document, make_image, reference_model, save_qwen2_5_vl
+from tests.vlm_models import (
+    gemma3_document,
+    image_document,
+    llava_document,
+    make_image,
+    reference_model,
+    save_gemma3,
+    save_llava,
+    save_qwen2_5_vl,
+)
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -51,9 +60,11 @@ def packed(docs: list[dict]) -> dict:
     """The documents in one row, positions restarting at each; each image's own tensors, in order."""
     images = []
     for doc in docs:
-        sizes = doc["image_grid_thw"].prod(-1).tolist() if "image_grid_thw" in doc else []
-        pixels = doc["pixel_values"].split(sizes) if sizes else []
-        images += [{"pixel_values": p, "image_grid_thw": doc["image_grid_thw"][k:k + 1]} for k, p in enumerate(pixels)]
+        if "image_grid_thw" in doc:  # Qwen: patches of all images in one tensor
+            pixels = doc["pixel_values"].split(doc["image_grid_thw"].prod(-1).tolist())
+            images += [{"pixel_values": p, "image_grid_thw": doc["image_grid_thw"][k:k + 1]} for k, p in enumerate(pixels)]
+        elif "pixel_values" in doc:  # one [3, H, W] picture per image
+            images += [{"pixel_values": p[None]} for p in doc["pixel_values"]]
     return {"input_ids": torch.cat([d["input_ids"] for d in docs], 1),
             "labels": torch.cat([d["labels"] for d in docs], 1),
             "position_ids": torch.cat([torch.arange(d["input_ids"].shape[1]) for d in docs])[None],
@@ -124,7 +135,65 @@ def test_vision_units_and_freeze_flags_are_discovered(folder):
     assert not discover(str(folder), False, True).unit("vision.blocks.1").frozen
 
 
-@pytest.mark.parametrize("family", ["gemma3", "llava", "qwen3_vl", "qwen3_5"])
+@pytest.fixture(scope="module")
+def gemma3_documents():
+    g = torch.Generator().manual_seed(0)
+    docs = [gemma3_document(7, 1, g), gemma3_document(6, 0, g), gemma3_document(5, 2, g)]
+    for doc in docs:
+        doc["labels"][0, 0] = -100
+    return docs
+
+
+@pytest.mark.parametrize(("engine_kw", "freeze"), [({}, (True, False)), ({"schedule": "resident"}, (False, False))],
+                         ids=["stream-frozen-tower", "resident-all-trained"])
+def test_gemma3_step_equals_transformers(tmp_path, gemma3_documents, engine_kw, freeze):
+    """SigLIP tower, average-pool projector, image tokens attending both ways, sliding-window layers. Two
+    steps: the projector starts at zero, so the tower's first gradient is zero."""
+    folder = save_gemma3(tmp_path, vision_use_head=False)  # as Gemma 3's checkpoints: no pooling head
+    losses, before, state, _ = engine_steps(folder, [[packed(gemma3_documents)]] * 2, freeze, **engine_kw)
+    ref = reference_model(folder, *freeze)
+    ref_losses = reference_train(ref, [gemma3_documents] * 2, OPT)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_same_step(state, before, ref.state_dict(), losses[-1], ref_losses[-1])
+    tower = [k for k in state if ".vision_tower." in k]
+    assert [k for k in tower if torch.equal(state[k], before[k]) is not freeze[0]] == []
+
+
+def test_a_trained_tower_with_parameters_transformers_never_uses_is_refused(tmp_path, gemma3_documents):
+    """SigLIP's pooling head gets no gradient under Gemma 3: torch leaves it unchanged, a flat unit would decay it."""
+    folder = save_gemma3(tmp_path, vision_use_head=True)
+    with pytest.raises(ModelNotSupportedError, match=r"parameters \['vision_tower.head.attention.in_proj_bias'.* are "
+                                                     "not used by get_image_features"):
+        engine_steps(folder, [[packed(gemma3_documents)]], (False, False))
+
+
+def llava_documents():
+    g = torch.Generator().manual_seed(0)
+    docs = [llava_document(7, 1, g), llava_document(6, 0, g), llava_document(5, 2, g)]
+    for doc in docs:
+        doc["labels"][0, 0] = -100
+    return docs
+
+
+def test_llava_step_equals_transformers(tmp_path):
+    """CLIP tower whose second-to-last layer's hidden states (collected by transformers' hooks on the layer
+    class) feed the projector; the last layer is never read. Two steps, as the projector trains."""
+    folder = save_llava(tmp_path)
+    docs = llava_documents()
+    losses, before, state, _ = engine_steps(folder, [[packed(docs)]] * 2)
+    ref = reference_model(folder)
+    ref_losses = reference_train(ref, [docs] * 2, OPT)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_same_step(state, before, ref.state_dict(), losses[-1], ref_losses[-1])
+
+
+def test_llava_with_a_trained_tower_is_refused(tmp_path):
+    """LLaVA never reads CLIP's post-layernorm (its features come before it): the same refusal."""
+    with pytest.raises(ModelNotSupportedError, match=r"\['vision_tower.post_layernorm.bias'"):
+        engine_steps(save_llava(tmp_path), [[packed(llava_documents())]], (False, False))
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "idefics3"])
 def test_image_text_families_not_yet_trained_are_refused_by_name(family):
     with pytest.raises(ModelNotSupportedError, match=f"image-text family '{family}' is not supported yet"):
         discover({"model_type": family})

@@ -80,3 +80,18 @@ def test_model_without_decoder_only_layout_is_refused():
     with pytest.raises(ModelNotSupportedError, match="'bert' does not have a decoder-only layout"):
         discover(AutoConfig.for_model("bert", hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                       intermediate_size=32, vocab_size=32))
+
+
+def test_an_engines_attention_choice_stays_off_the_callers_config():
+    """A data-parallel driver sends the same config object to its shards, where a backend the engine
+    registered in another process (varlen) would not exist."""
+    from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine
+
+    cfg = tiny_config("llama")
+    before = cfg._attn_implementation
+    engine = StreamingEngine(discover(cfg), EngineConfig(device="cpu", attn_implementation="eager"), OptimizerConfig(), 1)
+    try:
+        assert engine.spec.config._attn_implementation == "eager"
+    finally:
+        engine.close()
+    assert cfg._attn_implementation == before != "eager"
