@@ -233,7 +233,8 @@ class StreamingEngine:
         self._kept = {}
         self.activations.start(streamed_step_plan(len(self._blocks()), len(mbs), train=False),
                                self._hidden_numels(mbs))
-        with _eval_mode(t.module for t in self.templates.values()), torch.no_grad():
+        modules = [t.module for t in self.templates.values()] + ([self.vision.embed.module] if self.vision else [])
+        with _eval_mode(modules), torch.no_grad():
             if imaged:
                 self.vision.forward(imaged)
             self._forward(mbs)

@@ -103,6 +103,21 @@ def test_qwen2_5_vl_step_equals_transformers(folder, documents, engine_kw, freez
     assert store.exp_avg.numel() == store.exp_avg_sq.numel() == trained  # frozen units hold no moments
 
 
+def test_evaluate_scores_images_as_transformers_does(folder, documents):
+    """Forward only, in eval mode: the summed loss of the packed image row is transformers' on each document."""
+    engine = StreamingEngine(discover(str(folder)), EngineConfig(device="cpu"), OPT, total_steps=1)
+    try:
+        engine.load_pretrained(folder)
+        result = engine.evaluate([packed(documents)])
+    finally:
+        engine.close()
+    ref = reference_model(folder).eval()
+    with torch.no_grad():
+        ref_sum = sum(ref(**doc, use_cache=False).loss.item() * int((doc["labels"][:, 1:] != -100).sum())
+                      for doc in documents)
+    assert result.loss_sum.item() == pytest.approx(ref_sum, rel=1e-5)
+
+
 def test_a_step_without_images_leaves_the_projector_and_its_adam_count(folder, documents):
     """transformers gives the projector no gradient (None) in a text-only step: AdamW skips it, so its
     bias-correction count stays behind the language model's for the next step with images."""
