@@ -142,13 +142,19 @@ def test_vision_units_and_freeze_flags_are_discovered(folder):
     assert not discover(str(folder), False, True).unit("vision.blocks.1").frozen
 
 
-@pytest.fixture(scope="module")
-def gemma3_documents():
+def hand_made(document) -> list[dict]:
+    """Documents of 1, 0 and 2 images from a family's `document(text_tokens, images, generator)`, each first
+    label masked (in a packed row it is predicted from the previous document)."""
     g = torch.Generator().manual_seed(0)
-    docs = [gemma3_document(7, 1, g), gemma3_document(6, 0, g), gemma3_document(5, 2, g)]
+    docs = [document(7, 1, g), document(6, 0, g), document(5, 2, g)]
     for doc in docs:
         doc["labels"][0, 0] = -100
     return docs
+
+
+@pytest.fixture(scope="module")
+def gemma3_documents():
+    return hand_made(gemma3_document)
 
 
 @pytest.mark.parametrize(("engine_kw", "freeze"), [({}, (True, False)), ({"schedule": "resident"}, (False, False))],
@@ -174,19 +180,11 @@ def test_a_trained_tower_with_parameters_transformers_never_uses_is_refused(tmp_
         engine_steps(folder, [[packed(gemma3_documents)]], (False, False))
 
 
-def llava_documents():
-    g = torch.Generator().manual_seed(0)
-    docs = [llava_document(7, 1, g), llava_document(6, 0, g), llava_document(5, 2, g)]
-    for doc in docs:
-        doc["labels"][0, 0] = -100
-    return docs
-
-
 def test_llava_step_equals_transformers(tmp_path):
     """CLIP tower whose second-to-last layer's hidden states (collected by transformers' hooks on the layer
     class) feed the projector; the last layer is never read. Two steps, as the projector trains."""
     folder = save_llava(tmp_path)
-    docs = llava_documents()
+    docs = hand_made(llava_document)
     losses, before, state, _ = engine_steps(folder, [[packed(docs)]] * 2)
     ref = reference_model(folder)
     ref_losses = reference_train(ref, [docs] * 2, OPT)
@@ -197,7 +195,7 @@ def test_llava_step_equals_transformers(tmp_path):
 def test_llava_with_a_trained_tower_is_refused(tmp_path):
     """LLaVA never reads CLIP's post-layernorm (its features come before it): the same refusal."""
     with pytest.raises(ModelNotSupportedError, match=r"\['vision_tower.post_layernorm.bias'"):
-        engine_steps(save_llava(tmp_path), [[packed(llava_documents())]], (False, False))
+        engine_steps(save_llava(tmp_path), [[packed(hand_made(llava_document))]], (False, False))
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "idefics3"])
