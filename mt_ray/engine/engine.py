@@ -61,6 +61,7 @@ from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
 from mt_ray.engine.transfer import GradBuffers, Outbox, StreamSet, WeightStreamer
 from mt_ray.engine.vision_stage import VisionStage, feature_leaves
 from mt_ray.models.attention import resolve_attention
+from mt_ray.models.chunking import apply_token_chunks
 from mt_ray.models.context import LayerContext, LayerContextBuilder
 from mt_ray.models.discovery import ModelSpec
 from mt_ray.models.kernels import apply_kernels
@@ -120,6 +121,7 @@ class StreamingEngine:
             _cap_device_memory(self.device, cfg.gpu_memory_limit_gb)
         spec.config._attn_implementation = resolve_attention(spec, cfg.attn_implementation, self.device, self.dtype)
         apply_kernels(spec, cfg.kernels, self.device)  # before any allocation, and before the templates
+        apply_token_chunks(spec, cfg.mlp_chunk_tokens)  # around whichever forward the kernels left
         pin = self.device.type == "cuda"
         copy_dtype = None if cfg.stream_master or self.dtype == torch.float32 else self.dtype
         self.grad_dtype = grad_dtype = cfg.grad_torch_dtype

@@ -117,7 +117,7 @@ def _kernel_kwargs(params: frozenset[str], left: int, grouped: bool) -> dict:
 
 def varlen_problem(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the varlen path cannot train this model here (None when it can)."""
-    config = spec.config
+    config = spec.base.config  # the language model's (an image-text model's text config)
     if device.type == "cuda" and dtype not in HALF:
         return "runs the flash kernel, which takes bf16 or fp16 compute only (engine.compute_dtype)"
     if device.type == "cuda":

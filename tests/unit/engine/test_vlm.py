@@ -14,6 +14,7 @@ import torch
 
 from mt_ray.engine import EngineConfig, StreamingEngine
 from mt_ray.errors import ModelNotSupportedError
+from mt_ray.models.attention import resolve_attention
 from mt_ray.models.discovery import discover
 from tests.family_checks import OPT, assert_same_step
 from tests.tiny_models import reference_train
@@ -87,7 +88,8 @@ def engine_steps(folder, steps: list[list[dict]], freeze=(True, False), **engine
     ({"schedule": "resident"}, (False, False)),
     ({"checkpoint_every": 1}, (False, True)),
     ({"checkpoint_every": 1, "checkpoint_placement": "host"}, (False, False)),  # the image features' gradient too
-], ids=["stream-frozen-tower", "resident-all-trained", "K1-frozen-projector", "K1-host-checkpoints"])
+    ({"attn_implementation": "varlen"}, (False, False)),  # the language model's documents apart by their bounds
+], ids=["stream-frozen-tower", "resident-all-trained", "K1-frozen-projector", "K1-host-checkpoints", "varlen"])
 def test_qwen2_5_vl_step_equals_transformers(folder, documents, engine_kw, freeze):
     [loss], before, state, store = engine_steps(folder, [[packed(documents)]], freeze, **engine_kw)
     ref = reference_model(folder, *freeze)
@@ -116,6 +118,12 @@ def test_evaluate_scores_images_as_transformers_does(folder, documents):
         ref_sum = sum(ref(**doc, use_cache=False).loss.item() * int((doc["labels"][:, 1:] != -100).sum())
                       for doc in documents)
     assert result.loss_sum.item() == pytest.approx(ref_sum, rel=1e-5)
+
+
+def test_varlen_runs_the_language_model_and_leaves_the_tower_its_default(folder):
+    """varlen computes causal attention only; the tower's windows attend both ways (`auto` on CUDA)."""
+    setting = resolve_attention(discover(str(folder)), "auto", torch.device("cuda"), torch.bfloat16)
+    assert setting == {"": "varlen", "text_config": "varlen", "vision_config": "sdpa"}
 
 
 def test_a_step_without_images_leaves_the_projector_and_its_adam_count(folder, documents):
