@@ -210,3 +210,34 @@ def test_llava_with_a_trained_tower_is_refused(tmp_path):
 def test_image_text_families_not_yet_trained_are_refused_by_name(family):
     with pytest.raises(ModelNotSupportedError, match=f"image-text family '{family}' is not supported yet"):
         discover({"model_type": family})
+
+
+def test_the_loaders_packed_image_rows_train_as_transformers_on_each_document(folder, tmp_path):
+    """From the registry to the step: LLaMA-Factory rows through the folder's processor, packed by the loader;
+    the engine's first loss is transformers' on each document alone, its images and mrope positions its own."""
+    from mt_ray.data import DataConfig, build_dataloader
+    from mt_ray.data.mm_processor import ImageEncoder, load_processor
+    from tests.unit.data.test_data_images import chat, mllm_registry
+
+    rows = [chat("<image>What is it?", "A cat.", "0.png"), chat("No picture.", "Fine."),
+            chat("<image> and <image>: same?", "No, they differ.", "1.png", "2.png")]
+    encoder = ImageEncoder(load_processor(folder))
+    config = DataConfig(datasets=["mm"], registry=mllm_registry(tmp_path, rows), max_seq_len=96, shuffle=False,
+                        packing_window=3)
+    batch = next(build_dataloader(config, encoder.processor.tokenizer, 1, images=encoder))
+    row = {k: batch[k][:1] for k in ("input_ids", "labels", "position_ids")} | {"images": batch["images"][:1]}
+    docs, images = [], iter(batch["images"][0])
+    for segment in batch["segment_ids"][0].unique().tolist():
+        at = batch["segment_ids"][0] == segment
+        ids, labels = batch["input_ids"][0][at][None], batch["labels"][0][at][None]
+        if (labels != -100).any():  # not the padding
+            runs = "".join("x" if t == encoder.image_token_id else " " for t in ids[0].tolist()).split()
+            doc = {"input_ids": ids, "labels": labels, "mm_token_type_ids": (ids == encoder.image_token_id).int()}
+            mine = [next(images) for _ in runs]
+            if mine:
+                doc |= {k: torch.cat([m[k] for m in mine]) for k in ("pixel_values", "image_grid_thw")}
+            docs.append(doc)
+    assert len(docs) >= 2 and any("pixel_values" in d for d in docs)  # a packed row with images
+    [loss], _, _, _ = engine_steps(folder, [[row]])
+    [ref_loss] = reference_train(reference_model(folder), [docs], OPT)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
