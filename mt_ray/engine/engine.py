@@ -235,7 +235,8 @@ class StreamingEngine:
         self._kept = {}
         self.activations.start(streamed_step_plan(len(self._blocks()), len(mbs), train=False),
                                self._hidden_numels(mbs))
-        with _eval_mode(t.module for t in self.templates.values()), torch.no_grad():
+        modules = [t.module for t in self.templates.values()] + ([self.vision.embed.module] if self.vision else [])
+        with _eval_mode(modules), torch.no_grad():
             if imaged:
                 self.vision.forward(imaged)
             self._forward(mbs)
@@ -574,8 +575,9 @@ class StreamingEngine:
 def _cap_device_memory(device: torch.device, limit_gb: float) -> None:
     """Let the caching allocator hand out at most `limit_gb` GiB (a smaller card, emulated): past it,
     an allocation fails as it would on that card."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * 2**30 / total), device)
+    index = device.index if device.index is not None else torch.cuda.current_device()  # both need an index
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * 2**30 / total), index)
 
 
 def _chunk_loss(head: UnitTemplate, weights: Weights, x_ND: torch.Tensor, target_N: torch.Tensor) -> torch.Tensor:

@@ -39,10 +39,10 @@ def single_engine(opt=OPT, steps=STEPS):
         engine.close()
 
 
-def data_parallel(opt=OPT, steps=STEPS, cluster=None, after_launch=None):
+def data_parallel(opt=OPT, steps=STEPS, cluster=None, after_launch=None, workers=2):
     # "auto" is pinned once for coordinator and workers alike: fp32 here, where workers have no GPU.
     engine = ENGINE.model_copy(update={"compute_dtype": "auto"})
-    trainer = DataParallelTrainer(tiny_config("llama"), engine, opt, num_workers=2, total_steps=steps,
+    trainer = DataParallelTrainer(tiny_config("llama"), engine, opt, num_workers=workers, total_steps=steps,
                                   cluster=cluster, weights=0, after_launch=after_launch)
     try:
         assert trainer.engine_cfg.compute_dtype == "fp32"
@@ -57,6 +57,20 @@ def assert_same_weights(state, ref, atol=1e-6):
     assert state.keys() == ref.keys()
     for name, w in ref.items():
         torch.testing.assert_close(state[name], w, atol=atol, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_a_lone_worker_trains_bit_identically_to_one_engine(local_ray, clip):
+    """One worker on one node: its gradient object goes to the optimizer as it is, with nothing summed;
+    unclipped, every weight is the single engine's to the bit."""
+    opt = OPT.model_copy(update={"max_grad_norm": clip})
+    ref_losses, ref_state, _ = single_engine(opt, steps=2)
+    result, state = data_parallel(opt, steps=2, workers=1)
+    assert result.losses == ref_losses
+    if clip:  # the shard sums the norm² in its own chunks and order: the clip coefficient's last bits may differ
+        assert_same_weights(state, ref_state)
+    else:
+        assert state.keys() == ref_state.keys() and all(torch.equal(state[k], ref_state[k]) for k in ref_state)
 
 
 def test_sharding_keeps_every_row_and_the_global_token_count():

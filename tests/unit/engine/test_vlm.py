@@ -105,6 +105,21 @@ def test_qwen2_5_vl_step_equals_transformers(folder, documents, engine_kw, freez
     assert store.exp_avg.numel() == store.exp_avg_sq.numel() == trained  # frozen units hold no moments
 
 
+def test_evaluate_scores_images_as_transformers_does(folder, documents):
+    """Forward only, in eval mode: the summed loss of the packed image row is transformers' on each document."""
+    engine = StreamingEngine(discover(str(folder)), EngineConfig(device="cpu"), OPT, total_steps=1)
+    try:
+        engine.load_pretrained(folder)
+        result = engine.evaluate([packed(documents)])
+    finally:
+        engine.close()
+    ref = reference_model(folder).eval()
+    with torch.no_grad():
+        ref_sum = sum(ref(**doc, use_cache=False).loss.item() * int((doc["labels"][:, 1:] != -100).sum())
+                      for doc in documents)
+    assert result.loss_sum.item() == pytest.approx(ref_sum, rel=1e-5)
+
+
 def test_varlen_runs_the_language_model_and_leaves_the_tower_its_default(folder):
     """varlen computes causal attention only; the tower's windows attend both ways (`auto` on CUDA)."""
     setting = resolve_attention(discover(str(folder)), "auto", torch.device("cuda"), torch.bfloat16)
@@ -135,13 +150,19 @@ def test_vision_units_and_freeze_flags_are_discovered(folder):
     assert not discover(str(folder), False, True).unit("vision.blocks.1").frozen
 
 
-@pytest.fixture(scope="module")
-def gemma3_documents():
+def hand_made(document) -> list[dict]:
+    """Documents of 1, 0 and 2 images from a family's `document(text_tokens, images, generator)`, each first
+    label masked (in a packed row it is predicted from the previous document)."""
     g = torch.Generator().manual_seed(0)
-    docs = [gemma3_document(7, 1, g), gemma3_document(6, 0, g), gemma3_document(5, 2, g)]
+    docs = [document(7, 1, g), document(6, 0, g), document(5, 2, g)]
     for doc in docs:
         doc["labels"][0, 0] = -100
     return docs
+
+
+@pytest.fixture(scope="module")
+def gemma3_documents():
+    return hand_made(gemma3_document)
 
 
 @pytest.mark.parametrize(("engine_kw", "freeze"), [({}, (True, False)), ({"schedule": "resident"}, (False, False))],
@@ -167,19 +188,11 @@ def test_a_trained_tower_with_parameters_transformers_never_uses_is_refused(tmp_
         engine_steps(folder, [[packed(gemma3_documents)]], (False, False))
 
 
-def llava_documents():
-    g = torch.Generator().manual_seed(0)
-    docs = [llava_document(7, 1, g), llava_document(6, 0, g), llava_document(5, 2, g)]
-    for doc in docs:
-        doc["labels"][0, 0] = -100
-    return docs
-
-
 def test_llava_step_equals_transformers(tmp_path):
     """CLIP tower whose second-to-last layer's hidden states (collected by transformers' hooks on the layer
     class) feed the projector; the last layer is never read. Two steps, as the projector trains."""
     folder = save_llava(tmp_path)
-    docs = llava_documents()
+    docs = hand_made(llava_document)
     losses, before, state, _ = engine_steps(folder, [[packed(docs)]] * 2)
     ref = reference_model(folder)
     ref_losses = reference_train(ref, [docs] * 2, OPT)
@@ -190,10 +203,41 @@ def test_llava_step_equals_transformers(tmp_path):
 def test_llava_with_a_trained_tower_is_refused(tmp_path):
     """LLaVA never reads CLIP's post-layernorm (its features come before it): the same refusal."""
     with pytest.raises(ModelNotSupportedError, match=r"\['vision_tower.post_layernorm.bias'"):
-        engine_steps(save_llava(tmp_path), [[packed(llava_documents())]], (False, False))
+        engine_steps(save_llava(tmp_path), [[packed(hand_made(llava_document))]], (False, False))
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "idefics3"])
 def test_image_text_families_not_yet_trained_are_refused_by_name(family):
     with pytest.raises(ModelNotSupportedError, match=f"image-text family '{family}' is not supported yet"):
         discover({"model_type": family})
+
+
+def test_the_loaders_packed_image_rows_train_as_transformers_on_each_document(folder, tmp_path):
+    """From the registry to the step: LLaMA-Factory rows through the folder's processor, packed by the loader;
+    the engine's first loss is transformers' on each document alone, its images and mrope positions its own."""
+    from mt_ray.data import DataConfig, build_dataloader
+    from mt_ray.data.mm_processor import ImageEncoder, load_processor
+    from tests.unit.data.test_data_images import chat, mllm_registry
+
+    rows = [chat("<image>What is it?", "A cat.", "0.png"), chat("No picture.", "Fine."),
+            chat("<image> and <image>: same?", "No, they differ.", "1.png", "2.png")]
+    encoder = ImageEncoder(load_processor(folder))
+    config = DataConfig(datasets=["mm"], registry=mllm_registry(tmp_path, rows), max_seq_len=96, shuffle=False,
+                        packing_window=3)
+    batch = next(build_dataloader(config, encoder.processor.tokenizer, 1, images=encoder))
+    row = {k: batch[k][:1] for k in ("input_ids", "labels", "position_ids")} | {"images": batch["images"][:1]}
+    docs, images = [], iter(batch["images"][0])
+    for segment in batch["segment_ids"][0].unique().tolist():
+        at = batch["segment_ids"][0] == segment
+        ids, labels = batch["input_ids"][0][at][None], batch["labels"][0][at][None]
+        if (labels != -100).any():  # not the padding
+            runs = "".join("x" if t == encoder.image_token_id else " " for t in ids[0].tolist()).split()
+            doc = {"input_ids": ids, "labels": labels, "mm_token_type_ids": (ids == encoder.image_token_id).int()}
+            mine = [next(images) for _ in runs]
+            if mine:
+                doc |= {k: torch.cat([m[k] for m in mine]) for k in ("pixel_values", "image_grid_thw")}
+            docs.append(doc)
+    assert len(docs) >= 2 and any("pixel_values" in d for d in docs)  # a packed row with images
+    [loss], _, _, _ = engine_steps(folder, [[row]])
+    [ref_loss] = reference_train(reference_model(folder), [docs], OPT)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
