@@ -65,6 +65,7 @@ class StepLoader:
         self.rows_per_step = rows_per_step
         self.pad_id = pad_id
         self.dropped_examples = 0
+        self.cut_examples = 0
         self._window_start = self._snapshot()
         self._window_index = 0
         self._window: list[_Row] = []
@@ -91,10 +92,12 @@ class StepLoader:
         return self.mixer.epoch
 
     def stats(self) -> dict[str, Any]:
-        """Counts to report: bad rows skipped per dataset, examples dropped as untrainable."""
+        """Counts to report: bad rows skipped per dataset, examples dropped as untrainable, examples longer than
+        ``max_seq_len`` (a text cut into chunks of it, a conversation truncated to it, as LLaMA-Factory does)."""
         return {
             "bad_rows": {s.entry.name: s.state.bad_rows for s in self.mixer.sources},
             "dropped_examples": self.dropped_examples,
+            "cut_examples": self.cut_examples,
             "epoch": self.epoch,
         }
 
@@ -115,11 +118,12 @@ class StepLoader:
             self._used = state["used"]
 
     def _snapshot(self) -> dict[str, Any]:
-        return {"mixer": self.mixer.state_dict(), "dropped": self.dropped_examples}
+        return {"mixer": self.mixer.state_dict(), "dropped": self.dropped_examples, "cut": self.cut_examples}
 
     def _restore(self, snapshot: dict[str, Any]) -> None:
         self.mixer.load_state_dict(copy.deepcopy(snapshot["mixer"]))
         self.dropped_examples = snapshot["dropped"]
+        self.cut_examples = snapshot.get("cut", 0)  # absent from checkpoints written before it was counted
         self._window_start = copy.deepcopy(snapshot)
 
     def _next_window(self) -> None:
@@ -135,6 +139,8 @@ class StepLoader:
                     raise
                 logger.warning("skipping example: %s", e)
                 tokenized = []
+            else:
+                self.cut_examples += self.processor.cut
             if not tokenized:
                 self.dropped_examples += 1
             examples += tokenized

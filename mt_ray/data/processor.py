@@ -107,9 +107,11 @@ class Processor:
         self.max_seq_len = max_seq_len
         self.images = images
         self.special_ids = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        self.cut = False  # whether the last example was longer than max_seq_len (chunked, or truncated)
 
     def __call__(self, example: Example) -> list[TokenizedExample]:
-        """Tokenized pieces of ``example``; empty if no token is left to train on."""
+        """Tokenized pieces of ``example``; empty if no token is left to train on. Sets ``cut``."""
+        self.cut = False
         if isinstance(example, TextExample):
             return self._text(example.text)
         return self._chat(example)
@@ -122,6 +124,7 @@ class Processor:
         # verbose=False: long documents are expected here (they are chunked below), so the
         # tokenizer's "longer than model_max_length" warning would only mislead.
         ids = [*self.tokenizer.encode(text, add_special_tokens=True, verbose=False), self.tokenizer.eos_token_id]
+        self.cut = len(ids) > self.max_seq_len
         chunks = [ids[i:i + self.max_seq_len] for i in range(0, len(ids), self.max_seq_len)]
         return [example for chunk in chunks for example in _finish(chunk, chunk)]
 
@@ -138,8 +141,10 @@ class Processor:
         for source, target, target_labels in self._pairs(example):
             source = self._expand_images(source, pending) if encoded else source
             if remaining <= 0:
+                self.cut = True  # whole exchanges left out
                 break
             n_src, n_tgt = infer_seqlen(len(source), len(target), remaining)
+            self.cut |= n_src < len(source) or n_tgt < len(target)
             remaining -= n_src + n_tgt
             ids += source[:n_src] + target[:n_tgt]
             labels += [IGNORE_INDEX] * n_src + target_labels[:n_tgt]
