@@ -4,10 +4,12 @@ One engine (one host store) takes a step at each length, shortest first: a warm-
 first length, then one timed step each (the longer steps are tens of seconds to minutes, so a
 first step's allocator growth is noise). A length that runs out of GPU memory ends the sweep (a
 step that failed midway leaves the engine unusable); it and the lengths after it are rows with
-`trained: false`. The engine options that reach long contexts are flags (a recompute block per
-layer, the norms and MLP in sequence chunks) and `--engine key=value` sets any other
-EngineConfig field. Each row: seq, trained, model TFLOPS (6·N·T / step), TFLOPS counting causal
-attention, peak GPU GiB, host bytes per parameter (peak RSS); the file is rewritten after every row.
+`trained: false`. The engine options that reach long contexts are flags (K, the norms and MLP in
+sequence chunks) and `--engine key=value` sets any other EngineConfig field. Each row: seq,
+trained, model TFLOPS (6·N·T / step), TFLOPS counting causal attention, peak GPU GiB beside the
+calculator's device model for this configuration (`calc_gpu_gib`) and step time (`calc_step_s`),
+host bytes per parameter (peak RSS); the file is rewritten after every row. Before the engine is
+built, the calculator's longest context for this GPU and host (`mt-ray calc --max-seq`) is recorded.
 
     python bench/long_context.py --seqs 32768,65536,131072,262144 --k 2 --mlp-chunk 16384 --kernels liger \\
         --out bench/results/long_context_7b.json
@@ -35,6 +37,9 @@ from bench.common import (  # noqa: E402
     write_json,
 )
 from mt_ray.engine import EngineConfig, StreamingEngine  # noqa: E402
+from mt_ray.engine.calculator import longest_context  # noqa: E402
+from mt_ray.engine.host_store import available_host_bytes  # noqa: E402
+from mt_ray.engine.sizing import GIB, device_bytes, predicted_step_seconds  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
 
 
@@ -76,6 +81,8 @@ def sweep(engine: StreamingEngine, cfg, seqs: list[int], args, rows: list[dict],
             continue
         row = metrics(run, cfg, engine.spec.num_params, t.seconds, "mt-ray")
         row.update(trained=True, loss=float(loss), peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30,
+                   calc_gpu_gib=device_bytes(engine.spec, engine.cfg, 1, seq, 1)["total"] / GIB,
+                   calc_step_s=predicted_step_seconds(engine.spec, engine.cfg, seq, 1),
                    host_bytes_per_param=peak_rss_bytes() / engine.spec.num_params)
         rows.append(row)
         print(f"seq {seq}: {row['step_s']:.1f} s, {row['model_tflops']:.0f} TFLOPS ({row['tflops_with_attn']:.0f} "
@@ -97,23 +104,27 @@ def main() -> None:
 
     cfg = shape_config(args.shape)
     seqs = sorted(map(int, args.seqs.split(",")))
+    spec, ecfg = discover(cfg), engine_config(args)
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+    calc = longest_context(spec, gpu_gib, available_host_bytes() / GIB, cfg=ecfg, opt=OPT)
+    print(f"calculator: longest context {calc.get('seq')} on {gpu_gib:.0f} GiB ({calc.get('longer_reason')})", flush=True)
     t0 = time.perf_counter()
-    engine = StreamingEngine(discover(cfg), engine_config(args), OPT, total_steps=len(seqs) + 1)
+    engine = StreamingEngine(spec, ecfg, OPT, total_steps=len(seqs) + 1)
     engine.load_random(seed=0)
     setup_s = time.perf_counter() - t0
     rows: list[dict] = []
 
     def save() -> None:
         write_json(args.out, {"args": vars(args), "device": torch.cuda.get_device_name(), "setup_s": setup_s,
-                              "rows": rows})
+                              "calc_longest_context": calc, "rows": rows})
 
     try:
         sweep(engine, cfg, seqs, args, rows, save)
     finally:
         engine.close()
         save()
-    print_table(rows, ["seq", "trained", "step_s", "model_tflops", "tflops_with_attn", "peak_gpu_gib",
-                       "host_bytes_per_param", "error"])
+    print_table(rows, ["seq", "trained", "step_s", "calc_step_s", "model_tflops", "tflops_with_attn", "peak_gpu_gib",
+                       "calc_gpu_gib", "host_bytes_per_param", "error"])
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 from mt_ray.engine.activations import host_placement_device_hiddens
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import plan_layout
+from mt_ray.models.chunking import token_wise
 from mt_ray.models.discovery import ModelSpec
 from mt_ray.models.vision import VISION_PROJECTOR
 
@@ -76,12 +77,15 @@ def _num_blocks(spec: ModelSpec, cfg: EngineConfig) -> int:
     return math.ceil(spec.num_layers / cfg.checkpoint_every)
 
 
-def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2, kernels: str = "torch") -> int:
+def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2, kernels: str = "torch",
+                               chunked: bool = False) -> int:
     """Bytes autograd keeps per token for one decoder layer.
 
     transformers' norms hold fp32 temporaries and its MLP keeps act(gate) as well. Liger's norms
     keep only their input, which the layer holds anyway, and its SwiGLU recomputes act(gate)
-    (H100, 3B resident, micro 11: 92.6 KB per token per layer measured, 92.5 modelled).
+    (H100, 3B resident, micro 11: 92.6 KB per token per layer measured, 92.5 modelled). With the
+    norms and MLP in sequence chunks (`chunked`), each keeps only its input: the attention's
+    input norm shares the layer's input, the second norm and the MLP keep one hidden vector each.
     """
     c = spec.text_config
     d = c.hidden_size
@@ -90,12 +94,52 @@ def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2, kernels: s
     kv = c.num_key_value_heads * head_dim
     inter = getattr(c, "intermediate_size", 4 * d)
     attn = (d + 3 * q + 4 * kv + d) * dtype_bytes  # qkv, rotary temporaries, attention out, o_proj in
+    if chunked:
+        return attn + 2 * d * dtype_bytes
     if kernels == "liger":
         return attn + (d + 3 * inter) * dtype_bytes  # gate, up, act*up
     # two RMSNorms: fp32 input, fp32 normalised and its cast back (no copies when computing in fp32)
     norms = 2 * d * (4 + 4 + dtype_bytes) if dtype_bytes < 4 else 2 * d * 4
     mlp = (d + 4 * inter) * dtype_bytes  # gate, up, act(gate), act*up
     return norms + attn + mlp
+
+
+def layer_backward_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> int:
+    """What one layer's backward allocates beyond the activations it frees as it goes.
+
+    Whole: the MLP's, whose intermediate gradients outlive the activations they free by two
+    intermediate vectors a token (transformers' SwiGLU; one with Liger's, which overwrites its
+    saved gate and up in place). In chunks (`mlp_chunk_tokens`): one recomputed chunk's
+    activations and gradients, or the attention's, whose activations then dominate what is freed:
+    the query, key and value gradients, the flash kernel's fp32 query-gradient accumulator and the
+    gradients of the attention's input and output, for every token.
+    """
+    c, size = spec.text_config, cfg.dtype.itemsize
+    d = c.hidden_size
+    inter = getattr(c, "intermediate_size", 4 * d)
+    if not _chunked(cfg, mb_tokens):
+        return mb_tokens * inter * size * (1 if cfg.kernels == "liger" else 2)
+    head_dim = getattr(c, "head_dim", None) or d // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    attention = mb_tokens * ((q + 2 * kv + 2 * d) * size + 4 * q)
+    return max(attention, cfg.mlp_chunk_tokens * inter * size * (4 + 2))
+
+
+def attention_flops(config, tokens: int, span: int) -> float:
+    """Causal attention matmul FLOPs (QK^T and PV) of `tokens` tokens each attending within `span`
+    (a sequence, or a packed document), forward and backward, counted as 6x like the weights."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_attention_heads * head_dim * span  # causal: half of 2*2
+    return 3 * per_token * tokens
+
+
+def chunked_numel(spec: ModelSpec) -> int:
+    """Parameters of the layers' token-wise parts (norms, dense MLPs): what `mlp_chunk_tokens` runs again."""
+    total = 0
+    for unit in spec.layer_units:
+        parts = {name for name, child in spec.layer_kinds[unit.kind].named_children() if token_wise(child)}
+        total += sum(p.numel for p in unit.params if p.local_name.split(".")[0] in parts)
+    return total
 
 
 def logit_bytes(dtype_bytes: int) -> int:
@@ -177,7 +221,8 @@ def _text_device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq
     parts = {
         "weights": (depth + hold) * layer * size + (layer * 4 if cfg.stream_master else 0),
         "parked_hiddens": (parked_last + mb_tokens) * d * size,
-        "recompute": k * mb_tokens * activation_bytes_per_token(spec, size, cfg.kernels),
+        "recompute": k * mb_tokens * activation_bytes_per_token(spec, size, cfg.kernels, _chunked(cfg, mb_tokens)),
+        "layer_backward": layer_backward_bytes(spec, cfg, mb_tokens),
         "grad_accumulators": k * layer * 4 + _outbox_bytes(spec, cfg),  # a block's fp32 sums
         # A tied embedding's fp32 gradient sum waits from the head to the embedding's backward.
         "tied_embedding_grad": embed * 4 if spec.tied else 0,
@@ -185,7 +230,7 @@ def _text_device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq
     last = sum(parts.values())
     common = _outbox_bytes(spec, cfg) + parts["tied_embedding_grad"]
     # The loss: one chunk of logits and the untied head's fp32 sum, the LM head in place of a layer.
-    head = (last - parts["recompute"] - k * layer * 4 + _loss_chunk_bytes(spec, cfg, mb_tokens)
+    head = (last - parts["recompute"] - parts["layer_backward"] - k * layer * 4 + _loss_chunk_bytes(spec, cfg, mb_tokens)
             + (0 if spec.tied else lm_head * 4) + (lm_head - layer) * size)
     # The first block's backward has the embedding in flight instead of `depth` layers.
     first = last + (embed - depth * layer) * size - (parked_last - parked_first) * d * size
@@ -213,12 +258,17 @@ def _resident_device_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -
         "weights": spec.num_params * size + (layer * 4 if cfg.stream_master else 0),
         # every fp32 sum, and the previous step's last two gradients sent (the embedding's) still in the outbox
         "grad_sums": spec.num_params * 4 + max(spec.unit("embed").numel, 2 * layer) * grad_size,
-        "activations": spec.num_layers * mb_tokens * activation_bytes_per_token(spec, size, cfg.kernels)
-        + 2 * mb_tokens * spec.text_config.hidden_size * size,
+        "activations": spec.num_layers * mb_tokens * activation_bytes_per_token(spec, size, cfg.kernels,
+                                                                                _chunked(cfg, mb_tokens))
+        + 2 * mb_tokens * spec.text_config.hidden_size * size + layer_backward_bytes(spec, cfg, mb_tokens),
         "loss_chunk": _loss_chunk_bytes(spec, cfg, mb_tokens),
     }
     parts["total"] = sum(parts.values())
     return parts
+
+
+def _chunked(cfg: EngineConfig, mb_tokens: int) -> bool:
+    return cfg.mlp_chunk_tokens is not None and mb_tokens > cfg.mlp_chunk_tokens
 
 
 def _lm_head_numel(spec: ModelSpec) -> int:
@@ -243,11 +293,15 @@ def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_
     Gradients cross back once; hidden states parked in host memory cross both ways (per token,
     each block's checkpoint and the gradient flowing back). An image-text model's tokens compute with the
     language model alone; its vision tower adds `VisionSizes.flops` for `image_tokens` per sample.
+    Causal attention over each sequence adds its FLOPs (recomputed too when streaming), and
+    `mlp_chunk_tokens` one more forward of the layers' token-wise parts (2·N_chunked·T).
     """
     tokens = global_batch * seq
     n = spec.num_params
     resident = cfg.schedule == "resident"
-    flops = (6 if resident else 8) * spec.text_params * tokens
+    flops = (6 if resident else 8) * (spec.text_params * tokens + attention_flops(spec.text_config, tokens, seq) / 6)
+    if _chunked(cfg, seq):  # micro-batches of a sequence or more run in chunks
+        flops += 2 * chunked_numel(spec) * tokens
     vision = vision_sizes(spec, image_tokens)
     if vision is not None:
         flops += vision.flops(global_batch, image_tokens)

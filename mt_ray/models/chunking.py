@@ -39,13 +39,13 @@ def apply_token_chunks(spec: ModelSpec, chunk_tokens: int | None) -> list[str]:
                     child.forward = current.inner
                 else:
                     del child.forward
-            if chunk_tokens and _token_wise(child):
+            if chunk_tokens and token_wise(child):
                 child.forward = ChunkedForward(child, chunk_tokens)
                 wrapped.append(f"{kind}.{name}")
     return wrapped
 
 
-def _token_wise(module: nn.Module) -> bool:
+def token_wise(module: nn.Module) -> bool:
     """Norms, and MLPs with no experts (a MoE block routes tokens and records router logits)."""
     cls = type(module).__name__
     if cls.endswith("Norm"):

@@ -153,9 +153,7 @@ class LayerContextBuilder:
             outer = spec.vision.outer
             self.body = with_submodule(outer, next(n for n, m in outer.named_modules() if m is body), self.body)
             self.body.get_image_features = self.images
-        # Gemma 3 lets image tokens attend to each other both ways: its body reads them off token_type_ids.
-        self.token_types = spec.vision is not None and "token_type_ids" in inspect.signature(
-            spec.vision.outer.forward).parameters
+        self.token_types = spec.vision is not None and spec.vision.image_tokens_attend_both_ways
         meta_free_buffers_to(self.body, device)
         self.num_layers = len(layers)
         self.bounds_not_masks = takes_document_bounds(spec.config._attn_implementation)

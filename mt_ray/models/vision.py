@@ -15,6 +15,7 @@ where the family keeps its projector inside the tower (Qwen2-VL, Qwen2.5-VL: LLa
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -54,6 +55,11 @@ class VisionSpec:
     @property
     def blocks(self) -> nn.ModuleList:
         return self.outer.get_submodule(self.blocks_path)
+
+    @property
+    def image_tokens_attend_both_ways(self) -> bool:
+        """Gemma 3 lets an image's tokens attend to each other both ways: its body reads them off token_type_ids."""
+        return "token_type_ids" in inspect.signature(self.outer.forward).parameters
 
 
 def block_unit(i: int) -> str:

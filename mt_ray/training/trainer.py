@@ -21,7 +21,7 @@ from mt_ray.config.run import RunConfig
 from mt_ray.data import build_dataloader, build_eval_batches, plan_split, split_micro_batches
 from mt_ray.data.mm_processor import processor_files
 from mt_ray.data.prefetch import BackgroundLoader
-from mt_ray.training.auto_fit import apply_auto_fit
+from mt_ray.training.auto_fit import apply_auto_fit, refuse_what_cannot_fit
 from mt_ray.training.backend import TrainingBackend, build_backend
 from mt_ray.training.callbacks import Callback, ResumePoint
 from mt_ray.training.model_source import load_image_encoder, load_model_and_tokenizer
@@ -54,8 +54,11 @@ class Trainer:
 
     def _build(self) -> None:
         self.spec, self.tokenizer = load_model_and_tokenizer(self.cfg)
-        if self.cfg.engine.auto_fit:  # before anything is allocated: a run that cannot fit stops here
+        # Before anything is allocated: a run that cannot fit stops here.
+        if self.cfg.engine.auto_fit:
             self.cfg = apply_auto_fit(self.cfg, self.spec)
+        else:
+            refuse_what_cannot_fit(self.cfg, self.spec)
         cfg, t = self.cfg, self.cfg.training
         images = load_image_encoder(cfg, self.spec)
         data = cfg.data.model_copy(update={"seed": t.seed})

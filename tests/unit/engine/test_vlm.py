@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mt_ray.engine import EngineConfig, StreamingEngine
-from mt_ray.errors import ModelNotSupportedError
+from mt_ray.errors import ConfigError, ModelNotSupportedError
 from mt_ray.models.attention import resolve_attention
 from mt_ray.models.discovery import discover
 from tests.family_checks import OPT, assert_same_step
@@ -180,6 +180,14 @@ def test_gemma3_step_equals_transformers(tmp_path, gemma3_documents, engine_kw, 
     assert [k for k in tower if torch.equal(state[k], before[k]) is not freeze[0]] == []
 
 
+def test_varlen_is_refused_where_image_tokens_attend_both_ways(tmp_path):
+    """Gemma 3's image blocks are bidirectional, which varlen's causal kernel would drop: `auto` keeps SDPA's mask."""
+    spec = discover(str(save_gemma3(tmp_path, vision_use_head=False)))
+    with pytest.raises(ConfigError, match="'varlen' computes causal attention only, and 'gemma3' lets an image's"):
+        resolve_attention(spec, "varlen", torch.device("cuda"), torch.bfloat16)
+    assert resolve_attention(spec, "auto", torch.device("cuda"), torch.bfloat16) == "sdpa"
+
+
 def test_a_trained_tower_with_parameters_transformers_never_uses_is_refused(tmp_path, gemma3_documents):
     """SigLIP's pooling head gets no gradient under Gemma 3: torch leaves it unchanged, a flat unit would decay it."""
     folder = save_gemma3(tmp_path, vision_use_head=True)
@@ -188,12 +196,13 @@ def test_a_trained_tower_with_parameters_transformers_never_uses_is_refused(tmp_
         engine_steps(folder, [[packed(gemma3_documents)]], (False, False))
 
 
-def test_llava_step_equals_transformers(tmp_path):
+@pytest.mark.parametrize("engine_kw", [{}, {"attn_implementation": "varlen"}], ids=["auto", "varlen"])
+def test_llava_step_equals_transformers(tmp_path, engine_kw):
     """CLIP tower whose second-to-last layer's hidden states (collected by transformers' hooks on the layer
     class) feed the projector; the last layer is never read. Two steps, as the projector trains."""
     folder = save_llava(tmp_path)
     docs = hand_made(llava_document)
-    losses, before, state, _ = engine_steps(folder, [[packed(docs)]] * 2)
+    losses, before, state, _ = engine_steps(folder, [[packed(docs)]] * 2, **engine_kw)
     ref = reference_model(folder)
     ref_losses = reference_train(ref, [docs] * 2, OPT)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
