@@ -10,7 +10,7 @@ pytest.importorskip("ray")
 from mt_ray.cluster import ClusterConfig, ClusterError, DataParallelTrainer, count_loss_tokens, shard_batch  # noqa: E402
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
-from tests.tiny_models import tiny_batches, tiny_config  # noqa: E402
+from tests.tiny_models import checkpoint_config, tiny_batches, tiny_config  # noqa: E402
 
 STEPS = 4
 OPT = OptimizerConfig(lr=2e-3, weight_decay=0.1, max_grad_norm=1.0, warmup_steps=1, schedule="cosine")
@@ -71,6 +71,25 @@ def test_a_lone_worker_trains_bit_identically_to_one_engine(local_ray, clip):
         assert_same_weights(state, ref_state)
     else:
         assert state.keys() == ref_state.keys() and all(torch.equal(state[k], ref_state[k]) for k in ref_state)
+
+
+def test_the_router_loss_is_reported_as_one_engine_reports_it(local_ray):
+    """Two workers of a MoE model whose config asks for the load-balancing loss, a whole micro-batch each."""
+    cfg = checkpoint_config("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.1)
+    batch = tiny_batches(n_micro=2, seed=0, seq=12)
+    engine = StreamingEngine(discover(cfg), ENGINE, OPT, total_steps=1)
+    try:
+        engine.load_random(seed=0)
+        ref = engine.train_step(batch)
+    finally:
+        engine.close()
+    trainer = DataParallelTrainer(cfg, ENGINE, OPT, num_workers=2, total_steps=1, weights=0)
+    try:
+        got = trainer.train_step(batch)
+    finally:
+        trainer.close()
+    assert got.aux_loss is not None and float(got.aux_loss) == pytest.approx(float(ref.aux_loss), rel=1e-6)
+    assert float(got.loss) == pytest.approx(float(ref.loss), rel=1e-6)
 
 
 def test_sharding_keeps_every_row_and_the_global_token_count():
