@@ -13,6 +13,7 @@ from transformers import PretrainedConfig
 from mt_ray.data.packing import collate
 from mt_ray.data.schema import IGNORE_INDEX, TokenizedExample
 from mt_ray.engine import OptimizerConfig
+from mt_ray.engine.sizing import attention_flops
 from mt_ray.models.presets import preset_config
 
 # Every benchmark's optimizer: AdamW as in fine-tuning, global-norm clipping on.
@@ -64,13 +65,6 @@ def packed_micro_batches(vocab: int, batch: int, micro: int, seq: int, doc_token
     batches = [collate([[document() for _ in range(per_row)] for _ in range(micro)], seq, pad_id=0)
                for _ in range(batch // micro)]
     return [{k: b[k] for k in ("input_ids", "labels", "position_ids")} for b in batches]
-
-
-def attention_flops(cfg: PretrainedConfig, tokens: int, seq: int) -> float:
-    """Causal attention matmul FLOPs for fwd+bwd (QK^T and PV), counted as 6x like the weights."""
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * seq  # causal: half of 2*2
-    return 3 * per_token * tokens
 
 
 def metrics(args, cfg, n_params: int, step_s: float, system: str) -> dict:

@@ -19,6 +19,15 @@ from mt_ray.data import load_tiny_tokenizer
 from mt_ray.data.mm_processor import load_processor
 
 QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+# ChatML whose messages may also hold a list of parts, an image written as Qwen2.5-VL's template writes it.
+QWEN_VL_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content is string %}{{- message.content }}{%- else %}{%- for part in message.content %}"
+    "{%- if part.type == 'image' %}{{- '" + QWEN_IMAGE + "' }}{%- elif part.type == 'text' %}{{- part.text }}"
+    "{%- endif %}{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 VLM_VOCAB = 896  # the tiny tokenizer and the image tokens, rounded up
 
 
@@ -45,6 +54,7 @@ def save_qwen2_5_vl(folder: Path, seed: int = 0, **text) -> Path:
 
     tokenizer = load_tiny_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *QWEN_TOKENS]})
+    tokenizer.chat_template = QWEN_VL_TEMPLATE
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(qwen2_5_vl_config(tokenizer, **text)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -52,6 +62,66 @@ def save_qwen2_5_vl(folder: Path, seed: int = 0, **text) -> Path:
                              max_pixels=24 * 24).save_pretrained(folder)
     (Path(folder) / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
     return Path(folder)
+
+
+GEMMA_IMAGE_TOKEN = 90
+
+
+def save_gemma3(folder: Path, seed: int = 0, **vision) -> Path:
+    """A random tiny Gemma 3 (SigLIP tower of 16x16-pixel images, 4 image tokens each; sliding and full
+    attention layers) written by transformers. No processor: its documents are made by hand."""
+    config = AutoConfig.for_model(
+        "gemma3",
+        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, vocab_size=96, sliding_window=4, initializer_range=0.2,
+                         layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=16, patch_size=4, **vision),
+        mm_tokens_per_image=4, image_token_id=GEMMA_IMAGE_TOKEN, boi_token_id=91, eoi_token_id=92, initializer_range=0.2)
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
+    return Path(folder)
+
+
+def gemma3_document(text_tokens: int, images: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """[begin of image, its 4 tokens, end of image] per image, then text; what Gemma 3's processor returns
+    (token_type_ids mark the image tokens, which attend to each other both ways)."""
+    text = torch.randint(3, 89, (text_tokens,), generator=generator).tolist()
+    ids = torch.tensor([[t for _ in range(images) for t in (91, *[GEMMA_IMAGE_TOKEN] * 4, 92)] + text])
+    labels = ids.clone()
+    labels[:, :6 * images + 2] = -100
+    doc = {"input_ids": ids, "labels": labels, "token_type_ids": (ids == GEMMA_IMAGE_TOKEN).long()}
+    if images:
+        doc["pixel_values"] = torch.randn(images, 3, 16, 16, generator=generator)
+    return doc
+
+
+def save_llava(folder: Path, seed: int = 0) -> Path:
+    """A random tiny LLaVA (CLIP tower of 16x16-pixel images, features of its second-to-last layer without
+    the CLS token: 16 image tokens each; a Llama language model) written by transformers."""
+    config = AutoConfig.for_model(
+        "llava",
+        text_config=dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=96, initializer_range=0.2),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                           num_attention_heads=2, image_size=16, patch_size=4, projection_dim=16),
+        image_token_id=GEMMA_IMAGE_TOKEN, vision_feature_layer=-2, vision_feature_select_strategy="default",
+        initializer_range=0.2)
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
+    return Path(folder)
+
+
+def llava_document(text_tokens: int, images: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Each image's 16 tokens, then text (the prompt's first two text tokens carry no loss)."""
+    text = torch.randint(3, 89, (text_tokens,), generator=generator).tolist()
+    ids = torch.tensor([[GEMMA_IMAGE_TOKEN] * 16 * images + text])
+    labels = ids.clone()
+    labels[:, :16 * images + 2] = -100
+    doc = {"input_ids": ids, "labels": labels}
+    if images:
+        doc["pixel_values"] = torch.randn(images, 3, 16, 16, generator=generator)
+    return doc
 
 
 def make_image(seed: int, height: int = 16, width: int = 24) -> Image.Image:
@@ -76,7 +146,8 @@ def reference_model(folder: Path, freeze_tower: bool = True, freeze_projector: b
     """transformers' own model from `folder` (eager attention), frozen as LLaMA-Factory freezes it."""
     model = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").float()
     for name, p in model.named_parameters():
-        tower = ".visual." in name and ".merger." not in name
-        if (tower and freeze_tower) or (".merger." in name and freeze_projector):
+        tower = (".visual." in name and ".merger." not in name) or ".vision_tower." in name
+        projector = ".merger." in name or ".multi_modal_projector." in name
+        if (tower and freeze_tower) or (projector and freeze_projector):
             p.requires_grad_(False)
     return model

@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
                       "(50: the H100 host's PCIe 5.0, measured; about 25 for PCIe 4.0 x16)")
     calc.add_argument("--gpu-tflops", type=float, default=500.0, help="bf16 decoder-layer throughput of the GPU "
                       "(500: measured on the H100)")
+    calc.add_argument("--image-tokens", type=int, default=0,
+                      help="image-text models: image tokens per sample (part of --seq): the vision tower's share")
+    calc.add_argument("--max-seq", action="store_true", help="the longest sequence that trains at --global-batch "
+                      "(default here: 1) sequences a step, its configuration, and what runs out one step longer")
     calc.add_argument("--json", action="store_true", help="print JSON instead of a table")
     calc.add_argument("--workers", type=int, default=1, help="data-parallel workers (GPUs): adds the per-node figures")
     calc.add_argument("--nodes", type=int, default=1, help="nodes the workers and the fp32 state spread over")
@@ -78,7 +82,13 @@ def _sweep(args) -> int:
 
 
 def _calc(args) -> int:
-    from mt_ray.engine.calculator import config_snippet, local_gpu_memory_gb, recommend, render_recommendation
+    from mt_ray.engine.calculator import (
+        config_snippet,
+        local_gpu_memory_gb,
+        longest_context,
+        recommend,
+        render_recommendation,
+    )
     from mt_ray.engine.host_store import GIB, available_host_bytes
     from mt_ray.engine.sizing import Machine
 
@@ -90,7 +100,8 @@ def _calc(args) -> int:
     if args.seq is None:
         args.seq = run.data.max_seq_len if run else 1024
     if args.global_batch is None:
-        args.global_batch = run.training.micro_batch_size * run.training.grad_accum_steps if run else 128
+        args.global_batch = 1 if args.max_seq else (
+            run.training.micro_batch_size * run.training.grad_accum_steps if run else 128)
     gpu = args.gpu_mem_gb if args.gpu_mem_gb is not None else local_gpu_memory_gb()
     host = args.host_mem_gb if args.host_mem_gb is not None else available_host_bytes() / GIB
     machine = Machine(layer_tflops=args.gpu_tflops, h2d_gbps=args.h2d_gbps)
@@ -99,8 +110,12 @@ def _calc(args) -> int:
         dtype = "bf16" if run.engine.compute_dtype == "auto" else run.engine.compute_dtype
         engine = run.engine.model_copy(update={"device": "cpu", "compute_dtype": dtype})
     spec = _spec(args, run)
-    rec = recommend(spec, args.seq, args.global_batch, gpu, host, cfg=engine,
-                    opt=run.optimizer if run else None, machine=machine)
+    opt = run.optimizer if run else None
+    if args.max_seq:
+        rec = longest_context(spec, gpu, host, args.global_batch, cfg=engine, opt=opt, machine=machine)
+    else:
+        rec = recommend(spec, args.seq, args.global_batch, gpu, host, cfg=engine, opt=opt, machine=machine,
+                        image_tokens=args.image_tokens)
     model = run.model.model_dump(exclude_defaults=True) if run else {"path": args.path} if args.path else {
         "preset": args.preset or "tiny"}
     cluster = _cluster_sizing(spec, args) if args.workers > 1 or args.nodes > 1 else None

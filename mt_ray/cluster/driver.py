@@ -311,8 +311,10 @@ class DataParallelTrainer:
         norm_sq = sum(self._ask_shards(norms))
         self._ask_shards([s.apply_norm.remote(step, norm_sq) for s in self.shards])
         loss = sum(o["loss"] for o in outs)  # each worker's loss is its share of the global mean
+        aux = None if outs[0]["aux_loss"] is None else torch.tensor(sum(o["aux_loss"] for o in outs), dtype=torch.float64)
         return StepResult(torch.tensor(loss, dtype=torch.float64), torch.tensor(norm_sq ** 0.5, dtype=torch.float64),
-                          lr_at(step, self.opt_cfg, self.total_steps), sum(o["num_tokens"] for o in outs), n_global)
+                          lr_at(step, self.opt_cfg, self.total_steps), sum(o["num_tokens"] for o in outs), n_global,
+                          aux)
 
     def evaluate(self, micro_batches: Batch) -> EvalResult:
         """Held-out loss of `micro_batches` split across the workers, forward only (no gradient, no update)."""

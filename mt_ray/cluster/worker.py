@@ -289,7 +289,9 @@ class EngineWorker:
         result = self.engine.train_step(micro_batches, loss_normaliser=loss_normaliser)
         loss = float(result.loss)  # waits for this worker's backward on the device
         self.grads.flush()
-        return {"loss": loss, "num_tokens": result.num_tokens}
+        # The router loss's share, weighted by this worker's loss tokens over the global count like the loss.
+        aux = None if result.aux_loss is None else float(result.aux_loss)
+        return {"loss": loss, "num_tokens": result.num_tokens, "aux_loss": aux}
 
     def evaluate(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict:
         """Summed loss of this worker's part of an evaluation batch under the current weights (forward only)."""

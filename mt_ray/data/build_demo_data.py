@@ -26,6 +26,8 @@ WORDS = [
     "apple", "river", "stone", "garden", "planet", "yellow", "window", "silver", "mirror", "candle",
     "forest", "rocket", "guitar", "pencil", "summer", "tiger", "butter", "castle", "dragon", "island",
 ]
+COLOURS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 60, 220), "yellow": (240, 220, 40),
+           "black": (10, 10, 10), "white": (245, 245, 245)}
 SYSTEM = "You are a concise assistant."
 CALC_TOOLS = [{
     "name": "multiply",
@@ -79,6 +81,34 @@ def _turns(pairs: list[tuple[str, str]]) -> list[dict[str, str]]:
     return [{"from": role, "value": text} for role, text in pairs]
 
 
+def mllm_row(rng: random.Random) -> dict[str, object]:
+    """LLaMA-Factory's ``mllm_demo`` format: an image's colour, or whether two images share one."""
+    first = rng.choice(sorted(COLOURS))
+    if rng.randrange(3):
+        turns = [("<image>What colour is this picture?", f"It is {first}.")]
+        return {"messages": _mllm_turns(turns), "images": [f"mllm/{first}.png"]}
+    second = rng.choice(sorted(COLOURS))
+    answer = f"Yes, both are {first}." if first == second else f"No, one is {first} and one is {second}."
+    turns = [("<image><image>Are these pictures the same colour?", answer)]
+    return {"messages": _mllm_turns(turns), "images": [f"mllm/{first}.png", f"mllm/{second}.png"]}
+
+
+def _mllm_turns(pairs: list[tuple[str, str]]) -> list[dict[str, str]]:
+    return [turn for user, assistant in pairs
+            for turn in ({"role": "user", "content": user}, {"role": "assistant", "content": assistant})]
+
+
+def write_images(out_dir: Path) -> None:
+    """One small PNG per colour (solid, 16x16: a few image tokens in any Qwen-VL processor)."""
+    from PIL import Image
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, rgb in COLOURS.items():
+        tmp = out_dir / f"{name}.png.tmp"
+        Image.new("RGB", (16, 16), rgb).save(tmp, format="PNG")
+        os.replace(tmp, out_dir / f"{name}.png")
+
+
 def registry() -> dict[str, dict[str, object]]:
     """The demo registry, in LLaMA-Factory's ``dataset_info.json`` format."""
     return {
@@ -87,6 +117,12 @@ def registry() -> dict[str, dict[str, object]]:
             "file_name": "demo_sharegpt.jsonl",
             "formatting": "sharegpt",
             "columns": {"messages": "conversations", "system": "system", "tools": "tools"},
+        },
+        "demo_mllm": {  # as LLaMA-Factory's mllm_demo entry: images relative to this folder
+            "file_name": "demo_mllm.json",
+            "formatting": "sharegpt",
+            "columns": {"messages": "messages", "images": "images"},
+            "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"},
         },
     }
 
@@ -98,14 +134,19 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def build(out_dir: Path = DEMO_DIR, seed: int = 0, n_alpaca: int = 400, n_sharegpt: int = 300) -> None:
-    """Write ``demo_alpaca.json``, ``demo_sharegpt.jsonl`` and ``dataset_info.json`` to ``out_dir``."""
+def build(out_dir: Path = DEMO_DIR, seed: int = 0, n_alpaca: int = 400, n_sharegpt: int = 300,
+          n_mllm: int = 120) -> None:
+    """Write ``demo_alpaca.json``, ``demo_sharegpt.jsonl``, ``demo_mllm.json`` with its images under ``mllm/``,
+    and ``dataset_info.json`` to ``out_dir``."""
     rng = random.Random(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     alpaca = [alpaca_row(rng) for _ in range(n_alpaca)]
     sharegpt = [sharegpt_row(rng) for _ in range(n_sharegpt)]
     _write(out_dir / "demo_alpaca.json", json.dumps(alpaca, indent=1) + "\n")
     _write(out_dir / "demo_sharegpt.jsonl", "".join(json.dumps(r) + "\n" for r in sharegpt))
+    mllm_rng = random.Random(f"mllm/{seed}")  # its own stream: the text demos stay as they were
+    _write(out_dir / "demo_mllm.json", json.dumps([mllm_row(mllm_rng) for _ in range(n_mllm)], indent=1) + "\n")
+    write_images(out_dir / "mllm")
     _write(out_dir / "dataset_info.json", json.dumps(registry(), indent=2) + "\n")
 
 

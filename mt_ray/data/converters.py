@@ -5,17 +5,31 @@ empty conversation or roles out of order raises ``DatasetError`` naming the file
 row, before it can ever turn into a wrong label mask. The rules follow LLaMA-Factory's
 converters: prompt-side turns (user, observation) and response-side turns (assistant,
 function_call) must alternate, starting with the prompt side and ending with the
-response side.
+response side. A row's images must exist and open as images, one per ``<image>``
+placeholder, all in prompt-side turns (they are decoded later, in the loader's worker).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
+
+from PIL import Image, UnidentifiedImageError
 
 from mt_ray.data.readers import RawRow
 from mt_ray.data.registry import Columns, DatasetEntry, Tags
-from mt_ray.data.schema import PROMPT_ROLES, RESPONSE_ROLES, ChatExample, Example, Message, Role, TextExample
+from mt_ray.data.schema import (
+    IMAGE_PLACEHOLDER,
+    PROMPT_ROLES,
+    RESPONSE_ROLES,
+    ChatExample,
+    Example,
+    Message,
+    Role,
+    TextExample,
+)
 from mt_ray.errors import DatasetError
 
 
@@ -31,10 +45,39 @@ def convert_row(entry: DatasetEntry, raw: RawRow) -> Example:
         if entry.formatting == "text":
             return TextExample(text=_required_str(raw.data, entry.columns.prompt, allow_empty=False))
         if entry.formatting == "alpaca":
-            return _convert_alpaca(entry.columns, raw.data)
-        return _convert_sharegpt(entry.columns, entry.tags, raw.data)
+            example = _convert_alpaca(entry.columns, raw.data)
+        else:
+            example = _convert_sharegpt(entry.columns, entry.tags, raw.data)
+        return _with_images(example, entry, raw) if entry.columns.images and isinstance(example, ChatExample) else example
     except _RowProblem as e:
         raise DatasetError(f"dataset '{entry.name}': {raw.file} row {raw.row}: {e}") from None
+
+
+def _with_images(example: ChatExample, entry: DatasetEntry, raw: RawRow) -> ChatExample:
+    """The row's image files (checked to open as images), one per placeholder, in prompt-side turns only."""
+    value = raw.data.get(entry.columns.images) or []
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise _RowProblem(f"column '{entry.columns.images}' must be a list of image file paths")
+    placeholders = sum(m.content.count(IMAGE_PLACEHOLDER) for m in example.messages)
+    if placeholders != len(names):
+        raise _RowProblem(f"{placeholders} {IMAGE_PLACEHOLDER} placeholders but {len(names)} images in column "
+                          f"'{entry.columns.images}'; each image needs one placeholder where it goes in the text")
+    if any(IMAGE_PLACEHOLDER in m.content for m in example.messages if m.role in RESPONSE_ROLES):
+        raise _RowProblem(f"an assistant turn holds {IMAGE_PLACEHOLDER}; images go in the prompt (user) turns")
+    paths = tuple(_image_file(entry.media_dir / n, n) for n in names)
+    return replace(example, images=paths, origin=f"dataset '{entry.name}': {raw.file} row {raw.row}")
+
+
+def _image_file(path: Path, name: str) -> Path:
+    try:
+        with Image.open(path) as image:
+            image.verify()  # the header and structure only: the pixels are decoded in the loader's worker
+    except FileNotFoundError:
+        raise _RowProblem(f"image '{name}' not found at {path}") from None
+    except (OSError, UnidentifiedImageError, SyntaxError) as e:
+        raise _RowProblem(f"image '{name}' at {path} cannot be read as an image ({e})") from None
+    return path
 
 
 def parse_function_call(content: str) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from mt_ray.data.config import DataConfig
 from mt_ray.data.converters import convert_row
 from mt_ray.data.loader import pad_token_id, plan_split, resolve_entries
+from mt_ray.data.mm_processor import ImageEncoder
 from mt_ray.data.packing import collate, pack_first_fit_decreasing
 from mt_ray.data.processor import Processor
 from mt_ray.data.readers import iter_rows
@@ -25,7 +26,7 @@ from mt_ray.errors import DatasetError
 
 
 def build_eval_batches(data_config: DataConfig, tokenizer: PreTrainedTokenizerBase, micro_batch_size: int,
-                       held_out: HeldOut | None = None) -> list[dict[str, torch.Tensor]]:
+                       held_out: HeldOut | None = None, images: ImageEncoder | None = None) -> list[dict[str, torch.Tensor]]:
     """The eval split as micro-batches of at most ``micro_batch_size`` rows (the step loader's keys); [] with none.
 
     ``held_out`` reuses a ``plan_split`` already drawn (it must come from this ``data_config``).
@@ -33,7 +34,7 @@ def build_eval_batches(data_config: DataConfig, tokenizer: PreTrainedTokenizerBa
     if not data_config.has_eval_split:
         return []
     examples = list(_eval_examples(data_config, held_out))
-    processor = Processor(tokenizer, data_config.template, data_config.max_seq_len)
+    processor = Processor(tokenizer, data_config.template, data_config.max_seq_len, images)
     tokenized = [t for example in examples for t in processor(example)]
     if not tokenized:
         raise DatasetError("the eval split holds no example with a token to score; hold out more rows "

@@ -16,6 +16,7 @@ the same batches.
 from __future__ import annotations
 
 import copy
+import logging
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -26,14 +27,16 @@ from transformers import PreTrainedTokenizerBase
 from mt_ray.data.assets import demo_registry_path
 from mt_ray.data.config import DataConfig
 from mt_ray.data.mixing import Mixer
+from mt_ray.data.mm_processor import ImageEncoder
 from mt_ray.data.packing import collate, pack_first_fit_decreasing
 from mt_ray.data.processor import Processor
 from mt_ray.data.registry import DatasetEntry, load_registry
 from mt_ray.data.schema import TokenizedExample
 from mt_ray.data.sources import DatasetSource
 from mt_ray.data.split import HeldOut, plan_held_out
-from mt_ray.errors import ConfigError
+from mt_ray.errors import ConfigError, DatasetError
 
+logger = logging.getLogger(__name__)
 _STATE_VERSION = 1
 _Row = list[TokenizedExample]
 
@@ -62,6 +65,7 @@ class StepLoader:
         self.rows_per_step = rows_per_step
         self.pad_id = pad_id
         self.dropped_examples = 0
+        self.cut_examples = 0
         self._window_start = self._snapshot()
         self._window_index = 0
         self._window: list[_Row] = []
@@ -88,10 +92,12 @@ class StepLoader:
         return self.mixer.epoch
 
     def stats(self) -> dict[str, Any]:
-        """Counts to report: bad rows skipped per dataset, examples dropped as untrainable."""
+        """Counts to report: bad rows skipped per dataset, examples dropped as untrainable, examples longer than
+        ``max_seq_len`` (a text cut into chunks of it, a conversation truncated to it, as LLaMA-Factory does)."""
         return {
             "bad_rows": {s.entry.name: s.state.bad_rows for s in self.mixer.sources},
             "dropped_examples": self.dropped_examples,
+            "cut_examples": self.cut_examples,
             "epoch": self.epoch,
         }
 
@@ -112,11 +118,12 @@ class StepLoader:
             self._used = state["used"]
 
     def _snapshot(self) -> dict[str, Any]:
-        return {"mixer": self.mixer.state_dict(), "dropped": self.dropped_examples}
+        return {"mixer": self.mixer.state_dict(), "dropped": self.dropped_examples, "cut": self.cut_examples}
 
     def _restore(self, snapshot: dict[str, Any]) -> None:
         self.mixer.load_state_dict(copy.deepcopy(snapshot["mixer"]))
         self.dropped_examples = snapshot["dropped"]
+        self.cut_examples = snapshot.get("cut", 0)  # absent from checkpoints written before it was counted
         self._window_start = copy.deepcopy(snapshot)
 
     def _next_window(self) -> None:
@@ -124,7 +131,16 @@ class StepLoader:
         self._window_start = self._snapshot()
         examples: list[TokenizedExample] = []
         while len(examples) < self.config.packing_window:
-            tokenized = self.processor(self.mixer.next())
+            example = self.mixer.next()
+            try:
+                tokenized = self.processor(example)
+            except DatasetError as e:  # an image that does not decode, or does not fit
+                if self.config.on_bad_row != "skip":
+                    raise
+                logger.warning("skipping example: %s", e)
+                tokenized = []
+            else:
+                self.cut_examples += self.processor.cut
             if not tokenized:
                 self.dropped_examples += 1
             examples += tokenized
@@ -146,13 +162,15 @@ def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -
 
 def build_dataloader(data_config: DataConfig, tokenizer: PreTrainedTokenizerBase, micro_batch_size: int,
                      grad_accum_steps: int | None = None, *, global_batch_size: int | None = None,
-                     seed: int | None = None, held_out: HeldOut | None = None) -> StepLoader:
+                     seed: int | None = None, held_out: HeldOut | None = None,
+                     images: ImageEncoder | None = None) -> StepLoader:
     """Build the step loader: each batch holds ``micro_batch_size * grad_accum_steps`` rows.
 
     Give ``grad_accum_steps`` or ``global_batch_size`` (rows per optimizer step, a multiple
     of ``micro_batch_size``), not both; neither means one micro-batch per step. ``seed``
     overrides ``data_config.seed``. Rows of the ``data.val_size`` split are never yielded;
-    pass ``held_out`` (from ``plan_split``) to reuse a split already drawn.
+    pass ``held_out`` (from ``plan_split``) to reuse a split already drawn. ``images`` (the model's
+    processor) turns the rows' images into pixel values; without it a row with images is refused.
     """
     rows = _rows_per_step(micro_batch_size, grad_accum_steps, global_batch_size)
     if seed is not None:
@@ -166,7 +184,7 @@ def build_dataloader(data_config: DataConfig, tokenizer: PreTrainedTokenizerBase
         for i, entry in enumerate(entries)
     ]
     mixer = Mixer(sources, data_config.weights, data_config.mix_strategy, data_config.seed)
-    processor = Processor(tokenizer, data_config.template, data_config.max_seq_len)
+    processor = Processor(tokenizer, data_config.template, data_config.max_seq_len, images)
     return StepLoader(data_config, mixer, processor, rows, pad_token_id(tokenizer))
 
 

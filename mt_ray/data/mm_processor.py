@@ -32,6 +32,11 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_p
                    "chat_template.json", "chat_template.jinja")
 
 
+def processor_files(folder: str | Path) -> tuple[Path, ...]:
+    """The processor's files in `folder` (what an export copies beside the weights)."""
+    return tuple(Path(folder) / f for f in PROCESSOR_FILES if (Path(folder) / f).is_file())
+
+
 def check_processor_files(folder: str | Path, key: str = "model.path") -> Path:
     """An image-text model's folder must hold its processor: name the files that are missing."""
     folder = Path(folder)
@@ -87,3 +92,55 @@ def _processor_class(folder: Path) -> type[ProcessorMixin]:
         raise ConfigError(f"model.path: {folder} names no processor class transformers knows ({name}); copy the "
                           "processor files from the base model")
     return getattr(transformers, name)
+
+
+class ImageEncoder:
+    """One image at a time through the model's processor: its tensors, and the token ids that stand for it.
+
+    `image_text` is what the family's chat template writes for one image (Qwen: the image token between
+    vision start and end; LLaVA: `<image>`); the processor turns it into the run of image tokens the
+    model scatters that image's features over (`encode`).
+    """
+
+    def __init__(self, processor: ProcessorMixin):
+        self.processor = processor
+        tokenizer = processor.tokenizer
+        self.image_token_id = getattr(processor, "image_token_id", None)
+        if self.image_token_id is None:
+            self.image_token_id = tokenizer.convert_tokens_to_ids(processor.image_token)
+        self.image_text = _image_text(processor)
+        self.text_ids = tokenizer.encode(self.image_text, add_special_tokens=False)
+
+    def encode(self, path: Path) -> tuple[list[int], dict[str, Any]]:
+        """The expanded token ids of one image and its tensors (`pixel_values`, `image_grid_thw`, ...)."""
+        from PIL import Image
+
+        with Image.open(path) as image:
+            rgb = image.convert("RGB")  # decodes the pixels: this runs in the loader's worker
+        out = self.processor(text=[self.image_text], images=[rgb], return_tensors="pt")
+        tensors = {k: v for k, v in out.items() if k not in _TEXT_KEYS}
+        return out["input_ids"][0].tolist(), tensors
+
+
+_TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+
+
+def _image_text(processor: ProcessorMixin) -> str:
+    """What the processor's chat template renders for one image, else the bare image token."""
+    token = processor.image_token
+    template = getattr(processor, "chat_template", None) or processor.tokenizer.chat_template
+    if not template:
+        return token
+    text = [{"type": "text", "text": "x"}]
+
+    def render(content: list[dict]) -> str:
+        return processor.tokenizer.apply_chat_template([{"role": "user", "content": content}], chat_template=template,
+                                                       tokenize=False)
+
+    try:
+        with_image, without = render([{"type": "image"}, *text]), render(text)
+    except Exception:  # a template that takes string content only fails in its own way; the bare token then
+        return token
+    start = next((i for i, (a, b) in enumerate(zip(with_image, without, strict=False)) if a != b), len(without))
+    inserted = with_image[start:len(with_image) - (len(without) - start)]
+    return inserted if token in inserted else token

@@ -10,11 +10,17 @@ derives from the position ids, for code that builds its own mask.
 Labels are unshifted and the first label of every segment is -100 (so the last token of
 one example is never trained to predict the first token of the next); padding labels
 are -100.
+
+Rows with images also carry ``images``: per row, the processor's tensors of each image, in
+the order of their tokens (a list, not a tensor: images differ in size). Packing keeps them
+correct: an image's tokens stay in its example, and multi-dimensional rotary positions are
+computed document by document.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -62,12 +68,21 @@ def build_row(examples: Sequence[TokenizedExample], length: int, pad_id: int) ->
     return row
 
 
-def collate(rows: Sequence[Sequence[TokenizedExample]], length: int | None, pad_id: int) -> dict[str, torch.Tensor]:
+def row_images(examples: Sequence[TokenizedExample]) -> list[dict]:
+    """The images of a row's examples, in token order."""
+    return [image for example in examples for image in example.images]
+
+
+def collate(rows: Sequence[Sequence[TokenizedExample]], length: int | None, pad_id: int) -> dict[str, Any]:
     """Stack rows into ``LongTensor[B, T]``s; ``length=None`` pads to the longest row."""
     if length is None:
         length = max(sum(len(e) for e in row) for row in rows)
     built = [build_row(row, length, pad_id) for row in rows]
-    return {key: torch.tensor([b[key] for b in built], dtype=torch.long) for key in BATCH_KEYS}
+    batch = {key: torch.tensor([b[key] for b in built], dtype=torch.long) for key in BATCH_KEYS}
+    images = [row_images(row) for row in rows]
+    if any(images):
+        batch["images"] = images
+    return batch
 
 
 def count_valid_tokens(batch: dict[str, torch.Tensor]) -> int:

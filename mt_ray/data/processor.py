@@ -12,19 +12,34 @@ prompt and response.
 
 Labels are not shifted: ``labels[t]`` is the target for the logits at ``t - 1`` (the
 Hugging Face convention; the model shifts). ``labels[0]`` is always ``-100``.
+
+Images: each ``<image>`` placeholder becomes the family's image text, and after tokenizing, the
+run of image tokens the model's processor expands it into (``ImageEncoder``); the images are
+decoded here, in the loader's worker. Image tokens are prompt tokens: never trained on. An example
+whose image tokens do not all fit in ``max_seq_len`` is refused (a cut image cannot be trained).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from mt_ray.data.converters import parse_function_call
-from mt_ray.data.schema import IGNORE_INDEX, ChatExample, Example, TextExample, TokenizedExample
+from mt_ray.data.mm_processor import ImageEncoder
+from mt_ray.data.schema import (
+    IGNORE_INDEX,
+    IMAGE_PLACEHOLDER,
+    ChatExample,
+    Example,
+    Message,
+    TextExample,
+    TokenizedExample,
+)
 from mt_ray.data.templates import TEMPLATES
-from mt_ray.errors import ConfigError
+from mt_ray.errors import ConfigError, DatasetError
 
 TOKENIZER_TEMPLATE = "tokenizer"
 
@@ -77,7 +92,8 @@ def _arguments(arguments: Any) -> Any:
 class Processor:
     """Turns one ``Example`` into ``TokenizedExample``s of at most ``max_seq_len`` tokens."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str, max_seq_len: int):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str, max_seq_len: int,
+                 images: ImageEncoder | None = None):
         if template != TOKENIZER_TEMPLATE and template not in TEMPLATES:
             raise ConfigError(f"data.template: unknown template '{template}' (use 'tokenizer' or {sorted(TEMPLATES)})")
         if template == TOKENIZER_TEMPLATE and not tokenizer.chat_template:
@@ -89,10 +105,13 @@ class Processor:
         self.template_name = template
         self.chat_template = None if template == TOKENIZER_TEMPLATE else TEMPLATES[template]
         self.max_seq_len = max_seq_len
+        self.images = images
         self.special_ids = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        self.cut = False  # whether the last example was longer than max_seq_len (chunked, or truncated)
 
     def __call__(self, example: Example) -> list[TokenizedExample]:
-        """Tokenized pieces of ``example``; empty if no token is left to train on."""
+        """Tokenized pieces of ``example``; empty if no token is left to train on. Sets ``cut``."""
+        self.cut = False
         if isinstance(example, TextExample):
             return self._text(example.text)
         return self._chat(example)
@@ -105,21 +124,62 @@ class Processor:
         # verbose=False: long documents are expected here (they are chunked below), so the
         # tokenizer's "longer than model_max_length" warning would only mislead.
         ids = [*self.tokenizer.encode(text, add_special_tokens=True, verbose=False), self.tokenizer.eos_token_id]
+        self.cut = len(ids) > self.max_seq_len
         chunks = [ids[i:i + self.max_seq_len] for i in range(0, len(ids), self.max_seq_len)]
         return [example for chunk in chunks for example in _finish(chunk, chunk)]
 
     def _chat(self, example: ChatExample) -> list[TokenizedExample]:
+        encoded = self._encode_images(example)
+        if encoded:
+            text = self.images.image_text
+            example = replace(example, messages=tuple(Message(m.role, m.content.replace(IMAGE_PLACEHOLDER, text))
+                                                      for m in example.messages))
+        pending = iter(ids for ids, _ in encoded)
         ids: list[int] = []
         labels: list[int] = []
         remaining = self.max_seq_len
         for source, target, target_labels in self._pairs(example):
+            source = self._expand_images(source, pending) if encoded else source
             if remaining <= 0:
+                self.cut = True  # whole exchanges left out
                 break
             n_src, n_tgt = infer_seqlen(len(source), len(target), remaining)
+            self.cut |= n_src < len(source) or n_tgt < len(target)
             remaining -= n_src + n_tgt
             ids += source[:n_src] + target[:n_tgt]
             labels += [IGNORE_INDEX] * n_src + target_labels[:n_tgt]
-        return _finish(ids, labels)
+        if encoded:
+            self._check_images_fit(example, ids, encoded)
+        return _finish(ids, labels, tuple(tensors for _, tensors in encoded))
+
+    def _encode_images(self, example: ChatExample) -> list[tuple[list[int], dict[str, Any]]]:
+        if not example.images:
+            return []
+        if self.images is None:
+            raise DatasetError(f"{example.origin}: the row has images, but the model is not an image-text model "
+                               "with a processor; train an image-text model (model.path with its processor files)")
+        return [self.images.encode(path) for path in example.images]
+
+    def _expand_images(self, ids: list[int], pending) -> list[int]:
+        """Each occurrence of the image text's token ids replaced by the next image's expanded ids."""
+        text_ids, n = self.images.text_ids, len(self.images.text_ids)
+        out, i = [], 0
+        while i < len(ids):
+            if ids[i:i + n] == text_ids:
+                out += next(pending)
+                i += n
+            else:
+                out.append(ids[i])
+                i += 1
+        return out
+
+    def _check_images_fit(self, example: ChatExample, ids: list[int], encoded) -> None:
+        token = self.images.image_token_id
+        need = sum(e.count(token) for e, _ in encoded)
+        if ids.count(token) != need:
+            raise DatasetError(f"{example.origin}: its {len(encoded)} images take {need} image tokens, which do not "
+                               f"all fit in data.max_seq_len={self.max_seq_len} with the text; raise "
+                               "data.max_seq_len, or use smaller images (the processor's max_pixels)")
 
     def _pairs(self, example: ChatExample) -> list[_Pair]:
         """Render turn by turn; each assistant-side turn closes one (prompt, response) pair."""
@@ -158,10 +218,10 @@ class Processor:
         return target[:last + 1] + [IGNORE_INDEX] * (len(target) - last - 1)
 
 
-def _finish(ids: list[int], labels: list[int]) -> list[TokenizedExample]:
+def _finish(ids: list[int], labels: list[int], images: tuple[dict[str, Any], ...] = ()) -> list[TokenizedExample]:
     """Mask the first label (in a packed row it would be predicted from the previous
     example); drop the example if no label is left to train on."""
     labels = [IGNORE_INDEX, *labels[1:]]
     if all(label == IGNORE_INDEX for label in labels):
         return []
-    return [TokenizedExample(input_ids=tuple(ids), labels=tuple(labels))]
+    return [TokenizedExample(input_ids=tuple(ids), labels=tuple(labels), images=images)]

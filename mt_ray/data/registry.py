@@ -9,8 +9,10 @@ The registry is read exactly as LLaMA-Factory reads it, so its own files work un
   how LLaMA-Factory marks ``c4_demo``/``wiki_demo`` (``columns: {prompt: text}``);
 * ``file_name`` is a file or a folder, relative to the registry's folder.
 
+An ``images`` column (multimodal SFT, as LLaMA-Factory's ``mllm_demo``) lists each row's image
+files, relative to the registry's folder, one per ``<image>`` placeholder in the text.
 Hub, script and cloud entries cannot load offline and raise ``DatasetError``; so do
-preference (``ranking``), KTO and multimodal entries, which this SFT pipeline does not
+preference (``ranking``), KTO, video and audio entries, which this SFT pipeline does not
 train. A hub entry that also names a ``file_name`` uses the local copy.
 """
 
@@ -27,8 +29,8 @@ from mt_ray.errors import DatasetError
 Formatting = Literal["alpaca", "sharegpt", "text"]
 REGISTRY_FILE = "dataset_info.json"
 _REMOTE_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
-_UNSUPPORTED_COLUMNS = ("images", "videos", "audios", "kto_tag", "chosen", "rejected")
-_COLUMN_NAMES = ("prompt", "query", "response", "history", "messages", "system", "tools")
+_UNSUPPORTED_COLUMNS = ("videos", "audios", "kto_tag", "chosen", "rejected")
+_COLUMN_NAMES = ("prompt", "query", "response", "history", "messages", "system", "tools", "images")
 _TAG_NAMES = ("role_tag", "content_tag", "user_tag", "assistant_tag", "observation_tag",
               "function_tag", "system_tag")
 
@@ -44,6 +46,7 @@ class Columns:
     messages: str | None = "conversations"
     system: str | None = None
     tools: str | None = None
+    images: str | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,8 @@ class DatasetEntry:
     formatting: Formatting
     columns: Columns
     tags: Tags
+    media_dir: Path | None = None
+    """The folder image paths are relative to: the registry's (LLaMA-Factory's default ``media_dir``)."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,8 @@ class Registry:
             raise DatasetError(f"dataset '{name}': file_name '{info['file_name']}' not found at {path}")
         columns = _columns(info)
         formatting = _formatting(name, info, columns)
-        return DatasetEntry(name=name, path=path, formatting=formatting, columns=columns, tags=_tags(info))
+        return DatasetEntry(name=name, path=path, formatting=formatting, columns=columns, tags=_tags(info),
+                            media_dir=self.folder)
 
 
 def load_registry(path: str | Path) -> Registry:
@@ -120,7 +126,7 @@ def _check_supported(name: str, info: dict[str, Any]) -> None:
         raise DatasetError(f"dataset '{name}' is a preference (ranking) dataset; only SFT and text are supported")
     used = [c for c in _UNSUPPORTED_COLUMNS if c in info.get("columns", {})]
     if used:
-        raise DatasetError(f"dataset '{name}' uses columns {used}, which are not supported (text-only SFT)")
+        raise DatasetError(f"dataset '{name}' uses columns {used}, which are not supported (SFT on text and images)")
 
 
 def _columns(info: dict[str, Any]) -> Columns:

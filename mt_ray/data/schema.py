@@ -11,7 +11,8 @@ Whatever the source format (alpaca, sharegpt, plain text), a row becomes either
     of calls);
 
   the first message is on the prompt side and the last on the response side, so every
-  example has at least one trained turn; or
+  example has at least one trained turn; ``images`` are the files of its ``<image>``
+  placeholders, in order (``origin`` names the file and row, for errors found later); or
 
 * a ``TextExample``: plain text for pretraining, every token trained.
 
@@ -23,10 +24,14 @@ role for results).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 IGNORE_INDEX = -100
 """Label of a token that carries no loss (PyTorch's cross-entropy ignore_index)."""
+
+IMAGE_PLACEHOLDER = "<image>"
+"""Where an image goes in a message (LLaMA-Factory's placeholder)."""
 
 Role = Literal["user", "assistant", "function_call", "observation"]
 PROMPT_ROLES: tuple[Role, ...] = ("user", "observation")
@@ -48,6 +53,8 @@ class ChatExample:
     messages: tuple[Message, ...]
     system: str | None = None
     tools: tuple[dict[str, Any], ...] | None = None
+    images: tuple[Path, ...] = ()
+    origin: str = ""
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,8 @@ class TokenizedExample:
 
     input_ids: tuple[int, ...]
     labels: tuple[int, ...]
+    images: tuple[dict[str, Any], ...] = ()
+    """The processor's tensors of each image whose tokens are in ``input_ids``, in order."""
 
     def __post_init__(self) -> None:
         if len(self.labels) != len(self.input_ids) or not self.input_ids or self.labels[0] != IGNORE_INDEX:

@@ -27,6 +27,7 @@ from mt_ray.engine.sizing import (
     device_bytes,
     host_bytes,
     predicted_step_seconds,
+    vision_sizes,
 )
 from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import ModelSpec
@@ -46,9 +47,13 @@ NEAR_FASTEST = 1.02  # predicted times this close are a tie, broken by preferenc
 K_ORDER = (4, 2, 8, 1)  # 4 is the measured default
 SEQ_STEP = 128  # the largest seq that fits is named in multiples of this
 LOSS_CHUNKS = (4096, 2048, 1024, 512, 256)
+# Sequence chunks for the norms and MLP (`mlp_chunk_tokens`), tried where a sequence holds at least two:
+# at long context, where the MLP's activations outgrow the rest; each costs one more MLP forward.
+MLP_CHUNKS = (16384, 4096)
+LONGEST_SEQ = 1 << 22  # the longest context `longest_context` looks for (4M tokens)
 # Knobs the search sets, as EngineConfig fields, in the order the snippet lists them.
 SEARCHED = ("schedule", "checkpoint_every", "checkpoint_placement", "prefetch_units", "loss_chunk_tokens",
-            "stream_master", "grad_dtype")
+            "mlp_chunk_tokens", "stream_master", "grad_dtype")
 
 
 @dataclass(frozen=True)
@@ -64,19 +69,21 @@ class Option:
 
 def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, host_mem_gb: float,
               cfg: EngineConfig | None = None, opt: OptimizerConfig | None = None, machine: Machine | None = None,
-              max_micro_tokens: int = MAX_MICRO_TOKENS) -> dict:
+              max_micro_tokens: int = MAX_MICRO_TOKENS, image_tokens: int = 0) -> dict:
     """The fastest configuration that fits `gpu_mem_gb` and `host_mem_gb` (GiB), or why none does.
 
     `cfg` gives everything not searched (dtype, kernels, grad slabs) and the stream_master and
     gradient dtype to prefer on a tie; `opt` decides whether clipping holds every gradient.
+    `image_tokens`: an image-text model's image tokens per sample (part of `seq`), for its vision tower.
     """
-    cfg = cfg or EngineConfig(device="cpu", compute_dtype="bf16")
-    opt = opt or OptimizerConfig()
-    machine = machine or Machine()
-    search = _Search(spec, cfg, opt, machine, gpu_mem_gb * GIB * GPU_HEADROOM, (host_mem_gb - HOST_RESERVE_GIB) * GIB,
-                     max_micro_tokens)
+    search = _Search.build(spec, gpu_mem_gb, host_mem_gb, cfg, opt, machine, max_micro_tokens, image_tokens)
+    machine = search.machine
     out = {"params": spec.num_params, "seq": seq, "global_batch": global_batch, "gpu_mem_gb": gpu_mem_gb,
            "host_mem_gb": host_mem_gb, "h2d_gbps": machine.h2d_gbps}
+    vision = vision_sizes(spec, image_tokens)
+    if vision is not None:
+        out.update(vision_tower_params=vision.tower_params, vision_projector_params=vision.projector_params,
+                   image_tokens=image_tokens, vision_patches_per_sample=vision.patches)
     options = list(search.options(seq, global_batch))
     best = _fastest([o for o in options if search.fits(o)])
     if best is None:
@@ -86,18 +93,45 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
         **out, "fits": True, **{k: getattr(c, k) for k in SEARCHED}, "prefetch_units": c.prefetch_units or
         c.checkpoint_every, "micro_batch_size": best.micro_batch, "grad_accum_steps": global_batch // best.micro_batch,
         "device_gib": best.device / GIB, "host_gib": best.host / GIB, "host_bytes_per_param": best.host / spec.num_params,
-        "predicted_step_s": best.seconds, "model_tflops": 6 * spec.num_params * seq * global_batch / best.seconds / 1e12,
+        "predicted_step_s": best.seconds, "model_tflops": 6 * spec.text_params * seq * global_batch / best.seconds / 1e12,
     }
+
+
+def longest_context(spec: ModelSpec, gpu_mem_gb: float, host_mem_gb: float, global_batch: int = 1,
+                    cfg: EngineConfig | None = None, opt: OptimizerConfig | None = None,
+                    machine: Machine | None = None) -> dict:
+    """The longest sequence (a multiple of SEQ_STEP) that trains at `global_batch` sequences a step on this
+    GPU and host, with the fastest configuration at that length, and what runs out one step longer."""
+    search = _Search.build(spec, gpu_mem_gb, host_mem_gb, cfg, opt, machine)
+    seq = search._largest(lambda s: search._any_fit(s, global_batch), LONGEST_SEQ, SEQ_STEP)
+    if seq is None:
+        return recommend(spec, SEQ_STEP, global_batch, gpu_mem_gb, host_mem_gb, cfg, opt, machine)
+    rec = recommend(spec, seq, global_batch, gpu_mem_gb, host_mem_gb, cfg, opt, machine)
+    if seq + SEQ_STEP <= LONGEST_SEQ:
+        binding, reasons, _ = search.binding(list(search.options(seq + SEQ_STEP, global_batch, [1])), seq + SEQ_STEP,
+                                             global_batch)
+        rec.update(longer_binding=binding, longer_reason="; ".join(reasons))
+    return rec
 
 
 class _Search:
     """The candidate configurations of one model on one machine, and the limits when none fits."""
 
     def __init__(self, spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, machine: Machine,
-                 gpu_budget: float, host_budget: float, max_micro_tokens: int):
+                 gpu_budget: float, host_budget: float, max_micro_tokens: int, image_tokens: int = 0):
         self.spec, self.cfg, self.opt, self.machine = spec, cfg, opt, machine
         self.gpu_budget, self.host_budget = gpu_budget, host_budget
         self.max_micro_tokens = max_micro_tokens
+        self.image_tokens = image_tokens
+
+    @classmethod
+    def build(cls, spec: ModelSpec, gpu_mem_gb: float, host_mem_gb: float, cfg: EngineConfig | None,
+              opt: OptimizerConfig | None, machine: Machine | None, max_micro_tokens: int = MAX_MICRO_TOKENS,
+              image_tokens: int = 0) -> _Search:
+        """The search with the defaults filled in and the budgets the GPU's headroom and the host's reserve leave."""
+        return cls(spec, cfg or EngineConfig(device="cpu", compute_dtype="bf16"), opt or OptimizerConfig(),
+                   machine or Machine(), gpu_mem_gb * GIB * GPU_HEADROOM, (host_mem_gb - HOST_RESERVE_GIB) * GIB,
+                   max_micro_tokens, image_tokens)
 
     def fits(self, o: Option) -> bool:
         return o.device <= self.gpu_budget and o.host <= self.host_budget
@@ -109,31 +143,48 @@ class _Search:
         host: dict[tuple, int] = {}  # neither depends on the micro-batch or the loss chunk: each once
         seconds: dict[tuple, float] = {}
         for micro in micro_batches:
-            for knobs in self._knobs(micro * seq):
+            for knobs in self._knobs(micro * seq, seq):
                 c = self.cfg.model_copy(update=knobs)
                 key = tuple(v for k, v in knobs.items() if k != "loss_chunk_tokens")
                 if key not in host:
                     host[key] = host_bytes(self.spec, c, self.opt, seq, global_batch)
-                    seconds[key] = predicted_step_seconds(self.spec, c, seq, global_batch, self.machine)
-                yield Option(c, micro, device_bytes(self.spec, c, micro, seq, global_batch)["total"], host[key],
-                             seconds[key])
+                    seconds[key] = predicted_step_seconds(self.spec, c, seq, global_batch, self.machine,
+                                                          self.image_tokens)
+                yield Option(c, micro, device_bytes(self.spec, c, micro, seq, global_batch, self.image_tokens)["total"],
+                             host[key], seconds[key])
 
-    def _knobs(self, micro_tokens: int) -> Iterator[dict]:
+    def _knobs(self, micro_tokens: int, seq: int) -> Iterator[dict]:
         chunks = _loss_chunks(self.cfg.loss_chunk_tokens, micro_tokens)
         precisions = list(dict.fromkeys([(self.cfg.stream_master, self.cfg.grad_dtype),
                                          *((s, g) for s in (False, True) for g in ("fp32", "compute"))]))
         layouts = [("resident", self.cfg.checkpoint_every, "device", None)] if micro_tokens >= RESIDENT_MIN_MICRO_TOKENS else []
         layouts += [("stream", k, place, depth) for k in K_ORDER for place in ("device", "host")
                     for depth in dict.fromkeys((k, k // 2 or 1, 1))]
+        mlp_chunks = [None, *(c for c in MLP_CHUNKS if seq >= 2 * c)]
         for schedule, k, place, depth in layouts:
-            for chunk in chunks:
-                for stream_master, grad_dtype in precisions:
-                    yield {"schedule": schedule, "checkpoint_every": k, "checkpoint_placement": place,
-                           "prefetch_units": None if depth == k else depth, "loss_chunk_tokens": chunk,
-                           "stream_master": stream_master, "grad_dtype": grad_dtype}
+            for mlp_chunk in mlp_chunks:
+                for chunk in chunks:
+                    for stream_master, grad_dtype in precisions:
+                        yield {"schedule": schedule, "checkpoint_every": k, "checkpoint_placement": place,
+                               "prefetch_units": None if depth == k else depth, "loss_chunk_tokens": chunk,
+                               "mlp_chunk_tokens": mlp_chunk, "stream_master": stream_master, "grad_dtype": grad_dtype}
 
     def why_not(self, options: list[Option], seq: int, global_batch: int) -> dict:
         """The binding constraint, the reason in words, and the largest seq, global batch and model that fit."""
+        binding, reasons, lean_host = self.binding(options, seq, global_batch)
+        host_ok = lean_host.host <= self.host_budget
+        limits = {"max_seq": self._largest(lambda s: self._any_fit(s, global_batch), seq - 1, SEQ_STEP if seq > SEQ_STEP else 1),
+                  "max_global_batch": self._largest(lambda b: self._any_fit(seq, b), global_batch - 1),
+                  "max_params": self._max_params(lean_host, seq, global_batch)}
+        hints = [f"seq {limits['max_seq']} fits at global batch {global_batch}" if limits["max_seq"] else "",
+                 f"global batch {limits['max_global_batch']} fits at seq {seq}" if limits["max_global_batch"] else "",
+                 f"this host holds models up to {limits['max_params'] / 1e9:.2f} B parameters"
+                 if not host_ok and limits["max_params"] else ""]
+        reason = "; ".join(reasons) + "".join(f"; {h}" for h in hints if h)
+        return {"binding": binding, "reason": reason, **limits}
+
+    def binding(self, options: list[Option], seq: int, global_batch: int) -> tuple[str, list[str], Option]:
+        """Which memory runs out ('gpu', 'host' or 'gpu and host'), why in words, and the leanest host option."""
         lean_gpu = min(options, key=lambda o: o.device)
         lean_host = min(options, key=lambda o: o.host)
         gpu_ok, host_ok = lean_gpu.device <= self.gpu_budget, lean_host.host <= self.host_budget
@@ -149,15 +200,7 @@ class _Search:
             reasons.append(f"GPU and host together: what fits the GPU ({_describe(fit_gpu)}) needs "
                            f"{_gib(fit_gpu.host)} of host memory, over {_gib(self.host_budget)}")
         binding = "gpu" if not gpu_ok and host_ok else "host" if gpu_ok and not host_ok else "gpu and host"
-        limits = {"max_seq": self._largest(lambda s: self._any_fit(s, global_batch), seq - 1, SEQ_STEP if seq > SEQ_STEP else 1),
-                  "max_global_batch": self._largest(lambda b: self._any_fit(seq, b), global_batch - 1),
-                  "max_params": self._max_params(lean_host, seq, global_batch)}
-        hints = [f"seq {limits['max_seq']} fits at global batch {global_batch}" if limits["max_seq"] else "",
-                 f"global batch {limits['max_global_batch']} fits at seq {seq}" if limits["max_global_batch"] else "",
-                 f"this host holds models up to {limits['max_params'] / 1e9:.2f} B parameters"
-                 if not host_ok and limits["max_params"] else ""]
-        reason = "; ".join(reasons) + "".join(f"; {h}" for h in hints if h)
-        return {"binding": binding, "reason": reason, **limits}
+        return binding, reasons, lean_host
 
     def _host_reason(self, options: list[Option], lean: Option, seq: int, global_batch: int) -> str:
         c = lean.cfg
@@ -218,7 +261,8 @@ def _describe(o: Option) -> str:
     if c.schedule == "resident":
         return f"resident, micro-batch {o.micro_batch}"
     return (f"K={c.checkpoint_every}, checkpoints on the {c.checkpoint_placement}, prefetch "
-            f"{c.prefetch_units or c.checkpoint_every}, loss chunk {c.loss_chunk_tokens}, micro-batch {o.micro_batch}, "
+            f"{c.prefetch_units or c.checkpoint_every}, loss chunk {c.loss_chunk_tokens}, "
+            f"MLP chunk {c.mlp_chunk_tokens or 'none'}, micro-batch {o.micro_batch}, "
             f"stream_master={c.stream_master}, grad_dtype={c.grad_dtype}")
 
 

@@ -58,6 +58,13 @@ class EngineConfig(_Strict):
         None, ge=1, description="Units uploaded ahead of use; default K so a whole recompute block is in flight."
     )
     loss_chunk_tokens: int = Field(4096, ge=1, description="Tokens per LM-head chunk; bounds the fp32 logits in memory.")
+    mlp_chunk_tokens: int | None = Field(
+        None, ge=1,
+        description="Run every decoder layer's norms and dense MLP over the micro-batch's tokens in chunks of this "
+        "many, recomputing each chunk in backward: the layer's graph keeps one input a token for each of them "
+        "instead of the MLP's intermediates (at long context most of its activations), for one more forward of "
+        "them a step. The same arithmetic; for long contexts. Default: whole micro-batches.",
+    )
     attn_implementation: str = Field(
         "auto",
         description="attention backend: 'auto' (eager for a family whose attention uses soft-capping or sinks, which "
@@ -71,7 +78,8 @@ class EngineConfig(_Strict):
         description="'liger': Liger's fused Triton kernels for RMSNorm, SwiGLU/GeGLU and rotary in every decoder "
         "layer and the final norm, with the family's own settings (fewer activation bytes kept for backward and "
         "fewer kernel launches; CUDA only; pip install liger-kernel). The loss stays the engine's chunked fp32 "
-        "cross-entropy. 'torch': the family's transformers code.",
+        "cross-entropy, and MoE experts transformers' own (Liger's fused experts compute fp32 as TF32). "
+        "'torch': the family's transformers code.",
     )
     host_memory_limit_gb: float | None = Field(
         None, gt=0, description="Host memory this job may use; default: cgroup limit, else MemAvailable."

@@ -61,6 +61,7 @@ from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
 from mt_ray.engine.transfer import GradBuffers, Outbox, StreamSet, WeightStreamer
 from mt_ray.engine.vision_stage import VisionStage, feature_leaves
 from mt_ray.models.attention import resolve_attention
+from mt_ray.models.chunking import apply_token_chunks
 from mt_ray.models.context import LayerContext, LayerContextBuilder
 from mt_ray.models.discovery import ModelSpec
 from mt_ray.models.kernels import apply_kernels
@@ -120,6 +121,7 @@ class StreamingEngine:
             _cap_device_memory(self.device, cfg.gpu_memory_limit_gb)
         spec.config._attn_implementation = resolve_attention(spec, cfg.attn_implementation, self.device, self.dtype)
         apply_kernels(spec, cfg.kernels, self.device)  # before any allocation, and before the templates
+        apply_token_chunks(spec, cfg.mlp_chunk_tokens)  # around whichever forward the kernels left
         pin = self.device.type == "cuda"
         copy_dtype = None if cfg.stream_master or self.dtype == torch.float32 else self.dtype
         self.grad_dtype = grad_dtype = cfg.grad_torch_dtype
@@ -233,7 +235,8 @@ class StreamingEngine:
         self._kept = {}
         self.activations.start(streamed_step_plan(len(self._blocks()), len(mbs), train=False),
                                self._hidden_numels(mbs))
-        with _eval_mode(t.module for t in self.templates.values()), torch.no_grad():
+        modules = [t.module for t in self.templates.values()] + ([self.vision.embed.module] if self.vision else [])
+        with _eval_mode(modules), torch.no_grad():
             if imaged:
                 self.vision.forward(imaged)
             self._forward(mbs)
@@ -267,9 +270,11 @@ class StreamingEngine:
         for unit in self.spec.units:
             self.store.load_named(unit, state)
 
-    def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32) -> Path:
-        """Write the trained weights as a Hugging Face folder that `from_pretrained` loads."""
-        return export_hf(self.spec, self.state_dict(), out_dir, tokenizer, dtype)
+    def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32,
+               extra_files: tuple[Path, ...] = ()) -> Path:
+        """Write the trained weights as a Hugging Face folder that `from_pretrained` loads (`extra_files`
+        copied in: an image-text model's processor files)."""
+        return export_hf(self.spec, self.state_dict(), out_dir, tokenizer, dtype, extra_files=extra_files)
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Everything a checkpoint needs: the flat fp32 master/moment buffers and the step.
@@ -570,8 +575,9 @@ class StreamingEngine:
 def _cap_device_memory(device: torch.device, limit_gb: float) -> None:
     """Let the caching allocator hand out at most `limit_gb` GiB (a smaller card, emulated): past it,
     an allocation fails as it would on that card."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * 2**30 / total), device)
+    index = device.index if device.index is not None else torch.cuda.current_device()  # both need an index
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * 2**30 / total), index)
 
 
 def _chunk_loss(head: UnitTemplate, weights: Weights, x_ND: torch.Tensor, target_N: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,9 @@ memory), K layers plus prefetched ones, one micro-batch's recompute activations,
 accumulators; resident: every weight and gradient sum and one micro-batch's activations through
 all layers), with per-token activation bytes counted from the decoder layer's shapes. Step time is
 predicted from the machine's matmul rate and link bandwidth (defaults: the lent H100's measured
-figures). The search over configurations is `calculator.py`.
+figures). The search over configurations is `calculator.py`. An image-text model adds its vision
+tower: given the image tokens per sample, the block outputs a step keeps on the device (every
+block's, for every sample with images) and the tower's compute.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import torch
 from mt_ray.engine.activations import host_placement_device_hiddens
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import plan_layout
+from mt_ray.models.chunking import token_wise
 from mt_ray.models.discovery import ModelSpec
+from mt_ray.models.vision import VISION_PROJECTOR
 
 GIB = 1024**3
 
@@ -56,7 +60,7 @@ def host_bytes(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, seq: in
     `checkpoint_placement: host`) the slab a step of `global_batch` x `seq` tokens parks hidden states in."""
     dtype = cfg.dtype
     copy = None if cfg.stream_master or dtype == torch.float32 else dtype
-    numels = {u.name: u.numel for u in spec.units}
+    numels = {u.name: u.numel for u in spec.trainable_units}  # frozen units send no gradient
     per_unit = grad_buffers_per_unit(cfg, opt)
     state = plan_layout(spec, copy).nbytes + grad_buffer_bytes(numels, cfg.grad_torch_dtype, per_unit, cfg.grad_slabs)
     return state + activation_slab_bytes(spec, cfg, seq * global_batch)
@@ -73,12 +77,15 @@ def _num_blocks(spec: ModelSpec, cfg: EngineConfig) -> int:
     return math.ceil(spec.num_layers / cfg.checkpoint_every)
 
 
-def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2, kernels: str = "torch") -> int:
+def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2, kernels: str = "torch",
+                               chunked: bool = False) -> int:
     """Bytes autograd keeps per token for one decoder layer.
 
     transformers' norms hold fp32 temporaries and its MLP keeps act(gate) as well. Liger's norms
     keep only their input, which the layer holds anyway, and its SwiGLU recomputes act(gate)
-    (H100, 3B resident, micro 11: 92.6 KB per token per layer measured, 92.5 modelled).
+    (H100, 3B resident, micro 11: 92.6 KB per token per layer measured, 92.5 modelled). With the
+    norms and MLP in sequence chunks (`chunked`), each keeps only its input: the attention's
+    input norm shares the layer's input, the second norm and the MLP keep one hidden vector each.
     """
     c = spec.text_config
     d = c.hidden_size
@@ -87,6 +94,8 @@ def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2, kernels: s
     kv = c.num_key_value_heads * head_dim
     inter = getattr(c, "intermediate_size", 4 * d)
     attn = (d + 3 * q + 4 * kv + d) * dtype_bytes  # qkv, rotary temporaries, attention out, o_proj in
+    if chunked:
+        return attn + 2 * d * dtype_bytes
     if kernels == "liger":
         return attn + (d + 3 * inter) * dtype_bytes  # gate, up, act*up
     # two RMSNorms: fp32 input, fp32 normalised and its cast back (no copies when computing in fp32)
@@ -95,18 +104,105 @@ def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2, kernels: s
     return norms + attn + mlp
 
 
+def layer_backward_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> int:
+    """What one layer's backward allocates beyond the activations it frees as it goes.
+
+    Whole: the MLP's, whose intermediate gradients outlive the activations they free by two
+    intermediate vectors a token (transformers' SwiGLU; one with Liger's, which overwrites its
+    saved gate and up in place). In chunks (`mlp_chunk_tokens`): one recomputed chunk's
+    activations and gradients, or the attention's, whose activations then dominate what is freed:
+    the query, key and value gradients, the flash kernel's fp32 query-gradient accumulator and the
+    gradients of the attention's input and output, for every token.
+    """
+    c, size = spec.text_config, cfg.dtype.itemsize
+    d = c.hidden_size
+    inter = getattr(c, "intermediate_size", 4 * d)
+    if not _chunked(cfg, mb_tokens):
+        return mb_tokens * inter * size * (1 if cfg.kernels == "liger" else 2)
+    head_dim = getattr(c, "head_dim", None) or d // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    attention = mb_tokens * ((q + 2 * kv + 2 * d) * size + 4 * q)
+    return max(attention, cfg.mlp_chunk_tokens * inter * size * (4 + 2))
+
+
+def attention_flops(config, tokens: int, span: int) -> float:
+    """Causal attention matmul FLOPs (QK^T and PV) of `tokens` tokens each attending within `span`
+    (a sequence, or a packed document), forward and backward, counted as 6x like the weights."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_attention_heads * head_dim * span  # causal: half of 2*2
+    return 3 * per_token * tokens
+
+
+def chunked_numel(spec: ModelSpec) -> int:
+    """Parameters of the layers' token-wise parts (norms, dense MLPs): what `mlp_chunk_tokens` runs again."""
+    total = 0
+    for unit in spec.layer_units:
+        parts = {name for name, child in spec.layer_kinds[unit.kind].named_children() if token_wise(child)}
+        total += sum(p.numel for p in unit.params if p.local_name.split(".")[0] in parts)
+    return total
+
+
 def logit_bytes(dtype_bytes: int) -> int:
     """Device bytes per (token, vocab entry) of one loss chunk: logits, fp32 log-probabilities and
     their gradient; below fp32 also the logits' fp32 upcast and the gradient cast back."""
     return dtype_bytes + 4 + 4 + (4 + dtype_bytes if dtype_bytes < 4 else 0)
 
 
-def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int, global_batch: int) -> dict[str, int]:
-    """Peak device memory of a step, by part (bytes).
+@dataclass(frozen=True)
+class VisionSizes:
+    """An image-text model's vision side, for `image_tokens` image tokens per sample."""
+
+    patches: int  # per sample: image tokens times the tokens one merges (Qwen-VL: 2x2)
+    tower_params: int
+    tower_trains: bool
+    projector_params: int
+    projector_trains: bool
+    hidden: int
+    depth: int
+
+    def kept_bytes(self, samples: int, dtype_bytes: int) -> int:
+        """Every block's output for `samples` samples: kept on the device from the vision forward to its backward."""
+        return samples * self.patches * self.hidden * self.depth * dtype_bytes
+
+    def flops(self, samples: int, image_tokens: int) -> float:
+        """Matmul FLOPs of a step: the tower once forward (recomputed and run backward when it trains: 8x
+        instead of 2x), the projector forward, and again with its backward when anything trains."""
+        tower = (8 if self.tower_trains else 2) * self.tower_params * self.patches
+        projector = (8 if self.tower_trains or self.projector_trains else 2) * self.projector_params * image_tokens
+        return samples * float(tower + projector)
+
+
+def vision_sizes(spec: ModelSpec, image_tokens: int) -> VisionSizes | None:
+    """None for a text model."""
+    if spec.vision is None:
+        return None
+    vc = spec.config.vision_config
+    tower = [u for u in spec.units if u.name.startswith("vision.") and u.name != VISION_PROJECTOR]
+    projector = spec.unit(VISION_PROJECTOR)
+    merge = getattr(vc, "spatial_merge_size", 1) ** 2
+    return VisionSizes(image_tokens * merge, sum(u.numel for u in tower), not tower[0].frozen, projector.numel,
+                       not projector.frozen, vc.hidden_size, len(spec.vision.blocks))
+
+
+def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int, global_batch: int,
+                 image_tokens: int = 0) -> dict[str, int]:
+    """Peak device memory of a step, by part (bytes); `image_tokens` per sample for an image-text model,
+    whose vision block outputs stay on the device through the language model (`vision_outputs`).
 
     The parts are those of the last block's backward; `head_or_embed_extra` is what the loss, the
     first block's backward or the embedding's backward needs beyond it, where one of them peaks higher.
     """
+    parts = _text_device_bytes(spec, cfg, micro_batch, seq, global_batch)
+    vision = vision_sizes(spec, image_tokens)
+    if vision is not None and image_tokens:
+        samples = micro_batch if cfg.schedule == "resident" else global_batch
+        parts["vision_outputs"] = vision.kept_bytes(samples, cfg.dtype.itemsize)
+        parts["total"] += parts["vision_outputs"]
+    return parts
+
+
+def _text_device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int,
+                       global_batch: int) -> dict[str, int]:
     if cfg.schedule == "resident":
         return _resident_device_bytes(spec, cfg, micro_batch * seq)
     d, k = spec.text_config.hidden_size, cfg.checkpoint_every
@@ -125,7 +221,8 @@ def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int,
     parts = {
         "weights": (depth + hold) * layer * size + (layer * 4 if cfg.stream_master else 0),
         "parked_hiddens": (parked_last + mb_tokens) * d * size,
-        "recompute": k * mb_tokens * activation_bytes_per_token(spec, size, cfg.kernels),
+        "recompute": k * mb_tokens * activation_bytes_per_token(spec, size, cfg.kernels, _chunked(cfg, mb_tokens)),
+        "layer_backward": layer_backward_bytes(spec, cfg, mb_tokens),
         "grad_accumulators": k * layer * 4 + _outbox_bytes(spec, cfg),  # a block's fp32 sums
         # A tied embedding's fp32 gradient sum waits from the head to the embedding's backward.
         "tied_embedding_grad": embed * 4 if spec.tied else 0,
@@ -133,7 +230,7 @@ def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int,
     last = sum(parts.values())
     common = _outbox_bytes(spec, cfg) + parts["tied_embedding_grad"]
     # The loss: one chunk of logits and the untied head's fp32 sum, the LM head in place of a layer.
-    head = (last - parts["recompute"] - k * layer * 4 + _loss_chunk_bytes(spec, cfg, mb_tokens)
+    head = (last - parts["recompute"] - parts["layer_backward"] - k * layer * 4 + _loss_chunk_bytes(spec, cfg, mb_tokens)
             + (0 if spec.tied else lm_head * 4) + (lm_head - layer) * size)
     # The first block's backward has the embedding in flight instead of `depth` layers.
     first = last + (embed - depth * layer) * size - (parked_last - parked_first) * d * size
@@ -161,12 +258,17 @@ def _resident_device_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -
         "weights": spec.num_params * size + (layer * 4 if cfg.stream_master else 0),
         # every fp32 sum, and the previous step's last two gradients sent (the embedding's) still in the outbox
         "grad_sums": spec.num_params * 4 + max(spec.unit("embed").numel, 2 * layer) * grad_size,
-        "activations": spec.num_layers * mb_tokens * activation_bytes_per_token(spec, size, cfg.kernels)
-        + 2 * mb_tokens * spec.text_config.hidden_size * size,
+        "activations": spec.num_layers * mb_tokens * activation_bytes_per_token(spec, size, cfg.kernels,
+                                                                                _chunked(cfg, mb_tokens))
+        + 2 * mb_tokens * spec.text_config.hidden_size * size + layer_backward_bytes(spec, cfg, mb_tokens),
         "loss_chunk": _loss_chunk_bytes(spec, cfg, mb_tokens),
     }
     parts["total"] = sum(parts.values())
     return parts
+
+
+def _chunked(cfg: EngineConfig, mb_tokens: int) -> bool:
+    return cfg.mlp_chunk_tokens is not None and mb_tokens > cfg.mlp_chunk_tokens
 
 
 def _lm_head_numel(spec: ModelSpec) -> int:
@@ -181,7 +283,7 @@ def _loss_chunk_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> int
 
 
 def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_batch: int,
-                           machine: Machine = Machine()) -> float:
+                           machine: Machine = Machine(), image_tokens: int = 0) -> float:
     """Compute or the host link, whichever bounds, plus what the GPU waits for: the optimizer time
     it cannot hide, and the uploads a prefetch shallower than K leaves exposed.
 
@@ -189,12 +291,21 @@ def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_
     exposed (layers update under the next forward). Resident: 6·N·T, weights cross once, and the
     whole optimizer pass is exposed (the next step's first micro-batch waits for every layer).
     Gradients cross back once; hidden states parked in host memory cross both ways (per token,
-    each block's checkpoint and the gradient flowing back).
+    each block's checkpoint and the gradient flowing back). An image-text model's tokens compute with the
+    language model alone; its vision tower adds `VisionSizes.flops` for `image_tokens` per sample.
+    Causal attention over each sequence adds its FLOPs (recomputed too when streaming), and
+    `mlp_chunk_tokens` one more forward of the layers' token-wise parts (2·N_chunked·T).
     """
     tokens = global_batch * seq
     n = spec.num_params
     resident = cfg.schedule == "resident"
-    compute = (6 if resident else 8) * n * tokens / (machine.layer_tflops * 1e12)
+    flops = (6 if resident else 8) * (spec.text_params * tokens + attention_flops(spec.text_config, tokens, seq) / 6)
+    if _chunked(cfg, seq):  # micro-batches of a sequence or more run in chunks
+        flops += 2 * chunked_numel(spec) * tokens
+    vision = vision_sizes(spec, image_tokens)
+    if vision is not None:
+        flops += vision.flops(global_batch, image_tokens)
+    compute = flops / (machine.layer_tflops * 1e12)
     weight_size = 4 if cfg.stream_master else 2  # per parameter per pass
     h2d = n * weight_size * (1 if resident else 2)
     d2h = n * cfg.grad_torch_dtype.itemsize
@@ -228,4 +339,15 @@ def describe_model(spec: ModelSpec) -> str:
           for kind, n in kinds.items()],
         f"host memory (bf16 copy, no clipping): {bf16 / GIB:.1f} GiB ({bf16 / spec.num_params:.1f} B/param)",
     ]
+    vision = vision_sizes(spec, 0)
+    if vision is not None:
+        bf16_copy = 2  # the streamed compute-dtype copy, as above
+        tower_bytes = vision.tower_params * (4 + bf16_copy + (8 + bf16_copy if vision.tower_trains else 0))
+        lines += [
+            f"vision tower: {vision.depth} blocks, {vision.tower_params / 1e6:.1f} M params "
+            f"({'trained' if vision.tower_trains else 'frozen: no moments, no gradient'}), "
+            f"host memory {tower_bytes / GIB:.2f} GiB",
+            f"projector: {vision.projector_params / 1e6:.1f} M params ({'trained' if vision.projector_trains else 'frozen'})",
+            f"language model: {spec.text_params / 1e9:.3f} B params",
+        ]
     return "\n".join(lines)

@@ -31,6 +31,7 @@ import torch.utils._pytree as pytree
 
 from mt_ray.engine.batch import MicroBatch
 from mt_ray.engine.templates import UnitTemplate, Weights
+from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.context import layer_hidden
 from mt_ray.models.discovery import ModelSpec
 from mt_ray.models.vision import VISION_EMBED, VISION_PROJECTOR, block_unit
@@ -68,6 +69,7 @@ class VisionStage:
         self.tower_trains = not spec.unit(VISION_EMBED).frozen  # the blocks freeze with it
         self.projector_trains = not spec.unit(VISION_PROJECTOR).frozen
         self.trainable = [u.name for u in spec.trainable_units if u.name.startswith("vision.")]
+        self._embed_trainable = [p for p in spec.unit(VISION_EMBED).params if p.trainable]
         self.weights = weights
         self.add_grad = add_grad
 
@@ -87,7 +89,7 @@ class VisionStage:
         for i, (unit, template) in enumerate(zip(self.blocks, self.block_templates, strict=True)):
             w = template.bind(self.weights(unit))
             for tape in tapes:
-                tape.outputs.append(layer_hidden(template(w, tape.block_input(i), **tape.kwargs[i])))
+                tape.outputs.append(layer_hidden(template(w, tape.block_input(i), *tape.args[i], **tape.kwargs[i])))
         weights = self._bind_features(requires_grad=False)
         for mb, tape in zip(mbs, tapes, strict=True):
             mb.image_features = self.runner.replay(lambda mb=mb: self.embed(weights, **mb.images), tape.outputs)
@@ -109,30 +111,40 @@ class VisionStage:
                 used = [(t, g) for t, g in zip(flat, mb.feature_grads, strict=True) if g is not None]
                 inputs = [*p_leaves, *e_leaves, *(outs if self.tower_trains else [])]
                 gs = torch.autograd.grad([t for t, _ in used], inputs, [g for _, g in used], allow_unused=True)
+            raw = gs
+            if self.tower_trains:
+                unused = {p.local_name for p, g in zip(self._embed_trainable, gs[len(p_leaves):], strict=False) if g is None}
             gs = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, gs, strict=True)]
             if self.projector_trains:
                 self.add_grad(VISION_PROJECTOR, gs[:len(p_leaves)], final and j == last, self.projector.frozen_numel)
             if self.tower_trains:  # vision.embed's part after the blocks; its part before them comes last
                 self.add_grad(VISION_EMBED, gs[len(p_leaves):len(p_leaves) + len(e_leaves)], False, self.embed.frozen_numel)
                 tape.outputs = [o.detach() for o in tape.outputs]
-                tape.grads = gs[len(p_leaves) + len(e_leaves):]
+                tape.grads = [None if g is None else g for g in raw[len(p_leaves) + len(e_leaves):]]
         if self.tower_trains:
-            self._backward_tower(mbs, tapes, final)
+            self._backward_tower(mbs, tapes, final, unused)
 
-    def _backward_tower(self, mbs: list[MicroBatch], tapes: list[VisionTape], final: bool) -> None:
-        """Each block from the last, recomputed from its kept input; then the tower's part before the blocks."""
+    def _backward_tower(self, mbs: list[MicroBatch], tapes: list[VisionTape], final: bool, unused: set[str]) -> None:
+        """Each block from the last, recomputed from its kept input; then the tower's part before the blocks.
+
+        `unused`: the tower's parameters outside the blocks that what follows the blocks did not use; one
+        that what precedes them does not use either never gets a gradient in transformers (SigLIP's pooling
+        head under Gemma 3): torch's AdamW leaves it unchanged, a flat unit would decay it, so it is refused.
+        """
         last = len(tapes) - 1
         for i in reversed(range(len(self.blocks))):
             template = self.block_templates[i]
             w = template.bind(self.weights(self.blocks[i]), requires_grad=True)
+            if all(tape.grads[i] is None for tape in tapes):
+                continue  # nothing after this block reads it (LLaVA's last layer): like torch, it is not updated
             for j, tape in enumerate(tapes):
                 x = tape.block_input(i).detach().requires_grad_()
                 with torch.enable_grad():
-                    out = layer_hidden(template(w, x, **tape.kwargs[i]))
+                    out = layer_hidden(template(w, x, *tape.args[i], **tape.kwargs[i]))
                     gs = torch.autograd.grad(out, [x, *template.leaves(w)], tape.grads[i])
                 self.add_grad(self.blocks[i], gs[1:], final and j == last, template.frozen_numel)
                 if i:
-                    tape.grads[i - 1] = tape.grads[i - 1] + gs[0]
+                    tape.grads[i - 1] = gs[0] if tape.grads[i - 1] is None else tape.grads[i - 1] + gs[0]
                 else:
                     tape.h0_grad = gs[0]
         w = self.embed.bind(self.weights(VISION_EMBED), requires_grad=True)
@@ -141,6 +153,12 @@ class VisionStage:
             with torch.enable_grad():
                 h0 = self.runner.record(lambda mb=mb: self.embed(w, **mb.images)).h0
                 gs = torch.autograd.grad(h0, leaves, tape.h0_grad, allow_unused=True)
+            never = unused & {p.local_name for p, g in zip(self._embed_trainable, gs, strict=True) if g is None}
+            if never:
+                raise ModelNotSupportedError(
+                    f"the vision tower's parameters {sorted(never)[:4]} are not used by get_image_features, so they "
+                    "would not train in transformers but would decay here; keep model.freeze_vision_tower: true"
+                )
             gs = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, gs, strict=True)]
             self.add_grad(VISION_EMBED, gs, final and j == last, self.embed.frozen_numel)
 

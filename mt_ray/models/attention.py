@@ -44,9 +44,10 @@ def attention_features(spec: ModelSpec) -> set[str]:
     return features
 
 
-def resolve_attention(spec: ModelSpec, requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The backend to set as `config._attn_implementation` for `requested` ('auto', 'varlen' or a transformers
-    name), computing in `dtype` on `device`."""
+def resolve_attention(spec: ModelSpec, requested: str, device: torch.device,
+                      dtype: torch.dtype) -> str | dict[str, str]:
+    """What to set as `config._attn_implementation` for `requested` ('auto', 'varlen' or a transformers
+    name), computing in `dtype` on `device`: the backend's name, or per sub-config (see `_language_only`)."""
     needs = attention_features(spec)
     model_type = spec.config.model_type
     if requested == "auto":
@@ -54,7 +55,7 @@ def resolve_attention(spec: ModelSpec, requested: str, device: torch.device, dty
             logger.info("attention: eager for '%s', which uses %s (SDPA drops it)", model_type, ", ".join(sorted(needs)))
             return "eager"
         if device.type == "cuda" and _can_run(spec, PACKED_ROWS_BACKEND, device, dtype):
-            return _registered(PACKED_ROWS_BACKEND)
+            return _language_only(spec, _registered(PACKED_ROWS_BACKEND))
         return spec.skeleton.get_correct_attn_implementation(None)  # SDPA, or eager where the family lacks it
     if requested == "flex_attention" and device.type != "cuda":
         raise ConfigError("engine.attn_implementation: 'flex_attention' trains on CUDA only (torch's FlexAttention "
@@ -70,7 +71,7 @@ def resolve_attention(spec: ModelSpec, requested: str, device: torch.device, dty
         problem = varlen_problem(spec, device, dtype)
         if problem:
             raise ConfigError(f"engine.attn_implementation: 'varlen' {problem}; use 'auto'")
-        return register_varlen()
+        return _language_only(spec, register_varlen())
     try:
         return spec.skeleton.get_correct_attn_implementation(requested)
     except (ValueError, ImportError) as e:
@@ -89,3 +90,14 @@ def _can_run(spec: ModelSpec, backend: str, device: torch.device, dtype: torch.d
 
 def _registered(backend: str) -> str:
     return register_varlen() if backend == VARLEN else backend
+
+
+def _language_only(spec: ModelSpec, backend: str) -> str | dict[str, str]:
+    """`backend` for the language model. varlen computes causal attention only: an image-text model's other
+    parts (its vision tower, whose attention is bidirectional) keep transformers' default backend."""
+    if backend != VARLEN or spec.vision is None:
+        return backend
+    others = spec.skeleton.get_correct_attn_implementation(None)
+    subs = {key: backend if getattr(spec.config, key, None) is spec.base.config else others
+            for key in spec.config.sub_configs}
+    return {"": backend, **subs}

@@ -153,6 +153,7 @@ class LayerContextBuilder:
             outer = spec.vision.outer
             self.body = with_submodule(outer, next(n for n, m in outer.named_modules() if m is body), self.body)
             self.body.get_image_features = self.images
+        self.token_types = spec.vision is not None and spec.vision.image_tokens_attend_both_ways
         meta_free_buffers_to(self.body, device)
         self.num_layers = len(layers)
         self.bounds_not_masks = takes_document_bounds(spec.config._attn_implementation)
@@ -232,8 +233,11 @@ class LayerContextBuilder:
         self.log.clear()
         self.feed.pending = embeds
         self.images.pending = features
+        extra = dict(images or {})
+        if self.token_types:
+            extra["token_type_ids"] = (input_ids == self.vision.image_token_id).long()
         try:
-            self.body(input_ids=input_ids, position_ids=position_ids, use_cache=False, **(images or {}))
+            self.body(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
         finally:
             self.feed.pending = self.images.pending = None
         if len(self.log) != self.num_layers:

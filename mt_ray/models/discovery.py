@@ -116,6 +116,11 @@ class ModelSpec:
         return sum(u.numel for u in self.units)
 
     @property
+    def text_params(self) -> int:
+        """The language model's parameters (all of them for a text model): what each token computes with."""
+        return sum(u.numel for u in self.units if not u.name.startswith("vision."))
+
+    @property
     def trainable_units(self) -> list[UnitSpec]:
         return [u for u in self.units if not u.frozen]
 

@@ -12,6 +12,18 @@ Two things reach past the skeleton. Liger's rotary swap replaces the family's mo
 for models built later; both hold for the whole process, so an engine with `kernels: liger`
 should own its process (each Ray worker does). Liger's loss kernels stay off: the engine
 computes its own chunked fp32 cross-entropy.
+
+One swap is undone: a module that multiplies its own weight matrices, which in Liger 0.8 means
+the MoE expert banks (`LigerExperts`, swapped in for Mixtral, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE
+and DeepSeek-V3 experts). Its fused grouped GEMM calls Triton's `tl.dot` with no
+`input_precision`, and Triton's default for fp32 operands on tensor cores is TF32 (10-bit
+mantissa), whatever torch's `allow_tf32` says: an fp32 run would silently train its experts at
+TF32. On the H100 that put Mixtral's, Qwen3-Next's and DeepSeek-V3's weight updates past 1e-2 of
+transformers' (tests/gpu/test_families_cuda.py); in Triton's CPU interpreter, whose `tl.dot` is
+exact fp32, the same Liger swaps, experts included, match transformers within 1% of that
+tolerance, and rounding the dot operands to TF32 there reproduces the H100's failures. The swaps
+kept (RMSNorm, SwiGLU/GeGLU, rotary) are elementwise Triton kernels with no `tl.dot`: their MLPs'
+matrix products stay in the modules' own `nn.Linear`, which honours torch's precision settings.
 """
 
 from __future__ import annotations
@@ -68,16 +80,26 @@ def apply_kernels(spec: ModelSpec, kernels: str, device: torch.device,
 
 
 def apply_liger(model: nn.Module, model_type: str, liger_fns: Mapping[str, ApplyFn] | None = None) -> None:
-    """Liger's own swap for the family, loss kernels off, on any instance (the engine's skeleton, or a
-    benchmark peer's whole model so both run the same kernels)."""
+    """Liger's own swap for the family, loss kernels off, less its expert banks (see the module's
+    docstring), on any instance (the engine's skeleton, or a benchmark peer's whole model so both run
+    the same kernels).
+
+    A Liger function that fails on the model (Liger 0.8.5's qwen3_moe function assumes every layer
+    is sparse, so a Qwen3-MoE with dense layers ends in an AttributeError) is refused, and the
+    module-level names it had already replaced are put back, so that later models in this process
+    run transformers' own code.
+    """
     apply = _apply_fn_for(model_type, load_liger_fns() if liger_fns is None else liger_fns)
+    namespaces = {f: dict(vars(sys.modules[f])) for f in _model_files(model)}
     try:
         apply(model=model, **_loss_flags_off(apply))
     except Exception as e:
+        _restore_namespaces(namespaces)
         raise ModelNotSupportedError(
             f"Liger's {getattr(apply, '__name__', 'apply function')} failed on this "
             f"'{model_type}' model ({type(e).__name__}: {e}); use kernels: torch"
         ) from e
+    _keep_transformers_experts(model, model_type, namespaces)
 
 
 def load_liger_fns() -> Mapping[str, ApplyFn]:
@@ -117,10 +139,45 @@ def _rebound_modules(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if "forward" in vars(m)]
 
 
+def _model_files(model: nn.Module) -> set[str]:
+    """The modules that define the model's classes (its modeling file among them)."""
+    return {type(m).__module__ for m in model.modules()} & sys.modules.keys()
+
+
+def _restore_namespaces(namespaces: dict[str, dict[str, object]]) -> None:
+    """Put back every module-level name changed since `namespaces` was taken."""
+    for f, before in namespaces.items():
+        module = sys.modules[f]
+        for name in vars(module).keys() - before.keys():
+            delattr(module, name)
+        for name, value in before.items():
+            if vars(module).get(name) is not value:
+                setattr(module, name, value)
+
+
+def _keep_transformers_experts(model: nn.Module, model_type: str, namespaces: dict[str, dict[str, object]]) -> None:
+    """Undo Liger's swap of every module that owns a weight matrix itself (an MoE expert bank: its
+    forward is one fused GEMM kernel, TF32 in fp32) and put its class back in its modeling file, where
+    Liger's class swap would otherwise reach every expert bank built later in this process."""
+    for name, m in model.named_modules():
+        if "forward" not in vars(m) or all(p.dim() < 2 for p in m.parameters(recurse=False)):
+            continue
+        for attr in ("forward", "_get_name"):  # what Liger binds on the instance
+            vars(m).pop(attr, None)
+        cls = type(m)
+        if cls.__module__.startswith("liger_kernel"):  # built after a class swap this process never undid
+            raise ModelNotSupportedError(
+                f"'{name}' of this '{model_type}' model is Liger's {cls.__name__}, whose fused GEMMs run fp32 as "
+                "TF32; build the model in a process where Liger has not replaced transformers' classes, or use "
+                "kernels: torch"
+            )
+        if namespaces.get(cls.__module__, {}).get(cls.__name__) is cls:
+            setattr(sys.modules[cls.__module__], cls.__name__, cls)
+
+
 def _rotary_fns(model: nn.Module) -> dict[str, object]:
     """Each modeling file's module-level `apply_rotary_pos_emb`, which attention looks up per call."""
-    files = {type(m).__module__ for m in model.modules()}
-    return {f: getattr(sys.modules[f], "apply_rotary_pos_emb", None) for f in files if f in sys.modules}
+    return {f: getattr(sys.modules[f], "apply_rotary_pos_emb", None) for f in _model_files(model)}
 
 
 def _changed_rotary(model: nn.Module, before: dict[str, object]) -> list[str]:

@@ -117,7 +117,7 @@ def _kernel_kwargs(params: frozenset[str], left: int, grouped: bool) -> dict:
 
 def varlen_problem(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the varlen path cannot train this model here (None when it can)."""
-    config = spec.config
+    config = spec.base.config  # the language model's (an image-text model's text config)
     if device.type == "cuda" and dtype not in HALF:
         return "runs the flash kernel, which takes bf16 or fp16 compute only (engine.compute_dtype)"
     if device.type == "cuda":
@@ -131,6 +131,11 @@ def varlen_problem(spec: ModelSpec, device: torch.device, dtype: torch.dtype) ->
         return f"needs a family whose attention transformers runs with flash kernels, which '{config.model_type}' is not"
     if getattr(config, "attention_dropout", 0.0):
         return "has no attention dropout (config.attention_dropout is not 0)"
+    if getattr(config, "use_bidirectional_attention", False):
+        return f"computes causal attention only, and this '{config.model_type}' attends both ways"
+    if spec.vision is not None and spec.vision.image_tokens_attend_both_ways:
+        return (f"computes causal attention only, and '{spec.config.model_type}' lets an image's tokens attend to "
+                "each other both ways")
     return None
 
 

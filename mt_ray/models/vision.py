@@ -15,6 +15,7 @@ where the family keeps its projector inside the tower (Qwen2-VL, Qwen2.5-VL: LLa
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -30,7 +31,7 @@ VISION_BLOCK_PREFIX = "vision.blocks."
 # Discovery finds the parts of any composite model, but each family's vision code has its own
 # habits (feature layers, deepstack injections, bidirectional image masks): until a parity test
 # covers a family it is refused rather than trained in a way nobody checked.
-VERIFIED_FAMILIES = ("qwen2_5_vl",)
+VERIFIED_FAMILIES = ("qwen2_5_vl", "gemma3", "llava")
 
 # A tower child that is the family's projector although the tower owns it (LLaMA-Factory's projector_key).
 _PROJECTOR_IN_TOWER = ("merger",)
@@ -54,6 +55,11 @@ class VisionSpec:
     @property
     def blocks(self) -> nn.ModuleList:
         return self.outer.get_submodule(self.blocks_path)
+
+    @property
+    def image_tokens_attend_both_ways(self) -> bool:
+        """Gemma 3 lets an image's tokens attend to each other both ways: its body reads them off token_type_ids."""
+        return "token_type_ids" in inspect.signature(self.outer.forward).parameters
 
 
 def block_unit(i: int) -> str:

@@ -33,6 +33,7 @@ class VisionTape:
     backward, the gradients reaching each block's output and block 0's input."""
 
     h0: torch.Tensor | None = None
+    args: list[tuple] = field(default_factory=list)  # positional arguments after the hidden state (SigLIP's mask)
     kwargs: list[LayerKwargs] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
@@ -43,10 +44,14 @@ class VisionTape:
 
 
 class _BlockStandIn(nn.Module):
-    """Stands in for vision block `index`: records its call, or hands back its computed output."""
+    """Stands in for vision block `index`: records its call, or hands back its computed output.
+
+    Made an instance of the block's own class (`stand_in`): transformers collects a tower's hidden
+    states with hooks on the modules of that class (LLaVA's feature layer reads them).
+    """
 
     def __init__(self, index: int, runner: VisionRunner, template: nn.Module):
-        super().__init__()
+        nn.Module.__init__(self)  # not the block's constructor: the stand-in has no weights
         self.index = index
         self.runner = runner
         self.returns_tuple = returns_tuple(template)
@@ -56,15 +61,18 @@ class _BlockStandIn(nn.Module):
         if self.runner.replaying:
             out = tape.outputs[self.index]
         else:
-            if args:
-                raise TypeError("vision blocks are expected to take their context as keyword arguments")
             if self.index == 0:
                 tape.h0 = hidden_states
+            tape.args.append(args)
             tape.kwargs.append(kwargs)
             if self.index == self.runner.num_blocks - 1:
                 raise _Recorded
             out = hidden_states
         return (out,) if self.returns_tuple else out
+
+
+def _stand_in(block_class: type[nn.Module]) -> type[_BlockStandIn]:
+    return type(f"StandIn{block_class.__name__}", (_BlockStandIn, block_class), {})
 
 
 class VisionRunner:
@@ -77,7 +85,7 @@ class VisionRunner:
     def __init__(self, spec: ModelSpec, device: torch.device):
         vision = spec.vision
         self.num_blocks = len(vision.blocks)
-        stand_ins = nn.ModuleList(_BlockStandIn(i, self, b) for i, b in enumerate(vision.blocks))
+        stand_ins = nn.ModuleList(_stand_in(type(b))(i, self, b) for i, b in enumerate(vision.blocks))
         self.module = with_submodule(vision.outer, vision.blocks_path, stand_ins)
         self.module.forward = self.module.get_image_features  # the copy's own, so it sees the stand-ins
         meta_free_buffers_to(self.module, device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -86,11 +86,13 @@ def load_safetensors(spec: ModelSpec, folder: str | Path, sink: UnitSink) -> Non
 
 
 def export_hf(spec: ModelSpec, state: dict[str, torch.Tensor], out_dir: str | Path, tokenizer=None,
-              dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 1024**3) -> Path:
+              dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 1024**3,
+              extra_files: Sequence[Path] = ()) -> Path:
     """Write a Hugging Face folder (config, safetensors shards, tokenizer) that from_pretrained loads.
 
-    The folder is assembled under a temporary name and renamed when complete. Tensors are copied
-    one shard at a time, so exporting never doubles the model in memory.
+    `extra_files` are copied in as they are (an image-text model's processor files). The folder is
+    assembled under a temporary name and renamed when complete. Tensors are copied one shard at a
+    time, so exporting never doubles the model in memory.
     """
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
@@ -116,6 +118,8 @@ def export_hf(spec: ModelSpec, state: dict[str, torch.Tensor], out_dir: str | Pa
         (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2))
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    for file in extra_files:
+        shutil.copy2(file, tmp / Path(file).name)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)  # the folder appears complete or not at all

@@ -3,7 +3,12 @@
 Applied before anything is allocated, so a run that cannot fit stops with the calculator's reason
 instead of running out of memory mid-step. The global batch (`micro_batch_size x grad_accum_steps`)
 and the sequence length (`data.max_seq_len`) are kept; the calculator chooses the engine's memory
-knobs and how the global batch splits into micro-batches.
+knobs and how the global batch splits into micro-batches. So a long `data.max_seq_len` reaches the
+longest context this machine trains (`mt-ray calc --max-seq` names it) with no knob set by hand.
+
+Without auto_fit a run keeps its own settings, but one that no configuration of the engine can fit
+(a context too long for this GPU or host) is refused the same way before the first step
+(`refuse_what_cannot_fit`).
 """
 
 from __future__ import annotations
@@ -11,8 +16,9 @@ from __future__ import annotations
 import logging
 
 from mt_ray.config.run import RunConfig
-from mt_ray.engine.calculator import SEARCHED, local_gpu_memory_gb, recommend
+from mt_ray.engine.calculator import GPU_HEADROOM, SEARCHED, local_gpu_memory_gb, recommend
 from mt_ray.engine.host_store import GIB, available_host_bytes
+from mt_ray.engine.sizing import device_bytes
 from mt_ray.errors import ConfigError, InsufficientMemoryError
 from mt_ray.models.discovery import ModelSpec
 
@@ -51,6 +57,27 @@ def apply_auto_fit(cfg: RunConfig, spec: ModelSpec) -> RunConfig:
     return fitted
 
 
+def refuse_what_cannot_fit(cfg: RunConfig, spec: ModelSpec) -> None:
+    """Raise the calculator's reason (which memory runs out, and the longest sequence and largest global
+    batch that fit) where no engine configuration fits this run's shape; warn where only its own does not.
+    For a single engine planning for a GPU (a CUDA device, or `engine.gpu_memory_limit_gb`)."""
+    engine, t = cfg.engine, cfg.training
+    if cfg.cluster.num_workers > 1 or (engine.resolve_device().type != "cuda" and engine.gpu_memory_limit_gb is None):
+        return
+    gpu_gb = _gpu_memory_gb(cfg)
+    host_gb = available_host_bytes(engine.host_memory_limit_gb) / GIB
+    global_batch = t.micro_batch_size * t.grad_accum_steps
+    rec = recommend(spec, cfg.data.max_seq_len, global_batch, gpu_gb, host_gb, cfg=engine, opt=cfg.optimizer)
+    if not rec["fits"]:
+        raise InsufficientMemoryError(
+            f"data.max_seq_len {cfg.data.max_seq_len} x {global_batch} sequences a step cannot train on a {gpu_gb:.3g} "
+            f"GiB GPU with {host_gb:.3g} GiB of host memory, whatever the engine settings. {rec['reason']}")
+    planned = device_bytes(spec, engine, t.micro_batch_size, cfg.data.max_seq_len, global_batch)["total"] / GIB
+    if planned > gpu_gb * GPU_HEADROOM:
+        log.warning("the engine settings are predicted to need %.3g GiB of a %.3g GiB GPU; engine.auto_fit: true "
+                    "would train with %s", planned, gpu_gb, ", ".join(f"engine.{k}={rec[k]}" for k in SEARCHED))
+
+
 def _gpu_memory_gb(cfg: RunConfig) -> float:
     """engine.gpu_memory_limit_gb, capped by the device's memory when it is a GPU."""
     limit, device = cfg.engine.gpu_memory_limit_gb, cfg.engine.resolve_device()
@@ -63,4 +90,4 @@ def _gpu_memory_gb(cfg: RunConfig) -> float:
     return total if limit is None else min(limit, total)
 
 
-__all__ = ["apply_auto_fit"]
+__all__ = ["apply_auto_fit", "refuse_what_cannot_fit"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mt_ray.config.run import load_run_config
+from mt_ray.data.mm_processor import processor_files
 from mt_ray.engine.host_store import plan_layout
 from mt_ray.errors import CheckpointError
 from mt_ray.models.weights import export_hf
@@ -31,4 +32,5 @@ def export_checkpoint(config_path: str, checkpoint: str | None, out: str) -> Pat
         for p in unit.params:
             state[p.hf_name] = master[off : off + p.numel].view(p.shape)
             off += p.numel
-    return export_hf(spec, state, out, tokenizer)
+    extra = processor_files(cfg.model.path) if spec.vision is not None else ()
+    return export_hf(spec, state, out, tokenizer, extra_files=extra)

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from mt_ray.config.run import RunConfig
 from mt_ray.data import load_tiny_tokenizer
+from mt_ray.data.mm_processor import ImageEncoder, load_processor
 from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import ModelSpec, discover, load_config
 from mt_ray.models.presets import preset_config
@@ -62,6 +63,16 @@ def load_tokenizer(cfg: RunConfig) -> PreTrainedTokenizerBase:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{key}: the tokenizer in {folder} does not load ({first}); copy the tokenizer files "
                           "from the base model again") from None
+
+
+def load_image_encoder(cfg: RunConfig, spec: ModelSpec) -> ImageEncoder | None:
+    """An image-text model's processor (from `model.path`), which turns the data's images into pixel values."""
+    if spec.vision is None:
+        return None
+    if cfg.model.path is None:
+        raise ConfigError(f"model.preset: the image-text model '{spec.config.model_type}' needs its processor; set "
+                          "model.path to a folder with config.json and the processor files")
+    return ImageEncoder(load_processor(cfg.model.path))
 
 
 def check_model_folder(path: str) -> Path:

@@ -19,10 +19,12 @@ from tqdm.auto import tqdm
 
 from mt_ray.config.run import RunConfig
 from mt_ray.data import build_dataloader, build_eval_batches, plan_split, split_micro_batches
-from mt_ray.training.auto_fit import apply_auto_fit
+from mt_ray.data.mm_processor import processor_files
+from mt_ray.data.prefetch import BackgroundLoader
+from mt_ray.training.auto_fit import apply_auto_fit, refuse_what_cannot_fit
 from mt_ray.training.backend import TrainingBackend, build_backend
 from mt_ray.training.callbacks import Callback, ResumePoint
-from mt_ray.training.model_source import load_model_and_tokenizer
+from mt_ray.training.model_source import load_image_encoder, load_model_and_tokenizer
 from mt_ray.training.run_dir import EXPORT_DIR, RunDir
 
 log = logging.getLogger(__name__)
@@ -52,13 +54,20 @@ class Trainer:
 
     def _build(self) -> None:
         self.spec, self.tokenizer = load_model_and_tokenizer(self.cfg)
-        if self.cfg.engine.auto_fit:  # before anything is allocated: a run that cannot fit stops here
+        # Before anything is allocated: a run that cannot fit stops here.
+        if self.cfg.engine.auto_fit:
             self.cfg = apply_auto_fit(self.cfg, self.spec)
+        else:
+            refuse_what_cannot_fit(self.cfg, self.spec)
         cfg, t = self.cfg, self.cfg.training
+        images = load_image_encoder(cfg, self.spec)
         data = cfg.data.model_copy(update={"seed": t.seed})
         held_out = plan_split(data)  # drawn once: the loader skips exactly the rows the eval set scores
-        self.loader = build_dataloader(data, self.tokenizer, t.micro_batch_size, t.grad_accum_steps, held_out=held_out)
-        self.eval_batches = build_eval_batches(data, self.tokenizer, t.micro_batch_size, held_out=held_out)
+        # Its worker thread tokenizes and decodes images ahead of the steps, off the engine's thread.
+        self.loader = BackgroundLoader(build_dataloader(data, self.tokenizer, t.micro_batch_size, t.grad_accum_steps,
+                                                        held_out=held_out, images=images))
+        self.eval_batches = build_eval_batches(data, self.tokenizer, t.micro_batch_size, held_out=held_out,
+                                               images=images)
         self.engine: TrainingBackend = build_backend(cfg, self.spec)
 
     @property
@@ -159,7 +168,7 @@ class Trainer:
             "grad_norm": result.grad_norm.item(),
             "lr": result.lr,
             "tokens_per_s": tokens_per_s,
-            "model_tflops": 6 * self.spec.num_params * tokens_per_s / 1e12,
+            "model_tflops": 6 * self.spec.text_params * tokens_per_s / 1e12,
             **self.engine.memory_metrics(),
         }
         if result.aux_loss is not None:  # the MoE router's load-balancing loss, when configured
@@ -184,13 +193,15 @@ class Trainer:
             last = self.eval_history[-1]
             summary.update({k: last[k] for k in ("eval_loss", "eval_perplexity", "eval_tokens")})
         if self.cfg.training.export and self.stop_reason is None:
-            self.engine.export(self.run.staging / EXPORT_DIR, self.tokenizer)
+            extra = {"extra_files": processor_files(self.cfg.model.path)} if self.spec.vision is not None else {}
+            self.engine.export(self.run.staging / EXPORT_DIR, self.tokenizer, **extra)
             summary["exported_model"] = self.run.publish(EXPORT_DIR)
         return summary
 
     def close(self) -> None:
         try:
             if self.finished is None:
+                self.loader.close()
                 self.engine.close()
         finally:
             self.run.close()

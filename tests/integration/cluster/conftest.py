@@ -36,7 +36,7 @@ class RayHead:
         cmd = [shutil.which("ray") or "ray", *args]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=check)
 
-    def submit(self, job_id: str, command: list[str], env_vars: dict[str, str], wait_s: float = 90) -> None:
+    def submit(self, job_id: str, command: list[str], env_vars: dict[str, str], wait_s: float = 240) -> None:
         """`ray job submit --no-wait`, retried while the head's job agent is still starting (a busy machine)."""
         deadline = time.monotonic() + wait_s
         while True:

@@ -53,6 +53,11 @@ def manager(url: str, uri: str) -> CheckpointManager:
     return CheckpointManager(CheckpointConfig(uri=uri, endpoint_url=url, region="us-east-1"))
 
 
+def checkpoint_step(uri: str | None) -> int:
+    """The step of a checkpoint folder (`.../step-00000012/`); -1 for none."""
+    return int(uri.rstrip("/").rsplit("-", 1)[1]) if uri else -1
+
+
 def test_sigkill_and_resume_from_s3_is_exact(s3, tmp_path):
     url, bucket = s3
     storage = f"s3://{bucket}/runs"
@@ -62,12 +67,15 @@ def test_sigkill_and_resume_from_s3_is_exact(s3, tmp_path):
     rng = random.Random(0)
     kills = 0
     for target in sorted(rng.sample(range(2, STEPS - 1), 3)):
+        start = checkpoint_step(manager(url, run_uri).latest())
         proc = subprocess.Popen(command(url, storage, "killed", tmp_path), cwd=tmp_path, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:
-            latest = manager(url, run_uri).latest()
-            if latest and int(latest.rstrip("/").rsplit("-", 1)[1]) >= target:
+            # Killed once this attempt has saved a checkpoint of its own: it has resumed (and logged it) by then,
+            # even where a slow poll let the last attempt save past this target.
+            latest = checkpoint_step(manager(url, run_uri).latest())
+            if latest >= target and latest > start:
                 os.killpg(proc.pid, signal.SIGKILL)
                 kills += 1
                 break

@@ -10,7 +10,7 @@ pytest.importorskip("ray")
 from mt_ray.cluster import ClusterConfig, ClusterError, DataParallelTrainer, count_loss_tokens, shard_batch  # noqa: E402
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
-from tests.tiny_models import tiny_batches, tiny_config  # noqa: E402
+from tests.tiny_models import checkpoint_config, tiny_batches, tiny_config  # noqa: E402
 
 STEPS = 4
 OPT = OptimizerConfig(lr=2e-3, weight_decay=0.1, max_grad_norm=1.0, warmup_steps=1, schedule="cosine")
@@ -39,10 +39,10 @@ def single_engine(opt=OPT, steps=STEPS):
         engine.close()
 
 
-def data_parallel(opt=OPT, steps=STEPS, cluster=None, after_launch=None):
+def data_parallel(opt=OPT, steps=STEPS, cluster=None, after_launch=None, workers=2):
     # "auto" is pinned once for coordinator and workers alike: fp32 here, where workers have no GPU.
     engine = ENGINE.model_copy(update={"compute_dtype": "auto"})
-    trainer = DataParallelTrainer(tiny_config("llama"), engine, opt, num_workers=2, total_steps=steps,
+    trainer = DataParallelTrainer(tiny_config("llama"), engine, opt, num_workers=workers, total_steps=steps,
                                   cluster=cluster, weights=0, after_launch=after_launch)
     try:
         assert trainer.engine_cfg.compute_dtype == "fp32"
@@ -57,6 +57,39 @@ def assert_same_weights(state, ref, atol=1e-6):
     assert state.keys() == ref.keys()
     for name, w in ref.items():
         torch.testing.assert_close(state[name], w, atol=atol, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_a_lone_worker_trains_bit_identically_to_one_engine(local_ray, clip):
+    """One worker on one node: its gradient object goes to the optimizer as it is, with nothing summed;
+    unclipped, every weight is the single engine's to the bit."""
+    opt = OPT.model_copy(update={"max_grad_norm": clip})
+    ref_losses, ref_state, _ = single_engine(opt, steps=2)
+    result, state = data_parallel(opt, steps=2, workers=1)
+    assert result.losses == ref_losses
+    if clip:  # the shard sums the norm² in its own chunks and order: the clip coefficient's last bits may differ
+        assert_same_weights(state, ref_state)
+    else:
+        assert state.keys() == ref_state.keys() and all(torch.equal(state[k], ref_state[k]) for k in ref_state)
+
+
+def test_the_router_loss_is_reported_as_one_engine_reports_it(local_ray):
+    """Two workers of a MoE model whose config asks for the load-balancing loss, a whole micro-batch each."""
+    cfg = checkpoint_config("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.1)
+    batch = tiny_batches(n_micro=2, seed=0, seq=12)
+    engine = StreamingEngine(discover(cfg), ENGINE, OPT, total_steps=1)
+    try:
+        engine.load_random(seed=0)
+        ref = engine.train_step(batch)
+    finally:
+        engine.close()
+    trainer = DataParallelTrainer(cfg, ENGINE, OPT, num_workers=2, total_steps=1, weights=0)
+    try:
+        got = trainer.train_step(batch)
+    finally:
+        trainer.close()
+    assert got.aux_loss is not None and float(got.aux_loss) == pytest.approx(float(ref.aux_loss), rel=1e-6)
+    assert float(got.loss) == pytest.approx(float(ref.loss), rel=1e-6)
 
 
 def test_sharding_keeps_every_row_and_the_global_token_count():

@@ -38,8 +38,8 @@ def test_assets_rebuild_byte_for_byte(tmp_path: Path) -> None:
     build_tiny_tokenizer.build(tmp_path / "tok", tmp_path / "demo")
     for built, shipped in ((tmp_path / "demo", build_demo_data.DEMO_DIR),
                            (tmp_path / "tok", build_tiny_tokenizer.TOKENIZER_DIR)):
-        names = sorted(p.name for p in shipped.iterdir())
-        assert names == sorted(p.name for p in built.iterdir())
+        names = sorted(str(p.relative_to(shipped)) for p in shipped.rglob("*") if p.is_file())
+        assert names == sorted(str(p.relative_to(built)) for p in built.rglob("*") if p.is_file())
         assert all(filecmp.cmp(built / n, shipped / n, shallow=False) for n in names)
 
 

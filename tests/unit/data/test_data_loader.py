@@ -114,10 +114,35 @@ def test_bad_rows_raise_or_are_skipped_and_counted(tokenizer, tmp_path: Path) ->
     skipping = config.model_copy(update={"on_bad_row": "skip", "packing_window": 6})
     loader = build_dataloader(skipping, tokenizer, 2)
     next(loader)
-    assert loader.stats() == {"bad_rows": {"d": 3}, "dropped_examples": 0, "epoch": 1}
+    assert loader.stats() == {"bad_rows": {"d": 3}, "dropped_examples": 0, "cut_examples": 0, "epoch": 1}
     for _ in range(6):  # later epochs read the same 3 bad rows again: they are not counted again
         next(loader)
     assert loader.stats()["epoch"] > 2 and loader.stats()["bad_rows"] == {"d": 3}
+
+
+def test_examples_longer_than_max_seq_len_are_cut_and_counted(tokenizer, tmp_path: Path) -> None:
+    """A conversation is truncated to max_seq_len and a text cut into chunks of it; the run's summary counts
+    both (`stats`), and a resumed loader counts on from the same number."""
+    long = " ".join(["word"] * 200)
+    rows = [{"instruction": "q", "output": "short"}, {"instruction": "q", "output": long},
+            {"instruction": long, "output": "a"}, {"instruction": "q", "output": "fine"}]
+    registry = write_registry(tmp_path, {"d": {"file_name": "d.jsonl"},
+                                         "t": {"file_name": "t.jsonl", "columns": {"prompt": "text"}}})  # text
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    write_jsonl(tmp_path / "t.jsonl", [{"text": long}])
+    config = small_config(registry=registry, datasets=["d"], shuffle=False, packing_window=4)
+    loader = build_dataloader(config, tokenizer, 1)
+    batch = next(loader)
+    assert loader.stats()["cut_examples"] == 2
+    assert batch["input_ids"].shape[1] == 64  # each cut example fills at most one row
+    state = loader.state_dict()
+    next(loader)
+    resumed = build_dataloader(config, tokenizer, 1)
+    resumed.load_state_dict(state)
+    assert resumed.stats()["cut_examples"] == 2  # the window is rebuilt from its start: not counted twice
+    text = build_dataloader(small_config(registry=registry, datasets=["t"], packing_window=1), tokenizer, 1)
+    next(text)
+    assert text.stats()["cut_examples"] == 1
 
 
 def test_dataset_with_no_usable_row_is_an_error_even_when_skipping(tokenizer, tmp_path: Path) -> None:
@@ -150,7 +175,7 @@ def test_config_errors_name_the_dotted_key() -> None:
 
 def test_demo_registry_is_the_default(tokenizer) -> None:
     assert DataConfig().registry is None
-    assert set(load_registry(demo_registry_path()).entries) == {"demo_alpaca", "demo_sharegpt"}
+    assert set(load_registry(demo_registry_path()).entries) == {"demo_alpaca", "demo_sharegpt", "demo_mllm"}
 
 
 def local_entries(folder: Path) -> list[str]:
@@ -163,7 +188,7 @@ def test_every_llamafactory_local_entry_loads_or_says_why(tokenizer, llamafactor
     for name in local_entries(llamafactory_dir):
         info = json.loads((llamafactory_dir / "dataset_info.json").read_text())[name]
         config = small_config(registry=llamafactory_dir, datasets=[name], max_seq_len=256)
-        if info.get("ranking") or {"images", "videos", "audios", "kto_tag"} & set(info.get("columns", {})):
+        if info.get("ranking") or {"videos", "audios", "kto_tag"} & set(info.get("columns", {})):
             with pytest.raises(DatasetError, match=f"dataset '{name}' (is a preference|uses columns)"):
                 build_dataloader(config, tokenizer, 2)
             continue

@@ -60,6 +60,17 @@ def test_varlen_trains_every_family_on_packed_rows_as_documents_alone(family, tm
     assert_same_step(state, before, ref_state, result.loss.item(), ref_loss)
 
 
+@pytest.mark.parametrize("family", list(CHECKPOINT_FAMILIES))
+def test_chunked_norms_and_mlps_train_every_family_as_documents_alone(family, tmp_path):
+    """`mlp_chunk_tokens` runs the norms and dense MLPs over 5 tokens at a time (chunks cross documents
+    and rows) and recomputes them chunk by chunk in backward, with a recompute block per layer: the same step."""
+    save_checkpoint(family, tmp_path)
+    docs = documents()
+    result, state = engine_step(tmp_path, [packed_micro_batch(docs)], mlp_chunk_tokens=5, checkpoint_every=1)
+    ref_loss, before, ref_state = reference_step(tmp_path, docs)
+    assert_same_step(state, before, ref_state, result.loss.item(), ref_loss)
+
+
 def test_set_attention_switches_the_backend_between_steps(tmp_path):
     """A step after switching to varlen is the step an engine started on varlen takes (benchmarks rely on it)."""
     save_checkpoint("mistral", tmp_path)

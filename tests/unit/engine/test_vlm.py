@@ -13,11 +13,21 @@ import pytest
 import torch
 
 from mt_ray.engine import EngineConfig, StreamingEngine
-from mt_ray.errors import ModelNotSupportedError
+from mt_ray.errors import ConfigError, ModelNotSupportedError
+from mt_ray.models.attention import resolve_attention
 from mt_ray.models.discovery import discover
 from tests.family_checks import OPT, assert_same_step
 from tests.tiny_models import reference_train
-from tests.vlm_models import image_document, make_image, reference_model, save_qwen2_5_vl
+from tests.vlm_models import (
+    gemma3_document,
+    image_document,
+    llava_document,
+    make_image,
+    reference_model,
+    save_gemma3,
+    save_llava,
+    save_qwen2_5_vl,
+)
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -50,9 +60,11 @@ def packed(docs: list[dict]) -> dict:
     """The documents in one row, positions restarting at each; each image's own tensors, in order."""
     images = []
     for doc in docs:
-        sizes = doc["image_grid_thw"].prod(-1).tolist() if "image_grid_thw" in doc else []
-        pixels = doc["pixel_values"].split(sizes) if sizes else []
-        images += [{"pixel_values": p, "image_grid_thw": doc["image_grid_thw"][k:k + 1]} for k, p in enumerate(pixels)]
+        if "image_grid_thw" in doc:  # Qwen: patches of all images in one tensor
+            pixels = doc["pixel_values"].split(doc["image_grid_thw"].prod(-1).tolist())
+            images += [{"pixel_values": p, "image_grid_thw": doc["image_grid_thw"][k:k + 1]} for k, p in enumerate(pixels)]
+        elif "pixel_values" in doc:  # one [3, H, W] picture per image
+            images += [{"pixel_values": p[None]} for p in doc["pixel_values"]]
     return {"input_ids": torch.cat([d["input_ids"] for d in docs], 1),
             "labels": torch.cat([d["labels"] for d in docs], 1),
             "position_ids": torch.cat([torch.arange(d["input_ids"].shape[1]) for d in docs])[None],
@@ -76,7 +88,8 @@ def engine_steps(folder, steps: list[list[dict]], freeze=(True, False), **engine
     ({"schedule": "resident"}, (False, False)),
     ({"checkpoint_every": 1}, (False, True)),
     ({"checkpoint_every": 1, "checkpoint_placement": "host"}, (False, False)),  # the image features' gradient too
-], ids=["stream-frozen-tower", "resident-all-trained", "K1-frozen-projector", "K1-host-checkpoints"])
+    ({"attn_implementation": "varlen"}, (False, False)),  # the language model's documents apart by their bounds
+], ids=["stream-frozen-tower", "resident-all-trained", "K1-frozen-projector", "K1-host-checkpoints", "varlen"])
 def test_qwen2_5_vl_step_equals_transformers(folder, documents, engine_kw, freeze):
     [loss], before, state, store = engine_steps(folder, [[packed(documents)]], freeze, **engine_kw)
     ref = reference_model(folder, *freeze)
@@ -90,6 +103,27 @@ def test_qwen2_5_vl_step_equals_transformers(folder, documents, engine_kw, freez
     trained = sum(t.numel() for name, t in state.items() if (name in tower and not freeze[0]) or
                   (name in projector and not freeze[1]) or ".visual." not in name)
     assert store.exp_avg.numel() == store.exp_avg_sq.numel() == trained  # frozen units hold no moments
+
+
+def test_evaluate_scores_images_as_transformers_does(folder, documents):
+    """Forward only, in eval mode: the summed loss of the packed image row is transformers' on each document."""
+    engine = StreamingEngine(discover(str(folder)), EngineConfig(device="cpu"), OPT, total_steps=1)
+    try:
+        engine.load_pretrained(folder)
+        result = engine.evaluate([packed(documents)])
+    finally:
+        engine.close()
+    ref = reference_model(folder).eval()
+    with torch.no_grad():
+        ref_sum = sum(ref(**doc, use_cache=False).loss.item() * int((doc["labels"][:, 1:] != -100).sum())
+                      for doc in documents)
+    assert result.loss_sum.item() == pytest.approx(ref_sum, rel=1e-5)
+
+
+def test_varlen_runs_the_language_model_and_leaves_the_tower_its_default(folder):
+    """varlen computes causal attention only; the tower's windows attend both ways (`auto` on CUDA)."""
+    setting = resolve_attention(discover(str(folder)), "auto", torch.device("cuda"), torch.bfloat16)
+    assert setting == {"": "varlen", "text_config": "varlen", "vision_config": "sdpa"}
 
 
 def test_a_step_without_images_leaves_the_projector_and_its_adam_count(folder, documents):
@@ -116,7 +150,103 @@ def test_vision_units_and_freeze_flags_are_discovered(folder):
     assert not discover(str(folder), False, True).unit("vision.blocks.1").frozen
 
 
-@pytest.mark.parametrize("family", ["gemma3", "llava", "qwen3_vl", "qwen3_5"])
+def hand_made(document) -> list[dict]:
+    """Documents of 1, 0 and 2 images from a family's `document(text_tokens, images, generator)`, each first
+    label masked (in a packed row it is predicted from the previous document)."""
+    g = torch.Generator().manual_seed(0)
+    docs = [document(7, 1, g), document(6, 0, g), document(5, 2, g)]
+    for doc in docs:
+        doc["labels"][0, 0] = -100
+    return docs
+
+
+@pytest.fixture(scope="module")
+def gemma3_documents():
+    return hand_made(gemma3_document)
+
+
+@pytest.mark.parametrize(("engine_kw", "freeze"), [({}, (True, False)), ({"schedule": "resident"}, (False, False))],
+                         ids=["stream-frozen-tower", "resident-all-trained"])
+def test_gemma3_step_equals_transformers(tmp_path, gemma3_documents, engine_kw, freeze):
+    """SigLIP tower, average-pool projector, image tokens attending both ways, sliding-window layers. Two
+    steps: the projector starts at zero, so the tower's first gradient is zero."""
+    folder = save_gemma3(tmp_path, vision_use_head=False)  # as Gemma 3's checkpoints: no pooling head
+    losses, before, state, _ = engine_steps(folder, [[packed(gemma3_documents)]] * 2, freeze, **engine_kw)
+    ref = reference_model(folder, *freeze)
+    ref_losses = reference_train(ref, [gemma3_documents] * 2, OPT)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_same_step(state, before, ref.state_dict(), losses[-1], ref_losses[-1])
+    tower = [k for k in state if ".vision_tower." in k]
+    assert [k for k in tower if torch.equal(state[k], before[k]) is not freeze[0]] == []
+
+
+def test_varlen_is_refused_where_image_tokens_attend_both_ways(tmp_path):
+    """Gemma 3's image blocks are bidirectional, which varlen's causal kernel would drop: `auto` keeps SDPA's mask."""
+    spec = discover(str(save_gemma3(tmp_path, vision_use_head=False)))
+    with pytest.raises(ConfigError, match="'varlen' computes causal attention only, and 'gemma3' lets an image's"):
+        resolve_attention(spec, "varlen", torch.device("cuda"), torch.bfloat16)
+    assert resolve_attention(spec, "auto", torch.device("cuda"), torch.bfloat16) == "sdpa"
+
+
+def test_a_trained_tower_with_parameters_transformers_never_uses_is_refused(tmp_path, gemma3_documents):
+    """SigLIP's pooling head gets no gradient under Gemma 3: torch leaves it unchanged, a flat unit would decay it."""
+    folder = save_gemma3(tmp_path, vision_use_head=True)
+    with pytest.raises(ModelNotSupportedError, match=r"parameters \['vision_tower.head.attention.in_proj_bias'.* are "
+                                                     "not used by get_image_features"):
+        engine_steps(folder, [[packed(gemma3_documents)]], (False, False))
+
+
+@pytest.mark.parametrize("engine_kw", [{}, {"attn_implementation": "varlen"}], ids=["auto", "varlen"])
+def test_llava_step_equals_transformers(tmp_path, engine_kw):
+    """CLIP tower whose second-to-last layer's hidden states (collected by transformers' hooks on the layer
+    class) feed the projector; the last layer is never read. Two steps, as the projector trains."""
+    folder = save_llava(tmp_path)
+    docs = hand_made(llava_document)
+    losses, before, state, _ = engine_steps(folder, [[packed(docs)]] * 2, **engine_kw)
+    ref = reference_model(folder)
+    ref_losses = reference_train(ref, [docs] * 2, OPT)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_same_step(state, before, ref.state_dict(), losses[-1], ref_losses[-1])
+
+
+def test_llava_with_a_trained_tower_is_refused(tmp_path):
+    """LLaVA never reads CLIP's post-layernorm (its features come before it): the same refusal."""
+    with pytest.raises(ModelNotSupportedError, match=r"\['vision_tower.post_layernorm.bias'"):
+        engine_steps(save_llava(tmp_path), [[packed(hand_made(llava_document))]], (False, False))
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "idefics3"])
 def test_image_text_families_not_yet_trained_are_refused_by_name(family):
     with pytest.raises(ModelNotSupportedError, match=f"image-text family '{family}' is not supported yet"):
         discover({"model_type": family})
+
+
+def test_the_loaders_packed_image_rows_train_as_transformers_on_each_document(folder, tmp_path):
+    """From the registry to the step: LLaMA-Factory rows through the folder's processor, packed by the loader;
+    the engine's first loss is transformers' on each document alone, its images and mrope positions its own."""
+    from mt_ray.data import DataConfig, build_dataloader
+    from mt_ray.data.mm_processor import ImageEncoder, load_processor
+    from tests.unit.data.test_data_images import chat, mllm_registry
+
+    rows = [chat("<image>What is it?", "A cat.", "0.png"), chat("No picture.", "Fine."),
+            chat("<image> and <image>: same?", "No, they differ.", "1.png", "2.png")]
+    encoder = ImageEncoder(load_processor(folder))
+    config = DataConfig(datasets=["mm"], registry=mllm_registry(tmp_path, rows), max_seq_len=96, shuffle=False,
+                        packing_window=3)
+    batch = next(build_dataloader(config, encoder.processor.tokenizer, 1, images=encoder))
+    row = {k: batch[k][:1] for k in ("input_ids", "labels", "position_ids")} | {"images": batch["images"][:1]}
+    docs, images = [], iter(batch["images"][0])
+    for segment in batch["segment_ids"][0].unique().tolist():
+        at = batch["segment_ids"][0] == segment
+        ids, labels = batch["input_ids"][0][at][None], batch["labels"][0][at][None]
+        if (labels != -100).any():  # not the padding
+            runs = "".join("x" if t == encoder.image_token_id else " " for t in ids[0].tolist()).split()
+            doc = {"input_ids": ids, "labels": labels, "mm_token_type_ids": (ids == encoder.image_token_id).int()}
+            mine = [next(images) for _ in runs]
+            if mine:
+                doc |= {k: torch.cat([m[k] for m in mine]) for k in ("pixel_values", "image_grid_thw")}
+            docs.append(doc)
+    assert len(docs) >= 2 and any("pixel_values" in d for d in docs)  # a packed row with images
+    [loss], _, _, _ = engine_steps(folder, [[row]])
+    [ref_loss] = reference_train(reference_model(folder), [docs], OPT)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)

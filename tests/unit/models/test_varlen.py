@@ -109,8 +109,12 @@ def test_auto_takes_varlen_on_cuda_where_the_family_allows(family, device, dtype
     ("llama", torch.float32, "'varlen' runs the flash kernel, which takes bf16 or fp16 compute only"),
     ("gemma2", torch.bfloat16, "'varlen' does not implement the attention soft-capping that 'gemma2' uses"),
     ("llama", torch.bfloat16, "'varlen' has no attention dropout"),
+    ("gemma3_text", torch.bfloat16, "'varlen' computes causal attention only, and this 'gemma3_text' attends both"),
 ])
 def test_varlen_that_cannot_train_the_model_here_is_refused(family, dtype, message):
-    spec = discover(checkpoint_config(family, **({"attention_dropout": 0.1} if "dropout" in message else {})))
+    overrides = {"attention_dropout": 0.1} if "dropout" in message else {}
+    if "both" in message:
+        overrides["use_bidirectional_attention"] = True
+    spec = discover(checkpoint_config(family, **overrides))
     with pytest.raises(ConfigError, match=f"engine.attn_implementation: {message}"):
         resolve_attention(spec, "varlen", CUDA, dtype)

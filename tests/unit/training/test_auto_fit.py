@@ -18,8 +18,9 @@ def overrides(tmp_path, *extra: str) -> list[str]:
 
 
 def test_auto_fit_trains_with_the_checkpoints_in_host_memory(tmp_path, capsys):
-    """10 MiB of 'GPU' (planned for on CPU) leaves the demo's checkpoints no room on the device."""
-    cfg = load_run_config(None, overrides(tmp_path, "engine.gpu_memory_limit_gb=0.01"))
+    """10.75 MiB of 'GPU' (planned for on CPU) leaves the demo's checkpoints no room on the device (10 MiB, before
+    the device model counted the MLP's backward gradients, no longer fits at all)."""
+    cfg = load_run_config(None, overrides(tmp_path, "engine.gpu_memory_limit_gb=0.0105"))
     trainer = Trainer(cfg)
     try:
         summary = trainer.fit()
@@ -31,7 +32,7 @@ def test_auto_fit_trains_with_the_checkpoints_in_host_memory(tmp_path, capsys):
     assert isinstance(trainer.engine.activations, HostActivationStore)
     assert summary["steps"] == 2 and math.isfinite(summary["final_loss"])
     out = capsys.readouterr().out
-    assert "auto_fit for a 0.01 GiB GPU" in out
+    assert "auto_fit for a 0.0105 GiB GPU" in out
     assert "engine.checkpoint_placement=host" in out and "training.micro_batch_size=1" in out
 
 
@@ -64,3 +65,13 @@ def test_auto_fit_without_a_gpu_asks_for_a_limit(tmp_path, capsys):
 def test_auto_fit_is_for_a_single_engine(tmp_path, capsys):
     err = error_line(tmp_path, capsys, "engine.gpu_memory_limit_gb=1", "cluster.num_workers=2")
     assert "engine.auto_fit: fits a single engine" in err
+
+
+def test_without_auto_fit_a_context_nothing_fits_is_refused_before_the_first_step(tmp_path, capsys):
+    """The message says which memory runs out and the longest sequence that fits at this global batch."""
+    err = error_line(tmp_path, capsys, "engine.auto_fit=false", "engine.gpu_memory_limit_gb=0.05",
+                     "data.max_seq_len=65536")
+    assert err.startswith("error: data.max_seq_len 65536 x 8 sequences a step cannot train on a 0.05 GiB GPU")
+    assert "whatever the engine settings. GPU: the leanest configuration" in err
+    seq = int(err.split("; seq ")[1].split(" fits at global batch 8")[0])
+    assert 0 < seq < 65536 and seq % 128 == 0

@@ -1,0 +1,127 @@
+"""Benchmark of an image-text model in the streaming engine: Qwen2.5-VL-7B's shape, random init, synthetic images.
+
+Each sample is one image (`--image-px` square: (px/14)^2 patches, a quarter of them image tokens) and
+text up to `--seq` tokens. Reports the step time, the language model's TFLOPS (6 x its parameters x
+tokens / step time, as bench/engine_gpu.py), the vision tower's and projector's matmul TFLOPS (what
+`mt_ray.engine.sizing.VisionSizes.flops` counts: frozen tower forward, projector forward + recompute +
+backward), peak GPU memory and host bytes per parameter (peak RSS), beside the calculator's figures.
+
+    python bench/vlm_gpu.py --out $OUT/vlm_7b.json            # the lent H100
+    python bench/vlm_gpu.py --shape tiny --device cpu --steps 1  # a smoke run anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import OPT, peak_rss_bytes, print_table, write_json  # noqa: E402
+from mt_ray.engine import EngineConfig, StreamingEngine  # noqa: E402
+from mt_ray.engine.sizing import device_bytes, host_bytes, vision_sizes  # noqa: E402
+from mt_ray.models.discovery import discover  # noqa: E402
+
+# Qwen2.5-VL-7B-Instruct's config.json (text and vision), as published.
+SHAPES = {
+    "qwen2.5-vl-7b": dict(
+        text_config=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                         num_key_value_heads=4, vocab_size=152064, rope_theta=1e6, max_position_embeddings=128000,
+                         rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2),
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653),
+    "tiny": dict(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[1]),
+        image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503),
+}
+
+
+def micro_batches(cfg, batch: int, micro: int, seq: int, image_px: int, seed: int = 0) -> list[dict]:
+    """Rows of [vision start, the image's tokens, vision end, text]; prompt and image tokens carry no loss."""
+    g = torch.Generator().manual_seed(seed)
+    vc = cfg.vision_config
+    side = image_px // vc.patch_size
+    patches, tokens = side * side, side * side // vc.spatial_merge_size**2
+    if tokens + 8 > seq:
+        raise SystemExit(f"--image-px {image_px} gives {tokens} image tokens, more than --seq {seq} allows")
+    head = [cfg.vision_start_token_id, *[cfg.image_token_id] * tokens, cfg.vision_end_token_id]
+    out = []
+    for _ in range(batch // micro):
+        text = torch.randint(0, 151000 if cfg.text_config.vocab_size > 151000 else 400, (micro, seq - len(head)), generator=g)
+        ids = torch.cat([torch.tensor(head).expand(micro, -1), text], 1)
+        labels = ids.clone()
+        labels[:, :len(head) + 8] = -100  # the image and a short prompt
+        pixels = torch.randn(patches, 3 * vc.temporal_patch_size * vc.patch_size**2, generator=g)
+        image = {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]])}
+        out.append({"input_ids": ids, "labels": labels, "images": [[image] for _ in range(micro)]})
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="qwen2.5-vl-7b", choices=sorted(SHAPES))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--image-px", type=int, default=448, help="square image side in pixels (448: 256 image tokens)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--micro", type=int, default=4)
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out")
+    args = p.parse_args()
+
+    cfg = AutoConfig.for_model("qwen2_5_vl", **SHAPES[args.shape])
+    cfg._attn_implementation = "sdpa"
+    spec = discover(cfg)  # LLaMA-Factory's defaults: the tower frozen, the projector trained
+    cuda = args.device == "cuda"
+    ecfg = EngineConfig(device=args.device, compute_dtype="bf16" if cuda else "fp32", checkpoint_every=args.k,
+                        stream_master=True, grad_dtype="compute")  # the benchmarks' memory-lean setting
+    t0 = time.perf_counter()
+    engine = StreamingEngine(spec, ecfg, OPT, total_steps=args.warmup + args.steps + 1)
+    engine.load_random(seed=0)
+    setup_s = time.perf_counter() - t0
+    mbs = micro_batches(cfg, args.batch, args.micro, args.seq, args.image_px)
+    try:
+        for _ in range(args.warmup):
+            engine.train_step(mbs).loss.item()  # .item(): wait for the step
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            loss = engine.train_step(mbs).loss.item()
+        engine.synchronize()
+        step_s = (time.perf_counter() - t0) / args.steps
+    finally:
+        engine.close()
+    image_tokens = (args.image_px // cfg.vision_config.patch_size) ** 2 // 4
+    vision = vision_sizes(spec, image_tokens)
+    tokens = args.batch * args.seq
+    row = {
+        "shape": args.shape, "seq": args.seq, "batch": args.batch, "micro": args.micro, "image_tokens": image_tokens,
+        "step_s": step_s, "loss": loss,
+        "lm_params_b": spec.text_params / 1e9, "vision_params_b": vision.tower_params / 1e9,
+        "lm_tflops": 6 * spec.text_params * tokens / step_s / 1e12,
+        "vision_tflops": vision.flops(args.batch, image_tokens) / step_s / 1e12,
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        "calc_gpu_gib": device_bytes(spec, ecfg, args.micro, args.seq, args.batch, image_tokens)["total"] / 2**30,
+        "host_bytes_per_param": peak_rss_bytes() / spec.num_params,
+        "calc_host_gib": host_bytes(spec, ecfg, OPT) / 2**30,
+        "peak_host_gib": peak_rss_bytes() / 2**30, "setup_s": setup_s,
+    }
+    print_table([row], list(row))
+    if args.out:
+        write_json(args.out, {"rows": [row], "args": vars(args)})
+
+
+if __name__ == "__main__":
+    main()
