@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 
+import numpy as np
 import ray
 import torch
 
@@ -60,11 +61,12 @@ class GradPool:
             self._held[unit] = ref
         return from_numpy(ray.get(ref), self.dtype)
 
-    def keep(self, unit: str, ref: ray.ObjectRef) -> torch.Tensor:
-        """Hold an object already in the store (a lone worker's gradient) as `unit`'s; returns a read-only view."""
+    def keep(self, unit: str, ref: ray.ObjectRef, array: np.ndarray) -> torch.Tensor:
+        """Hold an object already in the store (a lone worker's gradient, `array` its mapped view) as `unit`'s;
+        returns a read-only tensor view of it."""
         with self._lock:
             self._held[unit] = ref
-        return from_numpy(ray.get(ref), self.dtype)
+        return from_numpy(array, self.dtype)
 
     def release(self, unit: str) -> None:
         """The optimizer has applied `unit`'s gradient."""

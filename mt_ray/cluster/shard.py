@@ -34,7 +34,7 @@ from mt_ray.cluster.errors import ClusterError, StaleGenerationError
 from mt_ray.cluster.grad_pool import GradPool
 from mt_ray.cluster.node_memory import NodeMemoryPeak
 from mt_ray.cluster.partition import ShardPlan
-from mt_ray.cluster.wire import from_numpy, norm_sq_of, sum_in_order, to_numpy
+from mt_ray.cluster.wire import from_numpy, sum_in_order, to_numpy
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import HostStore, peak_rss_bytes
 from mt_ray.engine.optimizer import UnitOptimizer, lr_at
@@ -368,8 +368,9 @@ class CoordinatorShard:
 
     def _keep_owned(self, gen: _Generation, step: int, unit: str, ref: ray.ObjectRef) -> None:
         """The lone worker's object is the unit's gradient: kept, not copied, until the optimizer is done."""
-        grad = self.pool.keep(unit, ref)
-        self._to_optimizer(gen, step, unit, grad, norm_sq_of(grad))
+        array = ray.get(ref)  # a read-only view of this node's store
+        norm_sq = sum_in_order([(array, self.grad_dtype)], None)
+        self._to_optimizer(gen, step, unit, self.pool.keep(unit, ref, array), norm_sq)
 
     def _to_optimizer(self, gen: _Generation, step: int, unit: str, grad: torch.Tensor, norm_sq: torch.Tensor) -> None:
         with self._cond:

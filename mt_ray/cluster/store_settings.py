@@ -15,4 +15,3 @@ from their environment (the mt-ray image sets it, and the README's `ray start` l
 
 FREE_OBJECTS_PERIOD_MS = 10
 SYSTEM_CONFIG = {"free_objects_period_milliseconds": FREE_OBJECTS_PERIOD_MS}
-ENV = {"RAY_free_objects_period_milliseconds": str(FREE_OBJECTS_PERIOD_MS)}

@@ -36,18 +36,9 @@ def from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 SUM_CHUNK = 1 << 20
 
 
-def norm_sq_of(t: torch.Tensor) -> torch.Tensor:
-    """fp32 norm² of a gradient of any dtype, a chunk at a time (no full-size fp32 temporary)."""
-    acc = torch.empty(min(SUM_CHUNK, t.numel()), dtype=torch.float32)
-    norm_sq = torch.zeros((), dtype=torch.float64)
-    for lo in range(0, t.numel(), SUM_CHUNK):
-        hi = min(lo + SUM_CHUNK, t.numel())
-        norm_sq += torch.linalg.vector_norm(acc[: hi - lo].copy_(t[lo:hi])).square()
-    return norm_sq.to(torch.float32)
-
-
-def sum_in_order(arrays: list[tuple[np.ndarray, torch.dtype]], out: torch.Tensor) -> torch.Tensor:
-    """Sum gradients read from the object store into `out` (any dtype); returns the fp32 norm² of the sum.
+def sum_in_order(arrays: list[tuple[np.ndarray, torch.dtype]], out: torch.Tensor | None) -> torch.Tensor:
+    """Sum gradients read from the object store into `out` (any dtype); returns the fp32 norm² of the sum
+    (with `out` None, the norm² alone: a lone gradient, used where it lies).
 
     The sum runs in fp32 over the arrays in the order given (callers pass a fixed order, so the
     result does not depend on arrival order) and is rounded to `out`'s dtype once. The norm is
@@ -56,13 +47,15 @@ def sum_in_order(arrays: list[tuple[np.ndarray, torch.dtype]], out: torch.Tensor
     process-wide: setting it here would change the optimizer's too).
     """
     views = [from_numpy(a, dtype) for a, dtype in arrays]
+    numel = views[0].numel()
     norm_sq = torch.zeros((), dtype=torch.float64)
-    acc = torch.empty(min(SUM_CHUNK, out.numel()), dtype=torch.float32)
-    for lo in range(0, out.numel(), SUM_CHUNK):
-        hi = min(lo + SUM_CHUNK, out.numel())
+    acc = torch.empty(min(SUM_CHUNK, numel), dtype=torch.float32)
+    for lo in range(0, numel, SUM_CHUNK):
+        hi = min(lo + SUM_CHUNK, numel)
         chunk = acc[: hi - lo].copy_(views[0][lo:hi])
         for v in views[1:]:
             chunk.add_(v[lo:hi])
         norm_sq += torch.linalg.vector_norm(chunk).square()
-        out[lo:hi].copy_(chunk)
+        if out is not None:
+            out[lo:hi].copy_(chunk)
     return norm_sq.to(torch.float32)
