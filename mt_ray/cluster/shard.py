@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import ray
 import torch
+from ray.exceptions import GetTimeoutError
 
 from mt_ray.cluster.errors import ClusterError, StaleGenerationError
 from mt_ray.cluster.grad_pool import GradPool
@@ -45,6 +46,7 @@ from mt_ray.models.weights import init_random, load_safetensors
 _WAKE_ALL = 1 << 62  # a version no unit reaches: wakes threads blocked on a retired optimizer worker
 PUBLISH_THREADS = 2  # puts into the object store run on these, beside the optimizer
 SHARD_BUFFERS = 2  # unit-sized buffers for sums and publication casts (GradPool)
+GET_POLL_S = 1.0  # how often a read of a worker's gradient checks that its generation still runs
 
 
 @dataclass
@@ -69,6 +71,21 @@ class _Generation:
     touched: set[int] = field(default_factory=set)
     ended: set[int] = field(default_factory=set)
     stopped: bool = False
+
+
+def read_unless_stopped(gen: _Generation, ref: ray.ObjectRef) -> np.ndarray:
+    """`ray.get(ref)`, given up (StaleGenerationError) once `gen` is stopped.
+
+    A gradient object is owned by the worker that put it; should that worker die while the
+    object is read, Ray may wait for it forever (ray-project/ray#63694), and `stop` waits for
+    the reduce thread. Polling bounds that wait by the driver's decision to end the step.
+    """
+    while True:
+        try:
+            return ray.get(ref, timeout=GET_POLL_S)
+        except GetTimeoutError:
+            if gen.stopped:
+                raise StaleGenerationError(f"generation {gen.number} was stopped while reading a gradient") from None
 
 
 class CoordinatorShard:
@@ -273,12 +290,23 @@ class CoordinatorShard:
         summed.wait()
         self._raise_if_failed()
 
-    def put_partial(self, generation: int, step: int, node: int, unit: str, partial: np.ndarray) -> None:
-        """Another node's sum of its workers' gradients of a unit this shard owns."""
+    def put_partial(self, generation: int, step: int, node: int, unit: str, partial: list[ray.ObjectRef]) -> None:
+        """Another node's sum of its workers' gradients of a unit this shard owns, as `[ref]`.
+
+        Fetched here, on this call's thread, so partials from several nodes arrive at once, as Ray
+        fetches task arguments; but where a dying owner cannot hang the fetch (`_read`).
+        """
         with self._cond:
             if self._stale(generation):
                 return
-            self._add_contribution(self.gen, step, unit, node, partial)
+            gen = self.gen
+        try:
+            array = read_unless_stopped(gen, partial[0])
+        except StaleGenerationError:
+            return
+        with self._cond:
+            if gen is self.gen and not gen.stopped:
+                self._add_contribution(gen, step, unit, node, array)
 
     def local_norm_sq(self, generation: int, step: int) -> float:
         """Once every unit of this shard is summed for `step` (and partials sent on have arrived): its norm²."""
@@ -307,7 +335,7 @@ class CoordinatorShard:
             self._add_contribution(gen, step, unit, self.shard, refs)
         elif len(refs) == 1:  # nothing to sum: the worker's object goes on as this node's partial
             gen.forwarded.setdefault(step, []).append(
-                self.peers[owner].put_partial.remote(gen.number, step, self.shard, unit, refs[0]))
+                self.peers[owner].put_partial.remote(gen.number, step, self.shard, unit, refs[:1]))
             gen.summed.pop((step, unit)).set()
         else:
             self._reducer.submit(self._guarded, gen, step, unit, self._forward_partial, owner, refs)
@@ -343,24 +371,24 @@ class CoordinatorShard:
             if event is not None:
                 event.set()
 
-    def _arrays(self, parts: list[ray.ObjectRef | np.ndarray]) -> list[tuple[np.ndarray, torch.dtype]]:
-        """Read-only views of local objects (by reference) and of other nodes' sums (as Ray delivered them)."""
-        return [(ray.get(p) if isinstance(p, ray.ObjectRef) else p, self.grad_dtype) for p in parts]
+    def _arrays(self, gen: _Generation, parts: list[ray.ObjectRef | np.ndarray]) -> list[tuple[np.ndarray, torch.dtype]]:
+        """Read-only views of local objects (by reference) and of other nodes' sums (as fetched)."""
+        return [(read_unless_stopped(gen, p) if isinstance(p, ray.ObjectRef) else p, self.grad_dtype) for p in parts]
 
     def _forward_partial(self, gen: _Generation, step: int, unit: str, owner: int, refs: list[ray.ObjectRef]) -> None:
         i, buf = self.pool.acquire(unit)
         try:
-            sum_in_order(self._arrays(refs), buf)
+            sum_in_order(self._arrays(gen, refs), buf)
             ref = ray.put(to_numpy(buf))  # the one copy of this node's gradient that crosses the network
         finally:
             self.pool.give_back(i)
-        call = self.peers[owner].put_partial.remote(gen.number, step, self.shard, unit, ref)
+        call = self.peers[owner].put_partial.remote(gen.number, step, self.shard, unit, [ref])
         with self._cond:
             gen.forwarded.setdefault(step, []).append(call)
 
     def _sum_owned(self, gen: _Generation, step: int, unit: str, parts: list) -> None:
         i, buf = self.pool.acquire(unit)
-        norm_sq = sum_in_order(self._arrays(parts), buf)
+        norm_sq = sum_in_order(self._arrays(gen, parts), buf)
         del parts  # the workers' and nodes' objects can be freed now
         # With clipping the sum waits for the global norm in the object store, not in this process.
         grad = self.pool.hold(unit, i) if self.clips else self.pool.lend(unit, i)
@@ -368,7 +396,7 @@ class CoordinatorShard:
 
     def _keep_owned(self, gen: _Generation, step: int, unit: str, ref: ray.ObjectRef) -> None:
         """The lone worker's object is the unit's gradient: kept, not copied, until the optimizer is done."""
-        array = ray.get(ref)  # a read-only view of this node's store
+        array = read_unless_stopped(gen, ref)  # a read-only view of this node's store
         norm_sq = sum_in_order([(array, self.grad_dtype)], None)
         self._to_optimizer(gen, step, unit, self.pool.keep(unit, ref, array), norm_sq)
 
