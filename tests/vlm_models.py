@@ -151,3 +151,14 @@ def reference_model(folder: Path, freeze_tower: bool = True, freeze_projector: b
         if (tower and freeze_tower) or (projector and freeze_projector):
             p.requires_grad_(False)
     return model
+
+
+def qwen_example(folder: Path, text: str, images: list[Image.Image], prompt_words: int = 3):
+    """A Qwen-VL document as the data pipeline holds it (a `TokenizedExample`, each image's own tensors), ready
+    for `mt_ray.data.packing.collate`."""
+    from mt_ray.data.schema import TokenizedExample
+
+    doc = image_document(folder, text, images, prompt_words)
+    pixels = doc["pixel_values"].split(doc["image_grid_thw"].prod(-1).tolist()) if images else []
+    per_image = tuple({"pixel_values": p, "image_grid_thw": doc["image_grid_thw"][k:k + 1]} for k, p in enumerate(pixels))
+    return TokenizedExample(tuple(doc["input_ids"][0].tolist()), (-100, *doc["labels"][0, 1:].tolist()), per_image)

@@ -451,6 +451,10 @@ class DataParallelTrainer:
             return {f: rec for part in self._ask_shards(calls) for f, rec in part.items()}
 
         meta = {"step": step, "layout": layout.describe(), **extra_meta}
+        behind = {u: c for part in self._ask_shards([s.adam_counts_behind.remote(step) for s in self.shards])
+                  for u, c in part.items()}
+        if behind:  # as the single engine's meta: units whose Adam count is not the step
+            meta["adam_counts"] = behind
         return manager.save_with(step, records, meta, write)
 
     def restore_checkpoint(self, manager, uri: str | None = None) -> dict:

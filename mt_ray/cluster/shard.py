@@ -42,7 +42,7 @@ from mt_ray.cluster.partition import ShardPlan
 from mt_ray.cluster.wire import from_numpy, sum_in_order, to_numpy
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import HostStore, peak_rss_bytes
-from mt_ray.engine.optimizer import UnitOptimizer, lr_at
+from mt_ray.engine.optimizer import UnitOptimizer, counts_behind, lr_at, restore_counts
 from mt_ray.engine.optimizer_worker import OptimizerWorker
 from mt_ray.models.discovery import discover
 from mt_ray.models.weights import init_random, load_safetensors
@@ -177,12 +177,16 @@ class CoordinatorShard:
 
     def read_checkpoint_part(self, stored, starts: dict[str, int]) -> None:
         """Read this shard's range of a stored checkpoint (cut for any number of shards) into its state;
-        `starts`: where the range begins in each flat tensor. Adam counts become the checkpoint's step, as
-        the single engine's do."""
+        `starts`: where the range begins in each flat tensor. Adam counts become the checkpoint's, as the
+        single engine's do."""
         for name, buf in self.store.flat_state().items():
             stored.read_range(name, starts[name], starts[name] + buf.numel(), buf)
-        for opt in self.optimizers.values():
-            opt.set_step(stored.manifest.meta["step"])
+        meta = stored.manifest.meta
+        restore_counts(self.optimizers, meta["step"], meta.get("adam_counts", {}))
+
+    def adam_counts_behind(self, step: int) -> dict[str, int]:
+        """This shard's units whose Adam count is not `step` (`counts_behind`), for a checkpoint's meta."""
+        return counts_behind(self.optimizers, step)
 
     def host_bytes(self) -> dict[str, int]:
         """Peak growth of this node's used memory since the shard started, and this process's peak RSS."""

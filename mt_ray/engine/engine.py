@@ -53,7 +53,7 @@ from mt_ray.engine.activations import build_activation_store, streamed_step_plan
 from mt_ray.engine.batch import MicroBatch, prepare_micro_batch
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import HostStore
-from mt_ray.engine.optimizer import UnitOptimizer, lr_at
+from mt_ray.engine.optimizer import UnitOptimizer, counts_behind, lr_at, restore_counts
 from mt_ray.engine.optimizer_worker import OptimizerWorker
 from mt_ray.engine.seams import GradSink, WeightSource
 from mt_ray.engine.sizing import grad_buffer_bytes, grad_buffers_per_unit
@@ -282,7 +282,9 @@ class StreamingEngine:
         The tensors are the live buffers (no copies); call between steps.
         """
         self.synchronize()
-        return self.store.flat_state(), {"step": self.step_idx, "layout": self.store.layout.describe()}
+        meta = {"step": self.step_idx, "layout": self.store.layout.describe()}
+        behind = counts_behind(self.optimizers, self.step_idx)
+        return self.store.flat_state(), {**meta, "adam_counts": behind} if behind else meta
 
     def checkpoint_buffers(self) -> dict[str, torch.Tensor]:
         """The live buffers a checkpoint is read into in place, so a resume holds the state once."""
@@ -293,8 +295,7 @@ class StreamingEngine:
         self.synchronize()
         self.store.layout.check_matches(meta["layout"])
         self.store.load_flat_state(tensors)
-        for opt in self.optimizers.values():
-            opt.set_step(meta["step"])
+        restore_counts(self.optimizers, meta["step"], meta.get("adam_counts", {}))
         self.step_idx = meta["step"]
         self.worker.reset_versions(self.step_idx)
 

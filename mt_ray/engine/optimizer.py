@@ -29,6 +29,18 @@ def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay)
 
 
+def counts_behind(optimizers: dict[str, UnitOptimizer], step: int) -> dict[str, int]:
+    """Each unit's Adam count where it is not `step`: a vision unit skips the steps without images, as torch's
+    AdamW skips a parameter whose gradient is None. A checkpoint stores these beside its step."""
+    return {unit: count for unit, opt in optimizers.items() if (count := opt.step_count()) != step}
+
+
+def restore_counts(optimizers: dict[str, UnitOptimizer], step: int, behind: dict[str, int]) -> None:
+    """Set every unit's Adam count back to `step`, or to its count in `behind` (`counts_behind`)."""
+    for unit, opt in optimizers.items():
+        opt.set_step(behind.get(unit, step))
+
+
 def deepspeed_available() -> bool:
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401

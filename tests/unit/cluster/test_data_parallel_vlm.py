@@ -19,13 +19,12 @@ pytest.importorskip("ray")
 from mt_ray.cluster import ClusterError, DataParallelTrainer, count_loss_tokens, shard_batch  # noqa: E402
 from mt_ray.cluster.partition import ShardPlan  # noqa: E402
 from mt_ray.data.packing import collate  # noqa: E402
-from mt_ray.data.schema import TokenizedExample  # noqa: E402
 from mt_ray.engine import StreamingEngine  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
 from mt_ray.tracking import CheckpointConfig, CheckpointManager  # noqa: E402
 from tests.family_checks import OPT  # noqa: E402
 from tests.unit.cluster.test_data_parallel import ENGINE, assert_same_weights  # noqa: E402
-from tests.vlm_models import QWEN_IMAGE, image_document, make_image, save_qwen2_5_vl  # noqa: E402
+from tests.vlm_models import QWEN_IMAGE, image_document, make_image, qwen_example, save_qwen2_5_vl  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -33,20 +32,12 @@ def folder(tmp_path_factory):
     return save_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
 
 
-def example(folder, text: str, images: list) -> TokenizedExample:
-    """One document through the folder's processor, as the data pipeline holds it: each image's own tensors."""
-    doc = image_document(folder, text, images, 3)
-    pixels = doc["pixel_values"].split(doc["image_grid_thw"].prod(-1).tolist()) if images else []
-    per_image = tuple({"pixel_values": p, "image_grid_thw": doc["image_grid_thw"][k:k + 1]} for k, p in enumerate(pixels))
-    return TokenizedExample(tuple(doc["input_ids"][0].tolist()), (-100, *doc["labels"][0, 1:].tolist()), per_image)
-
-
 @pytest.fixture(scope="module")
 def steps(folder):
-    one = example(folder, f"{QWEN_IMAGE}what is this? a cat", [make_image(0)])
-    text = example(folder, "some text only here and more", [])
-    two = example(folder, f"two {QWEN_IMAGE} and {QWEN_IMAGE} pictures ok", [make_image(1, 8, 16), make_image(2)])
-    words = example(folder, "no picture in this one either", [])
+    one = qwen_example(folder, f"{QWEN_IMAGE}what is this? a cat", [make_image(0)])
+    text = qwen_example(folder, "some text only here and more", [])
+    two = qwen_example(folder, f"two {QWEN_IMAGE} and {QWEN_IMAGE} pictures ok", [make_image(1, 8, 16), make_image(2)])
+    words = qwen_example(folder, "no picture in this one either", [])
 
     def mb(*rows):
         return {k: v for k, v in collate(rows, None, pad_id=0).items() if k != "segment_ids"}
@@ -60,24 +51,32 @@ def steps(folder):
 
 
 def test_two_workers_train_an_image_text_model_as_one_engine(local_ray, folder, steps, tmp_path):
+    """Then the workers' checkpoint resumes them (its Adam counts: the projector's is one behind) into a step
+    with images, and evaluation splits image rows as training does."""
     spec = discover(str(folder))
-    engine = StreamingEngine(spec, ENGINE, OPT, total_steps=len(steps))
+    total = len(steps) + 1
+    engine = StreamingEngine(spec, ENGINE, OPT, total_steps=total)
     try:
         engine.load_pretrained(folder)
         before = {k: v.clone() for k, v in engine.state_dict().items()}
         ref_losses = [engine.train_step(s).loss.item() for s in steps]
-        ref_flat, _ = engine.checkpoint_state()
+        ref_flat, ref_meta = engine.checkpoint_state()
         ref_flat = {k: v.clone() for k, v in ref_flat.items()}
+        ref_losses.append(engine.train_step(steps[0]).loss.item())
+        ref_eval = engine.evaluate(steps[0])
         ref_state = {k: v.clone() for k, v in engine.state_dict().items()}
     finally:
         engine.close()
 
     manager = CheckpointManager(CheckpointConfig(uri=str(tmp_path / "ckpt")))
-    trainer = DataParallelTrainer(spec, ENGINE, OPT, num_workers=2, total_steps=len(steps), weights=str(folder))
+    trainer = DataParallelTrainer(spec, ENGINE, OPT, num_workers=2, total_steps=total, weights=str(folder))
     try:
         losses = [trainer.train_step(s).loss.item() for s in steps]
-        state = trainer.state_dict()
         trainer.save_checkpoint(manager, len(steps), {})
+        trainer.restore_checkpoint(manager)
+        losses.append(trainer.train_step(steps[0]).loss.item())
+        evaluated = trainer.evaluate(steps[0])
+        state = trainer.state_dict()
     finally:
         trainer.close()
 
@@ -87,12 +86,15 @@ def test_two_workers_train_an_image_text_model_as_one_engine(local_ray, folder, 
     projector = [k for k in state if ".visual.merger." in k]
     assert tower and all(torch.equal(state[k], before[k]) for k in tower)  # frozen: bit-identical
     assert all(not torch.equal(state[k], before[k]) for k in projector)  # trained
-    # The checkpoint has the single engine's layout: the frozen tower holds no moments.
+    assert evaluated.loss_sum.item() == pytest.approx(ref_eval.loss_sum.item(), rel=1e-5)
+    assert evaluated.num_loss_tokens == ref_eval.num_loss_tokens
+    # The checkpoint has the single engine's layout and meta: the frozen tower holds no moments.
     flat, meta = manager.load()
     trained = sum(u.numel for u in spec.trainable_units)
     assert flat["exp_avg"].numel() == flat["exp_avg_sq"].numel() == trained < flat["master"].numel()
     for name, ref in ref_flat.items():
         torch.testing.assert_close(flat[name], ref, atol=1e-6, rtol=1e-5, msg=name)
+    assert meta["adam_counts"] == ref_meta["adam_counts"] == {"vision.projector": 3}
 
 
 def test_image_rows_split_with_their_images(steps):

@@ -38,3 +38,35 @@ def test_restored_engine_continues_identically():
     for k, v in final_a.items():
         assert torch.equal(v, final_c[k]), k
     c.close()
+
+
+def test_a_vision_unit_resumes_with_the_adam_count_of_the_steps_it_trained(tmp_path):
+    """The projector skips a step without images (torch skips a None gradient), so its Adam count stays one
+    behind the step: the checkpoint keeps that count, and a step with images after the resume is bit-exact."""
+    from mt_ray.data.packing import collate
+    from tests.family_checks import OPT as EPS_ONE  # eps = 1: the update follows the count's bias correction
+    from tests.vlm_models import QWEN_IMAGE, make_image, qwen_example, save_qwen2_5_vl
+
+    folder = save_qwen2_5_vl(tmp_path)
+    text = qwen_example(folder, "some text only here and more", [])
+    image = qwen_example(folder, f"{QWEN_IMAGE}what is this? a cat", [make_image(0)])
+    steps = [[collate([[text]], None, 0)], [collate([[image], [text]], None, 0)]]
+
+    def engine():
+        e = StreamingEngine(discover(str(folder)), EngineConfig(device="cpu", compute_dtype="fp32"), EPS_ONE, 2)
+        e.load_pretrained(folder)
+        return e
+
+    a, b = engine(), engine()
+    for mbs in steps:
+        a.train_step(mbs)
+    b.train_step(steps[0])
+    tensors, meta = b.checkpoint_state()
+    assert meta["adam_counts"] == {"vision.projector": 0}
+    c = engine()
+    c.load_checkpoint_state({k: v.clone() for k, v in tensors.items()}, meta)
+    c.train_step(steps[1])
+    final_a, final_c = a.state_dict(), c.state_dict()
+    assert all(torch.equal(final_a[k], final_c[k]) for k in final_a)
+    for e in (a, b, c):
+        e.close()
