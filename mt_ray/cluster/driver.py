@@ -2,7 +2,9 @@
 
 Each global batch (a list of micro-batches) is split across the workers; every worker scales
 its loss by the global loss-token count, so the shards' sum of their gradients is the gradient
-one engine would compute on the whole batch. Workers sit in a placement group, the same number
+one engine would compute on the whole batch. An image-text batch splits as its rows do: each
+row's images are its own (`images`, one list per row), and everything else the engine derives
+from a row (rotary positions, image-token masks) is computed from that row alone. Workers sit in a placement group, the same number
 on each node beside that node's coordinator shard (mt_ray.cluster.shard), which sums their
 gradients and owns one contiguous part of the fp32 state.
 
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import ray
 import torch
+import torch.utils._pytree as pytree
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -45,13 +48,13 @@ from mt_ray.engine.host_store import plan_layout
 from mt_ray.engine.optimizer import lr_at
 from mt_ray.errors import ConfigError, InsufficientMemoryError
 from mt_ray.models.discovery import ModelSpec, discover
+from mt_ray.models.vision import VISION_EMBED, VISION_PROJECTOR
 from mt_ray.models.weights import export_hf
 
 log = logging.getLogger(__name__)
 
 Batch = list[dict[str, torch.Tensor]]
 _LOST_WORKER = (RayActorError, GetTimeoutError, ObjectLostError)
-FLAT_STATE = ("master", "exp_avg", "exp_avg_sq")  # the single engine's checkpoint tensors
 
 
 @dataclass
@@ -90,15 +93,15 @@ def shard_batch(batch: Batch, num_workers: int) -> list[Batch]:
     m = len(batch)
     if m % num_workers == 0:
         per = m // num_workers
-        return [[{k: v.clone() for k, v in mb.items()} for mb in batch[r * per : (r + 1) * per]]
-                for r in range(num_workers)]
+        return [[_rows_of(mb, 0, _rows([mb])) for mb in batch[r * per : (r + 1) * per]] for r in range(num_workers)]
     shards: list[Batch] = [[] for _ in range(num_workers)]
     for mb in batch:
-        pieces = {k: torch.tensor_split(v, num_workers) for k, v in mb.items()}
+        rows = _rows([mb])
+        # torch.tensor_split's cut: the first rows % num_workers pieces have one row more.
+        bounds = [r * (rows // num_workers) + min(r, rows % num_workers) for r in range(num_workers + 1)]
         for r in range(num_workers):
-            piece = {k: p[r].clone() for k, p in pieces.items()}
-            if piece["input_ids"].shape[0]:
-                shards[r].append(piece)
+            if bounds[r + 1] > bounds[r]:
+                shards[r].append(_rows_of(mb, bounds[r], bounds[r + 1]))
     if any(not s for s in shards):
         rows = sum(mb["input_ids"].shape[0] for mb in batch)
         raise ClusterError(f"a global batch of {rows} rows cannot feed {num_workers} workers; "
@@ -146,7 +149,8 @@ class DataParallelTrainer:
                  total_steps: int, cluster: ClusterConfig | None = None, weights: int | str | dict = 0,
                  after_launch: Callable[[int, DataParallelTrainer], None] | None = None):
         self.spec = model if isinstance(model, ModelSpec) else discover(model)
-        self.model = self.spec.config  # what the actors rediscover the spec from
+        self.model = self.spec.config  # what the actors rediscover the spec from, with these options
+        self.freeze = freeze_options(self.spec)
         self.engine_cfg = engine_cfg
         self.opt_cfg = opt_cfg
         self.num_workers = num_workers
@@ -234,7 +238,7 @@ class DataParallelTrainer:
         shards = [cls.options(num_cpus=self.cluster.coordinator_cpus, max_restarts=0,
                               max_concurrency=16 + 2 * self.num_workers + 4 * self.workers_per_node + 4 * n, **self._on_node(s)).remote(
             self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps, s, n,
-            self.workers_per_node, self.num_workers, self.cluster.snapshot_every) for s in range(n)]
+            self.workers_per_node, self.num_workers, self.cluster.snapshot_every, self.freeze) for s in range(n)]
         self._ask_shards([s.set_peers.remote(shards) for s in shards])
         if isinstance(weights, int):
             calls = [s.load_random.remote(weights) for s in shards]
@@ -255,7 +259,7 @@ class DataParallelTrainer:
             workers[r] = cls.options(num_gpus=self.gpus_per_worker, num_cpus=self.cluster.cpus_per_worker,
                                      max_restarts=0, **self._on_node(node)).remote(
                 r, self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps,
-                self.shards, node, self.generation, start_step)
+                self.shards, node, self.generation, start_step, self.freeze)
         return workers
 
     # ------------------------------------------------------------------ steps
@@ -375,7 +379,9 @@ class DataParallelTrainer:
                 f"a worker was lost in step {step} after some units were updated (optimizer.max_grad_norm=0 updates "
                 "each unit as its gradient lands); the run restarts from the newest checkpoint "
                 "(cluster.snapshot_every > 0 recovers in memory instead, at 12 B/param more per node)")
-        return reports[0]["snapshot_step"], True, "units partly updated; restored snapshot"
+        # Every shard with a trained unit took its snapshot at the same step; one of frozen units alone takes none.
+        snapshot = next(r["snapshot_step"] for r in reports if r["snapshot_step"] is not None)
+        return snapshot, True, "units partly updated; restored snapshot"
 
     def _sort_workers(self) -> tuple[list[int], list[int]]:
         """Ranks whose share of the failed step came back (healthy), and ranks whose actor died (lost)."""
@@ -413,9 +419,11 @@ class DataParallelTrainer:
         """fp32 master weights by Hugging Face name (copies: they outlive the trainer and its Ray)."""
         return {k: v.clone() for k, v in self._fetch_state().items()}
 
-    def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32) -> Path:
-        """Write a Hugging Face folder here, on the driver's node (where checkpoints and MLflow are)."""
-        return export_hf(self.spec, self._fetch_state(), out_dir, tokenizer, dtype)
+    def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32,
+               extra_files: tuple[Path, ...] = ()) -> Path:
+        """Write a Hugging Face folder here, on the driver's node (where checkpoints and MLflow are), `extra_files`
+        copied in (an image-text model's processor files)."""
+        return export_hf(self.spec, self._fetch_state(), out_dir, tokenizer, dtype, extra_files=extra_files)
 
     def _fetch_state(self) -> dict[str, torch.Tensor]:
         """Master weights as read-only views of the objects fetched from the shards."""
@@ -428,15 +436,18 @@ class DataParallelTrainer:
         format, so any worker or node count resumes from it) is written here, last."""
         self.synchronize()
         layout = plan_layout(self.spec, None)
-        ranges = self.plan.ranges()
+        ranges = self.plan.flat_ranges()  # frozen units have no moments: the moment buffers are shorter
         shard_bytes = manager.config.shard_bytes
-        records = {name: _plan_pieces(name, layout.total, shard_bytes, [hi for _, hi in ranges[:-1]])
-                   for name in FLAT_STATE}
+        records = {name: _plan_pieces(name, ranges[name][-1][1], shard_bytes, [hi for _, hi in ranges[name][:-1]])
+                   for name in ranges}
 
         def write(writer) -> dict:
-            calls = [s.write_checkpoint_part.remote(
-                writer, {n: [p for p in r.pieces if lo <= p.start < hi] for n, r in records.items()},
-                lo, manager.config.io_workers) for s, (lo, hi) in zip(self.shards, ranges, strict=True)]
+            calls = []
+            for i, shard in enumerate(self.shards):
+                mine = {n: ranges[n][i] for n in ranges}
+                pieces = {n: [p for p in r.pieces if mine[n][0] <= p.start < mine[n][1]] for n, r in records.items()}
+                calls.append(shard.write_checkpoint_part.remote(writer, pieces, {n: lo for n, (lo, _) in mine.items()},
+                                                                manager.config.io_workers))
             return {f: rec for part in self._ask_shards(calls) for f, rec in part.items()}
 
         meta = {"step": step, "layout": layout.describe(), **extra_meta}
@@ -449,8 +460,9 @@ class DataParallelTrainer:
 
         def read(stored) -> dict:
             layout.check_matches(stored.manifest.meta["layout"])
-            self._ask_shards([s.read_checkpoint_part.remote(stored, lo)
-                              for s, (lo, _) in zip(self.shards, self.plan.ranges(), strict=True)])
+            ranges = self.plan.flat_ranges()
+            self._ask_shards([s.read_checkpoint_part.remote(stored, {n: ranges[n][i][0] for n in ranges})
+                              for i, s in enumerate(self.shards)])
             return stored.manifest.meta
 
         meta = manager.load_with(read, uri)
@@ -475,8 +487,39 @@ class DataParallelTrainer:
             ray.shutdown()
 
 
+def freeze_options(spec: ModelSpec) -> dict[str, bool]:
+    """The `discover` options that find `spec` again in an actor: an image-text model's freeze flags."""
+    if spec.vision is None:
+        return {}
+    return {"freeze_vision_tower": spec.unit(VISION_EMBED).frozen,
+            "freeze_multi_modal_projector": spec.unit(VISION_PROJECTOR).frozen}
+
+
 def _rows(batch: Batch) -> int:
     return sum(mb["input_ids"].shape[0] for mb in batch)
+
+
+def _rows_of(mb: dict, lo: int, hi: int) -> dict:
+    """Rows [lo, hi) of a micro-batch, copied: its [B, ...] tensors, and each row's list of images.
+
+    A value with no entry per row follows only a whole micro-batch; a part of one is refused,
+    naming the split that needs none.
+    """
+    rows = mb["input_ids"].shape[0]
+    piece = {}
+    for key, value in mb.items():
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
+            piece[key] = value[lo:hi].clone()
+        elif isinstance(value, list) and len(value) == rows:  # `images`: each row's, a dict of tensors per image
+            piece[key] = pytree.tree_map_only(torch.Tensor, torch.clone, value[lo:hi])
+        elif (lo, hi) == (0, rows):
+            piece[key] = pytree.tree_map_only(torch.Tensor, torch.clone, value)
+        else:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ClusterError(f"micro-batch key {key!r} ({shape}) has no entry per row of its {rows} rows, so its "
+                               "rows cannot be split across workers; give each worker whole micro-batches: "
+                               "training.grad_accum_steps a multiple of cluster.num_workers")
+    return piece
 
 
 def _plan_pieces(name: str, numel: int, shard_bytes: int, cuts: list[int]):

@@ -1,17 +1,19 @@
 """What a data-parallel run costs each node: host memory, object store, network, from the allocation plan.
 
-Per node: its coordinator shard's fp32 master and moments (12 B/param of its part), the shard's
-few unit-sized sum and cast buffers, each worker's gradient slabs, and the object store. The
-object store holds the current weights of every unit (every node's workers read all of them),
-the gradients waiting for the clip norm (they fill the space the backward pass frees as it
-releases each unit's weights, so the two share it), and a few unit-sized gradients in flight.
+Per node: its coordinator shard's fp32 master and moments (12 B/param of its part; 4 for a frozen
+unit, which has no moments), the shard's few unit-sized sum and cast buffers, each worker's
+gradient slabs, and the object store. The object store holds the current weights of every unit
+(every node's workers read all of them), the gradients waiting for the clip norm (they fill the
+space the backward pass frees as it releases each unit's weights, so the two share it), and a
+few unit-sized gradients in flight. Frozen units send no gradient, and their weights cross the
+network once per run, not every step.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from mt_ray.cluster.partition import ShardPlan
+from mt_ray.cluster.partition import ShardPlan, state_cost
 from mt_ray.cluster.shard import SHARD_BUFFERS
 from mt_ray.cluster.worker import GRADS_IN_FLIGHT, WORKER_GRAD_SLABS
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
@@ -56,27 +58,31 @@ def size_cluster(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, num_w
     plan = ShardPlan.build(spec, num_nodes)
     per_node = num_workers // num_nodes
     w, g = cfg.dtype.itemsize, cfg.grad_torch_dtype.itemsize
-    sizes = sorted((u.numel for u in spec.units), reverse=True)
+    sizes = sorted((u.numel for u in spec.units), reverse=True)  # every unit is cast and published
+    grad_sizes = sorted((u.numel for u in spec.trainable_units), reverse=True)  # gradients come for these
 
     def largest(k: int) -> int:
-        """Elements of the k largest units: a bound on any k units alive at once."""
-        return sum(sizes[:k])
+        """Elements of the k largest trained units: a bound on any k unit gradients alive at once."""
+        return sum(grad_sizes[:k])
 
-    shard = max(sum(u.numel for u in part) for part in plan.parts)
+    part = max(plan.parts, key=lambda units: sum(state_cost(u) for u in units))  # the most loaded node's
+    shard = sum(u.numel for u in part)
+    shard_trained = sum(u.numel for u in part if not u.frozen)
     clips = opt.max_grad_norm > 0
     # Weights and held gradients share the space: every worker lets a unit's weights go once its last
     # upload of the step has landed, before that unit's gradient exists.
-    shared = spec.num_params * w + (shard * max(0, g - w) if clips else 0)
-    in_flight = (per_node * largest(GRADS_IN_FLIGHT) + (num_nodes - 1) * sizes[0]) * g
-    remote = spec.num_params - shard  # what this node neither owns nor updates
+    shared = spec.num_params * w + (shard_trained * max(0, g - w) if clips else 0)
+    in_flight = (per_node * largest(GRADS_IN_FLIGHT) + (num_nodes - 1) * grad_sizes[0]) * g
+    # Trained units this node neither owns nor updates: their gradients go out, their new weights come in.
+    remote = sum(u.numel for u in spec.trainable_units) - shard_trained
     return ClusterSizing(
         num_nodes=num_nodes, workers_per_node=per_node, params=spec.num_params, shard_params=shard,
-        state_bytes=12 * shard,
+        state_bytes=sum(state_cost(u) for u in part),
         shard_buffer_bytes=SHARD_BUFFERS * sizes[0] * max(w, g),
-        worker_slab_bytes=per_node * WORKER_GRAD_SLABS * sizes[0] * g,
+        worker_slab_bytes=per_node * WORKER_GRAD_SLABS * grad_sizes[0] * g,
         object_store_bytes=int((shared + in_flight) * STORE_SLACK) + STORE_BASE_BYTES,
-        network_out_bytes_per_step=(remote * g + shard * w * (num_nodes - 1)) if num_nodes > 1 else 0,
-        network_in_bytes_per_step=(remote * w + shard * g * (num_nodes - 1)) if num_nodes > 1 else 0,
+        network_out_bytes_per_step=(remote * g + shard_trained * w * (num_nodes - 1)) if num_nodes > 1 else 0,
+        network_in_bytes_per_step=(remote * w + shard_trained * g * (num_nodes - 1)) if num_nodes > 1 else 0,
     )
 
 

@@ -100,16 +100,17 @@ class ObjectStoreWeights:
     version to be published, maps it and page-locks it, so the engine's `wait_updated` finds it
     ready. `release` (after a unit's last upload of the step has landed) drops the view, and with
     it this worker's hold on the object: the store frees a version once every worker is done.
+    A frozen unit never changes: fetched once per generation, its view serves every step.
     """
 
     def __init__(self, shards: list, plan: ShardPlan, generation: int, dtype: torch.dtype, pins: StorePins,
-                 unit_order: list[str]):
+                 frozen: set[str]):
         self.shards = shards
         self.plan = plan
         self.generation = generation
         self.dtype = dtype
         self.pins = pins
-        self.unit_order = unit_order
+        self.frozen = frozen
         self._cond = threading.Condition()
         self._held: dict[str, tuple[int, ray.ObjectRef, torch.Tensor]] = {}
         self.wait_seconds = 0.0
@@ -119,13 +120,14 @@ class ObjectStoreWeights:
         threading.Thread(target=self._fetch_loop, name="mt-ray-fetch", daemon=True).start()
         threading.Thread(target=self._release_loop, name="mt-ray-release", daemon=True).start()
 
-    def begin_step(self, version: int) -> None:
-        self._fetches.put((self.generation, version))
+    def begin_step(self, version: int, units: list[str]) -> None:
+        """Fetch `units` (the step's, in forward order) as published after `version` steps."""
+        self._fetches.put((self.generation, version, units))
 
     def wait_updated(self, unit: str, version: int) -> None:
         t0 = time.perf_counter()
         with self._cond:
-            self._cond.wait_for(lambda: self._error is not None or self._held.get(unit, (-1,))[0] == version)
+            self._cond.wait_for(lambda: self._error is not None or self._holds(unit, version))
             self.wait_seconds += time.perf_counter() - t0  # the engine's thread idle, waiting for weights
             if self._error is not None:
                 error, self._error = self._error, None
@@ -135,7 +137,13 @@ class ObjectStoreWeights:
         return self._held[unit][2]
 
     def release(self, unit: str, copied: torch.cuda.Event | None) -> None:
-        self._releases.put((unit, copied))
+        if unit not in self.frozen:  # kept for the generation
+            self._releases.put((unit, copied))
+
+    def _holds(self, unit: str, version: int) -> bool:
+        """Whether `unit`'s weights after `version` steps are mapped (lock held); any version of a frozen unit."""
+        held = self._held.get(unit)
+        return held is not None and (held[0] == version or unit in self.frozen)
 
     def forget(self, generation: int) -> None:
         """Serve `generation` from now on: drop every held version (a restored state reuses version numbers)."""
@@ -149,9 +157,11 @@ class ObjectStoreWeights:
 
     def _fetch_loop(self) -> None:
         while True:
-            generation, version = self._fetches.get()
+            generation, version, units = self._fetches.get()
             try:
-                for unit in self.unit_order:
+                for unit in units:
+                    if unit in self.frozen and unit in self._held:
+                        continue  # a frozen unit's view of this generation, fetched once
                     owner = self.shards[self.plan.owner(unit)]
                     # Blocks until the owner has applied the previous step to this unit.
                     [ref] = ray.get(owner.get_weights.remote(generation, unit, version))
@@ -210,7 +220,8 @@ class ObjectStoreGrads:
         """The engine's gradient buffers, released here once a gradient has been shipped."""
         self.buffers = buffers
 
-    def submit(self, unit: str, grad: torch.Tensor, landed: torch.cuda.Event | None, lr: float) -> None:
+    def submit(self, unit: str, grad: torch.Tensor | None, landed: torch.cuda.Event | None, lr: float) -> None:
+        """`grad` None: this worker's rows did not use the unit (a vision unit, no image); the shard is told so."""
         self._raise_if_failed()
         self._queue.put((self.step, unit, grad, landed))
 
@@ -243,8 +254,10 @@ class ObjectStoreGrads:
                     ray.get(self._sent.popleft())  # back-pressure: the shard is summing our last ones
                 if landed is not None:
                     landed.synchronize()  # the device->host copy of this gradient has finished
-                ref = ray.put(to_numpy(grad))  # the one host copy: into shared memory
-                self.buffers.release(unit)
+                ref = None
+                if grad is not None:
+                    ref = ray.put(to_numpy(grad))  # the one host copy: into shared memory
+                    self.buffers.release(unit)
                 self._sent.append(self.shard.put_grad.remote(self.generation, step, self.rank, unit, [ref]))
             except BaseException as e:  # surfaced to the engine thread by submit/flush
                 self._error = e
@@ -257,9 +270,10 @@ class EngineWorker:
     """A Ray actor running the engine's forward/backward on its part of each global batch."""
 
     def __init__(self, rank: int, model, engine_cfg: dict, opt_cfg: dict, total_steps: int, shards: list,
-                 local_shard: int, generation: int, start_step: int):
-        """Weights come from each unit's owner among `shards`; gradients go to `shards[local_shard]`."""
-        spec = discover(model)
+                 local_shard: int, generation: int, start_step: int, freeze: dict[str, bool] | None = None):
+        """Weights come from each unit's owner among `shards`; gradients go to `shards[local_shard]`.
+        `freeze`: the `discover` options the driver's spec was found with (an image-text model's freeze flags)."""
+        spec = discover(model, **(freeze or {}))
         # Its gradients leave each slab for the object store at once: two slabs let one download
         # land while the other ships (each is as large as the largest unit).
         cfg = EngineConfig(**{**engine_cfg, "grad_slabs": WORKER_GRAD_SLABS})
@@ -268,9 +282,11 @@ class EngineWorker:
         opt = OptimizerConfig(**{**opt_cfg, "max_grad_norm": 0.0})
         units = [u.name for u in spec.units]
         self.rank = rank
+        self.all_units = units
+        self.text_units = [u for u in units if not u.startswith("vision.")]  # what a step without images reads
         self.pins = StorePins(cfg.resolve_device().type == "cuda")
         self.weights = ObjectStoreWeights(shards, ShardPlan.build(spec, len(shards)), generation, cfg.dtype,
-                                          self.pins, units)
+                                          self.pins, {u.name for u in spec.units if u.frozen})
         self.grads = ObjectStoreGrads(shards[local_shard], rank, generation, self.weights, units)
         self.engine = StreamingEngine(spec, cfg, opt, total_steps, grad_sink=self.grads, weight_source=self.weights)
         self.grads.bind(self.engine.grad_buffers)
@@ -285,7 +301,7 @@ class EngineWorker:
         if step != self.engine.step_idx:
             raise ClusterError(f"worker {self.rank} is at step {self.engine.step_idx}, asked for step {step}")
         self.grads.step = step
-        self.weights.begin_step(step)
+        self.weights.begin_step(step, self._units_read(micro_batches))
         result = self.engine.train_step(micro_batches, loss_normaliser=loss_normaliser)
         loss = float(result.loss)  # waits for this worker's backward on the device
         self.grads.flush()
@@ -295,10 +311,15 @@ class EngineWorker:
 
     def evaluate(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict:
         """Summed loss of this worker's part of an evaluation batch under the current weights (forward only)."""
-        self.weights.begin_step(self.engine.step_idx)
+        self.weights.begin_step(self.engine.step_idx, self._units_read(micro_batches))
         result = self.engine.evaluate(micro_batches)
         return {"loss_sum": float(result.loss_sum), "num_loss_tokens": result.num_loss_tokens,
                 "num_tokens": result.num_tokens}
+
+    def _units_read(self, micro_batches: list[dict]) -> list[str]:
+        """The units the engine reads for these micro-batches: the vision ones only where a row has an image."""
+        images = any(image for mb in micro_batches for row in mb.get("images") or () for image in row)
+        return self.all_units if images else self.text_units
 
     def weight_wait_seconds(self) -> float:
         """Cumulative time the engine's thread waited for published weights (the benchmark's time split)."""

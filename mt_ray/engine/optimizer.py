@@ -98,6 +98,10 @@ class UnitOptimizer:
         self.opt.grad_scale = None if coef == 1.0 else torch.tensor(1.0 / coef)
         self.opt.found_inf = None if coef == 1.0 else torch.tensor(0.0)
 
+    def step_count(self) -> int:
+        """Updates applied so far: the bias-correction count (equal in every chunk of the unit)."""
+        return int(next(iter(self.opt.state.values()))["step"])
+
     def set_step(self, step: int) -> None:
         """Restore the bias-correction step count (after loading a checkpoint)."""
         for state in self.opt.state.values():

@@ -14,7 +14,6 @@ import torch
 
 from mt_ray.config.run import RunConfig
 from mt_ray.engine import EvalResult, StepResult, StreamingEngine
-from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import ModelSpec
 from mt_ray.training.model_source import pretrained_weights
 
@@ -43,8 +42,9 @@ class TrainingBackend(Protocol):
     def restore_checkpoint(self, manager: CheckpointManager, uri: str | None = None) -> dict:
         """Continue exactly from a checkpoint (`uri`, or the newest valid one); returns its meta."""
 
-    def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32) -> Path:
-        """Write the master weights as a Hugging Face folder on this node."""
+    def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32,
+               extra_files: tuple[Path, ...] = ()) -> Path:
+        """Write the master weights as a Hugging Face folder on this node, `extra_files` (processor files) copied in."""
 
     def memory_metrics(self) -> dict[str, float]:
         """Memory figures worth logging (peak host bytes per parameter, GPU memory where known)."""
@@ -63,10 +63,6 @@ def build_backend(cfg: RunConfig, spec: ModelSpec) -> TrainingBackend:
     weights = initial_weights(cfg)
     steps = cfg.training.steps
     if cfg.cluster.num_workers > 1:
-        if spec.vision is not None:
-            raise ConfigError(f"cluster.num_workers: the image-text model '{spec.config.model_type}' trains on one "
-                              "engine for now (data-parallel workers do not carry images yet); set "
-                              "cluster.num_workers=1")
         from mt_ray.cluster import DataParallelTrainer  # Ray is needed only here
 
         return DataParallelTrainer(spec, cfg.engine, cfg.optimizer, cfg.cluster.num_workers, steps,

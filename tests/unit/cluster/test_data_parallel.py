@@ -167,3 +167,37 @@ def test_a_cluster_that_cannot_place_the_run_is_refused_naming_the_key(local_ray
     wide = tiny_config("llama", vocab_size=200_000)  # about 50 M fp32 weights: more than the 200 MB store
     with pytest.raises(ConfigError, match=r"object store .* --object-store-memory"):
         DataParallelTrainer(wide, ENGINE, OPT, num_workers=2, total_steps=1)
+
+
+def test_a_read_of_a_gradient_that_never_comes_ends_when_the_step_is_stopped(local_ray):
+    """Ray can wait forever on an object whose owner died mid-read; the shard's read gives up once
+    the driver stops the generation, so `stop` (which waits for the reduce thread) returns."""
+    import threading
+    from types import SimpleNamespace
+
+    from mt_ray.cluster.errors import StaleGenerationError
+    from mt_ray.cluster.shard import read_unless_stopped
+
+    @local_ray.remote(num_cpus=0)
+    class Never:
+        def value(self):
+            threading.Event().wait()
+
+    never = Never.remote()
+    gen = SimpleNamespace(number=7, stopped=False)
+    outcome = []
+
+    def read():
+        try:
+            read_unless_stopped(gen, never.value.remote())
+        except StaleGenerationError as e:
+            outcome.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(1.5)
+    assert reader.is_alive()  # still waiting: the step runs
+    gen.stopped = True
+    reader.join(10)
+    local_ray.kill(never)
+    assert not reader.is_alive() and "generation 7 was stopped" in str(outcome[0])

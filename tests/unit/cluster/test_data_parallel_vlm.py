@@ -1,0 +1,130 @@
+"""Data-parallel training of an image-text model equals one engine on the same global batches.
+
+A tiny Qwen2.5-VL (tower frozen, projector trained: LLaMA-Factory's defaults) trains four steps on
+two workers, with Adam's eps = 1 so that each update follows its gradient (a key projection's bias
+has a gradient of zero but for rounding, which eps = 1e-8 would blow up to a full step). The global batches are packed by the data pipeline's own `collate`, with rows of 0, 1
+and 2 images, so the workers' shares differ: rows split inside a micro-batch (images follow their
+rows), a worker whose rows hold no image while the other's do, a step without any image (the
+projector and its Adam count stay), and whole micro-batches per worker.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+pytest.importorskip("ray")
+
+from mt_ray.cluster import ClusterError, DataParallelTrainer, count_loss_tokens, shard_batch  # noqa: E402
+from mt_ray.cluster.partition import ShardPlan  # noqa: E402
+from mt_ray.data.packing import collate  # noqa: E402
+from mt_ray.data.schema import TokenizedExample  # noqa: E402
+from mt_ray.engine import StreamingEngine  # noqa: E402
+from mt_ray.models.discovery import discover  # noqa: E402
+from mt_ray.tracking import CheckpointConfig, CheckpointManager  # noqa: E402
+from tests.family_checks import OPT  # noqa: E402
+from tests.unit.cluster.test_data_parallel import ENGINE, assert_same_weights  # noqa: E402
+from tests.vlm_models import QWEN_IMAGE, image_document, make_image, save_qwen2_5_vl  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
+
+
+def example(folder, text: str, images: list) -> TokenizedExample:
+    """One document through the folder's processor, as the data pipeline holds it: each image's own tensors."""
+    doc = image_document(folder, text, images, 3)
+    pixels = doc["pixel_values"].split(doc["image_grid_thw"].prod(-1).tolist()) if images else []
+    per_image = tuple({"pixel_values": p, "image_grid_thw": doc["image_grid_thw"][k:k + 1]} for k, p in enumerate(pixels))
+    return TokenizedExample(tuple(doc["input_ids"][0].tolist()), (-100, *doc["labels"][0, 1:].tolist()), per_image)
+
+
+@pytest.fixture(scope="module")
+def steps(folder):
+    one = example(folder, f"{QWEN_IMAGE}what is this? a cat", [make_image(0)])
+    text = example(folder, "some text only here and more", [])
+    two = example(folder, f"two {QWEN_IMAGE} and {QWEN_IMAGE} pictures ok", [make_image(1, 8, 16), make_image(2)])
+    words = example(folder, "no picture in this one either", [])
+
+    def mb(*rows):
+        return {k: v for k, v in collate(rows, None, pad_id=0).items() if k != "segment_ids"}
+
+    return [
+        [mb([one, text], [words], [two])],  # rows split 2 + 1 inside the micro-batch: images on both workers
+        [mb([text, one], [words])],  # worker 0's row has the image, worker 1's none
+        [mb([text], [words, text])],  # no image anywhere: the projector is not updated
+        [mb([two]), mb([one, words])],  # whole micro-batches, one per worker
+    ]
+
+
+def test_two_workers_train_an_image_text_model_as_one_engine(local_ray, folder, steps, tmp_path):
+    spec = discover(str(folder))
+    engine = StreamingEngine(spec, ENGINE, OPT, total_steps=len(steps))
+    try:
+        engine.load_pretrained(folder)
+        before = {k: v.clone() for k, v in engine.state_dict().items()}
+        ref_losses = [engine.train_step(s).loss.item() for s in steps]
+        ref_flat, _ = engine.checkpoint_state()
+        ref_flat = {k: v.clone() for k, v in ref_flat.items()}
+        ref_state = {k: v.clone() for k, v in engine.state_dict().items()}
+    finally:
+        engine.close()
+
+    manager = CheckpointManager(CheckpointConfig(uri=str(tmp_path / "ckpt")))
+    trainer = DataParallelTrainer(spec, ENGINE, OPT, num_workers=2, total_steps=len(steps), weights=str(folder))
+    try:
+        losses = [trainer.train_step(s).loss.item() for s in steps]
+        state = trainer.state_dict()
+        trainer.save_checkpoint(manager, len(steps), {})
+    finally:
+        trainer.close()
+
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_same_weights(state, ref_state)
+    tower = [k for k in state if ".visual." in k and ".merger." not in k]
+    projector = [k for k in state if ".visual.merger." in k]
+    assert tower and all(torch.equal(state[k], before[k]) for k in tower)  # frozen: bit-identical
+    assert all(not torch.equal(state[k], before[k]) for k in projector)  # trained
+    # The checkpoint has the single engine's layout: the frozen tower holds no moments.
+    flat, meta = manager.load()
+    trained = sum(u.numel for u in spec.trainable_units)
+    assert flat["exp_avg"].numel() == flat["exp_avg_sq"].numel() == trained < flat["master"].numel()
+    for name, ref in ref_flat.items():
+        torch.testing.assert_close(flat[name], ref, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_image_rows_split_with_their_images(steps):
+    batch = steps[0]
+    shards = shard_batch(batch, 2)
+    assert [mb["input_ids"].shape[0] for s in shards for mb in s] == [2, 1]
+    assert [len(s[0]["images"]) for s in shards] == [2, 1]  # one list of images per row
+    assert [len(row) for s in shards for row in s[0]["images"]] == [1, 0, 2]
+    assert torch.equal(shards[1][0]["images"][0][1]["pixel_values"], batch[0]["images"][2][1]["pixel_values"])
+    assert shards[1][0]["images"][0][1]["pixel_values"].untyped_storage().data_ptr() != \
+        batch[0]["images"][2][1]["pixel_values"].untyped_storage().data_ptr()  # a copy, not a view of the batch
+    assert sum(count_loss_tokens(s) for s in shards) == count_loss_tokens(batch)
+
+
+def test_rows_without_an_entry_each_are_refused_a_row_split_but_travel_whole(folder):
+    """The processor's own output holds the patches of all images in one tensor: it cannot follow rows."""
+    doc = image_document(folder, f"{QWEN_IMAGE} a picture", [make_image(0)], 2)
+    mb = {k: torch.cat([doc[k], doc[k]]) if k in ("input_ids", "labels") else doc[k]
+          for k in ("input_ids", "labels", "pixel_values", "image_grid_thw")}
+    with pytest.raises(ClusterError, match=r"'pixel_values' \(\(\d+, \d+\)\) has no entry per row of its 2 rows.*"
+                                           r"training.grad_accum_steps a multiple of cluster.num_workers"):
+        shard_batch([mb], 2)
+    whole = shard_batch([mb, mb], 2)
+    assert [torch.equal(s[0]["pixel_values"], doc["pixel_values"]) for s in whole] == [True, True]
+
+
+def test_shards_cut_the_state_and_a_frozen_unit_has_no_moments(folder):
+    spec = discover(str(folder))
+    plan = ShardPlan.build(spec, 3)
+    ranges = plan.flat_ranges()
+    trained = sum(u.numel for u in spec.trainable_units)
+    for name, total in (("master", spec.num_params), ("exp_avg", trained)):
+        assert ranges[name][0][0] == 0 and ranges[name][-1][1] == total
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges[name]))  # contiguous
+    moments = [hi - lo for lo, hi in ranges["exp_avg"]]
+    assert moments == [sum(u.numel for u in part if not u.frozen) for part in plan.parts]
