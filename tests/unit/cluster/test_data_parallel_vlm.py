@@ -5,7 +5,8 @@ two workers, with Adam's eps = 1 so that each update follows its gradient (a key
 has a gradient of zero but for rounding, which eps = 1e-8 would blow up to a full step). The global batches are packed by the data pipeline's own `collate`, with rows of 0, 1
 and 2 images, so the workers' shares differ: rows split inside a micro-batch (images follow their
 rows), a worker whose rows hold no image while the other's do, a step without any image (the
-projector and its Adam count stay), and whole micro-batches per worker.
+projector and its Adam count stay), and whole micro-batches per worker. A shard driven directly shows
+what a recovery needs beyond that: the snapshot keeps each unit's Adam count.
 """
 
 import itertools
@@ -128,3 +129,51 @@ def test_shards_cut_the_state_and_a_frozen_unit_has_no_moments(folder):
         assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges[name]))  # contiguous
     moments = [hi - lo for lo, hi in ranges["exp_avg"]]
     assert moments == [sum(u.numel for u in part if not u.frozen) for part in plan.parts]
+
+
+def test_a_shard_leaves_an_unused_projector_and_its_snapshot_keeps_adam_counts(local_ray, folder):
+    """One shard, driven in this process as one worker drives it. The frozen tower is published once and
+    serves every step; a projector that no row used (None from the worker) keeps its weights and Adam count;
+    the snapshot a recovery restores brings each unit's count back, the projector's one behind."""
+    from mt_ray.cluster.driver import freeze_options
+    from mt_ray.cluster.shard import CoordinatorShard
+    from mt_ray.cluster.wire import to_numpy
+
+    spec = discover(str(folder))
+    threads = torch.get_num_threads()  # the shard sets the process's count, as it does in its actor
+    shard = CoordinatorShard(spec.config, ENGINE.model_dump(), OPT.model_dump(), 4, 0, 1, 1, 1, 2, freeze_options(spec))
+    try:
+        shard.set_peers([shard])
+        shard.load_pretrained(str(folder))
+        shard.start(0, 0)
+        trained = [u.name for u in spec.trainable_units]
+        assert shard.store.exp_avg.numel() == sum(u.numel for u in spec.trainable_units)
+        tower = shard.get_weights(0, "vision.blocks.0", 0)
+        g = torch.Generator().manual_seed(0)
+
+        def step(s: int, unused: tuple[str, ...] = ()) -> None:
+            for unit in (u.name for u in spec.units):
+                shard.get_weights(0, unit, s)  # as the worker reads them (the snapshot of step 2 precedes the head)
+            for unit in reversed(trained):
+                grad = torch.randn(spec.unit(unit).numel, generator=g) * 1e-2
+                shard.put_grad(0, s, 0, unit, [None if unit in unused else local_ray.put(to_numpy(grad))])
+            shard.apply_norm(s, shard.local_norm_sq(0, s))
+            shard.wait_updated(s + 1)
+
+        def counts() -> dict[str, int]:
+            return {u: opt.step_count() for u, opt in shard.optimizers.items()}
+
+        step(0)
+        projector = shard.store.master_of("vision.projector").clone()
+        step(1, unused=("vision.projector",))
+        assert torch.equal(shard.store.master_of("vision.projector"), projector)
+        step(2)
+        assert counts() == {u: 2 if u == "vision.projector" else 3 for u in trained}
+        assert shard.get_weights(0, "vision.blocks.0", 3) == tower  # the one object, whatever the version
+        shard.stop(3)
+        assert shard.start(1, 3, restore_snapshot=True) == 2
+        assert counts() == {u: 1 if u == "vision.projector" else 2 for u in trained}
+        assert torch.equal(shard.store.master_of("vision.projector"), projector)
+    finally:
+        shard.close()
+        torch.set_num_threads(threads)
