@@ -417,6 +417,9 @@ class StreamingEngine:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         head_grad: list[torch.Tensor] = []  # the head hands each micro-batch's gradient over here
         last_imaged = max((j for j, mb in enumerate(mbs) if mb.images is not None), default=-1)
+        if last_imaged >= 0:  # the vision units arrive first (`_upload_plan`), whichever micro-batch has images
+            for unit in dict.fromkeys(self.vision.plan()[0]):
+                self._weights(unit)
         for j, mb in enumerate(mbs):
             final = j == len(mbs) - 1
             tapes = self.vision.forward([mb]) if mb.images is not None else []

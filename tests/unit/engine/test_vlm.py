@@ -109,6 +109,17 @@ def test_qwen_vl_step_equals_transformers(folder, documents, engine_kw, freeze):
     assert store.exp_avg.numel() == store.exp_avg_sq.numel() == trained  # frozen units hold no moments
 
 
+@pytest.mark.parametrize("engine_kw", [{"schedule": "resident"}, {"checkpoint_every": 1}], ids=["resident", "K1"])
+def test_micro_batches_with_and_without_images_step_as_one_batch(folder, documents, engine_kw):
+    """Three micro-batches, the first without images: the vision units still arrive first, and each micro-batch's
+    image features (Qwen3-VL's deepstack ones too) take their own gradients."""
+    steps = [[packed(documents[1:2]), packed(documents[:1]), packed(documents[2:])]]
+    [loss], before, state, _ = engine_steps(folder, steps, (False, False), **engine_kw)
+    ref = reference_model(folder, False, False)
+    [ref_loss] = reference_train(ref, [documents], OPT)
+    assert_same_step(state, before, ref.state_dict(), loss, ref_loss)
+
+
 def test_evaluate_scores_images_as_transformers_does(folder, documents):
     """Forward only, in eval mode: the summed loss of the packed image row is transformers' on each document."""
     engine = StreamingEngine(discover(str(folder)), EngineConfig(device="cpu"), OPT, total_steps=1)
