@@ -1,13 +1,15 @@
-"""Benchmark of an image-text model in the streaming engine: Qwen2.5-VL-7B's shape, random init, synthetic images.
+"""Benchmark of an image-text model in the streaming engine: Qwen2.5-VL-7B's or Qwen3-VL-8B's shape, random init,
+synthetic images.
 
-Each sample is one image (`--image-px` square: (px/14)^2 patches, a quarter of them image tokens) and
+Each sample is one image (`--image-px` square: (px/patch)^2 patches, a quarter of them image tokens) and
 text up to `--seq` tokens. Reports the step time, the language model's TFLOPS (6 x its parameters x
 tokens / step time, as bench/engine_gpu.py), the vision tower's and projector's matmul TFLOPS (what
 `mt_ray.engine.sizing.VisionSizes.flops` counts: frozen tower forward, projector forward + recompute +
 backward), peak GPU memory and host bytes per parameter (peak RSS), beside the calculator's figures.
 
     python bench/vlm_gpu.py --out $OUT/vlm_7b.json            # the lent H100
-    python bench/vlm_gpu.py --shape tiny --device cpu --steps 1  # a smoke run anywhere
+    python bench/vlm_gpu.py --shape qwen3-vl-8b --image-px 512 --out $OUT/vlm_qwen3_8b.json  # 16-pixel patches
+    python bench/vlm_gpu.py --shape tiny --device cpu --steps 1  # a smoke run anywhere (and tiny-qwen3-vl)
 """
 
 from __future__ import annotations
@@ -27,23 +29,47 @@ from mt_ray.engine import EngineConfig, StreamingEngine  # noqa: E402
 from mt_ray.engine.sizing import device_bytes, host_bytes, vision_sizes  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
 
-# Qwen2.5-VL-7B-Instruct's config.json (text and vision), as published.
+# Qwen2.5-VL-7B-Instruct's and Qwen3-VL-8B-Instruct's config.json (text and vision), as published.
+QWEN_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
+TINY_IDS = dict(image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503)
 SHAPES = {
     "qwen2.5-vl-7b": dict(
+        model_type="qwen2_5_vl",
         text_config=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                          num_key_value_heads=4, vocab_size=152064, rope_theta=1e6, max_position_embeddings=128000,
                          rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
         vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                            fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2),
-        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653),
+        **QWEN_IDS),
+    "qwen3-vl-8b": dict(  # deepstack: vision blocks 8, 16 and 24 feed language layers 0-2 through their own mergers
+        model_type="qwen3_vl",
+        text_config=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=262144,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                           deepstack_visual_indexes=[8, 16, 24]),
+        **QWEN_IDS),
     "tiny": dict(
+        model_type="qwen2_5_vl",
         text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=512, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                            fullatt_block_indexes=[1]),
-        image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503),
+        **TINY_IDS),
+    "tiny-qwen3-vl": dict(
+        model_type="qwen3_vl",
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                           deepstack_visual_indexes=[0, 1]),
+        **TINY_IDS),
 }
 
 
@@ -82,7 +108,8 @@ def main() -> None:
     p.add_argument("--out")
     args = p.parse_args()
 
-    cfg = AutoConfig.for_model("qwen2_5_vl", **SHAPES[args.shape])
+    shape = dict(SHAPES[args.shape])
+    cfg = AutoConfig.for_model(shape.pop("model_type"), **shape)
     cfg._attn_implementation = "sdpa"
     spec = discover(cfg)  # LLaMA-Factory's defaults: the tower frozen, the projector trained
     cuda = args.device == "cuda"

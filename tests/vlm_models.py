@@ -31,36 +31,55 @@ QWEN_VL_TEMPLATE = (
 VLM_VOCAB = 896  # the tiny tokenizer and the image tokens, rounded up
 
 
-def qwen2_5_vl_config(tokenizer, **text) -> PretrainedConfig:
-    """Two language layers and three vision blocks (one with full attention, two with 8x8-pixel windows)."""
+# Two language layers and three vision blocks (one with full attention, two with 8x8-pixel windows).
+QWEN2_5_VL = dict(
+    processor="Qwen2_5_VLProcessor",
+    text=dict(rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+    vision=dict(window_size=8, fullatt_block_indexes=[1]),
+)
+# Three language layers, the first two taking deepstack features from vision blocks 0 and 2 (each through
+# its own merger); interleaved mrope over 12-dim heads; a 4x4 learned position grid, resampled per image.
+QWEN3_VL = dict(
+    processor="Qwen3VLProcessor",
+    text=dict(num_hidden_layers=3, head_dim=12, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2], "mrope_interleaved": True}),
+    vision=dict(num_position_embeddings=16, deepstack_visual_indexes=[0, 2]),
+)
+# Qwen3-VL whose language layers route each token to 2 of 4 experts.
+QWEN3_VL_MOE = dict(QWEN3_VL, text=dict(QWEN3_VL["text"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16))
+QWEN_VL = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL, "qwen3_vl_moe": QWEN3_VL_MOE}
+
+
+def qwen_vl_config(family: str, tokenizer, **text) -> PretrainedConfig:
+    """A tiny Qwen-VL of `family` (see QWEN_VL): 32-wide language layers, three 16-wide vision blocks of 4x4 patches."""
     ids = dict(zip(QWEN_TOKENS, tokenizer.convert_tokens_to_ids(QWEN_TOKENS), strict=True))
+    shape = QWEN_VL[family]
     return AutoConfig.for_model(
-        "qwen2_5_vl",
-        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VLM_VOCAB, initializer_range=0.2,
-                         rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, **text),
+        family,
+        text_config={**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=VLM_VOCAB, initializer_range=0.2), **shape["text"], **text},
         vision_config=dict(depth=3, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
-                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, window_size=8,
-                           fullatt_block_indexes=[1], initializer_range=0.2),
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.2,
+                           **shape["vision"]),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
 
 
-def save_qwen2_5_vl(folder: Path, seed: int = 0, **text) -> Path:
-    """A random tiny Qwen2.5-VL written by transformers, with its tokenizer and image processor."""
+def save_qwen_vl(folder: Path, family: str = "qwen2_5_vl", seed: int = 0, **text) -> Path:
+    """A random tiny Qwen-VL written by transformers, with its tokenizer and image processor."""
     from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = load_tiny_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *QWEN_TOKENS]})
     tokenizer.chat_template = QWEN_VL_TEMPLATE
     torch.manual_seed(seed)
-    AutoModelForImageTextToText.from_config(qwen2_5_vl_config(tokenizer, **text)).save_pretrained(folder)
+    AutoModelForImageTextToText.from_config(qwen_vl_config(family, tokenizer, **text)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8,
                              max_pixels=24 * 24).save_pretrained(folder)
-    (Path(folder) / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
+    (Path(folder) / "processor_config.json").write_text(json.dumps({"processor_class": QWEN_VL[family]["processor"]}))
     return Path(folder)
 
 

@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -68,8 +69,16 @@ from mt_ray.models.kernels import apply_kernels
 from mt_ray.models.router_loss import RouterLoss
 from mt_ray.models.weights import export_hf, init_random, load_safetensors
 
-# One recomputed layer ready for backward: (layer index, its input, its output, its router logits).
-Segment = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+class Segment(NamedTuple):
+    """One recomputed layer ready for backward: its input (a leaf), output, router logits (where a router loss
+    records them) and what the body added after it, as a leaf (Qwen3-VL's deepstack features)."""
+
+    layer: int
+    x: torch.Tensor
+    out: torch.Tensor
+    logits: torch.Tensor | None
+    injected: torch.Tensor | None
 
 
 @dataclass
@@ -197,7 +206,7 @@ class StreamingEngine:
                                   lambda j, g: park.put((carry, j), g))
             for b in reversed(range(carry)):
                 self._backward_block(b, contexts, aux_grads)
-            self._backward_embed(self._carried(len(mbs)), mbs, final=True)
+            self._backward_embed(self._carried(len(mbs)), mbs, contexts, final=True)
             if imaged:
                 self.vision.backward(imaged, tapes)
         self._kept.clear()
@@ -409,15 +418,19 @@ class StreamingEngine:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         head_grad: list[torch.Tensor] = []  # the head hands each micro-batch's gradient over here
         last_imaged = max((j for j, mb in enumerate(mbs) if mb.images is not None), default=-1)
+        if last_imaged >= 0:  # the vision units arrive first (`_upload_plan`), whichever micro-batch has images
+            for unit in dict.fromkeys(self.vision.plan()[0]):
+                self._weights(unit)
         for j, mb in enumerate(mbs):
             final = j == len(mbs) - 1
             tapes = self.vision.forward([mb]) if mb.images is not None else []
             h, ctx = self._embed(self.templates["embed"].bind(self._weights("embed")), mb)
             segments = self._run_layers(range(self.spec.num_layers), h, ctx, weights)
-            aux_grads = self._router_loss_grads({i: lg for i, _, _, lg in segments if lg is not None}, aux_weights[j])
-            loss_sum += self._head([segments[-1][2].detach()], [mb], inv_n, final, lambda _, g: head_grad.append(g))
-            g = self._backward_layers(segments, weights, head_grad.pop(), final, aux_grads)
-            self._backward_embed([g], [mb], final)
+            aux_grads = self._router_loss_grads({s.layer: s.logits for s in segments if s.logits is not None},
+                                                aux_weights[j])
+            loss_sum += self._head([segments[-1].out.detach()], [mb], inv_n, final, lambda _, g: head_grad.append(g))
+            g = self._backward_layers(segments, weights, head_grad.pop(), final, aux_grads, ctx)
+            self._backward_embed([g], [mb], [ctx], final)
             if tapes:
                 self.vision.backward([mb], tapes, final=j == last_imaged)
         return loss_sum
@@ -495,7 +508,7 @@ class StreamingEngine:
         last = len(contexts) - 1
         for j, ctx in enumerate(contexts):
             segments = self._run_layers(block, park.get((b, j)), ctx, weights)
-            g = self._backward_layers(segments, weights, park.get((carry, j)), j == last, aux_grads[j])
+            g = self._backward_layers(segments, weights, park.get((carry, j)), j == last, aux_grads[j], ctx)
             park.put((carry, j), g)
 
     def _run_layers(self, layers: range, x: torch.Tensor, ctx: LayerContext,
@@ -511,34 +524,44 @@ class StreamingEngine:
                 if i not in weights:
                     weights[i] = self.layer_templates[i].bind(self._weights(f"layers.{i}"), requires_grad=True)
                 x = x.detach().requires_grad_()
+                injected = ctx.track_injection(i)
                 out, logits = self._layer(i, weights[i], x, ctx)
-                segments.append((i, x, out, logits))
+                segments.append(Segment(i, x, out, logits, injected))
                 x = out
         return segments
 
     def _backward_layers(self, segments: list[Segment], weights: dict[int, Weights], g: torch.Tensor, final: bool,
-                         aux_grads: dict[int, torch.Tensor]) -> torch.Tensor:
+                         aux_grads: dict[int, torch.Tensor], ctx: LayerContext) -> torch.Tensor:
         """Backward through `_run_layers`' segments, last first, freeing each graph as it goes;
-        a MoE layer's router logits take the router loss's gradient with them."""
+        a MoE layer's router logits take the router loss's gradient with them, and what the body added
+        after a layer keeps its gradient in `ctx` (for the embedding's backward)."""
         while segments:
-            i, x, out, logits = segments.pop()
+            i, x, out, logits, injected = segments.pop()
             template = self.layer_templates[i]
             outputs, out_grads = ([out, logits], [g, aux_grads[i]]) if i in aux_grads else (out, g)
-            gs = torch.autograd.grad(outputs, [x, *template.leaves(weights[i])], out_grads)
+            leaves = template.leaves(weights[i])
+            gs = torch.autograd.grad(outputs, [x, *leaves, *([] if injected is None else [injected])], out_grads)
             g = gs[0]
-            self._add_grad(f"layers.{i}", gs[1:], final, template.frozen_numel)
+            self._add_grad(f"layers.{i}", gs[1:1 + len(leaves)], final, template.frozen_numel)
+            if injected is not None:
+                ctx.injection.grads[i] = gs[-1]
         return g
 
-    def _backward_embed(self, grads: Iterable[torch.Tensor], mbs: list[MicroBatch], final: bool) -> None:
+    def _backward_embed(self, grads: Iterable[torch.Tensor], mbs: list[MicroBatch], contexts: list[LayerContext],
+                        final: bool) -> None:
+        """The embedding's gradient, and the image features' (into the embedding's output and, for Qwen3-VL's
+        deepstack, into what the layers' backward found for the features added after them)."""
         embed = self.templates["embed"]
         weights = embed.bind(self._weights("embed"), requires_grad=True)
         leaves = embed.leaves(weights)
-        for j, (g, mb) in enumerate(zip(grads, mbs, strict=True)):
+        for j, (g, mb, done) in enumerate(zip(grads, mbs, contexts, strict=True)):
             features, feature_leaves_ = feature_leaves(mb.image_features) if mb.images is not None else (None, [])
             with torch.enable_grad():
-                h0, _ = self.context(embed(weights, mb.input_ids_BT), mb.input_ids_BT, mb.positions,
-                                     mb.documents, mb.images, features)
-                gs = torch.autograd.grad(h0, [*leaves, *feature_leaves_], g, allow_unused=bool(feature_leaves_))
+                h0, ctx = self.context(embed(weights, mb.input_ids_BT), mb.input_ids_BT, mb.positions,
+                                       mb.documents, mb.images, features)
+                added, added_grads = ctx.injected_grads(done)
+                gs = torch.autograd.grad([h0, *added], [*leaves, *feature_leaves_], [g, *added_grads],
+                                         allow_unused=bool(feature_leaves_))
             mb.feature_grads = list(gs[len(leaves):])  # the image features' gradient, for the vision stage
             self._add_grad("embed", gs[:len(leaves)], final and j == len(mbs) - 1, embed.frozen_numel)
 

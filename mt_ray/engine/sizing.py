@@ -155,6 +155,7 @@ class VisionSizes:
     patches: int  # per sample: image tokens times the tokens one merges (Qwen-VL: 2x2)
     tower_params: int
     tower_trains: bool
+    merged_params: int  # of the tower's, those that run on image tokens, not patches (Qwen3-VL's deepstack mergers)
     projector_params: int
     projector_trains: bool
     hidden: int
@@ -167,7 +168,8 @@ class VisionSizes:
     def flops(self, samples: int, image_tokens: int) -> float:
         """Matmul FLOPs of a step: the tower once forward (recomputed and run backward when it trains: 8x
         instead of 2x), the projector forward, and again with its backward when anything trains."""
-        tower = (8 if self.tower_trains else 2) * self.tower_params * self.patches
+        per_patch = self.tower_params - self.merged_params
+        tower = (8 if self.tower_trains else 2) * (per_patch * self.patches + self.merged_params * image_tokens)
         projector = (8 if self.tower_trains or self.projector_trains else 2) * self.projector_params * image_tokens
         return samples * float(tower + projector)
 
@@ -180,8 +182,19 @@ def vision_sizes(spec: ModelSpec, image_tokens: int) -> VisionSizes | None:
     tower = [u for u in spec.units if u.name.startswith("vision.") and u.name != VISION_PROJECTOR]
     projector = spec.unit(VISION_PROJECTOR)
     merge = getattr(vc, "spatial_merge_size", 1) ** 2
-    return VisionSizes(image_tokens * merge, sum(u.numel for u in tower), not tower[0].frozen, projector.numel,
-                       not projector.frozen, vc.hidden_size, len(spec.vision.blocks))
+    return VisionSizes(image_tokens * merge, sum(u.numel for u in tower), not tower[0].frozen, _merged_params(spec),
+                       projector.numel, not projector.frozen, vc.hidden_size, len(spec.vision.blocks))
+
+
+def _merged_params(spec: ModelSpec) -> int:
+    """Parameters of the tower's modules of the projector's class (Qwen3-VL's deepstack mergers): like the
+    projector, they run on merged image tokens."""
+    vision = spec.vision
+    projectors = [vision.outer.get_submodule(p) for p in vision.projector_paths]
+    kinds = tuple({type(m) for m in projectors})
+    tower = vision.outer.get_submodule(vision.tower_path)
+    return sum(p.numel() for m in tower.modules() if isinstance(m, kinds) and all(m is not q for q in projectors)
+               for p in m.parameters())
 
 
 def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int, global_batch: int,

@@ -108,7 +108,8 @@ class VisionStage:
             with torch.enable_grad():
                 features = self.runner.replay(lambda mb=mb: self.embed(weights, **mb.images), outs)
                 flat = [t for t in pytree.tree_flatten(features)[0] if _floating(t)]
-                used = [(t, g) for t, g in zip(flat, mb.feature_grads, strict=True) if g is not None]
+                # A frozen tower's deepstack features have a gradient but nothing trainable beneath them.
+                used = [(t, g) for t, g in zip(flat, mb.feature_grads, strict=True) if g is not None and t.requires_grad]
                 inputs = [*p_leaves, *e_leaves, *(outs if self.tower_trains else [])]
                 gs = torch.autograd.grad([t for t, _ in used], inputs, [g for _, g in used], allow_unused=True)
             raw = gs

@@ -22,7 +22,11 @@ Image-text models: the body is the composite model (`Qwen2_5_VLModel`, ...), who
 embeds the tokens, asks its `get_image_features` for the image features (here: a feed of what
 the engine's vision stage computed) and scatters them over the image tokens, exactly as
 transformers does; multi-dimensional rotary positions come from the family's own
-`get_rope_index`, document by document.
+`get_rope_index`, document by document. A body that adds to the hidden state between its layers (Qwen3-VL's
+deepstack: features of intermediate vision blocks added at the image tokens after each of the first layers)
+has that addition taken out of the recording and handed to the engine as the context's `Injection`, which
+it runs with those layers (forward and recompute alike) and sends the injected tensors' gradients back
+through. Any other change between layers is refused: the engine would not replay it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -59,23 +64,58 @@ class Documents:
 
 
 @dataclass
+class Injection:
+    """What the body adds to the hidden state right after each of its first layers (Qwen3-VL's deepstack).
+
+    `add(hidden, mask, embeds)` is the body's own function (`_deepstack_process`); `embeds[i]` (the image
+    tokens' rows, in token order) follows layer i; `grads[i]` is its gradient, set by layer i's backward.
+    """
+
+    add: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    mask_BT: torch.Tensor
+    embeds: list[torch.Tensor]
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
 class LayerContext:
     """What the decoder layers of one micro-batch are called with.
 
     `whole[i]`: layer i's keyword arguments for the whole [B, T] batch; or, when documents run
     alone, `documents`: each document's span in the flattened batch and its per-layer arguments.
+    `injection`: what the body adds after the first layers (None for most bodies).
     """
 
     whole: list[LayerKwargs] | None = None
     documents: list[tuple[Span, list[LayerKwargs]]] | None = None
+    injection: Injection | None = None
 
     def run(self, layer: Callable[..., Any], i: int, x_BTD: torch.Tensor) -> torch.Tensor:
-        """Layer i's output hidden state, for the whole batch or document by document."""
+        """Layer i's output hidden state (with what the body adds after it), for the whole batch or document by document."""
         if self.documents is None:
-            return layer_hidden(layer(x_BTD, **self.whole[i]))
+            out = layer_hidden(layer(x_BTD, **self.whole[i]))
+            return self.injection.add(out, self.injection.mask_BT, self.injection.embeds[i]) if self.injects(i) else out
         x_1ND = x_BTD.reshape(1, -1, x_BTD.shape[-1])
         outs = [layer_hidden(layer(x_1ND[:, s:e], **kw[i])) for (s, e), kw in self.documents]
         return torch.cat(outs, dim=1).view_as(x_BTD)
+
+    def injects(self, i: int) -> bool:
+        return self.injection is not None and i < len(self.injection.embeds)
+
+    def track_injection(self, i: int) -> torch.Tensor | None:
+        """What is added after layer i, made a leaf that takes a gradient (for layer i's backward); None if nothing is."""
+        if not self.injects(i):
+            return None
+        leaf = self.injection.embeds[i] = self.injection.embeds[i].detach().requires_grad_()
+        return leaf
+
+    def injected_grads(self, done: LayerContext) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """What this context adds after its layers (recorded from image features that take a gradient) and the
+        gradients the layers' backward of `done` (the same micro-batch's context) found for them."""
+        if self.injection is None:
+            return [], []
+        grads = done.injection.grads
+        return [self.injection.embeds[i] for i in grads], list(grads.values())
 
 
 def layer_hidden(out: Any) -> torch.Tensor:
@@ -149,6 +189,10 @@ class LayerContextBuilder:
         self.body._modules[spec.norm_attr] = nn.Identity()
         self.vision = spec.vision
         self.images = _ImageFeatures()
+        self.injected: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self.inject = body._deepstack_process if _takes_deepstack(body) else None
+        if self.inject is not None:  # the engine adds the deepstack features with the layers: record them instead
+            self.body.forward = partial(self._without_deepstack, type(body).forward.__get__(self.body))
         if spec.vision is not None:  # the composite body around the language model runs the image scatter
             outer = spec.vision.outer
             self.body = with_submodule(outer, next(n for n, m in outer.named_modules() if m is body), self.body)
@@ -156,6 +200,7 @@ class LayerContextBuilder:
         self.token_types = spec.vision is not None and spec.vision.image_tokens_attend_both_ways
         meta_free_buffers_to(self.body, device)
         self.num_layers = len(layers)
+        self.model_type = spec.config.model_type
         self.bounds_not_masks = takes_document_bounds(spec.config._attn_implementation)
         self.isolate_documents = spec.isolate_documents or not self._masks_keep_documents_apart(spec, device)
         if self.isolate_documents and spec.vision is not None:
@@ -178,7 +223,7 @@ class LayerContextBuilder:
             h0, per_layer = self._record(embeds_BTD, input_ids_BT, position_ids_BT, images, features)
             if self.bounds_not_masks:  # one set of bounds for every layer: the body built no mask
                 per_layer = [{**kw, **documents.flash_kwargs()} for kw in per_layer]
-            return h0, LayerContext(whole=per_layer)
+            return h0, LayerContext(whole=per_layer, injection=self._take_injection())
         B, T, D = embeds_BTD.shape
         flat = embeds_BTD.reshape(1, B * T, D), input_ids_BT.reshape(1, B * T), position_ids_BT.reshape(1, B * T)
         h0s, per_document = [], []
@@ -187,6 +232,20 @@ class LayerContextBuilder:
             h0s.append(h0)
             per_document.append(((s, e), per_layer))
         return torch.cat(h0s, dim=1).view(B, T, -1), LayerContext(documents=per_document)
+
+    def _take_injection(self) -> Injection | None:
+        """What the last recording's body would have added after its first layers (the rest it never adds)."""
+        if self.injected is None:
+            return None
+        (mask_BT, embeds), self.injected = self.injected, None
+        return Injection(self.inject, mask_BT, list(embeds[:self.num_layers]))
+
+    def _without_deepstack(self, forward: Callable[..., Any], *args: Any, visual_pos_masks: torch.Tensor | None = None,
+                           deepstack_visual_embeds: list[torch.Tensor] | None = None, **kwargs: Any) -> Any:
+        """The language model's forward, its deepstack features recorded (`injected`) rather than added."""
+        if deepstack_visual_embeds is not None:
+            self.injected = (visual_pos_masks, deepstack_visual_embeds)
+        return forward(*args, **kwargs)
 
     def _masks_keep_documents_apart(self, spec: ModelSpec, device: torch.device) -> bool:
         """Probe: does every layer's attention mask for the row [doc 0 0, doc 1 1] stop token 2 from
@@ -231,6 +290,7 @@ class LayerContextBuilder:
                 images: dict[str, torch.Tensor] | None = None,
                 features: Any = None) -> tuple[torch.Tensor, list[LayerKwargs]]:
         self.log.clear()
+        self.injected = None
         self.feed.pending = embeds
         self.images.pending = features
         extra = dict(images or {})
@@ -242,6 +302,14 @@ class LayerContextBuilder:
             self.feed.pending = self.images.pending = None
         if len(self.log) != self.num_layers:
             raise RuntimeError(f"body called {len(self.log)} of {self.num_layers} layers")
+        # The stubs hand their input on (in a tuple where the annotation says so, which some bodies pass on as
+        # it is): a layer that receives anything else received what the body itself changed.
+        changed = [i for i in range(1, self.num_layers) if layer_hidden(self.log[i][0]) is not self.log[i - 1][0]]
+        if changed:
+            raise ModelNotSupportedError(
+                f"'{self.model_type}': its body changes the hidden state between decoder layers {changed[0] - 1} and "
+                f"{changed[0]}, which mt-ray does not replay; this family cannot be trained yet"
+            )
         h0 = self.log[0][0]
         per_layer = [dict(self.log[i][1]) for i in range(self.num_layers)]
         for kw in per_layer:
@@ -249,6 +317,12 @@ class LayerContextBuilder:
             kw["use_cache"] = False
         self.log.clear()
         return h0, per_layer
+
+
+def _takes_deepstack(body: nn.Module) -> bool:
+    """Qwen3-VL's language model takes features to add at the image tokens after its first layers (deepstack)."""
+    params = inspect.signature(type(body).forward).parameters
+    return {"visual_pos_masks", "deepstack_visual_embeds"} <= params.keys() and hasattr(body, "_deepstack_process")
 
 
 def _blocks(mask: Any, query: int, key: int) -> bool:

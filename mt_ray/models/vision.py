@@ -9,8 +9,8 @@ The split follows LLaMA-Factory, whose freeze options mt-ray takes over: the *to
 embedding, blocks, norms) is frozen by `freeze_vision_tower`, the *projector* by
 `freeze_multi_modal_projector`. The projector is every parameterised child of the composite body
 beside the tower and the language model (`multi_modal_projector`), and the tower's own `merger`
-where the family keeps its projector inside the tower (Qwen2-VL, Qwen2.5-VL: LLaMA-Factory's
-`visual.merger`).
+where the family keeps its projector inside the tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: LLaMA-Factory's
+`visual.merger`); Qwen3-VL's deepstack mergers stay with the tower, as LLaMA-Factory keeps them.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ VISION_BLOCK_PREFIX = "vision.blocks."
 # Discovery finds the parts of any composite model, but each family's vision code has its own
 # habits (feature layers, deepstack injections, bidirectional image masks): until a parity test
 # covers a family it is refused rather than trained in a way nobody checked.
-VERIFIED_FAMILIES = ("qwen2_5_vl", "gemma3", "llava")
+VERIFIED_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "llava")
 
 # A tower child that is the family's projector although the tower owns it (LLaMA-Factory's projector_key).
 _PROJECTOR_IN_TOWER = ("merger",)

@@ -69,9 +69,9 @@ def test_an_image_text_model_trains_on_two_workers_as_on_one(local_ray, tmp_path
     images. Freezing the other way round than by default (tower trained, projector frozen) shows the workers
     and the shard freeze as asked. Adam's eps = 1 makes each update follow its gradient (a key projection's
     bias has a gradient of rounding alone)."""
-    from tests.vlm_models import save_qwen2_5_vl
+    from tests.vlm_models import save_qwen_vl
 
-    folder = save_qwen2_5_vl(tmp_path / "model")
+    folder = save_qwen_vl(tmp_path / "model")
     vlm = (f"model.path={folder}", "data.datasets=demo_mllm", "training.steps=2", "training.micro_batch_size=4",
            "training.grad_accum_steps=1", "model.freeze_vision_tower=false", "model.freeze_multi_modal_projector=true",
            "optimizer.eps=1.0", "optimizer.warmup_steps=0")

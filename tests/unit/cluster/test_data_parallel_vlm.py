@@ -24,12 +24,12 @@ from mt_ray.models.discovery import discover  # noqa: E402
 from mt_ray.tracking import CheckpointConfig, CheckpointManager  # noqa: E402
 from tests.family_checks import OPT  # noqa: E402
 from tests.unit.cluster.test_data_parallel import ENGINE, assert_same_weights  # noqa: E402
-from tests.vlm_models import QWEN_IMAGE, image_document, make_image, qwen_example, save_qwen2_5_vl  # noqa: E402
+from tests.vlm_models import QWEN_IMAGE, image_document, make_image, qwen_example, save_qwen_vl  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return save_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
+    return save_qwen_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,14 @@ from mt_ray.data import DataConfig, build_dataloader, demo_registry_path
 from mt_ray.data.mm_processor import ImageEncoder, check_processor_files, load_processor
 from mt_ray.data.prefetch import BackgroundLoader
 from mt_ray.errors import ConfigError, DatasetError
-from tests.vlm_models import make_image, save_qwen2_5_vl
+from tests.vlm_models import make_image, save_qwen_vl
 
 TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return save_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
+    return save_qwen_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
 
 
 @pytest.fixture(scope="module")

@@ -45,9 +45,9 @@ def test_a_vision_unit_resumes_with_the_adam_count_of_the_steps_it_trained(tmp_p
     behind the step: the checkpoint keeps that count, and a step with images after the resume is bit-exact."""
     from mt_ray.data.packing import collate
     from tests.family_checks import OPT as EPS_ONE  # eps = 1: the update follows the count's bias correction
-    from tests.vlm_models import QWEN_IMAGE, make_image, qwen_example, save_qwen2_5_vl
+    from tests.vlm_models import QWEN_IMAGE, make_image, qwen_example, save_qwen_vl
 
-    folder = save_qwen2_5_vl(tmp_path)
+    folder = save_qwen_vl(tmp_path)
     text = qwen_example(folder, "some text only here and more", [])
     image = qwen_example(folder, f"{QWEN_IMAGE}what is this? a cat", [make_image(0)])
     steps = [[collate([[text]], None, 0)], [collate([[image], [text]], None, 0)]]

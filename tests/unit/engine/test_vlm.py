@@ -1,10 +1,11 @@
 """Image-text models train in the engine exactly as transformers' own model trains.
 
-A tiny Qwen2.5-VL is saved with `save_pretrained` beside its processor; documents with 0, 1 and 2
-generated images go through the folder's own processor and are packed into one row (the engine), or
-run one by one (transformers' eager model, frozen as LLaMA-Factory freezes it). One step must give
-the same loss and the same update of every weight; a frozen tower stays bit-identical and holds no
-Adam moments.
+A tiny Qwen-VL (2.5, 3, and 3 with MoE layers) is saved with `save_pretrained` beside its processor;
+documents with 0, 1 and 2 generated images go through the folder's own processor and are packed into one
+row (the engine), or run one by one (transformers' eager model, frozen as LLaMA-Factory freezes it). One
+step must give the same loss and the same update of every weight; a frozen tower stays bit-identical and
+holds no Adam moments. Qwen3-VL adds deepstack features after its first two layers, so its checkpoint
+boundaries (K=1) cut through them and a trained tower takes their gradient.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from mt_ray.engine import EngineConfig, StreamingEngine
+from mt_ray.engine.sizing import vision_sizes
 from mt_ray.errors import ConfigError, ModelNotSupportedError
 from mt_ray.models.attention import resolve_attention
 from mt_ray.models.discovery import discover
@@ -26,8 +28,10 @@ from tests.vlm_models import (
     reference_model,
     save_gemma3,
     save_llava,
-    save_qwen2_5_vl,
+    save_qwen_vl,
 )
+
+QWEN_FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -40,9 +44,9 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return save_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
+@pytest.fixture(scope="module", params=QWEN_FAMILIES)
+def folder(request, tmp_path_factory):
+    return save_qwen_vl(tmp_path_factory.mktemp(request.param), request.param)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +94,7 @@ def engine_steps(folder, steps: list[list[dict]], freeze=(True, False), **engine
     ({"checkpoint_every": 1, "checkpoint_placement": "host"}, (False, False)),  # the image features' gradient too
     ({"attn_implementation": "varlen"}, (False, False)),  # the language model's documents apart by their bounds
 ], ids=["stream-frozen-tower", "resident-all-trained", "K1-frozen-projector", "K1-host-checkpoints", "varlen"])
-def test_qwen2_5_vl_step_equals_transformers(folder, documents, engine_kw, freeze):
+def test_qwen_vl_step_equals_transformers(folder, documents, engine_kw, freeze):
     [loss], before, state, store = engine_steps(folder, [[packed(documents)]], freeze, **engine_kw)
     ref = reference_model(folder, *freeze)
     [ref_loss] = reference_train(ref, [documents], OPT)
@@ -103,6 +107,17 @@ def test_qwen2_5_vl_step_equals_transformers(folder, documents, engine_kw, freez
     trained = sum(t.numel() for name, t in state.items() if (name in tower and not freeze[0]) or
                   (name in projector and not freeze[1]) or ".visual." not in name)
     assert store.exp_avg.numel() == store.exp_avg_sq.numel() == trained  # frozen units hold no moments
+
+
+@pytest.mark.parametrize("engine_kw", [{"schedule": "resident"}, {"checkpoint_every": 1}], ids=["resident", "K1"])
+def test_micro_batches_with_and_without_images_step_as_one_batch(folder, documents, engine_kw):
+    """Three micro-batches, the first without images: the vision units still arrive first, and each micro-batch's
+    image features (Qwen3-VL's deepstack ones too) take their own gradients."""
+    steps = [[packed(documents[1:2]), packed(documents[:1]), packed(documents[2:])]]
+    [loss], before, state, _ = engine_steps(folder, steps, (False, False), **engine_kw)
+    ref = reference_model(folder, False, False)
+    [ref_loss] = reference_train(ref, [documents], OPT)
+    assert_same_step(state, before, ref.state_dict(), loss, ref_loss)
 
 
 def test_evaluate_scores_images_as_transformers_does(folder, documents):
@@ -141,13 +156,16 @@ def test_vision_units_and_freeze_flags_are_discovered(folder):
     spec = discover(str(folder))
     names = [u.name for u in spec.units]
     assert names == ["vision.embed", "vision.blocks.0", "vision.blocks.1", "vision.blocks.2", "vision.projector",
-                     "embed", "layers.0", "layers.1", "head"]
+                     "embed", *(f"layers.{i}" for i in range(spec.num_layers)), "head"]
     assert [u.name for u in spec.units if u.frozen] == names[:4]
     covered = {p.hf_name for u in spec.units for p in u.params}
     assert covered == set(spec.skeleton.state_dict())
     assert {p.hf_name for p in spec.unit("vision.projector").params} == {
         n for n in covered if n.startswith("model.visual.merger.")}
     assert not discover(str(folder), False, True).unit("vision.blocks.1").frozen
+    # Qwen3-VL's deepstack mergers belong to the tower (LLaMA-Factory's split) but run on image tokens, as the projector
+    assert vision_sizes(spec, 0).merged_params == sum(p.numel for u in spec.units for p in u.params
+                                                      if ".deepstack_merger_list." in p.hf_name)
 
 
 def hand_made(document) -> list[dict]:
@@ -215,7 +233,7 @@ def test_llava_with_a_trained_tower_is_refused(tmp_path):
         engine_steps(save_llava(tmp_path), [[packed(hand_made(llava_document))]], (False, False))
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "idefics3"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_5", "idefics3"])
 def test_image_text_families_not_yet_trained_are_refused_by_name(family):
     with pytest.raises(ModelNotSupportedError, match=f"image-text family '{family}' is not supported yet"):
         discover({"model_type": family})
