@@ -324,7 +324,7 @@ class CoordinatorShard:
         them used the unit).
 
         Fetched here, on this call's thread, so partials from several nodes arrive at once, as Ray
-        fetches task arguments; but where a dying owner cannot hang the fetch (`_read`).
+        fetches task arguments; but where a dying owner cannot hang the fetch (`read_unless_stopped`).
         """
         with self._cond:
             if self._stale(generation):

@@ -26,6 +26,7 @@ from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.engine import StreamingEngine
 from mt_ray.engine.transfer import GradBuffers
 from mt_ray.models.discovery import discover
+from mt_ray.models.vision import is_vision_unit
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +284,7 @@ class EngineWorker:
         units = [u.name for u in spec.units]
         self.rank = rank
         self.all_units = units
-        self.text_units = [u for u in units if not u.startswith("vision.")]  # what a step without images reads
+        self.text_units = [u for u in units if not is_vision_unit(u)]  # what a step without images reads
         self.pins = StorePins(cfg.resolve_device().type == "cuda")
         self.weights = ObjectStoreWeights(shards, ShardPlan.build(spec, len(shards)), generation, cfg.dtype,
                                           self.pins, {u.name for u in spec.units if u.frozen})

@@ -24,7 +24,7 @@ from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import plan_layout
 from mt_ray.models.chunking import token_wise
 from mt_ray.models.discovery import ModelSpec
-from mt_ray.models.vision import VISION_PROJECTOR
+from mt_ray.models.vision import VISION_PROJECTOR, is_vision_unit
 
 GIB = 1024**3
 
@@ -179,7 +179,7 @@ def vision_sizes(spec: ModelSpec, image_tokens: int) -> VisionSizes | None:
     if spec.vision is None:
         return None
     vc = spec.config.vision_config
-    tower = [u for u in spec.units if u.name.startswith("vision.") and u.name != VISION_PROJECTOR]
+    tower = [u for u in spec.units if is_vision_unit(u.name) and u.name != VISION_PROJECTOR]
     projector = spec.unit(VISION_PROJECTOR)
     merge = getattr(vc, "spatial_merge_size", 1) ** 2
     return VisionSizes(image_tokens * merge, sum(u.numel for u in tower), not tower[0].frozen, _merged_params(spec),

@@ -34,7 +34,7 @@ from mt_ray.engine.templates import UnitTemplate, Weights
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.context import layer_hidden
 from mt_ray.models.discovery import ModelSpec
-from mt_ray.models.vision import VISION_EMBED, VISION_PROJECTOR, block_unit
+from mt_ray.models.vision import VISION_EMBED, VISION_PROJECTOR, block_unit, is_vision_unit
 from mt_ray.models.vision_context import VisionRunner, VisionTape
 
 WeightsOf = Callable[[str], torch.Tensor]
@@ -68,7 +68,7 @@ class VisionStage:
         self.block_templates = [templates[spec.unit(b).kind] for b in self.blocks]
         self.tower_trains = not spec.unit(VISION_EMBED).frozen  # the blocks freeze with it
         self.projector_trains = not spec.unit(VISION_PROJECTOR).frozen
-        self.trainable = [u.name for u in spec.trainable_units if u.name.startswith("vision.")]
+        self.trainable = [u.name for u in spec.trainable_units if is_vision_unit(u.name)]
         self._embed_trainable = [p for p in spec.unit(VISION_EMBED).params if p.trainable]
         self.weights = weights
         self.add_grad = add_grad

@@ -32,6 +32,7 @@ from mt_ray.models.vision import (
     check_verified,
     find_vision,
     is_vision_config,
+    is_vision_unit,
 )
 
 # Attributes that differ between layers but do not change what a layer computes when no
@@ -118,7 +119,7 @@ class ModelSpec:
     @property
     def text_params(self) -> int:
         """The language model's parameters (all of them for a text model): what each token computes with."""
-        return sum(u.numel for u in self.units if not u.name.startswith("vision."))
+        return sum(u.numel for u in self.units if not is_vision_unit(u.name))
 
     @property
     def trainable_units(self) -> list[UnitSpec]:

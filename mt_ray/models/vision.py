@@ -23,9 +23,10 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from mt_ray.errors import ModelNotSupportedError
 
-VISION_EMBED = "vision.embed"
-VISION_PROJECTOR = "vision.projector"
-VISION_BLOCK_PREFIX = "vision.blocks."
+VISION_PREFIX = "vision."  # every vision unit's name starts so
+VISION_EMBED = f"{VISION_PREFIX}embed"
+VISION_PROJECTOR = f"{VISION_PREFIX}projector"
+VISION_BLOCK_PREFIX = f"{VISION_PREFIX}blocks."
 
 # Image-text families whose training mt-ray has shown equal to transformers' (tests/unit/engine/test_vlm.py).
 # Discovery finds the parts of any composite model, but each family's vision code has its own
@@ -60,6 +61,11 @@ class VisionSpec:
     def image_tokens_attend_both_ways(self) -> bool:
         """Gemma 3 lets an image's tokens attend to each other both ways: its body reads them off token_type_ids."""
         return "token_type_ids" in inspect.signature(self.outer.forward).parameters
+
+
+def is_vision_unit(name: str) -> bool:
+    """A unit of the vision side (tower, its blocks, projector): a step without images leaves it unread."""
+    return name.startswith(VISION_PREFIX)
 
 
 def block_unit(i: int) -> str:

@@ -20,7 +20,7 @@ from torch import nn
 
 from mt_ray.models.conversion import SAFE_INDEX, SAFE_SINGLE, CheckpointReader, to_checkpoint_format
 from mt_ray.models.discovery import ModelSpec, UnitSpec
-from mt_ray.models.vision import VISION_BLOCK_PREFIX
+from mt_ray.models.vision import VISION_BLOCK_PREFIX, is_vision_unit
 
 UnitSink = Callable[[UnitSpec, dict[str, torch.Tensor]], None]
 
@@ -30,7 +30,7 @@ def unit_module(spec: ModelSpec, unit: UnitSpec) -> nn.Module:
     unit: its block, or a copy of the modules owning its parameters at their paths in the composite body)."""
     if unit.name.startswith(VISION_BLOCK_PREFIX):
         return spec.vision.blocks[int(unit.name.rsplit(".", 1)[1])]
-    if unit.name.startswith("vision."):
+    if is_vision_unit(unit.name):
         return _owners(spec.vision.outer, [p.local_name for p in unit.params])
     if unit.name == "embed":
         return spec.skeleton.get_input_embeddings()
