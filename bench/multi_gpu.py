@@ -5,13 +5,17 @@ One process runs, in turn and each on a fresh Ray:
 - `data-parallel` on each GPU count of `--gpus`: one engine worker per GPU, one coordinator shard;
 - `sharded` (with `--sharded`): two Ray nodes on this host, one GPU each, `cluster.num_nodes=2`, so
   the fp32 state is split over two shards and gradients and weights cross between the nodes. On a
-  one-GPU host both nodes share it (`sharded-1gpu`): a plumbing check, its time is not a speed.
+  one-GPU host both nodes share it (`sharded-1gpu`): a plumbing check, its time is not a speed; both
+  nodes' state then lives on this one host, so `--sharded-layers` may cut the model's layers for it
+  (its own single-engine row of that shape, `single-engine-cut`, gives the losses it must equal).
 
 Each row: step time after warm-up, model TFLOPS per GPU (6 x params x tokens / step / GPUs), the
 node's host bytes per parameter (peak growth of MemTotal - MemAvailable from before the run, all
-processes and the object store included), `mt-ray calc`'s prediction of it, and the time split
-summed over the timed steps: workers waiting for weights (the engine's thread idle), the shards'
-Adam, their gradient sums, and their publication puts.
+processes, the shared-memory arenas and the object store included; for two nodes on one host, the
+host's growth over the two), `mt-ray calc`'s prediction of it, the bytes Ray spilled to disk (its
+own spill statistics), every step's loss, and the time split summed over the timed steps: workers
+waiting for weights (the engine's thread idle), the shards' Adam, their gradient sums, and their
+casts and puts of updated units for other nodes.
 
     python bench/multi_gpu.py --shape qwen2.5-7b --gpus 1,2 --rows-per-gpu 128 --kernels liger --sharded \
         --out bench/results/multi_gpu_h200x2.json
@@ -24,6 +28,7 @@ Adam, their gradient sums, and their publication puts.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import OPT as CLIPPED
 from bench.common import print_table, random_micro_batches, shape_config, write_json  # noqa: E402
 from mt_ray.cluster import ClusterConfig, DataParallelTrainer  # noqa: E402
+from mt_ray.cluster.driver import MIN_STORE  # noqa: E402
 from mt_ray.cluster.node_memory import NodeMemoryPeak  # noqa: E402
 from mt_ray.cluster.sizing import size_cluster  # noqa: E402
 from mt_ray.cluster.store_settings import SYSTEM_CONFIG  # noqa: E402
@@ -42,7 +48,7 @@ from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine  # noqa
 from mt_ray.models.discovery import discover  # noqa: E402
 
 COLUMNS = ["system", "gpus", "rows_per_gpu", "step_s", "model_tflops_per_gpu", "node_host_bytes_per_param",
-           "calc_node_host_bytes_per_param", "weight_wait_s", "adam_s", "sum_s", "publish_s"]
+           "calc_node_host_bytes_per_param", "spilled_bytes", "weight_wait_s", "adam_s", "sum_s", "publish_s"]
 
 
 def optimizer(args) -> OptimizerConfig:
@@ -60,60 +66,75 @@ def batches(args, cfg, gpus: int) -> list:
             for s in range(args.warmup + args.steps)]
 
 
-def row(args, cfg, system: str, gpus: int, step_s: float, growth: int, calc: float, split: dict) -> dict:
+def row(args, cfg, system: str, gpus: int, step_s: float, growth: int, calc: float, losses: list[float],
+        split: dict, spilled: int | None = None) -> dict:
     n = discover(cfg).num_params
     tokens = args.rows_per_gpu * gpus * args.seq
-    return {"system": system, "gpus": gpus, "rows_per_gpu": args.rows_per_gpu, "step_s": step_s,
+    return {"system": system, "gpus": gpus, "rows_per_gpu": args.rows_per_gpu, "params": n, "step_s": step_s,
             "model_tflops_per_gpu": 6 * n * tokens / step_s / gpus / 1e12,
-            "node_host_bytes_per_param": growth / n, "calc_node_host_bytes_per_param": calc, **split}
+            "node_host_bytes_per_param": growth / n, "calc_node_host_bytes_per_param": calc,
+            "spilled_bytes": spilled, "losses": losses, **split}
 
 
-def run_single(args, cfg) -> dict:
+def run_single(args, cfg, system: str = "single-engine") -> dict:
     """The single engine on one GPU, no Ray: the speed each data-parallel GPU should match."""
     memory = NodeMemoryPeak()
     engine = StreamingEngine(discover(cfg), engine_config(args), optimizer(args), total_steps=args.warmup + args.steps)
     try:
         engine.load_random(seed=0)
-        times = []
+        times, losses = [], []
         for b in batches(args, cfg, 1):
             t0 = time.perf_counter()
-            engine.train_step(b).loss.item()  # the step's device work is done
+            losses.append(engine.train_step(b).loss.item())  # the step's device work is done
             times.append(time.perf_counter() - t0)
         engine.synchronize()
         adam = engine.worker.busy_seconds
     finally:
         engine.close()
     memory.close()
-    return row(args, cfg, "single-engine", 1, sum(times[args.warmup:]) / args.steps, memory.growth, float("nan"),
+    return row(args, cfg, system, 1, sum(times[args.warmup:]) / args.steps, memory.growth, float("nan"), losses,
                {"weight_wait_s": None, "adam_s": adam, "sum_s": None, "publish_s": None})
 
 
 def run_cluster(args, cfg, system: str, gpus: int, nodes: int) -> dict:
     """`gpus` workers over `nodes` Ray nodes of this host, each on its own fresh Ray."""
 
-    memory = NodeMemoryPeak()  # before Ray: its processes and object store count too
+    memory = NodeMemoryPeak()  # before Ray: its processes, the arenas and the object store count too
     spec = discover(cfg)
     sizing = size_cluster(spec, engine_config(args), optimizer(args), gpus, nodes)
-    store = int(args.store_gb * 2**30) if args.store_gb else sizing.object_store_bytes
-    shutdown = start_ray(nodes, gpus, store)
+    store = int(args.store_gb * 2**30) if args.store_gb else max(sizing.object_store_bytes, MIN_STORE)
+    shutdown = start_ray(nodes, gpus, store, args.cpus_per_worker)
     cluster = ClusterConfig(gpus_per_worker=1, cpus_per_worker=args.cpus_per_worker, num_nodes=nodes)
-    trainer = DataParallelTrainer(cfg, engine_config(args), optimizer(args), gpus, total_steps=args.warmup + args.steps,
-                                  cluster=cluster, weights=0)
     try:
-        data = batches(args, cfg, gpus)
-        for b in data[:args.warmup]:
-            trainer.train_step(b)
-        trainer.synchronize()
-        before = split_seconds(trainer)
-        result = trainer.train(data[args.warmup:])
-        after = split_seconds(trainer)
+        trainer = DataParallelTrainer(cfg, engine_config(args), optimizer(args), gpus,
+                                      total_steps=args.warmup + args.steps, cluster=cluster, weights=0)
+        try:
+            data = batches(args, cfg, gpus)
+            losses = [float(trainer.train_step(b).loss) for b in data[:args.warmup]]
+            trainer.synchronize()
+            before = split_seconds(trainer)
+            result = trainer.train(data[args.warmup:])
+            after = split_seconds(trainer)
+        finally:
+            trainer.close()
+        spilled = spilled_bytes()
     finally:
-        trainer.close()
         shutdown()
     memory.close()
     split = {k: after[k] - before[k] for k in after}
-    return row(args, cfg, system, gpus, sum(result.step_seconds) / args.steps, memory.growth,
-               sizing.node_host_bytes_per_param, split)
+    # Two nodes on one host: the host's growth is both nodes', as is the calculator's figure.
+    calc = sizing.node_host_bytes_per_param * (nodes if system == "sharded-1gpu" else 1)
+    return row(args, cfg, system, gpus, sum(result.step_seconds) / args.steps, memory.growth, calc,
+               losses + result.losses, split, spilled)
+
+
+def spilled_bytes() -> int:
+    """What Ray has spilled from the object stores to disk so far, from its own statistics (every node)."""
+    import ray
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
+    return int(reply.store_stats.spilled_bytes_total)
 
 
 def split_seconds(trainer: DataParallelTrainer) -> dict:
@@ -125,23 +146,30 @@ def split_seconds(trainer: DataParallelTrainer) -> dict:
             "sum_s": max(s["sum"] for s in shards), "publish_s": max(s["publish"] for s in shards)}
 
 
-def start_ray(nodes: int, gpus: int, store_bytes: int):
-    """One Ray node with every GPU, or `nodes` Ray nodes on this host splitting the GPUs; returns its shutdown."""
+def start_ray(nodes: int, gpus: int, store_bytes: int, cpus_per_worker: float):
+    """A Ray of this process's own (never one left running on this machine): one node with every GPU, or
+    `nodes` nodes on this host splitting the GPUs, each with the CPUs its workers' bundle asks for (and one
+    for the driver's and shard's calls). Returns its shutdown."""
+    import math
+
     import ray
 
+    per = gpus // nodes
+    cpus = math.ceil(cpus_per_worker * per) + 1
     if nodes == 1:
-        ray.init(object_store_memory=store_bytes, include_dashboard=False, _system_config=SYSTEM_CONFIG)
+        ray.init(address="local", num_cpus=max(cpus, os.cpu_count() or 1), object_store_memory=store_bytes,
+                 include_dashboard=False, _system_config=SYSTEM_CONFIG)
         return ray.shutdown
     from ray.cluster_utils import Cluster
 
-    per = gpus // nodes
     available = torch.cuda.device_count()
     devices = [",".join(str(g % available) for g in range(n * per, (n + 1) * per)) for n in range(nodes)]
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_gpus": per, "object_store_memory": store_bytes, "include_dashboard": False, "_system_config": SYSTEM_CONFIG,
-        "env_vars": {"CUDA_VISIBLE_DEVICES": devices[0]}})
+        "num_cpus": cpus, "num_gpus": per, "object_store_memory": store_bytes, "include_dashboard": False,
+        "_system_config": SYSTEM_CONFIG, "env_vars": {"CUDA_VISIBLE_DEVICES": devices[0]}})
     for d in devices[1:]:
-        cluster.add_node(num_gpus=per, object_store_memory=store_bytes, env_vars={"CUDA_VISIBLE_DEVICES": d})
+        cluster.add_node(num_cpus=cpus, num_gpus=per, object_store_memory=store_bytes,
+                         env_vars={"CUDA_VISIBLE_DEVICES": d})
     ray.init(address=cluster.address)
 
     def shutdown() -> None:
@@ -156,6 +184,8 @@ def main() -> None:
     p.add_argument("--shape", default="qwen2.5-7b")
     p.add_argument("--gpus", default="1,2", help="comma-separated data-parallel GPU counts")
     p.add_argument("--sharded", action="store_true", help="also 2 Ray nodes x 1 GPU with the state sharded")
+    p.add_argument("--sharded-layers", type=int, default=None,
+                   help="layers of the model for the sharded row on a one-GPU host (both nodes' state on one host)")
     p.add_argument("--no-single", action="store_true", help="skip the single-engine row")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--rows-per-gpu", type=int, default=128)
@@ -179,8 +209,16 @@ def main() -> None:
     runs = [] if args.no_single else [lambda: run_single(args, cfg)]
     runs += [lambda n=n: run_cluster(args, cfg, "data-parallel", n, 1)
              for n in (int(g) for g in args.gpus.split(",")) if n <= available]
-    if args.sharded:
-        runs.append(lambda: run_cluster(args, cfg, "sharded" if available >= 2 else "sharded-1gpu", 2, 2))
+    if args.sharded and available >= 2:
+        runs.append(lambda: run_cluster(args, cfg, "sharded", 2, 2))
+    elif args.sharded:
+        cut = shape_config(args.shape)
+        if args.sharded_layers:
+            cut.num_hidden_layers = args.sharded_layers
+            if isinstance(getattr(cut, "layer_types", None), list):
+                cut.layer_types = cut.layer_types[: args.sharded_layers]
+            runs.append(lambda: run_single(args, cut, "single-engine-cut"))
+        runs.append(lambda: run_cluster(args, cut, "sharded-1gpu", 2, 2))
     payload: dict = {"shape": args.shape, "args": vars(args), "rows": []}
     for run in runs:  # each row is written as it lands: a run cut short keeps what it measured
         payload["rows"].append(run())

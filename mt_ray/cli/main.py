@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     calc.add_argument("--max-seq", action="store_true", help="the longest sequence that trains at --global-batch "
                       "(default here: 1) sequences a step, its configuration, and what runs out one step longer")
     calc.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    calc.add_argument("--workers", type=int, default=1, help="data-parallel workers (GPUs): adds the per-node figures")
+    calc.add_argument("--workers", type=int, default=None,
+                      help="data-parallel workers (GPUs), 1 included: adds the per-node figures of a Ray run")
     calc.add_argument("--nodes", type=int, default=1, help="nodes the workers and the fp32 state spread over")
 
     export = sub.add_parser("export", help="checkpoint -> Hugging Face folder")
@@ -118,7 +119,7 @@ def _calc(args) -> int:
                         image_tokens=args.image_tokens)
     model = run.model.model_dump(exclude_defaults=True) if run else {"path": args.path} if args.path else {
         "preset": args.preset or "tiny"}
-    cluster = _cluster_sizing(spec, args) if args.workers > 1 or args.nodes > 1 else None
+    cluster = _cluster_sizing(spec, args) if args.workers is not None or args.nodes > 1 else None
     if args.json:
         print(json.dumps({**rec, "config": config_snippet(rec, model) if rec["fits"] else None,
                           **({"cluster": cluster.as_dict()} if cluster else {})}, indent=2))
@@ -136,6 +137,7 @@ def _cluster_sizing(spec, args):
     from mt_ray.cluster.sizing import size_cluster
     from mt_ray.engine.config import EngineConfig, OptimizerConfig
 
+    args.workers = args.workers or args.nodes
     if args.workers % args.nodes:
         raise ConfigError(f"--workers {args.workers} cannot spread evenly over --nodes {args.nodes}")
     cfg = EngineConfig(device="cpu", compute_dtype="bf16", grad_dtype="compute")

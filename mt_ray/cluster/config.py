@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class ClusterConfig(BaseModel):
@@ -35,6 +37,11 @@ class ClusterConfig(BaseModel):
         "(one version of the compute-dtype weights, the gradients held for clipping in the space the backward "
         "frees, and a few unit-sized gradients in flight per worker; `mt-ray calc --workers N` prints it)."
     )
+    grad_reduce: Literal["host", "nccl"] = Field(
+        "host", description="How a node's workers' gradients are summed. host: each lands in the node's shared "
+        "memory and the coordinator shard adds them. nccl: the node's GPUs reduce each unit's gradient between them "
+        "(torch.distributed; gloo on CPU workers) and one device->host copy per node lands the sum. Text models only."
+    )
     num_cpus: int | None = Field(None, ge=1, description="CPUs of an in-process Ray; None: all of them.")
     snapshot_every: int = Field(
         0, ge=0, description="Keep an in-memory copy of master weights and moments every N steps (12 B/param more "
@@ -50,6 +57,15 @@ class ClusterConfig(BaseModel):
     recovery_grace_s: float = Field(
         30.0, ge=0, description="After a failure, how long the other workers get to finish the step and be kept."
     )
-    step_timeout_s: float | None = Field(
-        None, gt=0, description="Treat a step that takes longer than this as failed (a hung worker); None: wait."
+    step_timeout_s: float | Literal["auto"] = Field(
+        "auto", description="Seconds after which a step counts as hung: its worker is replaced and the step redone, "
+        "and every wait inside the step (for weights, for a sum) ends with an error naming the unit. auto: 10x the "
+        "calculator's estimate of the step, at least 600 s."
     )
+
+    @field_validator("step_timeout_s")
+    @classmethod
+    def _positive(cls, v: float | str) -> float | str:
+        if v != "auto" and v <= 0:
+            raise ValueError("must be 'auto' or a positive number of seconds")
+        return v

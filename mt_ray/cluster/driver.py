@@ -34,10 +34,10 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mt_ray.cluster.config import ClusterConfig
-from mt_ray.cluster.errors import ClusterError, ClusterLostError
+from mt_ray.cluster.errors import ClusterError, ClusterLostError, StepTimeoutError
 from mt_ray.cluster.partition import ShardPlan
 from mt_ray.cluster.shard import CoordinatorShard
-from mt_ray.cluster.sizing import GIB, ClusterSizing, size_cluster
+from mt_ray.cluster.sizing import GIB, ClusterSizing, landers, size_cluster
 from mt_ray.cluster.store_settings import SYSTEM_CONFIG
 from mt_ray.cluster.wire import from_numpy, to_numpy
 from mt_ray.cluster.worker import EngineWorker
@@ -46,6 +46,7 @@ from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.engine import EvalResult, StepResult
 from mt_ray.engine.host_store import plan_layout
 from mt_ray.engine.optimizer import lr_at
+from mt_ray.engine.sizing import Machine, predicted_step_seconds
 from mt_ray.errors import ConfigError, InsufficientMemoryError
 from mt_ray.models.discovery import ModelSpec, discover
 from mt_ray.models.vision import VISION_EMBED, VISION_PROJECTOR
@@ -54,7 +55,14 @@ from mt_ray.models.weights import export_hf
 log = logging.getLogger(__name__)
 
 Batch = list[dict[str, torch.Tensor]]
-_LOST_WORKER = (RayActorError, GetTimeoutError, ObjectLostError)
+_LOST_WORKER = (RayActorError, GetTimeoutError, ObjectLostError, StepTimeoutError)
+# `cluster.step_timeout_s: auto`: this many times the calculator's step estimate, and at least the floor
+# (a first step also builds each worker's templates and maps its arena).
+STEP_TIMEOUT_FACTOR = 10
+STEP_TIMEOUT_FLOOR_S = 600.0
+GPU_MACHINE = Machine()
+MIN_STORE = 256 << 20  # the object store of a Ray the driver starts: at least this (Ray's own minimum is 75 MiB)
+CPU_MACHINE = Machine(layer_tflops=0.02, h2d_gbps=5.0)  # a slow CPU's fp32 matmuls: a bound, not a prediction
 
 
 @dataclass
@@ -125,16 +133,33 @@ def check_plan(sizing: ClusterSizing, cfg: EngineConfig, num_workers: int) -> No
 
 
 def init_ray(cfg: ClusterConfig, object_store_bytes: int) -> bool:
-    """Join the configured cluster, 'auto' under RAY_ADDRESS, else start Ray here. True if we started it."""
+    """Join the configured cluster, 'auto' under RAY_ADDRESS, else start a Ray of our own here (never a Ray
+    left running on this machine, which `ray.init()` alone would join). True if we started or joined it."""
     if ray.is_initialized():
         return False
     address = cfg.address or ("auto" if os.environ.get("RAY_ADDRESS") else None)
     if address is not None:
         ray.init(address=address)
         return True
-    store = int(cfg.object_store_memory_gb * GIB) if cfg.object_store_memory_gb else object_store_bytes
-    ray.init(num_cpus=cfg.num_cpus, object_store_memory=store, include_dashboard=False, _system_config=SYSTEM_CONFIG)
+    store = int(cfg.object_store_memory_gb * GIB) if cfg.object_store_memory_gb else max(object_store_bytes, MIN_STORE)
+    ray.init(address="local", num_cpus=cfg.num_cpus, object_store_memory=store, include_dashboard=False,
+             _system_config=SYSTEM_CONFIG)
     return True
+
+
+def check_nodes(nodes: list[dict], bundle: dict[str, float], num_nodes: int, cluster: ClusterConfig) -> None:
+    """Refuse, before a placement group waits for them, nodes that cannot host a bundle each: names the key."""
+    offers = [{k: n["Resources"].get(k, 0) for k in bundle} for n in nodes if n.get("Alive")]
+    fit = [o for o in offers if all(o[k] >= v for k, v in bundle.items())]
+    if len(fit) >= num_nodes:
+        return
+    keys = {"CPU": "cluster.cpus_per_worker", "GPU": "cluster.gpus_per_worker"}
+    short = [k for k, v in bundle.items() if sum(o[k] >= v for o in offers) < num_nodes]
+    key = keys[short[0]] if short else "cluster.num_nodes"
+    raise ConfigError(
+        f"cluster.num_nodes={num_nodes} node(s) must each host {bundle} for their workers, but only {len(fit)} of "
+        f"the cluster's nodes can ({offers}); lower {key} (now {getattr(cluster, key.split('.')[1], num_nodes)}), "
+        "or start nodes with more (ray start --num-cpus / --num-gpus)")
 
 
 class DataParallelTrainer:
@@ -165,7 +190,12 @@ class DataParallelTrainer:
             raise ConfigError(f"cluster.num_workers={num_workers} cannot spread evenly over cluster.num_nodes={nodes}; "
                               "make num_nodes a divisor of num_workers")
         self.workers_per_node = num_workers // nodes
-        self.sizing = size_cluster(self.spec, engine_cfg, opt_cfg, num_workers, nodes)
+        if self.cluster.grad_reduce == "nccl" and self.spec.vision is not None:
+            raise ConfigError("cluster.grad_reduce: nccl cannot train an image-text model (a worker whose rows hold "
+                              "no image sends no vision gradient, so the node's collectives would not match); use "
+                              "cluster.grad_reduce: host")
+        self.landers = landers(self.workers_per_node, self.cluster.grad_reduce)
+        self.sizing = size_cluster(self.spec, engine_cfg, opt_cfg, num_workers, nodes, self.cluster.grad_reduce)
         check_plan(self.sizing, engine_cfg, num_workers)
         self._started_ray = init_ray(self.cluster, self.sizing.object_store_bytes)
         self.gpus_per_worker = self._resolve_gpus_per_worker()
@@ -181,6 +211,7 @@ class DataParallelTrainer:
         self.shards = self._build_shards(weights)
         self._ask_shards([s.start.remote(self.generation, 0) for s in self.shards])
         self.workers = list(self._build_workers(0).values())
+        self._form_groups()
 
     # ------------------------------------------------------------------ building
 
@@ -204,7 +235,7 @@ class DataParallelTrainer:
         if not usable or min(usable) < need:
             raise ConfigError(
                 f"each of the cluster.num_nodes={self.cluster.num_nodes} nodes needs a {need / GIB:.2f} GiB object "
-                f"store (the weights, gradients held for clipping, a few in flight); the cluster's are "
+                f"store (batches, and unit-sized transfers between nodes); the cluster's are "
                 f"{[round(b / GIB, 2) for b in stores]} GiB. Start Ray with a larger --object-store-memory (or "
                 "cluster.object_store_memory_gb in-process), or spread the state over more nodes")
 
@@ -216,6 +247,7 @@ class DataParallelTrainer:
             if self.cluster.num_nodes > 1:
                 raise ConfigError("workers spread over nodes must reserve something there: set cluster.cpus_per_worker > 0")
             return None
+        check_nodes(ray.nodes(), bundle, self.cluster.num_nodes, self.cluster)
         strategy = "STRICT_SPREAD" if self.cluster.num_nodes > 1 else "STRICT_PACK"
         pg = placement_group([bundle] * self.cluster.num_nodes, strategy=strategy, name="mt-ray-nodes")
         ready, _ = ray.wait([pg.ready()], timeout=self.cluster.placement_timeout_s)
@@ -238,7 +270,7 @@ class DataParallelTrainer:
         shards = [cls.options(num_cpus=self.cluster.coordinator_cpus, max_restarts=0,
                               max_concurrency=16 + 2 * self.num_workers + 4 * self.workers_per_node + 4 * n, **self._on_node(s)).remote(
             self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps, s, n,
-            self.workers_per_node, self.num_workers, self.cluster.snapshot_every, self.freeze) for s in range(n)]
+            self.landers, self.num_workers, self.cluster.snapshot_every, self.freeze) for s in range(n)]
         self._ask_shards([s.set_peers.remote(shards) for s in shards])
         if isinstance(weights, int):
             calls = [s.load_random.remote(weights) for s in shards]
@@ -248,6 +280,7 @@ class DataParallelTrainer:
             state = ray.put({k: to_numpy(v.detach().contiguous()) for k, v in weights.items()})
             calls = [s.load_state_dict.remote(state) for s in shards]
         self._ask_shards(calls)
+        self.arenas = self._ask_shards([s.arena_handle.remote() for s in shards])
         return shards
 
     def _build_workers(self, start_step: int, ranks: list[int] | None = None) -> dict[int, object]:
@@ -259,8 +292,22 @@ class DataParallelTrainer:
             workers[r] = cls.options(num_gpus=self.gpus_per_worker, num_cpus=self.cluster.cpus_per_worker,
                                      max_restarts=0, **self._on_node(node)).remote(
                 r, self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps,
-                self.shards, node, self.generation, start_step, self.freeze)
+                self.shards[node], node, self.cluster.num_nodes, self.landers, self.arenas[node],
+                self.generation, start_step, self.cluster.placement_timeout_s, self.freeze)
         return workers
+
+    def _form_groups(self) -> None:
+        """With `grad_reduce: nccl`, each node's workers form one process group (rank 0's node address)."""
+        per = self.workers_per_node
+        if self.landers == per:
+            return
+        calls = []
+        for node in range(self.cluster.num_nodes):
+            ranks = range(node * per, (node + 1) * per)
+            address, port = ray.get(self.workers[ranks[0]].rendezvous.remote())
+            calls += [self.workers[r].join_group.remote(address, port, i, per, self.cluster.placement_timeout_s)
+                      for i, r in enumerate(ranks)]
+        ray.get(calls, timeout=self.cluster.placement_timeout_s)
 
     # ------------------------------------------------------------------ steps
 
@@ -305,25 +352,60 @@ class DataParallelTrainer:
     def _run_step(self, step: int, batch: Batch) -> StepResult:
         shards = shard_batch(batch, self.num_workers)
         n_global = count_loss_tokens(batch)
-        self._inflight = [w.train_step.remote(step, s, n_global) for w, s in zip(self.workers, shards, strict=True)]
+        timeout = self._step_timeout(batch)
+        self._inflight = [w.train_step.remote(step, s, n_global, timeout)
+                          for w, s in zip(self.workers, shards, strict=True)]
         norms = [s.local_norm_sq.remote(self.generation, step) for s in self.shards]
         if self.after_launch is not None:
             self.after_launch(step, self)
         # The driver waits here for every worker's share of the step (its gradients summed on its node)...
-        outs = ray.get(self._inflight, timeout=self.cluster.step_timeout_s)
-        # ...then for every shard's norm², whose total (shard order, so a rerun clips alike) starts the updates.
+        outs = self._wait_workers(step, timeout)
+        # ...then for every shard's norm², whose total (shard order, so a rerun clips alike) starts the updates;
+        # a lone worker's is its GPU's, taken before rounding as the single engine takes it.
         norm_sq = sum(self._ask_shards(norms))
+        if self.num_workers == 1:
+            norm_sq = outs[0]["norm_sq"]
         self._ask_shards([s.apply_norm.remote(step, norm_sq) for s in self.shards])
         loss = sum(o["loss"] for o in outs)  # each worker's loss is its share of the global mean
         aux = None if outs[0]["aux_loss"] is None else torch.tensor(sum(o["aux_loss"] for o in outs), dtype=torch.float64)
-        return StepResult(torch.tensor(loss, dtype=torch.float64), torch.tensor(norm_sq ** 0.5, dtype=torch.float64),
+        return StepResult(torch.tensor(loss, dtype=torch.float64), torch.tensor(norm_sq, dtype=torch.float32).sqrt(),
                           lr_at(step, self.opt_cfg, self.total_steps), sum(o["num_tokens"] for o in outs), n_global,
                           aux)
+
+    def _step_timeout(self, batch: Batch) -> float:
+        """`cluster.step_timeout_s`, or with `auto` STEP_TIMEOUT_FACTOR x the calculator's estimate of this step on
+        the slowest device a worker may have, and never under STEP_TIMEOUT_FLOOR_S."""
+        if self.cluster.step_timeout_s != "auto":
+            return self.cluster.step_timeout_s
+        rows, seq = _rows(batch), max(mb["input_ids"].shape[1] for mb in batch)
+        machine = GPU_MACHINE if self.gpus_per_worker else CPU_MACHINE
+        estimate = predicted_step_seconds(self.spec, self.engine_cfg, seq, rows / self.num_workers, machine)
+        return max(STEP_TIMEOUT_FLOOR_S, STEP_TIMEOUT_FACTOR * estimate)
+
+    def _wait_workers(self, step: int, timeout: float) -> list[dict]:
+        """Every worker's answer for `step`; a step past `timeout` is a hung step, named with what it waits for."""
+        pending, deadline = list(self._inflight), time.monotonic() + timeout
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                break
+            ray.get(done)  # a lost worker's error surfaces at once, not after the others' answers
+        if pending:
+            late = [r for r, ref in enumerate(self._inflight) if ref in pending]
+            waits = {u: ranks for part in self._ask_shards([s.pending.remote(step) for s in self.shards])
+                     for u, ranks in part.items()}
+            raise StepTimeoutError(
+                f"step {step} did not finish within cluster.step_timeout_s={timeout:g} s: worker(s) {late} did not "
+                f"answer; units the shards still wait for, with the workers whose gradient is in: "
+                f"{dict(list(waits.items())[:4]) or 'none'}. Raise cluster.step_timeout_s if steps are this slow")
+        return ray.get(self._inflight)
 
     def evaluate(self, micro_batches: Batch) -> EvalResult:
         """Held-out loss of `micro_batches` split across the workers, forward only (no gradient, no update)."""
         parts = shard_batch(micro_batches, min(self.num_workers, _rows(micro_batches)))
-        outs = ray.get([w.evaluate.remote(p) for w, p in zip(self.workers, parts, strict=False)])  # fewer rows than workers: some idle
+        timeout = self._step_timeout(micro_batches)
+        outs = ray.get([w.evaluate.remote(p, timeout) for w, p in zip(self.workers, parts, strict=False)],
+                       timeout=timeout)  # fewer rows than workers: some idle
         return EvalResult(torch.tensor(sum(o["loss_sum"] for o in outs), dtype=torch.float64),
                           sum(o["num_loss_tokens"] for o in outs), sum(o["num_tokens"] for o in outs))
 
@@ -341,6 +423,8 @@ class DataParallelTrainer:
         healthy, lost = self._sort_workers()
         if len(self.events) >= self.cluster.max_restarts:
             raise ClusterError(f"step {step} failed ({error}) after {len(self.events)} restarts; giving up") from error
+        if self.landers != self.workers_per_node:
+            healthy = []  # a lost member breaks its node's process group: every worker is replaced
         for rank, w in enumerate(self.workers):
             if rank not in healthy:
                 ray.kill(w, no_restart=True)
@@ -356,6 +440,7 @@ class DataParallelTrainer:
         fresh = self._build_workers(resume, [r for r in range(self.num_workers) if r not in healthy])
         ray.get([self.workers[r].rejoin.remote(self.generation, resume) for r in healthy])
         self.workers = [fresh.get(r, w) for r, w in enumerate(self.workers)]
+        self._form_groups()
         return resume
 
     def _end_failed_step(self, step: int) -> tuple[int, bool, str]:

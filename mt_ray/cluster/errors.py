@@ -15,3 +15,7 @@ class ClusterLostError(ClusterError):
     """A part that holds the run's state (a coordinator shard, or its node) was lost, or a step was
     left half-applied with no snapshot: the run goes on only from a checkpoint, with a new cluster
     (what `jobs.train` does)."""
+
+
+class StepTimeoutError(ClusterError):
+    """A step ran past `cluster.step_timeout_s`: a hung worker or shard; the message names what it waits for."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import threading
 
+import psutil
+
 
 def node_used_bytes() -> int:
     """MemTotal - MemAvailable of this node, in bytes."""
@@ -18,6 +20,12 @@ def node_used_bytes() -> int:
             key, value = line.split(":", 1)
             info[key] = int(value.split()[0]) * 1024
     return info["MemTotal"] - info["MemAvailable"]
+
+
+def pss_bytes() -> int:
+    """This process's proportional set size: its private pages plus its share of each shared one, so the
+    processes of a run sum to the memory the run holds, a shared-memory arena counted once."""
+    return psutil.Process().memory_full_info().pss
 
 
 class NodeMemoryPeak:

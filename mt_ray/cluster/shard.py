@@ -1,22 +1,26 @@
 """A coordinator shard: one per node, holding the fp32 master weights and Adam moments of its part.
 
 The model is cut into contiguous parts (mt_ray.cluster.partition), one per node. Each node's
-shard plays two roles:
-- **node reducer.** The node's workers hand it every unit gradient through the node's object
-  store. Once all local workers' gradients of a unit are in, it sums them in fp32 (rank order),
-  and sends that one partial sum to the unit's owner, or keeps it when it owns the unit itself:
-  each node's gradients cross the network once. A node with one worker has nothing to sum: its
-  worker's object itself goes on to the owner.
-- **owner.** For its own units it adds the nodes' partial sums (node order), hands the sum to
-  the engine's `OptimizerWorker` (a lone contribution, one node with one worker, is handed
-  over as it is: the sum of one gradient is that gradient), and after each update publishes the unit's compute-dtype
-  weights in its object store, from which every node pulls one copy for its workers.
-A frozen unit (an image-text model's vision tower, by default) is published once per generation
-and never waited on: no gradient comes for it, it has no moments and is never updated. A vision
-unit that no worker's rows used in a step (no image anywhere in the batch) arrives as None from
-every worker: like torch with a None gradient, it is left as it is, Adam count included.
-With clipping, the driver gathers each shard's norm² of its summed units and hands the global
-norm back (`apply_norm`); no unit is updated before every gradient of the step is in.
+shard owns the node's shared-memory arena (mt_ray.cluster.arena), whose weights its workers
+stream and whose gradient slots and rings they land their gradients in. It plays two roles:
+- **node reducer.** A worker tells it where each unit gradient landed (`put_grad`, a few bytes).
+  Once all local workers' gradients of a unit are in, the first worker's is already in the
+  unit's slot (a lone worker's is the sum); the others' are added from their rings in fp32, in
+  rank order, and rounded into the slot once. The node's
+  sum of a unit another shard owns is sent to that owner, once: each node's gradients cross
+  the network once.
+- **owner.** For its own units it adds the nodes' partial sums (node order) in the slot and
+  hands the slot to the engine's `OptimizerWorker`, which updates the master in place, in the
+  arena. Each update bumps the unit's version word there, which is all a local worker waits
+  for; with several nodes the owner also sends the unit's compute-dtype weights to the other
+  nodes' shards, which copy them into their arenas.
+A frozen unit (an image-text model's vision tower, by default) is never updated: it is present
+at every version. A vision unit that no worker's rows used in a step (no image anywhere in the
+batch) arrives as None from every worker: like torch with a None gradient, it is left as it
+is, Adam count included. With clipping, the driver gathers each shard's norm² of its summed
+units (or, with one worker in the run, takes the worker's own GPU norm, as the single engine
+does) and hands the global norm back (`apply_norm`); no unit is updated before every gradient
+of the step is in.
 
 Sums run on one reduce thread and Adam on the optimizer thread, with the intra-op thread count
 set once for the process (it is process-wide: Ray starts actors with OMP_NUM_THREADS=1).
@@ -24,6 +28,7 @@ set once for the process (it is process-wide: Ray starts actors with OMP_NUM_THR
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -35,9 +40,9 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError
 
+from mt_ray.cluster.arena import ABSENT, FAILED, PRESENT, SLOT, STOPPED, ArenaHandle, ArenaLayout, NodeArena
 from mt_ray.cluster.errors import ClusterError, StaleGenerationError
-from mt_ray.cluster.grad_pool import GradPool
-from mt_ray.cluster.node_memory import NodeMemoryPeak
+from mt_ray.cluster.node_memory import NodeMemoryPeak, pss_bytes
 from mt_ray.cluster.partition import ShardPlan
 from mt_ray.cluster.wire import from_numpy, sum_in_order, to_numpy
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
@@ -47,17 +52,9 @@ from mt_ray.engine.optimizer_worker import OptimizerWorker
 from mt_ray.models.discovery import discover
 from mt_ray.models.weights import init_random, load_safetensors
 
-_WAKE_ALL = 1 << 62  # a version no unit reaches: wakes threads blocked on a retired optimizer worker
-PUBLISH_THREADS = 2  # puts into the object store run on these, beside the optimizer
-SHARD_BUFFERS = 2  # unit-sized buffers for sums and publication casts (GradPool)
-GET_POLL_S = 1.0  # how often a read of a worker's gradient checks that its generation still runs
-
-
-@dataclass
-class _Published:
-    version: int
-    ref: ray.ObjectRef | None  # None once every worker has it mapped (a late reader gets a fresh copy)
-    fetched: int = 0
+PUBLISH_THREADS = 2  # casts and puts of updated units for other nodes, beside the optimizer (several nodes only)
+GET_POLL_S = 1.0  # how often a read of another node's object checks that its generation still runs
+PEER_WAIT_S = 600.0  # how long a message of a newer generation waits for this shard to start it
 
 
 @dataclass
@@ -75,12 +72,13 @@ class _Generation:
 
     number: int
     step: int
-    opt: OptimizerWorker
-    local: dict[tuple[int, str], dict[int, ray.ObjectRef]] = field(default_factory=dict)
-    remote: dict[tuple[int, str], dict[int, list[ray.ObjectRef] | np.ndarray]] = field(default_factory=dict)
+    opt: OptimizerWorker | None = None
+    local: dict[tuple[int, str], dict[int, int | None]] = field(default_factory=dict)
+    remote: dict[tuple[int, str], dict[int, list[torch.Tensor]]] = field(default_factory=dict)
     norms: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     forwarded: dict[int, list[ray.ObjectRef]] = field(default_factory=dict)
     summed: dict[tuple[int, str], threading.Event] = field(default_factory=dict)  # set once a unit's sum is done
+    advanced: dict[int, int] = field(default_factory=dict)  # version -> trained units updated to it
     touched: set[int] = field(default_factory=set)
     ended: set[int] = field(default_factory=set)
     stopped: bool = False
@@ -89,9 +87,9 @@ class _Generation:
 def read_unless_stopped(gen: _Generation, ref: ray.ObjectRef) -> np.ndarray:
     """`ray.get(ref)`, given up (StaleGenerationError) once `gen` is stopped.
 
-    A gradient object is owned by the worker that put it; should that worker die while the
-    object is read, Ray may wait for it forever (ray-project/ray#63694), and `stop` waits for
-    the reduce thread. Polling bounds that wait by the driver's decision to end the step.
+    Another node's object is owned by that node's shard; should the owner die while the object
+    is read, Ray may wait for it forever (ray-project/ray#63694), and `stop` waits for the
+    reduce thread. Polling bounds that wait by the driver's decision to end the step.
     """
     while True:
         try:
@@ -99,6 +97,16 @@ def read_unless_stopped(gen: _Generation, ref: ray.ObjectRef) -> np.ndarray:
         except GetTimeoutError:
             if gen.stopped:
                 raise StaleGenerationError(f"generation {gen.number} was stopped while reading a gradient") from None
+
+
+class _Slots:
+    """The `buffers` surface the optimizer releases gradients through: the arena's slots, reused every step."""
+
+    def __init__(self, numels: dict[str, int]):
+        self.numels = numels
+
+    def release(self, unit: str) -> None:
+        """Nothing to free: a slot is written again only after the unit's next upload, which waits for this update."""
 
 
 class CoordinatorShard:
@@ -121,27 +129,42 @@ class CoordinatorShard:
         self.owned = self.plan.units_of(shard)
         self.owned_names = [u.name for u in self.owned]
         self.trained = [u.name for u in self.owned if not u.frozen]  # the units gradients come for
-        self.frozen = {u.name for u in self.owned if u.frozen}
-        self.numels = {u.name: u.numel for u in self.spec.units}
+        self.frozen = {u.name for u in self.spec.units if u.frozen}
         self.clips = self.opt_cfg.max_grad_norm > 0
-        self.grad_dtype = self.cfg.grad_torch_dtype  # gradients travel and wait in this dtype
+        self.gpu_norm = num_workers == 1  # the lone worker's engine takes the norm on its GPU, as one engine does
+        layout = ArenaLayout.build(self.spec, self.plan, shard, self.cfg.dtype, self.cfg.grad_torch_dtype, num_local)
+        self.arena = NodeArena.create(layout, self.cfg.host_memory_limit_gb)
         # The configured limit is checked per node against the whole plan by the driver (check_plan).
-        self.store = HostStore(self.spec, None, False, 0, None, units=self.owned)
+        self.store = HostStore(self.spec, None, False, 0, None, units=self.owned, master=self.arena.master())
         self.optimizers = {name: UnitOptimizer(self.store, self.spec.unit(name), self.opt_cfg) for name in self.trained}
-        self.pool = GradPool(self.numels, self.grad_dtype, SHARD_BUFFERS, cast_dtype=self.cfg.dtype)
+        self.slots = _Slots({u.name: u.numel for u in self.spec.trainable_units})
+        self._casts = self._build_casts()
         self._publisher = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="mt-ray-publish")
         self._reducer = ThreadPoolExecutor(1, thread_name_prefix="mt-ray-reduce")
         self.peers: list = []
         self._cond = threading.Condition()
-        self._published: dict[str, _Published] = {}
+        self._copying = {u.name: threading.Lock() for u in self.spec.units if u.name not in self.owned_names}
         self._snapshot: _Snapshot | None = None
         self._error: BaseException | None = None
         self.gen: _Generation | None = None
         self.seconds = {"sum": 0.0, "publish": 0.0, "adam": 0.0}  # busy time, for the benchmark's time split
 
+    def _build_casts(self) -> queue.Queue:
+        """Unit-sized compute-dtype buffers that owned units are cast into for other nodes (none on one node)."""
+        casts: queue.Queue = queue.Queue()
+        if self.num_shards > 1 and self.owned:
+            size = max(u.numel for u in self.owned)
+            for _ in range(PUBLISH_THREADS):
+                casts.put(torch.empty(size, dtype=self.cfg.dtype))
+        return casts
+
     def set_peers(self, peers: list) -> None:
         """Every shard's handle, by shard index (partial sums go to their unit's owner)."""
         self.peers = peers
+
+    def arena_handle(self) -> ArenaHandle:
+        """What this node's workers map the arena with."""
+        return self.arena.handle()
 
     # ------------------------------------------------------------------ weights in and out
 
@@ -189,13 +212,14 @@ class CoordinatorShard:
         return counts_behind(self.optimizers, step)
 
     def host_bytes(self) -> dict[str, int]:
-        """Peak growth of this node's used memory since the shard started, and this process's peak RSS."""
-        return {"node_growth": self.node_memory.growth, "shard_rss_peak": peak_rss_bytes()}
+        """Peak growth of this node's used memory since the shard started, this process's peak RSS, and its
+        proportional share now (`pss`: the arena's pages split among the processes that map them)."""
+        return {"node_growth": self.node_memory.growth, "shard_rss_peak": peak_rss_bytes(), "pss": pss_bytes()}
 
     # ------------------------------------------------------------------ generations
 
     def start(self, generation: int, step: int, restore_snapshot: bool = False) -> int:
-        """Begin `generation` at `step`: retire the last one's optimizer, publish the weights of `step`.
+        """Begin `generation` at `step`: retire the last one's optimizer, mark the weights of `step` as current.
 
         With `restore_snapshot`, the state (Adam counts included) first goes back to the snapshot; returns its
         step. Otherwise the counts stay: they are the updates each unit has had (a vision unit skips steps
@@ -203,24 +227,31 @@ class CoordinatorShard:
         """
         old = self.gen
         if old is not None:
-            old.opt.close()
-            self.seconds["adam"] += old.opt.busy_seconds  # applies what was queued (an ended step's updates, or unclipped ones)
-            old.opt.reset_versions(_WAKE_ALL)  # its publish loop wakes, sees the generation is over, exits
-            self.pool.clear()
+            old.stopped = True  # what its optimizer still applies is not sent on: this generation republishes all
+            old.opt.close()  # applies what was queued (an ended step's updates, or unclipped ones)
+            self.seconds["adam"] += old.opt.busy_seconds
         if restore_snapshot:
             step = self._restore_snapshot(step)
-        opt_worker = OptimizerWorker(self.store, self.optimizers, self.pool, self.trained,
-                                     self.opt_cfg.max_grad_norm, self.threads, grads_read_only=True)
-        opt_worker.reset_versions(step)
+        gen = _Generation(generation, step)
+        gen.opt = OptimizerWorker(self.store, self.optimizers, self.slots, self.trained, self.opt_cfg.max_grad_norm,
+                                  self.threads, on_advance=lambda unit, version: self._on_advance(gen, unit, version),
+                                  on_error=self._on_optimizer_error)
+        gen.opt.reset_versions(step)
+        for unit in self.spec.units:
+            if unit.name in self.owned_names:
+                self.arena.set_version(unit.name, PRESENT if unit.frozen else step)
+            else:
+                with self._copying[unit.name]:  # a late copy of the last generation's weights cannot mark itself
+                    self.arena.set_version(unit.name, ABSENT)
         with self._cond:
-            self.gen = _Generation(generation, step, opt_worker)
-            self._published.clear()
+            self.gen = gen
             self._error = None
+            self._cond.notify_all()  # messages of this generation that came early
+        self.arena.begin(generation)
         if self.snapshot_every and self.trained and (self._snapshot is None or step % self.snapshot_every == 0):
             self._take_snapshot(step)
-        for unit in self.owned_names:
-            self._publish(self.gen, unit, step)
-        threading.Thread(target=self._publish_loop, args=(self.gen,), name="mt-ray-publish-loop", daemon=True).start()
+        for name in self.owned_names if self.num_shards > 1 else ():
+            self._publisher.submit(self._publish, gen, name, PRESENT if name in self.frozen else step)
         return step
 
     def stop(self, step: int) -> dict:
@@ -234,13 +265,18 @@ class CoordinatorShard:
             gen.stopped = True
             self._cond.notify_all()
             waiting = list(gen.summed.values())
+        self.arena.set_state(STOPPED)  # workers waiting for weights give up
         for event in waiting:  # workers of this generation waiting on a sum that will not come
             event.set()
         self._reducer.submit(lambda: None).result()  # sums already queued have finished
         norms = gen.norms.get(step, {})
         complete = step in gen.ended or len(norms) == len(self.trained)
-        return {"complete": complete, "touched": step in gen.touched,
-                "norm_sq": self._norm_total(norms) if complete and step not in gen.ended else None,
+        norm_sq = None
+        if complete and step not in gen.ended:
+            # A lone worker's norm was its GPU's, lost with it: taken here from the slots instead.
+            norm_sq = self._norm_total({u: sum_in_order([self.arena.grad(u)], None) for u in norms}
+                                       if self.gpu_norm else norms)
+        return {"complete": complete, "touched": step in gen.touched, "norm_sq": norm_sq,
                 "snapshot_step": self._snapshot.step if self._snapshot else None}
 
     def wait_updated(self, version: int) -> None:
@@ -259,6 +295,15 @@ class CoordinatorShard:
                 return len(self.trained)
             return len(self.gen.norms.get(step, {}))
 
+    def pending(self, step: int) -> dict[str, list[int]]:
+        """Units of `step` not yet summed here, each with the local workers whose gradient of it is in
+        (what a hung step waits for)."""
+        with self._cond:
+            gen = self.gen
+            done = set(gen.norms.get(step, {})) if step not in gen.ended else set(self.trained)
+            local = {u: sorted(got) for (s, u), got in gen.local.items() if s == step}
+            return {u: local.get(u, []) for u in self.trained if u not in done} | local
+
     def ping(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
@@ -271,39 +316,11 @@ class CoordinatorShard:
 
     # ------------------------------------------------------------------ workers' calls
 
-    def get_weights(self, generation: int, unit: str, version: int) -> list[ray.ObjectRef]:
-        """The object holding `unit`'s compute-dtype weights after `version` steps, once published.
+    def put_grad(self, generation: int, step: int, rank: int, unit: str, where: int | None) -> None:
+        """Local worker `rank`'s gradient of `unit` has landed: in the unit's slot (`where` SLOT), at element
+        `where` of its ring, or nowhere (None): its rows did not use the unit (a vision unit, no image).
 
-        Returned inside a list so Ray hands the worker the reference, not a copy of the value.
-        Once every worker has fetched a version, the shard lets go of it: the store frees it as
-        soon as the workers' backward passes are done with it. A frozen unit's one object serves
-        every version and is kept for the whole generation.
-        """
-        frozen = unit in self.frozen
-        with self._cond:
-            self._cond.wait_for(lambda: self._stale(generation) or self._error is not None or (
-                unit in self._published and (frozen or self._published[unit].version >= version)))
-            self._raise_if_stale(generation)
-            pub = self._published[unit]
-            if frozen:
-                return [pub.ref]
-            if pub.version != version:
-                raise ClusterError(f"a worker asked for {unit} after {version} steps; the shard holds {pub.version}")
-            ref = pub.ref
-            pub.fetched += 1
-            if pub.fetched >= self.num_workers:
-                pub.ref = None
-        if ref is None:  # a replacement worker, after the others let go of this version
-            ref = ray.put(to_numpy(self.store.master_of(unit).to(self.cfg.dtype)))
-        return [ref]
-
-    def put_grad(self, generation: int, step: int, rank: int, unit: str, grad: list[ray.ObjectRef | None]) -> None:
-        """One local worker's gradient of `unit`: `[ref]` to the object it put in this node's store
-        (in a list, so Ray hands over the reference, which a lone gradient is passed on as), or
-        `[None]`: its rows did not use the unit (a vision unit, and no image among them).
-
-        Returns once it has been summed, so a worker that bounds its unanswered calls bounds
-        the gradients it keeps in the object store.
+        Returns once it has been summed, so the worker may then reuse that part of its ring.
         """
         with self._cond:
             if self._stale(generation):
@@ -311,11 +328,10 @@ class CoordinatorShard:
             gen = self.gen
             summed = gen.summed.setdefault((step, unit), threading.Event())
             got = gen.local.setdefault((step, unit), {})
-            [got[rank]] = grad
+            got[rank % self.num_local] = where
             if len(got) == self.num_local:
                 del gen.local[(step, unit)]
                 self._on_local_sum(gen, step, unit, got)
-        del grad, got
         summed.wait()
         self._raise_if_failed()
 
@@ -326,20 +342,46 @@ class CoordinatorShard:
         Fetched here, on this call's thread, so partials from several nodes arrive at once, as Ray
         fetches task arguments; but where a dying owner cannot hang the fetch (`read_unless_stopped`).
         """
-        with self._cond:
-            if self._stale(generation):
-                return
-            gen = self.gen
+        gen = self._generation_of(generation)
+        if gen is None:
+            return
         try:
-            array = None if partial[0] is None else read_unless_stopped(gen, partial[0])
+            parts = [] if partial[0] is None else [from_numpy(read_unless_stopped(gen, partial[0]),
+                                                              self.cfg.grad_torch_dtype)]
         except StaleGenerationError:
             return
         with self._cond:
             if gen is self.gen and not gen.stopped:
-                self._add_contribution(gen, step, unit, node, array)
+                self._add_contribution(gen, step, unit, node, parts)
+
+    def put_weights(self, generation: int, unit: str, version: int, weights: list[ray.ObjectRef]) -> None:
+        """Another shard's unit after `version` steps, in the compute dtype: copied into this node's arena.
+
+        The owner updated it only once this node's partial sum of it was in, so this node's workers
+        have finished their uploads of the version it replaces.
+        """
+        gen = self._generation_of(generation)
+        if gen is None:
+            return
+        try:
+            array = read_unless_stopped(gen, weights[0])
+        except StaleGenerationError:
+            return
+        with self._copying[unit]:
+            if self._stale(generation):
+                return
+            self.arena.weights(unit).copy_(from_numpy(array, self.cfg.dtype))
+            self.arena.set_version(unit, version)
+
+    def _generation_of(self, generation: int) -> _Generation | None:
+        """The running generation if it is `generation` (waiting, bounded, for this shard to start it), else None."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.gen is not None and self.gen.number >= generation, timeout=PEER_WAIT_S)
+            return None if self._stale(generation) else self.gen
 
     def local_norm_sq(self, generation: int, step: int) -> float:
-        """Once every unit of this shard is summed for `step` (and partials sent on have arrived): its norm²."""
+        """Once every unit of this shard is summed for `step` (and partials sent on have arrived): its norm²
+        (0 with one worker in the run: the driver takes its GPU's)."""
         with self._cond:
             self._cond.wait_for(lambda: self._stale(generation) or self._error is not None
                                 or len(self.gen.norms.get(step, {})) == len(self.trained))
@@ -357,36 +399,32 @@ class CoordinatorShard:
 
     # ------------------------------------------------------------------ sums
 
-    def _on_local_sum(self, gen: _Generation, step: int, unit: str, got: dict[int, ray.ObjectRef]) -> None:
+    def _landed(self, unit: str, rank: int, where: int) -> torch.Tensor:
+        """Where local worker `rank`'s gradient of `unit` landed."""
+        if where == SLOT:
+            return self.arena.grad(unit)
+        return self.arena.ring(rank)[where : where + self.slots.numels[unit]]
+
+    def _on_local_sum(self, gen: _Generation, step: int, unit: str, got: dict[int, int | None]) -> None:
         """Every local worker's gradient of `unit` is in (lock held): sum and send on, or add as this node's part."""
-        refs = [got[r] for r in sorted(got) if got[r] is not None]  # None: that worker's rows did not use the unit
+        parts = [self._landed(unit, r, got[r]) for r in sorted(got) if got[r] is not None]  # None: rows did not use it
         owner = self.plan.owner(unit)
         if owner == self.shard:
-            self._add_contribution(gen, step, unit, self.shard, refs)
-        elif len(refs) <= 1:  # nothing to sum: the worker's object (or None) goes on as this node's partial
-            gen.forwarded.setdefault(step, []).append(
-                self.peers[owner].put_partial.remote(gen.number, step, self.shard, unit, refs[:1] or [None]))
-            gen.summed.pop((step, unit)).set()
+            self._add_contribution(gen, step, unit, self.shard, parts)
         else:
-            self._reducer.submit(self._guarded, gen, step, unit, self._forward_partial, owner, refs)
+            self._reducer.submit(self._guarded, gen, step, unit, self._forward_partial, owner, parts)
 
-    def _add_contribution(self, gen: _Generation, step: int, unit: str, node: int, part) -> None:
+    def _add_contribution(self, gen: _Generation, step: int, unit: str, node: int, parts: list[torch.Tensor]) -> None:
         """A node's contribution to an owned unit (lock held); the last one starts the sum."""
         gen.summed.setdefault((step, unit), threading.Event())
         got = gen.remote.setdefault((step, unit), {})
-        got[node] = part
+        got[node] = parts
         if len(got) < self.num_shards:
             return
         del gen.remote[(step, unit)]
         # Node order, each node's workers in rank order: the sum never depends on arrival order.
-        ordered = [a for n in range(self.num_shards) for a in (got[n] if isinstance(got[n], list) else [got[n]])
-                   if a is not None]
-        if not ordered:  # no worker's rows used the unit
-            self._reducer.submit(self._guarded, gen, step, unit, self._skip_owned)
-        elif len(ordered) == 1:  # one worker's object is the gradient
-            self._reducer.submit(self._guarded, gen, step, unit, self._keep_owned, ordered[0])
-        else:
-            self._reducer.submit(self._guarded, gen, step, unit, self._sum_owned, ordered)
+        ordered = [t for n in range(self.num_shards) for t in got[n]]
+        self._reducer.submit(self._guarded, gen, step, unit, self._sum_owned, ordered)
 
     def _guarded(self, gen: _Generation, step: int, unit: str, fn: Callable, *args) -> None:
         """Run one sum on the reduce thread; whatever happens, the workers waiting on it wake."""
@@ -398,51 +436,41 @@ class CoordinatorShard:
             with self._cond:
                 self._error = self._error or e
                 self._cond.notify_all()
+            self.arena.set_state(FAILED)
         finally:
             with self._cond:
                 event = gen.summed.pop((step, unit), None)
             if event is not None:
                 event.set()
 
-    def _arrays(self, gen: _Generation, parts: list[ray.ObjectRef | np.ndarray]) -> list[tuple[np.ndarray, torch.dtype]]:
-        """Read-only views of local objects (by reference) and of other nodes' sums (as fetched)."""
-        return [(read_unless_stopped(gen, p) if isinstance(p, ray.ObjectRef) else p, self.grad_dtype) for p in parts]
+    def _sum_into_slot(self, unit: str, parts: list[torch.Tensor]) -> torch.Tensor | None:
+        """Sum `parts` into the unit's slot; returns the sum's norm² (None where the lone worker's GPU has it)."""
+        slot = self.arena.grad(unit)
+        if len(parts) == 1 and parts[0].data_ptr() == slot.data_ptr():  # one worker's gradient, landed in place
+            return None if self.gpu_norm else sum_in_order(parts, None)
+        return sum_in_order(parts, slot)
 
-    def _forward_partial(self, gen: _Generation, step: int, unit: str, owner: int, refs: list[ray.ObjectRef]) -> None:
-        i, buf = self.pool.acquire(unit)
-        try:
-            sum_in_order(self._arrays(gen, refs), buf)
-            ref = ray.put(to_numpy(buf))  # the one copy of this node's gradient that crosses the network
-        finally:
-            self.pool.give_back(i)
+    def _forward_partial(self, gen: _Generation, step: int, unit: str, owner: int, parts: list[torch.Tensor]) -> None:
+        ref = None
+        if parts:
+            self._sum_into_slot(unit, parts)
+            ref = ray.put(to_numpy(self.arena.grad(unit)))  # the one copy of this node's gradient that crosses the network
         call = self.peers[owner].put_partial.remote(gen.number, step, self.shard, unit, [ref])
         with self._cond:
             gen.forwarded.setdefault(step, []).append(call)
 
-    def _sum_owned(self, gen: _Generation, step: int, unit: str, parts: list) -> None:
-        i, buf = self.pool.acquire(unit)
-        norm_sq = sum_in_order(self._arrays(gen, parts), buf)
-        del parts  # the workers' and nodes' objects can be freed now
-        # With clipping the sum waits for the global norm in the object store, not in this process.
-        grad = self.pool.hold(unit, i) if self.clips else self.pool.lend(unit, i)
-        self._to_optimizer(gen, step, unit, grad, norm_sq)
-
-    def _keep_owned(self, gen: _Generation, step: int, unit: str, ref: ray.ObjectRef) -> None:
-        """The lone worker's object is the unit's gradient: kept, not copied, until the optimizer is done."""
-        array = read_unless_stopped(gen, ref)  # a read-only view of this node's store
-        norm_sq = sum_in_order([(array, self.grad_dtype)], None)
-        self._to_optimizer(gen, step, unit, self.pool.keep(unit, ref, array), norm_sq)
-
-    def _skip_owned(self, gen: _Generation, step: int, unit: str) -> None:
-        """No gradient anywhere (a vision unit in a step without images): like torch with a None `.grad`,
-        the optimizer leaves the unit and its Adam count as they are; only its version advances."""
-        self._to_optimizer(gen, step, unit, None, torch.zeros((), dtype=torch.float32))
+    def _sum_owned(self, gen: _Generation, step: int, unit: str, parts: list[torch.Tensor]) -> None:
+        if not parts:  # no worker's rows used the unit (a vision unit in a step without images): like torch with a
+            self._to_optimizer(gen, step, unit, None, torch.zeros(()))  # None `.grad`, the unit and its count stay
+            return
+        norm_sq = self._sum_into_slot(unit, parts)
+        del parts  # other nodes' objects can be freed now
+        self._to_optimizer(gen, step, unit, self.arena.grad(unit), torch.zeros(()) if norm_sq is None else norm_sq)
 
     def _to_optimizer(self, gen: _Generation, step: int, unit: str, grad: torch.Tensor | None,
                       norm_sq: torch.Tensor) -> None:
         with self._cond:
             if gen.stopped:
-                self.pool.release(unit)
                 return
             gen.opt.submit(unit, grad, None, lr_at(step, self.opt_cfg, self.total_steps))
             if not self.clips:
@@ -452,47 +480,51 @@ class CoordinatorShard:
 
     def _norm_total(self, norms: dict[str, torch.Tensor]) -> float:
         # Summed in unit order, not arrival order, so a rerun clips with the same coefficient.
-        return float(sum(norms[u].double() for u in self.trained))
+        return float(sum(norms[u].double() for u in self.trained if u in norms))
 
-    # ------------------------------------------------------------------ publishing
+    # ------------------------------------------------------------------ updates out
 
-    def _publish_loop(self, gen: _Generation) -> None:
-        """Publish each trained unit as soon as the optimizer has written its next version, forward order
-        (frozen ones were published once, by `start`)."""
-        version = gen.step + 1
+    def _on_optimizer_error(self, error: BaseException) -> None:
+        """The optimizer thread failed: the driver's calls and the workers' waits for weights end with an error."""
+        with self._cond:
+            self._error = self._error or error
+            self._cond.notify_all()
+        self.arena.set_state(FAILED)
+
+    def _on_advance(self, gen: _Generation, unit: str, version: int) -> None:
+        """On the optimizer thread, as `unit` reaches `version`: tell this node's workers, and the other nodes.
+
+        The last trained unit to reach a snapshot's version takes the snapshot before its version is
+        out: until then no worker can finish the next forward pass, so no update of the next step can
+        race with the copy.
+        """
+        with self._cond:
+            count = gen.advanced[version] = gen.advanced.get(version, 0) + 1
+            if count == len(self.trained):
+                del gen.advanced[version]
+        if count == len(self.trained) and self.snapshot_every and version % self.snapshot_every == 0:
+            self._take_snapshot(version)
+        self.arena.set_version(unit, version)
+        if self.num_shards > 1 and not gen.stopped:
+            self._publisher.submit(self._publish, gen, unit, version)
+
+    def _publish(self, gen: _Generation, unit: str, version: int) -> None:
+        """Cast an owned unit to the compute dtype and send it to every other node's shard (several nodes)."""
+        t0 = time.perf_counter()
+        cast = self._casts.get()
         try:
-            while self.trained:
-                for unit in self.trained:
-                    gen.opt.wait_updated(unit, version)
-                    if self._stale(gen.number):
-                        return
-                    if unit == self.trained[-1] and self.snapshot_every and version % self.snapshot_every == 0:
-                        # Before the last unit is out no worker can finish a forward pass, so no
-                        # update of the next step can race with this copy. (A step without images
-                        # reads no vision unit, but leaves every one as it is: vision units come
-                        # first, so a shard whose last trained unit is one owns no other kind.)
-                        self._take_snapshot(version)
-                    self._publisher.submit(self._publish, gen, unit, version)
-                version += 1
-        except BaseException as e:  # the optimizer failed: fail the workers waiting for weights
+            ref = ray.put(to_numpy(cast[: self.spec.unit(unit).numel].copy_(self.store.master_of(unit))))
+        finally:
+            self._casts.put(cast)
+        calls = [p.put_weights.remote(gen.number, unit, version, [ref]) for i, p in enumerate(self.peers) if i != self.shard]
+        self.seconds["publish"] += time.perf_counter() - t0
+        try:
+            ray.get(calls)
+        except BaseException as e:  # a peer lost: the driver finds out from its own calls
             with self._cond:
                 if not self._stale(gen.number):
                     self._error = e
                     self._cond.notify_all()
-
-    def _publish(self, gen: _Generation, unit: str, version: int) -> None:
-        """Cast the unit's master to the compute dtype and put it in the object store: one copy per node."""
-        i, cast = self.pool.acquire(unit, self.cfg.dtype)
-        t0 = time.perf_counter()
-        try:
-            ref = ray.put(to_numpy(cast.copy_(self.store.master_of(unit))))
-        finally:
-            self.pool.give_back(i)
-        self.seconds["publish"] += time.perf_counter() - t0
-        with self._cond:
-            if gen is self.gen and not gen.stopped:
-                self._published[unit] = _Published(version, ref)
-                self._cond.notify_all()
 
     # ------------------------------------------------------------------ snapshots
 

@@ -1,27 +1,29 @@
 """What a data-parallel run costs each node: host memory, object store, network, from the allocation plan.
 
-Per node: its coordinator shard's fp32 master and moments (12 B/param of its part; 4 for a frozen
-unit, which has no moments), the shard's few unit-sized sum and cast buffers, each worker's
-gradient slabs, and the object store. The object store holds the current weights of every unit
-(every node's workers read all of them), the gradients waiting for the clip norm (they fill the
-space the backward pass frees as it releases each unit's weights, so the two share it), and a
-few unit-sized gradients in flight. Frozen units send no gradient, and their weights cross the
-network once per run, not every step.
+Per node (the most loaded one): its coordinator shard's fp32 state (12 B/param of its part; 4 for
+a frozen unit, which has no moments), whose master is part of the node's shared-memory arena;
+the rest of the arena (other nodes' units in the compute dtype, a gradient slot per trained unit,
+and a gradient ring for each worker after the node's first); each worker's own process; and an
+object store that carries only batches and, with several nodes, unit-sized transfers between them.
+The worker count adds only its rings and processes: `per_worker_bytes`, named, and nothing model-sized.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from mt_ray.cluster.arena import ArenaLayout
 from mt_ray.cluster.partition import ShardPlan, state_cost
-from mt_ray.cluster.shard import SHARD_BUFFERS
-from mt_ray.cluster.worker import GRADS_IN_FLIGHT, WORKER_GRAD_SLABS
+from mt_ray.cluster.shard import PUBLISH_THREADS
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.models.discovery import ModelSpec
 
 GIB = 1024**3
+# A worker process's own memory beside the arena it maps: Python, torch, transformers, Ray's core
+# worker and the CUDA context's host side.
+WORKER_PROCESS_BYTES = 1 * GIB
+STORE_BASE_BYTES = 64 << 20  # batches and small objects
 STORE_SLACK = 1.05  # the object store's allocator needs some room beyond the objects themselves
-STORE_BASE_BYTES = 64 << 20  # small objects, metadata, and what a tiny model would round to nothing
 
 
 @dataclass(frozen=True)
@@ -33,57 +35,65 @@ class ClusterSizing:
     params: int
     shard_params: int
     state_bytes: int
-    shard_buffer_bytes: int
-    worker_slab_bytes: int
+    arena_bytes: int  # beside the master, which `state_bytes` counts
+    rings: int  # one for each worker after the node's first, which lands in the slots (none with grad_reduce nccl)
+    ring_bytes: int
+    worker_process_bytes: int
     object_store_bytes: int
     network_out_bytes_per_step: int
     network_in_bytes_per_step: int
 
     @property
+    def per_worker_bytes(self) -> int:
+        """What each further worker on a node adds: its gradient ring and its process."""
+        return self.ring_bytes + self.worker_process_bytes
+
+    @property
     def node_host_bytes(self) -> int:
-        return self.state_bytes + self.shard_buffer_bytes + self.worker_slab_bytes + self.object_store_bytes
+        return self.state_bytes + self.arena_bytes + self.rings * self.ring_bytes \
+            + self.workers_per_node * self.worker_process_bytes + self.object_store_bytes
 
     @property
     def node_host_bytes_per_param(self) -> float:
         return self.node_host_bytes / self.params
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "node_host_bytes": self.node_host_bytes,
+        return {**asdict(self), "per_worker_bytes": self.per_worker_bytes, "node_host_bytes": self.node_host_bytes,
                 "node_host_bytes_per_param": self.node_host_bytes_per_param}
 
 
 def size_cluster(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, num_workers: int,
-                 num_nodes: int) -> ClusterSizing:
-    """The plan of `num_workers` workers spread over `num_nodes` nodes, one coordinator shard each."""
+                 num_nodes: int, grad_reduce: str = "host") -> ClusterSizing:
+    """The plan of `num_workers` workers spread over `num_nodes` nodes, one coordinator shard each (`grad_reduce`
+    nccl: the node's GPUs sum gradients between them, so only one lands, and no worker has a ring)."""
     plan = ShardPlan.build(spec, num_nodes)
     per_node = num_workers // num_nodes
     w, g = cfg.dtype.itemsize, cfg.grad_torch_dtype.itemsize
-    sizes = sorted((u.numel for u in spec.units), reverse=True)  # every unit is cast and published
-    grad_sizes = sorted((u.numel for u in spec.trainable_units), reverse=True)  # gradients come for these
-
-    def largest(k: int) -> int:
-        """Elements of the k largest trained units: a bound on any k unit gradients alive at once."""
-        return sum(grad_sizes[:k])
-
-    part = max(plan.parts, key=lambda units: sum(state_cost(u) for u in units))  # the most loaded node's
+    loads = [sum(state_cost(u) for u in part) for part in plan.parts]
+    node = loads.index(max(loads))  # the most loaded node's
+    part = plan.parts[node]
     shard = sum(u.numel for u in part)
     shard_trained = sum(u.numel for u in part if not u.frozen)
-    clips = opt.max_grad_norm > 0
-    # Weights and held gradients share the space: every worker lets a unit's weights go once its last
-    # upload of the step has landed, before that unit's gradient exists.
-    shared = spec.num_params * w + (shard_trained * max(0, g - w) if clips else 0)
-    in_flight = (per_node * largest(GRADS_IN_FLIGHT) + (num_nodes - 1) * grad_sizes[0]) * g
+    layout = ArenaLayout.build(spec, plan, node, cfg.dtype, cfg.grad_torch_dtype, landers(per_node, grad_reduce))
+    rings = layout.num_rings * layout.ring_bytes
+    largest = max(u.numel for u in spec.units)
+    # Several nodes: partial sums going out and coming in, and updated units cast for the other nodes.
+    transit = (num_nodes - 1) * largest * (2 * g + PUBLISH_THREADS * w) if num_nodes > 1 else 0
     # Trained units this node neither owns nor updates: their gradients go out, their new weights come in.
     remote = sum(u.numel for u in spec.trainable_units) - shard_trained
     return ClusterSizing(
         num_nodes=num_nodes, workers_per_node=per_node, params=spec.num_params, shard_params=shard,
-        state_bytes=sum(state_cost(u) for u in part),
-        shard_buffer_bytes=SHARD_BUFFERS * sizes[0] * max(w, g),
-        worker_slab_bytes=per_node * WORKER_GRAD_SLABS * grad_sizes[0] * g,
-        object_store_bytes=int((shared + in_flight) * STORE_SLACK) + STORE_BASE_BYTES,
+        state_bytes=sum(state_cost(u) for u in part), arena_bytes=layout.nbytes - 4 * layout.master_numel - rings,
+        rings=layout.num_rings, ring_bytes=layout.ring_bytes, worker_process_bytes=WORKER_PROCESS_BYTES,
+        object_store_bytes=int(transit * STORE_SLACK) + STORE_BASE_BYTES,
         network_out_bytes_per_step=(remote * g + shard_trained * w * (num_nodes - 1)) if num_nodes > 1 else 0,
         network_in_bytes_per_step=(remote * w + shard_trained * g * (num_nodes - 1)) if num_nodes > 1 else 0,
     )
+
+
+def landers(workers_per_node: int, grad_reduce: str) -> int:
+    """Workers of a node whose gradients land in its arena: one where the GPUs sum them between them."""
+    return 1 if grad_reduce == "nccl" else workers_per_node
 
 
 def render_cluster(sizing: ClusterSizing) -> str:
@@ -92,9 +102,9 @@ def render_cluster(sizing: ClusterSizing) -> str:
     rows = [
         ("nodes x workers per node", f"{s.num_nodes} x {s.workers_per_node}"),
         ("shard state (fp32 master, m, v)", f"{s.state_bytes / GIB:.1f} GiB"),
-        ("shard sum/cast buffers", f"{s.shard_buffer_bytes / GIB:.1f} GiB"),
-        ("workers' gradient slabs", f"{s.worker_slab_bytes / GIB:.1f} GiB"),
-        ("object store", f"{s.object_store_bytes / GIB:.1f} GiB"),
+        ("shared arena beside the master", f"{s.arena_bytes / GIB:.1f} GiB (gradients, other nodes' weights)"),
+        ("per worker (ring + process)", f"{s.per_worker_bytes / GIB:.2f} GiB"),
+        ("object store", f"{s.object_store_bytes / GIB:.2f} GiB"),
         ("host per node", f"{s.node_host_bytes / GIB:.1f} GiB ({s.node_host_bytes_per_param:.1f} B/param)"),
         ("network per step per node", f"out {s.network_out_bytes_per_step / GIB:.1f} GiB, "
                                       f"in {s.network_in_bytes_per_step / GIB:.1f} GiB"),

@@ -1,4 +1,4 @@
-"""Tensors in and out of the Ray object store without copies on the reading side.
+"""Tensors in and out of the Ray object store without copies on the reading side, and the gradient sum.
 
 numpy has no bfloat16, so 16-bit tensors travel as their raw 16-bit words and are viewed
 back as the right dtype on arrival. A numpy array read from the object store is a read-only
@@ -36,24 +36,23 @@ def from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 SUM_CHUNK = 1 << 20
 
 
-def sum_in_order(arrays: list[tuple[np.ndarray, torch.dtype]], out: torch.Tensor | None) -> torch.Tensor:
-    """Sum gradients read from the object store into `out` (any dtype); returns the fp32 norm² of the sum
-    (with `out` None, the norm² alone: a lone gradient, used where it lies).
+def sum_in_order(parts: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
+    """Sum gradients (flat, any dtype) into `out` (any dtype, and may be `parts[0]` itself); returns the fp32
+    norm² of the sum (with `out` None, the norm² alone: of a lone gradient, read where it lies).
 
-    The sum runs in fp32 over the arrays in the order given (callers pass a fixed order, so the
+    The sum runs in fp32 over the parts in the order given (callers pass a fixed order, so the
     result does not depend on arrival order) and is rounded to `out`'s dtype once. The norm is
     that of the fp32 sum, as the single engine takes it before rounding.
     Intra-op threads are whatever the process set once at start (torch.set_num_threads is
     process-wide: setting it here would change the optimizer's too).
     """
-    views = [from_numpy(a, dtype) for a, dtype in arrays]
-    numel = views[0].numel()
+    numel = parts[0].numel()
     norm_sq = torch.zeros((), dtype=torch.float64)
     acc = torch.empty(min(SUM_CHUNK, numel), dtype=torch.float32)
     for lo in range(0, numel, SUM_CHUNK):
         hi = min(lo + SUM_CHUNK, numel)
-        chunk = acc[: hi - lo].copy_(views[0][lo:hi])
-        for v in views[1:]:
+        chunk = acc[: hi - lo].copy_(parts[0][lo:hi])
+        for v in parts[1:]:
             chunk.add_(v[lo:hi])
         norm_sq += torch.linalg.vector_norm(chunk).square()
         if out is not None:

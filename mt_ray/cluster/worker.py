@@ -1,336 +1,304 @@
-"""The GPU worker: one streaming engine per GPU, fed and drained through the node's object store.
+"""The GPU worker: one streaming engine per GPU, fed and drained through its node's shared-memory arena.
 
-The engine is the ordinary single-device `StreamingEngine` with its two seams filled:
-`ObjectStoreWeights` reads each unit's weights from the owning shard's published objects
-(zero-copy views of node-local shared memory), and `ObjectStoreGrads` hands each finished unit
-gradient to this node's coordinator shard. The worker holds no master weights and no optimizer
-state. Every wait that is not the GPU's own work (a fetch, page-locking, a release) runs on a
-helper thread, never on the thread that launches GPU work.
+The engine is the ordinary single-device `StreamingEngine` with its seams filled: `ArenaWeights`
+streams each unit straight from the arena (the owning shard's fp32 master, cast on the GPU as
+the single engine's `stream_master` does), once the unit's version word says the previous step's
+update is in; `LandingBuffers` are where its gradients land (the arena's slots, or this worker's
+ring there); `ArenaGrads` tells the node's coordinator shard where each landed. The worker holds
+no weights, no gradients and no optimizer state of its own, and nothing it does per step copies
+or puts anything model-sized. Every wait that is not the GPU's own work (a device->host copy,
+the shard's acknowledgement) runs on a helper thread, never on the thread that launches GPU work.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
+import socket
 import threading
 import time
 from collections import deque
+from datetime import timedelta
 
 import ray
 import torch
+import torch.distributed as dist
+from ray.exceptions import GetTimeoutError, RayActorError
 
-from mt_ray.cluster.errors import ClusterError, StaleGenerationError
+from mt_ray.cluster.arena import SLOT, ArenaHandle, ArenaLayout, NodeArena
+from mt_ray.cluster.errors import ClusterError
+from mt_ray.cluster.node_memory import pss_bytes
 from mt_ray.cluster.partition import ShardPlan
-from mt_ray.cluster.wire import from_numpy, to_numpy
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.engine import StreamingEngine
-from mt_ray.engine.transfer import GradBuffers
+from mt_ray.engine.pinning import register_pinned, unregister_pinned
 from mt_ray.models.discovery import discover
-from mt_ray.models.vision import is_vision_unit
 
 log = logging.getLogger(__name__)
 
-_CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the mapping may be read-only
-GRADS_IN_FLIGHT = 2  # gradients per worker in the object store, not yet summed by the shard
-WORKER_GRAD_SLABS = 2  # the engine's pinned gradient slabs in a worker
 
+class ArenaWeights:
+    """WeightSource: each unit's weights are the arena's, once its version word reaches the step."""
 
-def find_mapping(address: int) -> tuple[int, int, str] | None:
-    """The [start, end) and file of this process's memory mapping holding `address` (Linux)."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                fields = line.split()
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                if lo <= address < hi:
-                    return lo, hi, fields[5] if len(fields) > 5 else ""
-    except OSError:
-        pass
-    return None
-
-
-class StorePins:
-    """Page-locks the object store's shared memory, once per mapping, so uploads are async DMA (CUDA).
-
-    Ray maps a node's whole object store into a worker as one shared mapping. Registering that
-    mapping once (about 0.06 s per GiB) makes every object later published into it uploadable at
-    full speed, with no registration per object per step. An object outside any registered
-    mapping (a store that spilled to a fallback file) is registered alone while it is held.
-    """
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self._mappings: list[tuple[int, int]] = []
-        self._alone: dict[int, torch.Tensor] = {}  # data_ptr -> tensor registered by itself
-
-    def ensure(self, t: torch.Tensor) -> None:
-        if not self.enabled or t.numel() == 0:
-            return
-        ptr = t.data_ptr()
-        if any(lo <= ptr < hi for lo, hi in self._mappings):
-            return
-        mapping = find_mapping(ptr)
-        if mapping is not None and _register(mapping[0], mapping[1] - mapping[0]):
-            self._mappings.append(mapping[:2])
-            log.info("page-locked the object store mapping %s (%.1f GiB)", mapping[2], (mapping[1] - mapping[0]) / 2**30)
-        elif _register(ptr, t.numel() * t.element_size()):
-            self._alone[ptr] = t
-
-    def forget(self, t: torch.Tensor) -> None:
-        """`t` is no longer read: unregister it if it was registered by itself."""
-        if self._alone.pop(t.data_ptr(), None) is not None:
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-
-    def close(self) -> None:
-        cudart = torch.cuda.cudart() if self.enabled else None
-        for ptr in [*self._alone, *(lo for lo, _ in self._mappings)]:
-            cudart.cudaHostUnregister(ptr)
-        self._alone.clear()
-        self._mappings.clear()
-
-
-def _register(ptr: int, nbytes: int) -> bool:
-    cudart = torch.cuda.cudart()
-    return any(int(cudart.cudaHostRegister(ptr, nbytes, flags)) == 0 for flags in (0, _CUDA_HOST_REGISTER_READ_ONLY))
-
-
-class ObjectStoreWeights:
-    """WeightSource: each unit's weights are a read-only view of the object its owner shard published.
-
-    `begin_step` hands a fetch thread the step's units in forward order; it waits for each
-    version to be published, maps it and page-locks it, so the engine's `wait_updated` finds it
-    ready. `release` (after a unit's last upload of the step has landed) drops the view, and with
-    it this worker's hold on the object: the store frees a version once every worker is done.
-    A frozen unit never changes: fetched once per generation, its view serves every step.
-    """
-
-    def __init__(self, shards: list, plan: ShardPlan, generation: int, dtype: torch.dtype, pins: StorePins,
-                 frozen: set[str]):
-        self.shards = shards
-        self.plan = plan
+    def __init__(self, arena: NodeArena, generation: int, timeout_s: float):
+        self.arena = arena
         self.generation = generation
-        self.dtype = dtype
-        self.pins = pins
-        self.frozen = frozen
-        self._cond = threading.Condition()
-        self._held: dict[str, tuple[int, ray.ObjectRef, torch.Tensor]] = {}
+        self.timeout_s = timeout_s
         self.wait_seconds = 0.0
-        self._error: BaseException | None = None
-        self._fetches: queue.Queue = queue.Queue()
-        self._releases: queue.Queue = queue.Queue()
-        threading.Thread(target=self._fetch_loop, name="mt-ray-fetch", daemon=True).start()
-        threading.Thread(target=self._release_loop, name="mt-ray-release", daemon=True).start()
-
-    def begin_step(self, version: int, units: list[str]) -> None:
-        """Fetch `units` (the step's, in forward order) as published after `version` steps."""
-        self._fetches.put((self.generation, version, units))
 
     def wait_updated(self, unit: str, version: int) -> None:
         t0 = time.perf_counter()
-        with self._cond:
-            self._cond.wait_for(lambda: self._error is not None or self._holds(unit, version))
-            self.wait_seconds += time.perf_counter() - t0  # the engine's thread idle, waiting for weights
-            if self._error is not None:
-                error, self._error = self._error, None
-                raise error  # as it came (a lost shard stays a RayActorError for the driver)
+        self.arena.wait_version(unit, version, self.generation, self.timeout_s)
+        self.wait_seconds += time.perf_counter() - t0  # the engine's thread idle, waiting for weights
 
     def streamed_of(self, unit: str) -> torch.Tensor:
-        return self._held[unit][2]
+        return self.arena.weights(unit)
 
     def release(self, unit: str, copied: torch.cuda.Event | None) -> None:
-        if unit not in self.frozen:  # kept for the generation
-            self._releases.put((unit, copied))
-
-    def _holds(self, unit: str, version: int) -> bool:
-        """Whether `unit`'s weights after `version` steps are mapped (lock held); any version of a frozen unit."""
-        held = self._held.get(unit)
-        return held is not None and (held[0] == version or unit in self.frozen)
-
-    def forget(self, generation: int) -> None:
-        """Serve `generation` from now on: drop every held version (a restored state reuses version numbers)."""
-        self._releases.join()
-        with self._cond:
-            self.generation = generation
-            held, self._held = self._held, {}
-            self._error = None
-        for _, _, t in held.values():
-            self.pins.forget(t)
-
-    def _fetch_loop(self) -> None:
-        while True:
-            generation, version, units = self._fetches.get()
-            try:
-                for unit in units:
-                    if unit in self.frozen and unit in self._held:
-                        continue  # a frozen unit's view of this generation, fetched once
-                    owner = self.shards[self.plan.owner(unit)]
-                    # Blocks until the owner has applied the previous step to this unit.
-                    [ref] = ray.get(owner.get_weights.remote(generation, unit, version))
-                    weights = from_numpy(ray.get(ref), self.dtype)  # maps the shared-memory object, no copy
-                    self.pins.ensure(weights)
-                    with self._cond:
-                        if generation != self.generation:
-                            break
-                        self._held[unit] = (version, ref, weights)
-                        self._cond.notify_all()
-            except StaleGenerationError:
-                continue  # a recovery is replacing this generation; `forget` follows
-            except BaseException as e:  # surfaced on the engine's thread by wait_updated
-                with self._cond:
-                    self._error = e
-                    self._cond.notify_all()
-
-    def _release_loop(self) -> None:
-        while True:
-            unit, copied = self._releases.get()
-            try:
-                if copied is not None:
-                    copied.synchronize()  # the upload has read the host copy
-                with self._cond:
-                    held = self._held.pop(unit, None)
-                if held is not None:
-                    self.pins.forget(held[2])
-            finally:
-                self._releases.task_done()
+        """Nothing to drop: the arena outlives the step (the shard updates a unit only after every upload of it)."""
 
 
-class ObjectStoreGrads:
-    """GradSink: each finished gradient goes into the object store and on to this node's shard.
+class LandingBuffers:
+    """The engine's `GradBuffers` surface over the arena: where each gradient's device->host copy lands.
 
-    A thread does the shipping so the engine's thread never waits for a device->host copy: it
-    waits for the copy's event, copies the host buffer into shared memory once, returns the
-    buffer to the engine's pool and hands the object to the shard. At most GRADS_IN_FLIGHT
-    gradients wait in the object store for the shard to sum them.
+    The node's first worker lands every gradient in the unit's slot, where the shard adds the
+    others' to it (a lone worker's is used as it is). Each further worker lands in a ring of its
+    own, handed out first in, first out, and freed as the shard acknowledges each sum; a full ring
+    holds the engine's thread until then.
     """
 
-    def __init__(self, shard, rank: int, generation: int, weights: ObjectStoreWeights, unit_order: list[str]):
+    def __init__(self, arena: NodeArena, local_rank: int, numels: dict[str, int], ring: bool, timeout_s: float):
+        self.arena = arena
+        self.numels = numels
+        self.ring = arena.ring(local_rank) if ring else None
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._live: deque[list] = deque()  # [unit, lo, hi, freed], oldest first
+        self._where: dict[str, int] = {}
+
+    def acquire(self, unit: str) -> torch.Tensor:
+        if self.ring is None:
+            self._where[unit] = SLOT
+            return self.arena.grad(unit)
+        n = self.numels[unit]
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._fit(n) is not None, timeout=self.timeout_s):
+                raise ClusterError(f"no room for {unit}'s gradient within cluster.step_timeout_s={self.timeout_s:g} s: "
+                                   "the coordinator shard has not summed this worker's last gradients")
+            lo = self._fit(n)
+            self._live.append([unit, lo, lo + n, False])
+            self._where[unit] = lo
+        return self.ring[lo : lo + n]
+
+    def where(self, unit: str) -> int:
+        """Where `unit`'s gradient landed, as the shard's `put_grad` takes it."""
+        return self._where[unit]
+
+    def release(self, unit: str) -> None:
+        """The shard has summed `unit`'s gradient: its part of the ring may be reused."""
+        if self.ring is None:
+            return
+        with self._cond:
+            for entry in self._live:
+                if entry[0] == unit and not entry[3]:
+                    entry[3] = True
+                    break
+            while self._live and self._live[0][3]:
+                self._live.popleft()
+            self._cond.notify_all()
+
+    def reset(self) -> None:
+        """A new generation: nothing of the last one is waiting to be summed."""
+        with self._cond:
+            self._live.clear()
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Nothing to free: the arena belongs to the node's shard."""
+
+    def _fit(self, n: int) -> int | None:
+        """Where `n` contiguous elements are free after the newest live gradient, wrapping once; None if nowhere."""
+        size = self.ring.numel()
+        if not self._live:
+            return 0 if n <= size else None
+        tail, head = self._live[0][1], self._live[-1][2]
+        if head > tail:  # live gradients lie in [tail, head): free after head, and before tail
+            return head if size - head >= n else (0 if tail >= n else None)
+        return head if tail - head >= n else None  # wrapped: free between head and tail
+
+
+class ArenaGrads:
+    """GradSink: tells the node's shard where each gradient landed, once its device->host copy is done.
+
+    The ship thread waits for each copy's event and sends the shard a few bytes (`put_grad`); the
+    ack thread waits, bounded, for each sum and frees that part of the ring.
+    """
+
+    def __init__(self, shard, rank: int, generation: int, weights: ArenaWeights, landing: LandingBuffers,
+                 unit_order: list[str], timeout_s: float):
         self.shard = shard
         self.rank = rank
         self.generation = generation
         self.weights = weights
+        self.landing = landing
         self.unit_order = unit_order
+        self.timeout_s = timeout_s
         self.step = 0
-        self.buffers: GradBuffers | None = None
-        self._queue: queue.Queue = queue.Queue()
-        self._sent: deque[ray.ObjectRef] = deque()
+        self._norm: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        self._ship: queue.Queue = queue.Queue()
+        self._acks: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="mt-ray-grad-ship", daemon=True)
-        self._thread.start()
-
-    def bind(self, buffers: GradBuffers) -> None:
-        """The engine's gradient buffers, released here once a gradient has been shipped."""
-        self.buffers = buffers
+        threading.Thread(target=self._ship_loop, name="mt-ray-grad-ship", daemon=True).start()
+        threading.Thread(target=self._ack_loop, name="mt-ray-grad-ack", daemon=True).start()
 
     def submit(self, unit: str, grad: torch.Tensor | None, landed: torch.cuda.Event | None, lr: float) -> None:
         """`grad` None: this worker's rows did not use the unit (a vision unit, no image); the shard is told so."""
         self._raise_if_failed()
-        self._queue.put((self.step, unit, grad, landed))
+        self._ship.put((self.step, unit, grad is not None, landed))
 
     def end_step(self, norm_sq: torch.Tensor, ready: torch.cuda.Event | None, lr: float) -> None:
-        """Nothing to do: the shards clip with the norm of the summed gradient, not this one."""
+        """Kept: with one worker in the run its GPU's norm is the global one (the shards' clip uses it)."""
+        self._norm = (norm_sq, ready)
+
+    def norm_sq(self) -> float:
+        norm_sq, ready = self._norm
+        if ready is not None:
+            ready.synchronize()  # the norm's device->host copy has landed
+        return float(norm_sq)
 
     def wait_updated(self, unit: str, version: int) -> None:
         self.weights.wait_updated(unit, version)
 
     def flush(self) -> None:
         """Return once the shard has summed every gradient submitted so far."""
-        self._queue.join()
+        self._ship.join()
+        self._acks.join()
         self._raise_if_failed()
-        ray.get(list(self._sent))
-        self._sent.clear()
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+        self._ship.put(None)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise ClusterError("shipping a gradient to the coordinator shard failed") from self._error
+            error, self._error = self._error, None
+            if isinstance(error, (RayActorError, ClusterError)):
+                raise error  # as it came: a lost shard stays a RayActorError for the driver
+            raise ClusterError("handing a gradient to the coordinator shard failed") from error
 
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
+    def _ship_loop(self) -> None:
+        while (item := self._ship.get()) is not None:
             try:
-                step, unit, grad, landed = item
-                if len(self._sent) >= GRADS_IN_FLIGHT:
-                    ray.get(self._sent.popleft())  # back-pressure: the shard is summing our last ones
+                step, unit, used, landed = item
                 if landed is not None:
                     landed.synchronize()  # the device->host copy of this gradient has finished
-                ref = None
-                if grad is not None:
-                    ref = ray.put(to_numpy(grad))  # the one host copy: into shared memory
-                    self.buffers.release(unit)
-                self._sent.append(self.shard.put_grad.remote(self.generation, step, self.rank, unit, [ref]))
+                where = self.landing.where(unit) if used else None
+                self._acks.put((unit, used, self.shard.put_grad.remote(self.generation, step, self.rank, unit, where)))
             except BaseException as e:  # surfaced to the engine thread by submit/flush
                 self._error = e
             finally:
-                self._queue.task_done()
-        self._queue.task_done()
+                self._ship.task_done()
+
+    def _ack_loop(self) -> None:
+        while True:
+            unit, used, ref = self._acks.get()
+            try:
+                ray.get(ref, timeout=self.timeout_s)  # the shard has summed it
+                if used:
+                    self.landing.release(unit)
+            except GetTimeoutError:
+                self._error = ClusterError(f"the coordinator shard did not sum {unit}'s gradient of worker {self.rank} "
+                                           f"within cluster.step_timeout_s={self.timeout_s:g} s")
+            except BaseException as e:
+                self._error = e
+            finally:
+                self._acks.task_done()
 
 
 class EngineWorker:
     """A Ray actor running the engine's forward/backward on its part of each global batch."""
 
-    def __init__(self, rank: int, model, engine_cfg: dict, opt_cfg: dict, total_steps: int, shards: list,
-                 local_shard: int, generation: int, start_step: int, freeze: dict[str, bool] | None = None):
-        """Weights come from each unit's owner among `shards`; gradients go to `shards[local_shard]`.
-        `freeze`: the `discover` options the driver's spec was found with (an image-text model's freeze flags)."""
+    def __init__(self, rank: int, model, engine_cfg: dict, opt_cfg: dict, total_steps: int, shard, local_shard: int,
+                 num_shards: int, num_local: int, arena: ArenaHandle, generation: int, start_step: int,
+                 timeout_s: float, freeze: dict[str, bool] | None = None):
+        """Weights and gradients go through `arena`, the node of `local_shard` (`shard`, one of `num_shards`,
+        with `num_local` workers landing gradients in it). `freeze`: the `discover` options the driver's spec
+        was found with."""
         spec = discover(model, **(freeze or {}))
-        # Its gradients leave each slab for the object store at once: two slabs let one download
-        # land while the other ships (each is as large as the largest unit).
-        cfg = EngineConfig(**{**engine_cfg, "grad_slabs": WORKER_GRAD_SLABS})
-        # The shards clip the summed gradient; this engine never clips, so its gradients
-        # recycle through a few slabs instead of holding a whole model's worth until step end.
-        opt = OptimizerConfig(**{**opt_cfg, "max_grad_norm": 0.0})
-        units = [u.name for u in spec.units]
+        cfg = EngineConfig(**engine_cfg)
+        layout = ArenaLayout.build(spec, ShardPlan.build(spec, num_shards), local_shard, cfg.dtype,
+                                   cfg.grad_torch_dtype, num_local)
         self.rank = rank
-        self.all_units = units
-        self.text_units = [u for u in units if not is_vision_unit(u)]  # what a step without images reads
-        self.pins = StorePins(cfg.resolve_device().type == "cuda")
-        self.weights = ObjectStoreWeights(shards, ShardPlan.build(spec, len(shards)), generation, cfg.dtype,
-                                          self.pins, {u.name for u in spec.units if u.frozen})
-        self.grads = ObjectStoreGrads(shards[local_shard], rank, generation, self.weights, units)
-        self.engine = StreamingEngine(spec, cfg, opt, total_steps, grad_sink=self.grads, weight_source=self.weights)
-        self.grads.bind(self.engine.grad_buffers)
+        self.arena = NodeArena.attach(layout, arena)
+        # Page-locked once (a mapping registers 13x faster than pinned memory allocates): every upload and
+        # every gradient's landing is then an asynchronous DMA.
+        self.pinned = register_pinned(self.arena.bytes) if cfg.resolve_device().type == "cuda" else None
+        self.weights = ArenaWeights(self.arena, generation, timeout_s)
+        local_rank = rank % num_local
+        self.landing = LandingBuffers(self.arena, local_rank, {u.name: u.numel for u in spec.trainable_units},
+                                      local_rank > 0, timeout_s)
+        self.grads = ArenaGrads(shard, rank, generation, self.weights, self.landing,
+                                [u.name for u in spec.units], timeout_s)
+        self.engine = StreamingEngine(spec, cfg, OptimizerConfig(**opt_cfg), total_steps, grad_sink=self.grads,
+                                      weight_source=self.weights, grad_buffers=self.landing)
         self.engine.step_idx = start_step  # weight versions and the LR schedule follow the shards
 
-    def train_step(self, step: int, micro_batches: list[dict[str, torch.Tensor]], loss_normaliser: int) -> dict:
-        """This worker's part of global step `step`; its loss is its share of the global mean.
+    def train_step(self, step: int, micro_batches: list[dict[str, torch.Tensor]], loss_normaliser: int,
+                   timeout_s: float) -> dict:
+        """This worker's part of global step `step`; its loss is its share of the global mean. Every wait in it
+        (for weights, for room in the ring, for a sum) ends with an error after `timeout_s`.
 
         Returns once every gradient of the step is summed by this node's shard, so a worker lost
         after answering has lost nothing the step needs.
         """
         if step != self.engine.step_idx:
             raise ClusterError(f"worker {self.rank} is at step {self.engine.step_idx}, asked for step {step}")
+        self._bound_waits(timeout_s)
         self.grads.step = step
-        self.weights.begin_step(step, self._units_read(micro_batches))
         result = self.engine.train_step(micro_batches, loss_normaliser=loss_normaliser)
         loss = float(result.loss)  # waits for this worker's backward on the device
         self.grads.flush()
         # The router loss's share, weighted by this worker's loss tokens over the global count like the loss.
         aux = None if result.aux_loss is None else float(result.aux_loss)
-        return {"loss": loss, "num_tokens": result.num_tokens, "aux_loss": aux}
+        return {"loss": loss, "num_tokens": result.num_tokens, "aux_loss": aux, "norm_sq": self.grads.norm_sq()}
 
-    def evaluate(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict:
+    def evaluate(self, micro_batches: list[dict[str, torch.Tensor]], timeout_s: float) -> dict:
         """Summed loss of this worker's part of an evaluation batch under the current weights (forward only)."""
-        self.weights.begin_step(self.engine.step_idx, self._units_read(micro_batches))
+        self._bound_waits(timeout_s)
         result = self.engine.evaluate(micro_batches)
         return {"loss_sum": float(result.loss_sum), "num_loss_tokens": result.num_loss_tokens,
                 "num_tokens": result.num_tokens}
 
-    def _units_read(self, micro_batches: list[dict]) -> list[str]:
-        """The units the engine reads for these micro-batches: the vision ones only where a row has an image."""
-        images = any(image for mb in micro_batches for row in mb.get("images") or () for image in row)
-        return self.all_units if images else self.text_units
+    def _bound_waits(self, timeout_s: float) -> None:
+        self.weights.timeout_s = self.landing.timeout_s = self.grads.timeout_s = timeout_s
+
+    def rendezvous(self) -> tuple[str, int]:
+        """An address and free port of this worker's node for its node's process group (`grad_reduce: nccl`)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def join_group(self, address: str, port: int, local_rank: int, size: int, timeout_s: float) -> None:
+        """Join the node's process group, as Ray Train's TorchTrainer sets one up (NCCL between GPUs, gloo on
+        CPUs): from now on each finished unit gradient is summed into local rank 0's, which alone ships it."""
+        backend = "nccl" if self.engine.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=local_rank, world_size=size,
+                                timeout=timedelta(seconds=timeout_s))
+        self.engine.reduce_grad = functools.partial(_reduce_to_first, local_rank)
 
     def weight_wait_seconds(self) -> float:
-        """Cumulative time the engine's thread waited for published weights (the benchmark's time split)."""
+        """Cumulative time the engine's thread waited for weights (the benchmark's time split)."""
         return self.weights.wait_seconds
 
     def rejoin(self, generation: int, step: int) -> None:
         """Serve a new generation after another worker was lost or a checkpoint was restored."""
-        self.weights.forget(generation)
-        self.grads.generation = generation
+        self.weights.generation = self.grads.generation = generation
+        self.landing.reset()
         self.engine.step_idx = step
+
+    def host_bytes(self) -> dict[str, int]:
+        """This process's proportional share of host memory now (`pss`: the arena's pages split among its mappers)."""
+        return {"pss": pss_bytes()}
 
     def device(self) -> str:
         return str(self.engine.device)
@@ -339,5 +307,14 @@ class EngineWorker:
         return ray.get_runtime_context().get_node_id()
 
     def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
         self.engine.close()
-        self.pins.close()
+        if self.pinned is not None:
+            unregister_pinned(self.pinned)
+
+
+def _reduce_to_first(local_rank: int, unit: str, grad: torch.Tensor) -> torch.Tensor | None:
+    """Sum `grad` into the node's local rank 0 (fp32, on the device); the sum where this worker ships it."""
+    dist.reduce(grad, dst=0)
+    return grad if local_rank == 0 else None

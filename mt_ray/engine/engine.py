@@ -116,7 +116,10 @@ class StreamingEngine:
     """
 
     def __init__(self, spec: ModelSpec, cfg: EngineConfig, opt_cfg: OptimizerConfig, total_steps: int,
-                 grad_sink: GradSink | None = None, weight_source: WeightSource | None = None):
+                 grad_sink: GradSink | None = None, weight_source: WeightSource | None = None,
+                 grad_buffers: GradBuffers | None = None):
+        """`grad_buffers`: where gradients land on the host, given by a trainer whose buffers are shared memory
+        (mt_ray.cluster); by default the engine allocates its own pinned ones."""
         if (grad_sink is None) != (weight_source is None):
             raise ValueError("grad_sink and weight_source are given together or not at all")
         self.spec = spec
@@ -140,7 +143,10 @@ class StreamingEngine:
         per_unit = local and grad_buffers_per_unit(cfg, opt_cfg)
         grad_bytes = grad_buffer_bytes(numels, grad_dtype, per_unit, cfg.grad_slabs)
         self.store = HostStore(spec, copy_dtype, pin, grad_bytes, cfg.host_memory_limit_gb) if local else None
-        self.grad_buffers = GradBuffers(numels, grad_dtype, pin, per_unit=per_unit, slabs=cfg.grad_slabs)
+        # Set by a data-parallel worker that sums gradients between GPUs (`cluster.grad_reduce: nccl`): a
+        # collective every engine calls in the same unit order, returning the sum where this engine ships it.
+        self.reduce_grad: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None
+        self.grad_buffers = grad_buffers or GradBuffers(numels, grad_dtype, pin, per_unit=per_unit, slabs=cfg.grad_slabs)
         self.optimizers = {u.name: UnitOptimizer(self.store, u, opt_cfg) for u in spec.trainable_units} if local else {}
         self.worker = grad_sink if not local else OptimizerWorker(
             self.store, self.optimizers, self.grad_buffers, list(numels),
@@ -584,6 +590,8 @@ class StreamingEngine:
     def _send_grad(self, unit: str, acc: torch.Tensor) -> None:
         """Ship a finished fp32 gradient to the host and queue its optimizer update."""
         self._sent.add(unit)
+        if self.reduce_grad is not None and (acc := self.reduce_grad(unit, acc)) is None:
+            return  # another engine ships the sum
         self._norm_sq += torch.linalg.vector_norm(acc).square()
         grad = acc.to(self.grad_dtype)
         done_on_compute = self.streams.record(self.streams.compute)

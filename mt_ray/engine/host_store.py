@@ -97,11 +97,14 @@ class HostStore:
     """fp32 master, fp32 Adam moments and the streamed copy of every unit (or of `units` only), in host memory."""
 
     def __init__(self, spec: ModelSpec, copy_dtype: torch.dtype | None, pin: bool, extra_bytes: int = 0,
-                 host_memory_limit_gb: float | None = None, units: list[UnitSpec] | None = None):
+                 host_memory_limit_gb: float | None = None, units: list[UnitSpec] | None = None,
+                 master: torch.Tensor | None = None):
+        """`master`: an fp32 buffer of the units' size to hold the master weights in (a data-parallel node's
+        shared memory, which its workers stream from) instead of one of this store's own."""
         self.spec = spec
         self.units = spec.units if units is None else units
         self.layout = plan_layout(spec, copy_dtype, self.units)
-        need = self.layout.nbytes + extra_bytes
+        need = self.layout.nbytes + extra_bytes - (0 if master is None else master.nbytes)
         have = available_host_bytes(host_memory_limit_gb)
         if need > have:
             raise InsufficientMemoryError(
@@ -111,7 +114,9 @@ class HostStore:
                 "a smaller model, or a host with more memory (engine.host_memory_limit_gb overrides detection)."
             )
         n = self.layout.total
-        self.master = torch.empty(n, dtype=torch.float32)
+        self.master = torch.empty(n, dtype=torch.float32) if master is None else master
+        if self.master.shape != (n,) or self.master.dtype != torch.float32:
+            raise ValueError(f"the master buffer must be {n} fp32 elements, not {tuple(self.master.shape)} {self.master.dtype}")
         self.exp_avg = torch.zeros(self.layout.moment_total, dtype=torch.float32)
         self.exp_avg_sq = torch.zeros(self.layout.moment_total, dtype=torch.float32)
         self.copy = torch.empty(n, dtype=copy_dtype) if copy_dtype is not None else None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,8 +43,12 @@ class OptimizerWorker:
     """Owns the unit optimizers; the engine feeds it gradients and waits on unit versions."""
 
     def __init__(self, store: HostStore, optimizers: dict[str, UnitOptimizer], buffers: GradBuffers,
-                 unit_order: list[str], max_grad_norm: float, threads: int | None, grads_read_only: bool = False):
-        """`grads_read_only`: gradients are views the optimizer must not write (shared memory)."""
+                 unit_order: list[str], max_grad_norm: float, threads: int | None, grads_read_only: bool = False,
+                 on_advance: Callable[[str, int], None] | None = None,
+                 on_error: Callable[[BaseException], None] | None = None):
+        """`grads_read_only`: gradients are views the optimizer must not write (shared memory).
+        `on_advance(unit, version)`: called on this thread as each unit reaches a new version (after its update),
+        so a data-parallel shard can tell its workers at once; `on_error(e)`: called once should an update fail."""
         self.store = store
         self.optimizers = optimizers
         self.buffers = buffers
@@ -51,6 +56,8 @@ class OptimizerWorker:
         self.max_grad_norm = max_grad_norm
         self.threads = threads
         self.grads_read_only = grads_read_only
+        self.on_advance = on_advance
+        self.on_error = on_error
         self.version = dict.fromkeys(unit_order, 0)
         self._cond = threading.Condition()
         self._error: BaseException | None = None
@@ -105,6 +112,8 @@ class OptimizerWorker:
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
+            if self.on_error is not None:
+                self.on_error(e)
 
     def _handle(self, item: _Grad | _EndOfStep) -> None:
         if isinstance(item, _Grad):
@@ -144,4 +153,7 @@ class OptimizerWorker:
     def _advance(self, unit: str) -> None:
         with self._cond:
             self.version[unit] += 1
+            version = self.version[unit]
             self._cond.notify_all()
+        if self.on_advance is not None:
+            self.on_advance(unit, version)

@@ -134,12 +134,12 @@ def test_shards_cut_the_state_and_a_frozen_unit_has_no_moments(folder):
 
 
 def test_a_shard_leaves_an_unused_projector_and_its_snapshot_keeps_adam_counts(local_ray, folder):
-    """One shard, driven in this process as one worker drives it. The frozen tower is published once and
-    serves every step; a projector that no row used (None from the worker) keeps its weights and Adam count;
+    """One shard, driven in this process as one worker drives it. The frozen tower is present at every
+    version; a projector that no row used (None from the worker) keeps its weights and Adam count;
     the snapshot a recovery restores brings each unit's count back, the projector's one behind."""
+    from mt_ray.cluster.arena import PRESENT, SLOT
     from mt_ray.cluster.driver import freeze_options
     from mt_ray.cluster.shard import CoordinatorShard
-    from mt_ray.cluster.wire import to_numpy
 
     spec = discover(str(folder))
     threads = torch.get_num_threads()  # the shard sets the process's count, as it does in its actor
@@ -150,15 +150,16 @@ def test_a_shard_leaves_an_unused_projector_and_its_snapshot_keeps_adam_counts(l
         shard.start(0, 0)
         trained = [u.name for u in spec.trainable_units]
         assert shard.store.exp_avg.numel() == sum(u.numel for u in spec.trainable_units)
-        tower = shard.get_weights(0, "vision.blocks.0", 0)
+        assert shard.arena.version("vision.blocks.0") == PRESENT
         g = torch.Generator().manual_seed(0)
 
         def step(s: int, unused: tuple[str, ...] = ()) -> None:
-            for unit in (u.name for u in spec.units):
-                shard.get_weights(0, unit, s)  # as the worker reads them (the snapshot of step 2 precedes the head)
+            for unit in trained:  # as the worker waits for them (the snapshot of step 2 precedes the head)
+                shard.arena.wait_version(unit, s, 0, timeout_s=30)
             for unit in reversed(trained):
-                grad = torch.randn(spec.unit(unit).numel, generator=g) * 1e-2
-                shard.put_grad(0, s, 0, unit, [None if unit in unused else local_ray.put(to_numpy(grad))])
+                if unit not in unused:  # the worker's device->host copy, into the unit's slot
+                    shard.arena.grad(unit).copy_(torch.randn(spec.unit(unit).numel, generator=g) * 1e-2)
+                shard.put_grad(0, s, 0, unit, None if unit in unused else SLOT)
             shard.apply_norm(s, shard.local_norm_sq(0, s))
             shard.wait_updated(s + 1)
 
@@ -171,7 +172,7 @@ def test_a_shard_leaves_an_unused_projector_and_its_snapshot_keeps_adam_counts(l
         assert torch.equal(shard.store.master_of("vision.projector"), projector)
         step(2)
         assert counts() == {u: 2 if u == "vision.projector" else 3 for u in trained}
-        assert shard.get_weights(0, "vision.blocks.0", 3) == tower  # the one object, whatever the version
+        assert shard.arena.version("vision.blocks.0") == PRESENT  # the frozen tower, whatever the version
         shard.stop(3)
         assert shard.start(1, 3, restore_snapshot=True) == 2
         assert counts() == {u: 1 if u == "vision.projector" else 2 for u in trained}

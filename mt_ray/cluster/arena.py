@@ -1,0 +1,223 @@
+"""A node's shared-memory arena: the weights its workers stream and the gradients they land.
+
+One arena per node, created and owned by the node's coordinator shard. It is an anonymous
+memfd, so it needs no name in /dev/shm, is not capped by a container's small /dev/shm, and
+its pages go back to the kernel once the shard and every worker that mapped it are gone: a
+killed run leaves nothing behind. Workers on the node map it through /proc/<shard pid>/fd/<fd>
+and page-lock the whole mapping once, so every upload from it is an asynchronous DMA.
+
+Nothing model-sized is copied or put per step:
+- **weights.** The shard's own units are its fp32 master itself (the HostStore's master is a
+  view of the arena): the optimizer updates them in place, workers stream fp32 and cast on the
+  GPU, as the single engine does with `stream_master`. Other shards' units (several nodes)
+  are copied in, in the compute dtype, as their owners publish them: one unit at a time.
+- **versions.** One int64 word per unit says which step's weights it holds. The optimizer
+  updates a unit only once every local worker's gradient of it is in, which each worker sends
+  after its last upload of the unit in the step has landed, so no upload ever reads a unit
+  being written. A worker waits for a word to reach its step before uploading.
+- **gradients.** Every trained unit has a slot in the gradient dtype. The node's first worker
+  lands its device->host copy straight in the slot (a lone worker's is then used as it is);
+  each further worker lands in a ring of its own (a fixed size), and the shard adds them, in
+  rank order, into the slot.
+
+Layout (byte offsets, each region 4 KiB-aligned, computed alike by the shard and its workers):
+header words (generation, state, one version per unit), weights, gradient slots, rings.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mt_ray.cluster.errors import ClusterError, StaleGenerationError
+from mt_ray.cluster.partition import ShardPlan
+from mt_ray.engine.host_store import GIB, available_host_bytes
+from mt_ray.errors import InsufficientMemoryError
+from mt_ray.models.discovery import ModelSpec
+
+ALIGN = 4096
+PRESENT = 1 << 62  # the version word of a frozen unit once its weights are in: any step may read it
+ABSENT = -1  # a unit whose weights this generation has not yet received
+RUNNING, STOPPED, FAILED = 0, 1, 2
+SLOT = -1  # where the node's first worker's gradient lands: in the unit's slot (`put_grad` takes a ring offset otherwise)
+_GENERATION, _STATE, _HEADER = 0, 1, 2  # header word indices; versions follow
+POLL_S = (1e-4, 2e-3)  # a version wait polls from the first to the second, doubling
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def ring_numel(spec: ModelSpec) -> int:
+    """Elements of one worker's gradient ring: the largest trained unit, or two of the largest layers,
+    whichever is more, so two layers' gradients are in flight while the last is summed."""
+    trained = [u.numel for u in spec.trainable_units]
+    layers = [u.numel for u in spec.trainable_units if u.name.startswith("layers.")] or trained
+    return max(max(trained), 2 * max(layers))
+
+
+@dataclass(frozen=True)
+class ArenaLayout:
+    """Where everything lives in one node's arena, in bytes."""
+
+    units: tuple[str, ...]
+    weight_offsets: dict[str, int]
+    weight_dtypes: dict[str, torch.dtype]
+    numels: dict[str, int]
+    master_offset: int  # the shard's own units, contiguous, fp32: its HostStore master
+    master_numel: int
+    grad_offsets: dict[str, int]
+    grad_dtype: torch.dtype
+    ring_offset: int
+    ring_numel: int
+    num_rings: int
+    nbytes: int
+
+    @classmethod
+    def build(cls, spec: ModelSpec, plan: ShardPlan, shard: int, dtype: torch.dtype, grad_dtype: torch.dtype,
+              num_local: int) -> ArenaLayout:
+        """The layout of shard `shard`'s node: `num_local` workers, the compute `dtype` for other shards' units."""
+        owned = {u.name for u in plan.units_of(shard)}
+        off = _align(8 * (_HEADER + len(spec.units)))
+        weight_offsets, weight_dtypes, master_offset = {}, {}, None
+        for u in spec.units:  # owned units are contiguous in model order: one fp32 run, the master
+            weight_dtypes[u.name] = torch.float32 if u.name in owned else dtype
+            if u.name in owned and master_offset is None:
+                master_offset = off
+            weight_offsets[u.name] = off
+            off += u.numel * weight_dtypes[u.name].itemsize
+            if u.name not in owned:
+                off = _align(off)
+        off = _align(off)
+        grad_offsets = {}
+        for u in spec.trainable_units:
+            grad_offsets[u.name] = off
+            off = _align(off + u.numel * grad_dtype.itemsize)
+        rings = num_local - 1  # the node's first worker lands in the slots themselves
+        ring = ring_numel(spec)
+        return cls(tuple(u.name for u in spec.units), weight_offsets, weight_dtypes,
+                   {u.name: u.numel for u in spec.units}, master_offset or 0, sum(u.numel for u in spec.units
+                                                                                  if u.name in owned),
+                   grad_offsets, grad_dtype, off, ring, rings, off + rings * _align(ring * grad_dtype.itemsize))
+
+    @property
+    def ring_bytes(self) -> int:
+        return _align(self.ring_numel * self.grad_dtype.itemsize)
+
+
+@dataclass(frozen=True)
+class ArenaHandle:
+    """What a worker needs to map its node's arena: the shard's process and the arena's descriptor."""
+
+    pid: int
+    fd: int
+    nbytes: int
+
+
+class NodeArena:
+    """Typed views of one node's arena; `create` in the shard, `attach` in each worker."""
+
+    def __init__(self, layout: ArenaLayout, fd: int, owner: bool):
+        self.layout = layout
+        self._fd = fd
+        self.owner = owner
+        self._map = mmap.mmap(fd, layout.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.words = self.bytes[: 8 * (_HEADER + len(layout.units))].view(torch.int64)
+        self.versions = self.words[_HEADER:]
+        self._index = {u: i for i, u in enumerate(layout.units)}
+
+    @classmethod
+    def create(cls, layout: ArenaLayout, host_memory_limit_gb: float | None = None) -> NodeArena:
+        """A new zeroed arena, refused up front when the node cannot hold it."""
+        free = available_host_bytes(host_memory_limit_gb)
+        if layout.nbytes > free:
+            raise InsufficientMemoryError(
+                f"the node's shared-memory arena needs {layout.nbytes / GIB:.1f} GiB (fp32 state's master, the "
+                f"gradients, {layout.num_rings} worker rings) but only {free / GIB:.1f} GiB is free; spread the "
+                "state over more nodes (cluster.num_nodes), run fewer workers per node, or use a larger host")
+        fd = os.memfd_create("mt-ray-arena", os.MFD_CLOEXEC)
+        os.ftruncate(fd, layout.nbytes)
+        arena = cls(layout, fd, owner=True)
+        arena.versions.fill_(ABSENT)
+        return arena
+
+    @classmethod
+    def attach(cls, layout: ArenaLayout, handle: ArenaHandle) -> NodeArena:
+        """Map the arena the shard of this node created (the same layout, computed here)."""
+        if layout.nbytes != handle.nbytes:
+            raise ClusterError(f"this worker computes a {layout.nbytes}-byte arena; the shard made {handle.nbytes}")
+        try:
+            fd = os.open(f"/proc/{handle.pid}/fd/{handle.fd}", os.O_RDWR)
+        except OSError as e:
+            raise ClusterError(f"cannot map the node's arena from the shard's process {handle.pid} ({e}): a worker "
+                               "must run on its coordinator shard's node, as the same user") from e
+        return cls(layout, fd, owner=False)
+
+    def handle(self) -> ArenaHandle:
+        return ArenaHandle(os.getpid(), self._fd, self.layout.nbytes)
+
+    # ------------------------------------------------------------------ views
+
+    def _view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.bytes[offset : offset + numel * dtype.itemsize].view(dtype)
+
+    def weights(self, unit: str) -> torch.Tensor:
+        """The unit's streamed weights: fp32 master for the shard's own units, compute dtype for the others'."""
+        lay = self.layout
+        return self._view(lay.weight_offsets[unit], lay.numels[unit], lay.weight_dtypes[unit])
+
+    def master(self) -> torch.Tensor:
+        """The shard's own units' fp32 weights, contiguous: its HostStore's master buffer."""
+        return self._view(self.layout.master_offset, self.layout.master_numel, torch.float32)
+
+    def weights_region(self) -> torch.Tensor:
+        """Every unit's weights, as bytes: what workers page-lock."""
+        lay = self.layout
+        return self.bytes[: lay.ring_offset + lay.num_rings * lay.ring_bytes]
+
+    def grad(self, unit: str) -> torch.Tensor:
+        """The unit's gradient slot (where a lone worker lands it, and where a sum goes)."""
+        return self._view(self.layout.grad_offsets[unit], self.layout.numels[unit], self.layout.grad_dtype)
+
+    def ring(self, rank: int) -> torch.Tensor:
+        """Local worker `rank`'s gradient ring (rank 0 has none: it lands in the slots)."""
+        lay = self.layout
+        if not 0 < rank <= lay.num_rings:
+            raise IndexError(f"local worker {rank} has no ring; the node has rings for workers 1 to {lay.num_rings}")
+        return self._view(lay.ring_offset + (rank - 1) * lay.ring_bytes, lay.ring_numel, lay.grad_dtype)
+
+    # ------------------------------------------------------------------ header
+
+    def begin(self, generation: int) -> None:
+        self.words[_GENERATION] = generation
+        self.words[_STATE] = RUNNING
+
+    def set_state(self, state: int) -> None:
+        self.words[_STATE] = state
+
+    def set_version(self, unit: str, version: int) -> None:
+        self.versions[self._index[unit]] = version
+
+    def version(self, unit: str) -> int:
+        return int(self.versions[self._index[unit]])
+
+    def wait_version(self, unit: str, version: int, generation: int, timeout_s: float) -> None:
+        """Block until `unit` holds the weights after `version` steps; a stopped generation, a failed shard or
+        `timeout_s` end the wait with an error."""
+        i, deadline, pause = self._index[unit], time.monotonic() + timeout_s, POLL_S[0]
+        while int(self.versions[i]) < version:
+            if int(self.words[_GENERATION]) != generation or int(self.words[_STATE]) == STOPPED:
+                raise StaleGenerationError(f"generation {generation} was stopped")
+            if int(self.words[_STATE]) == FAILED:
+                raise ClusterError("the node's coordinator shard failed (its sum or optimizer); see its log")
+            if time.monotonic() > deadline:
+                raise ClusterError(f"unit {unit} did not reach step {version} within cluster.step_timeout_s="
+                                   f"{timeout_s:g} s (it holds step {int(self.versions[i])}): a worker or shard is "
+                                   "hung; raise cluster.step_timeout_s if steps are this slow")
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S[1])
