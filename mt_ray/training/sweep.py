@@ -165,7 +165,10 @@ def absolute_paths(base: dict[str, Any]) -> dict[str, Any]:
 
 
 def pin_tracking(base: dict[str, Any], tracking: TrackingConfig) -> dict[str, Any]:
-    """`base` logging to the sweep's MLflow store, whatever storage root each trial gets."""
+    """`base` logging to the sweep's MLflow store, whatever storage root and working folder each trial gets.
+
+    `tracking` comes from `run_tracking_config`: its local store and artifact paths are already absolute.
+    """
     values = copy.deepcopy(base)
     if tracking.enabled:
         for key in ("tracking_uri", "artifact_location"):
