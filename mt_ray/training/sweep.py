@@ -131,8 +131,8 @@ def run_sweep(base: dict[str, Any], space: list[Dimension], sweep: SweepConfig, 
     base = absolute_paths(base)
     cfg = validate_run_config(base)
     sweep = sweep.checked(cfg)
+    tracking = run_tracking_config(cfg.tracking, sweep.name, cfg.training.storage)  # refused before anything is written
     storage = SweepStorage(sweep.storage or f"{cfg.training.storage}/sweeps", sweep.name, cfg.checkpoint)
-    tracking = run_tracking_config(cfg.tracking, sweep.name, cfg.training.storage)
     base = pin_tracking(base, tracking)
     record = check_resume(storage, resume, base, space)
     tracker = MlflowTracker(tracking)
