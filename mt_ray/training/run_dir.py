@@ -36,7 +36,7 @@ CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
 EXPORT_DIR = "hf_model"
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for the entrypoint it starts
-_SERVER = "a tracking server (http://host:5000) or s3://bucket/prefix"
+_SERVER = "a tracking server (http://host:5000) or s3://bucket/prefix"  # what a store can be instead of a path
 
 
 class RunDir:
@@ -130,8 +130,7 @@ def resolve_tracking_uri(uri: str, key: str) -> str:
     if local is None:
         return uri
     prefix, path = local
-    return prefix + resolve_local(path, key, f"{key}={prefix}$PWD/{path}",
-                                  "a tracking server (http://host:5000) or s3://bucket/prefix")
+    return prefix + resolve_local(path, key, f"{key}={prefix}$PWD/{path}", _SERVER)
 
 
 def local_store_path(uri: str) -> tuple[str, str] | None:
