@@ -36,7 +36,7 @@ CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
 EXPORT_DIR = "hf_model"
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for the entrypoint it starts
-_SERVER = "a tracking server (http://host:5000) or s3://bucket/prefix"  # what a store can be instead of a path
+_SERVER = "a tracking server (http://host:5000), or for artifacts s3://bucket/prefix"  # not a local path
 
 
 class RunDir:
