@@ -66,7 +66,8 @@ class TrackingConfig(BaseModel):
 
     tracking_uri: str | None = None
     """``http://host:5000``, ``sqlite:///mlflow.db``, ``databricks``...; ``None`` = ``MLFLOW_TRACKING_URI``,
-    else MLflow 3's default, ``sqlite:///mlflow.db`` in the working directory (artifacts in ``./mlruns``)."""
+    else (in an mt-ray run) the store in ``training.storage``. A run takes a relative local path from the
+    directory its command was launched in, and refuses one under ``ray job submit``."""
 
     experiment: str = "mt-ray"
     """Experiment name; created if missing."""
@@ -81,7 +82,8 @@ class TrackingConfig(BaseModel):
     """Extra tags on the run (a sweep tags each trial with its trial id and sampled values)."""
 
     artifact_location: str | None = None
-    """Where an experiment created by this tracker keeps its artifacts; ``None``: the store's default."""
+    """Where an experiment created by this tracker keeps its artifacts; ``None``: ``mlartifacts/`` beside a
+    SQLite store's database, else the store's default."""
 
     log_every: int = Field(default=10, ge=1)
     """Log step metrics every this many optimizer steps (see ``should_log``)."""

@@ -9,6 +9,10 @@
 The default MLflow store (no `tracking.tracking_uri`, no MLFLOW_TRACKING_URI) is `<storage>/mlflow.db`
 with artifacts in `<storage>/mlartifacts/`, so nothing of a run is left in the working directory,
 which under `ray job submit` is Ray's package folder and is deleted with the cluster.
+
+Relative paths the run writes to (storage, a local MLflow store, artifact locations) are made
+absolute here, against the directory the command was launched from, before a sweep's trials (each
+in a folder of Ray's) get the config; under a Ray job they are refused (`resolve_local`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import yaml
 
@@ -31,6 +36,7 @@ CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
 EXPORT_DIR = "hf_model"
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for the entrypoint it starts
+_SERVER = "a tracking server (http://host:5000), or for artifacts s3://bucket/prefix"  # not a local path
 
 
 class RunDir:
@@ -90,18 +96,53 @@ def check_same_run(recorded: RunIdentity, current: RunIdentity, where: str) -> N
         "run's folder to start it over.")
 
 
-def resolve_storage(storage: str) -> str:
-    """`training.storage` as an absolute path or `s3://` URI; a relative path under a Ray job is refused."""
+def resolve_storage(storage: str, key: str = "training.storage") -> str:
+    """A storage root (`key`) as an absolute path or `s3://` URI; a relative path under a Ray job is refused."""
     if storage.startswith("s3://"):
         return storage.rstrip("/")
-    path = Path(storage).expanduser()
-    if not path.is_absolute() and in_ray_job():
+    return resolve_local(storage, key, f"{key}=$PWD/{storage}", "s3://bucket/prefix")
+
+
+def resolve_local(path: str, key: str, absolute_form: str, remote_form: str) -> str:
+    """`path` made absolute against the directory the command was launched from, before anything copies it.
+
+    A sweep's trials and a Ray job's processes each run in a folder of Ray's (under a Ray job, the
+    launch directory itself is Ray's copy of the package, deleted with the cluster), so a relative
+    path means another place there. Under a Ray job it is refused, naming `key`, `absolute_form` and
+    `remote_form` (a store that is not a local path).
+    """
+    expanded = Path(path).expanduser()
+    if not expanded.is_absolute() and in_ray_job():
         raise ConfigError(
-            f"training.storage: '{storage}' is a relative path, and this is a Ray job, whose working directory is "
-            f"Ray's copy of the package ({os.getcwd()}), deleted with the cluster. Give an absolute path that "
-            "outlives the cluster (on every node, for several), or s3://bucket/prefix; submitting from this "
-            "machine, e.g. training.storage=$PWD/runs")
-    return str(path.resolve())
+            f"{key}: '{path}' is a relative path, and this is a Ray job, whose working directory is Ray's copy "
+            f"of the package ({os.getcwd()}), deleted with the cluster. Give an absolute path that outlives the "
+            f"cluster (on every node, for several), or {remote_form}; submitting from this "
+            f"machine, e.g. {absolute_form}")
+    return str(expanded.resolve())
+
+
+def resolve_tracking_uri(uri: str, key: str) -> str:
+    """An MLflow store or artifact URI (`key`) with a relative local path made absolute (see `resolve_local`).
+
+    Servers and remote stores (`http://`, `s3://`, `databricks`...) are returned as they are.
+    """
+    local = local_store_path(uri)
+    if local is None:
+        return uri
+    prefix, path = local
+    return prefix + resolve_local(path, key, f"{key}={prefix}$PWD/{path}", _SERVER)
+
+
+def local_store_path(uri: str) -> tuple[str, str] | None:
+    """`(prefix, path)` of a local MLflow URI (`sqlite:///<path>`, `file:<path>`, a bare path); None for others."""
+    if uri.startswith("sqlite:///") and uri != "sqlite:///:memory:":
+        return "sqlite:///", uri.removeprefix("sqlite:///")
+    if uri.startswith("file:///") or (uri.startswith("file:") and not uri.startswith("file://")):
+        return "file://", uri.removeprefix("file://" if uri.startswith("file:///") else "file:")
+    # No scheme is a local path to MLflow, but for its Databricks names (`databricks`, `databricks-uc`).
+    if not urlparse(uri).scheme and not uri.startswith("databricks"):
+        return "", uri
+    return None
 
 
 def in_ray_job() -> bool:
@@ -110,15 +151,41 @@ def in_ray_job() -> bool:
 
 
 def run_tracking_config(tracking: TrackingConfig, name: str, root: str) -> TrackingConfig:
-    """The run's MLflow settings: named after the run; with no store given, the store in the storage root."""
-    update: dict[str, Any] = {"run_name": name}
-    if tracking.enabled and tracking.tracking_uri is None and not os.environ.get("MLFLOW_TRACKING_URI"):
-        if not root.startswith("s3://"):
-            update["tracking_uri"] = f"sqlite:///{root}/mlflow.db"
-            update["artifact_location"] = tracking.artifact_location or f"{root}/mlartifacts"
-        elif in_ray_job():
-            raise ConfigError(
-                "tracking.tracking_uri: this Ray job stores the run on S3, and MLflow's default store would be "
-                "a file in Ray's package folder, deleted with the cluster; set tracking.tracking_uri (or "
-                "MLFLOW_TRACKING_URI) to a tracking server, or tracking.enabled=false")
-    return tracking.model_copy(update=update)
+    """The run's MLflow settings: named after the run, its store's local paths absolute (`resolve_tracking_uri`).
+
+    A local SQLite store keeps its artifacts beside its database, in `mlartifacts/`, unless
+    `tracking.artifact_location` says otherwise: MLflow's own default, `./mlruns`, is a folder in
+    whichever directory the process happens to start in (a sweep trial's, Ray's package folder).
+    """
+    if not tracking.enabled:
+        return tracking.model_copy(update={"run_name": name})
+    uri = tracking_store_uri(tracking, root)
+    local = local_store_path(uri) if uri is not None else None
+    artifacts = tracking.artifact_location
+    if artifacts is not None:
+        artifacts = resolve_tracking_uri(artifacts, "tracking.artifact_location")
+    elif local is not None and local[0] == "sqlite:///":
+        artifacts = f"{Path(local[1]).parent}/mlartifacts"
+    return tracking.model_copy(update={"run_name": name, "tracking_uri": uri, "artifact_location": artifacts})
+
+
+def tracking_store_uri(tracking: TrackingConfig, root: str) -> str | None:
+    """The store the run logs to; None leaves MLflow to read a server's URI from MLFLOW_TRACKING_URI.
+
+    With no store given, it is `<root>/mlflow.db`; with the root on S3, MLflow's own default
+    (`./mlflow.db`), made absolute here, since a Ray job's working directory is deleted with its cluster.
+    """
+    if tracking.tracking_uri is not None:
+        return resolve_tracking_uri(tracking.tracking_uri, "tracking.tracking_uri")
+    if env := os.environ.get("MLFLOW_TRACKING_URI"):
+        resolved = resolve_tracking_uri(env, "MLFLOW_TRACKING_URI")
+        # A local store is pinned, absolute; a server's URI stays in the environment (it may hold credentials).
+        return resolved if local_store_path(resolved) is not None else None
+    if not root.startswith("s3://"):
+        return f"sqlite:///{root}/mlflow.db"
+    if in_ray_job():
+        raise ConfigError(
+            "tracking.tracking_uri: this Ray job stores the run on S3, and MLflow's default store would be "
+            "a file in Ray's package folder, deleted with the cluster; set tracking.tracking_uri (or "
+            "MLFLOW_TRACKING_URI) to a tracking server, or tracking.enabled=false")
+    return resolve_tracking_uri("sqlite:///mlflow.db", "tracking.tracking_uri")

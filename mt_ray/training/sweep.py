@@ -131,8 +131,8 @@ def run_sweep(base: dict[str, Any], space: list[Dimension], sweep: SweepConfig, 
     base = absolute_paths(base)
     cfg = validate_run_config(base)
     sweep = sweep.checked(cfg)
+    tracking = run_tracking_config(cfg.tracking, sweep.name, cfg.training.storage)  # refused before anything is written
     storage = SweepStorage(sweep.storage or f"{cfg.training.storage}/sweeps", sweep.name, cfg.checkpoint)
-    tracking = run_tracking_config(cfg.tracking, sweep.name, cfg.training.storage)
     base = pin_tracking(base, tracking)
     record = check_resume(storage, resume, base, space)
     tracker = MlflowTracker(tracking)
@@ -165,7 +165,10 @@ def absolute_paths(base: dict[str, Any]) -> dict[str, Any]:
 
 
 def pin_tracking(base: dict[str, Any], tracking: TrackingConfig) -> dict[str, Any]:
-    """`base` logging to the sweep's MLflow store, whatever storage root each trial gets."""
+    """`base` logging to the sweep's MLflow store, whatever storage root and working folder each trial gets.
+
+    `tracking` comes from `run_tracking_config`: its local store and artifact paths are already absolute.
+    """
     values = copy.deepcopy(base)
     if tracking.enabled:
         for key in ("tracking_uri", "artifact_location"):

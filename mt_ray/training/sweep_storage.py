@@ -34,7 +34,7 @@ class SweepStorage:
 
     def __init__(self, storage: str, name: str, checkpoint: CheckpointConfig):
         self.is_s3 = storage.startswith("s3://")
-        self.root = resolve_storage(storage)  # Tune's storage_path
+        self.root = resolve_storage(storage, "--storage")  # Tune's storage_path
         self.name = name
         self.uri = f"{self.root}/{name}"  # the experiment folder, as a URI
         self.filesystem = _s3_filesystem(checkpoint) if self.is_s3 else None

@@ -30,7 +30,7 @@ def step(state: dict | None, **engine_kw) -> tuple[float, dict, dict, float]:
             engine.load_random(seed=0)
         else:
             engine.load_state_dict(state)
-        before = engine.state_dict()
+        before = {n: w.clone() for n, w in engine.state_dict().items()}  # live views of the master: the step updates them
         ids = torch.randint(3, 96, (1, TOKENS), generator=torch.Generator().manual_seed(0))
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

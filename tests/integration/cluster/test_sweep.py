@@ -4,6 +4,7 @@ The sweep runs one trial at a time, so ASHA sees the trials in a fixed order and
 deterministic, stops the same ones on every run.
 """
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -21,14 +22,24 @@ from tests.integration.cluster.demo_sweep import DEMO, DEMO_OVERRIDES, SPACE, ST
 
 @pytest.fixture(scope="module")
 def sweep(local_ray, tmp_path_factory):
-    """A 4-trial sweep over optimizer.lr and optimizer.warmup_steps, tracked in SQLite, trials exporting their
-    model; returns (summary, store URI, tmp)."""
+    """A 4-trial sweep over optimizer.lr and optimizer.warmup_steps, trials exporting their model, tracked in
+    SQLite at a path relative to where it was launched (`sqlite:///sweep.db`, MLflow's documented form, as a
+    user writes it); returns (summary, store URI, tmp)."""
     tmp = tmp_path_factory.mktemp("sweep")
-    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    launched = tmp / "launched"
+    launched.mkdir()
     base = load_run_values(DEMO, [*DEMO_OVERRIDES, "training.export=true", f"training.storage={tmp}",
-                                  f"tracking.tracking_uri={uri}", "tracking.experiment=sweep"])
-    summary = run_sweep(base, load_space(SPACE, base), SweepConfig(samples=4, max_concurrent=1, name="demo"))
-    return summary, uri, tmp
+                                  "tracking.tracking_uri=sqlite:///sweep.db", "tracking.experiment=sweep"])
+    with contextlib.chdir(launched):  # each trial runs in a folder of Ray's, where sweep.db would be another file
+        summary = run_sweep(base, load_space(SPACE, base), SweepConfig(samples=4, max_concurrent=1, name="demo"))
+    return summary, f"sqlite:///{launched / 'sweep.db'}", tmp
+
+
+def test_every_trial_logs_to_the_one_store_where_the_sweep_was_launched(sweep):
+    _, _, tmp = sweep
+    # The store the user named and its artifacts beside it; no ./mlruns, and no other MLflow database anywhere.
+    assert sorted(p.name for p in (tmp / "launched").iterdir()) == ["mlartifacts", "sweep.db"]
+    assert [p.relative_to(tmp) for p in tmp.rglob("*.db")] == [Path("launched/sweep.db")]
 
 
 def child_runs(client, parent_id: str) -> list:

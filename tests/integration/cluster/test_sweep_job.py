@@ -65,3 +65,17 @@ def test_a_submitted_sweep_killed_after_two_trials_resumes_without_redoing_them(
     assert {p: after[p] for p in kept} == kept  # the finished trials were not run again
     for name in killed:  # a trial killed mid-run continued from its newest checkpoint
         assert f"resuming run {name} from {trials / name}/checkpoints/step-" in logs
+
+
+def test_a_submitted_sweep_with_a_relative_tracking_uri_is_refused_with_the_absolute_form(ray_head, tmp_path):
+    """Under `ray job submit` the working directory is Ray's copy of the package: `sqlite:///sweep.db` would be a
+    file there, deleted with the cluster, and each trial's run another file in its own folder."""
+    command = [sys.executable, "-m", "jobs.sweep", "--config", DEMO, "--space", SPACE, "--samples", "2",
+               "--storage", str(tmp_path / "sweeps"), *DEMO_OVERRIDES, f"training.storage={tmp_path}",
+               "tracking.tracking_uri=sqlite:///sweep.db"]
+    ray_head.submit("relative-uri", command, ENV)
+    logs = ray_head.logs("relative-uri", follow=True)
+    assert "FAILED" in ray_head.status("relative-uri").upper(), logs[-3000:]
+    assert ("error: tracking.tracking_uri: 'sweep.db' is a relative path, and this is a Ray job" in logs
+            and "e.g. tracking.tracking_uri=sqlite:///$PWD/sweep.db" in logs), logs[-3000:]
+    assert not (tmp_path / "sweeps").exists()  # refused before anything was written

@@ -1,12 +1,14 @@
-"""Kill training with SIGKILL at random steps, resume from S3 each time: the final weights are
-bit-identical to a run that never stopped, and the run is one MLflow run whose loss curve is that run's."""
+"""Kill training with SIGKILL at chosen steps, resume from S3 each time: the final weights are
+bit-identical to a run that never stopped, and the run is one MLflow run whose loss curve is that run's.
+
+Each killed attempt kills itself right after its checkpoint of the chosen step is on S3
+(`kill_after_checkpoint`), so the kills land at those steps however fast or loaded the machine is.
+"""
 
 import os
-import random
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
@@ -15,9 +17,12 @@ from mlflow import MlflowClient
 
 from mt_ray.tracking import CheckpointConfig, CheckpointManager
 from mt_ray.tracking.ckpt_s3 import build_s3_client
+from tests.conftest import ROOT
 from tests.integration.tracking.servers import moto_server
 
 STEPS = 10
+# Each attempt resumes from the previous kill's checkpoint; 2 then 3: killed again one step after a resume.
+KILL_AFTER = (2, 3, 7)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +40,11 @@ def s3(tmp_path_factory):
         os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
-def command(url: str, storage: str, name: str, tmp_path) -> list[str]:
-    return [sys.executable, "-m", "jobs.train", f"training.steps={STEPS}", "checkpoint.every_steps=1",
+def command(url: str, storage: str, name: str, tmp_path, kill_after: int | None = None) -> list[str]:
+    """`jobs.train` of this test's run; with `kill_after`, one that SIGKILLs itself after that step's checkpoint."""
+    entry = ["jobs.train"] if kill_after is None else ["tests.integration.tracking.kill_after_checkpoint",
+                                                       str(kill_after)]
+    return [sys.executable, "-m", *entry, f"training.steps={STEPS}", "checkpoint.every_steps=1",
             f"training.storage={storage}", f"training.run_name={name}", f"checkpoint.endpoint_url={url}",
             "checkpoint.region=us-east-1", f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
             f"tracking.artifact_location={tmp_path / 'mlartifacts'}", "training.export=false", "engine.device=cpu",
@@ -44,9 +52,10 @@ def command(url: str, storage: str, name: str, tmp_path) -> list[str]:
             "training.log_every=1"]
 
 
-def run(cmd: list[str], cwd) -> None:
-    done = subprocess.run(cmd, cwd=cwd, timeout=600, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+def run(cmd: list[str], cwd) -> subprocess.CompletedProcess:
+    """Run `cmd` with this checkout's packages (not an installed copy), wherever `cwd` is."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    return subprocess.run(cmd, cwd=cwd, env=env, timeout=600, capture_output=True, text=True)
 
 
 def manager(url: str, uri: str) -> CheckpointManager:
@@ -62,27 +71,16 @@ def test_sigkill_and_resume_from_s3_is_exact(s3, tmp_path):
     url, bucket = s3
     storage = f"s3://{bucket}/runs"
     ref_uri, run_uri = f"{storage}/reference/checkpoints", f"{storage}/killed/checkpoints"
-    run(command(url, storage, "reference", tmp_path), tmp_path)
+    done = run(command(url, storage, "reference", tmp_path), tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
 
-    rng = random.Random(0)
-    kills = 0
-    for target in sorted(rng.sample(range(2, STEPS - 1), 3)):
-        start = checkpoint_step(manager(url, run_uri).latest())
-        proc = subprocess.Popen(command(url, storage, "killed", tmp_path), cwd=tmp_path, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            # Killed once this attempt has saved a checkpoint of its own: it has resumed (and logged it) by then,
-            # even where a slow poll let the last attempt save past this target.
-            latest = checkpoint_step(manager(url, run_uri).latest())
-            if latest >= target and latest > start:
-                os.killpg(proc.pid, signal.SIGKILL)
-                kills += 1
-                break
-            time.sleep(0.2)
-        proc.wait()
-    assert kills >= 2
-    run(command(url, storage, "killed", tmp_path), tmp_path)
+    for target in KILL_AFTER:
+        killed = run(command(url, storage, "killed", tmp_path, kill_after=target), tmp_path)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        assert checkpoint_step(manager(url, run_uri).latest()) == target
+    done = run(command(url, storage, "killed", tmp_path), tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resuming run killed from {storage}/killed/checkpoints/step-{KILL_AFTER[-1]:08d}" in done.stdout + done.stderr
 
     ref, ref_meta = manager(url, ref_uri).load()
     got, got_meta = manager(url, run_uri).load()
@@ -102,4 +100,4 @@ def test_sigkill_and_resume_from_s3_is_exact(s3, tmp_path):
     assert {m.step for m in killed} == set(reference) == set(range(1, STEPS + 1))
     assert all(m.value == reference[m.step] for m in killed)
     resumes = client.get_metric_history(runs["killed"].info.run_id, "resumed_at_step")
-    assert len(resumes) == kills and all(m.value == m.step for m in resumes)
+    assert [(m.step, m.value) for m in resumes] == [(step, step) for step in KILL_AFTER]

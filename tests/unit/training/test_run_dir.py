@@ -58,3 +58,36 @@ def test_the_default_mlflow_store_is_in_the_storage_root(tmp_path, monkeypatch):
     monkeypatch.setenv(RAY_JOB_ENV, "{}")
     with pytest.raises(ConfigError, match=r"tracking\.tracking_uri: this Ray job stores the run on S3"):
         RunDir(load_run_config(None, ["training.storage=s3://bucket/runs"]))
+
+
+@pytest.mark.parametrize(("given", "resolved"), [
+    ("sqlite:///sweep.db", "sqlite:///{cwd}/sweep.db"), ("sqlite:///{cwd}/abs.db", "sqlite:///{cwd}/abs.db"),
+    ("file:store", "file://{cwd}/store"), ("file:///{cwd}/store", "file://{cwd}/store"), ("./store", "{cwd}/store"),
+    ("http://mlflow:5000", "http://mlflow:5000"), ("databricks", "databricks")])
+def test_a_relative_tracking_uri_resolves_where_the_command_was_launched(tmp_path, monkeypatch, given, resolved):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(RAY_JOB_ENV, raising=False)
+    cwd = str(tmp_path.resolve())
+    tracking = RunDir(load_run_config(None, [f"training.storage={tmp_path}",
+                                             f"tracking.tracking_uri={given.format(cwd=cwd)}"])).tracking_config
+    assert tracking.tracking_uri == resolved.format(cwd=cwd)
+    # A local SQLite store keeps its artifacts beside the database, never in a ./mlruns of the working directory.
+    beside = f"{cwd}/mlartifacts" if given.startswith("sqlite:///") else None
+    assert tracking.artifact_location == beside
+
+
+def test_relative_tracking_paths_are_refused_under_a_ray_job_with_the_absolute_form(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(RAY_JOB_ENV, "{}")
+    storage = f"training.storage={tmp_path}"
+    with pytest.raises(ConfigError, match=r"tracking\.tracking_uri: 'sweep\.db' is a relative path, and this is a Ray "
+                                          r"job.*e\.g\. tracking\.tracking_uri=sqlite:///\$PWD/sweep\.db"):
+        RunDir(load_run_config(None, [storage, "tracking.tracking_uri=sqlite:///sweep.db"]))
+    with pytest.raises(ConfigError, match=r"tracking\.artifact_location: 'arts' is a relative path.*"
+                                          r"tracking\.artifact_location=\$PWD/arts"):
+        RunDir(load_run_config(None, [storage, "tracking.artifact_location=arts"]))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///env.db")
+    with pytest.raises(ConfigError, match=r"MLFLOW_TRACKING_URI: 'env\.db' is a relative path"):
+        RunDir(load_run_config(None, [storage]))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/env.db")  # absolute: pinned in the config
+    assert RunDir(load_run_config(None, [storage])).tracking_config.tracking_uri == f"sqlite:///{tmp_path}/env.db"

@@ -13,7 +13,7 @@ from mt_ray.config.run import load_run_config, load_run_values  # noqa: E402
 from mt_ray.config.sweep import SweepConfig, build_space  # noqa: E402
 from mt_ray.errors import ConfigError  # noqa: E402
 from mt_ray.tracking import CheckpointConfig, TrackingConfig  # noqa: E402
-from mt_ray.training.run_dir import run_tracking_config  # noqa: E402
+from mt_ray.training.run_dir import RAY_JOB_ENV, run_tracking_config  # noqa: E402
 from mt_ray.training.sweep import (  # noqa: E402
     TrialPlan,
     absolute_paths,
@@ -34,6 +34,15 @@ def test_storage_that_cannot_be_written_is_refused_with_the_fix(tmp_path):
     with pytest.raises(ConfigError, match=rf"sweep storage {blocker}/s is not writable \(.*\); pass a --storage folder "
                                           "you can write to, or s3://bucket/prefix"):
         SweepStorage(str(blocker), "s", CheckpointConfig())
+
+
+def test_relative_sweep_storage_is_refused_under_a_ray_job_naming_the_flag(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(RAY_JOB_ENV, "{}")
+    with pytest.raises(ConfigError, match=r"--storage: 'sweeps' is a relative path, and this is a Ray job.*"
+                                          r"e\.g\. --storage=\$PWD/sweeps"):
+        SweepStorage("sweeps", "s", CheckpointConfig())
+    assert not (tmp_path / "sweeps").exists()
 
 
 def test_resume_only_the_same_sweep(tmp_path):
