@@ -123,11 +123,27 @@ def layer_hidden(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-class _EmbeddingFeed(nn.Module):
+class _StandIn(nn.Module):
+    """Base of the modules put into the body in place of its own: an attribute the stand-in lacks is read off
+    the (weightless) module it replaces, so a body reading `block_type` (NemotronH), `attention_type` or an
+    embedding's `.weight` (Llama 4) finds what it would find on the real module."""
+
+    def __init__(self, original: nn.Module):
+        super().__init__()
+        self.__dict__["_original"] = original  # not a submodule: its meta parameters must not show
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_original"], name)
+
+
+class _EmbeddingFeed(_StandIn):
     """Stands in for the input embedding: returns the output the engine computed with its weights."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, original: nn.Module):
+        super().__init__(original)
         self.pending: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -144,31 +160,58 @@ class _ImageFeatures:
         return self.pending
 
 
-class _RecordingLayer(nn.Module):
-    """Stands in for decoder layer `index`: records its call, returns the input unchanged."""
+class _Handed:
+    """What a stand-in returns beside the hidden state (the real layer's attention weights, its top-k indices, ...):
+    a marker, so that a body handing it to the next layer shows (`LayerContextBuilder._record` refuses it)."""
+
+    def __init__(self, index: int, position: int):
+        self.index, self.position = index, position
+
+
+class _RecordingLayer(_StandIn):
+    """Stands in for decoder layer `index`: records its call (every argument by name, positional ones
+    too), returns the input unchanged in the shape the real layer returns (a tuple of as many values as
+    its annotation names: Bamba unpacks two, GLM-MoE-DSA hands its second to the next layer)."""
 
     def __init__(self, index: int, log: dict[int, tuple[torch.Tensor, LayerKwargs]], template: nn.Module):
-        super().__init__()
+        super().__init__(template)
         self.index = index
         self.log = log
-        # Bodies index a layer's output when the layer returns a tuple (Falcon-H1): return the same kind.
-        self.returns_tuple = returns_tuple(template)
-        # Bodies read attributes such as `attention_type` off their layers; mirror them.
-        for attr in ("attention_type", "layer_type", "is_sliding"):
-            if hasattr(template, attr):
-                setattr(self, attr, getattr(template, attr))
+        self.arity = returned_values(template)
+        self.signature = inspect.signature(type(template).forward)
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor | tuple:
-        if args:
-            raise TypeError("decoder layers are expected to take their context as keyword arguments")
-        self.log[self.index] = (hidden_states, kwargs)
-        return (hidden_states,) if self.returns_tuple else hidden_states
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor | tuple:
+        named = self.signature.bind(self._original, *args, **kwargs).arguments
+        named.pop(next(iter(self.signature.parameters)))  # self
+        for name, p in self.signature.parameters.items():
+            if name in named and p.kind is p.VAR_KEYWORD:
+                named.update(named.pop(name))
+            elif name in named and p.kind is p.VAR_POSITIONAL:
+                raise TypeError("decoder layers are expected to take their context as named arguments")
+        hidden_states = named.pop(next(iter(named)))
+        self.log[self.index] = (hidden_states, named)
+        if self.arity is None:
+            return hidden_states
+        return (hidden_states, *(_Handed(self.index, k) for k in range(1, self.arity)))
 
 
 def returns_tuple(layer: nn.Module) -> bool:
+    return returned_values(layer) is not None
+
+
+def returned_values(layer: nn.Module) -> int | None:
+    """How many values the layer's forward returns by its annotation: None for a tensor, else the tuple's length
+    (1 where it is open-ended, `tuple[torch.Tensor, ...]`: bodies then index its first)."""
     annotation = inspect.signature(type(layer).forward).return_annotation
     text = annotation if isinstance(annotation, str) else repr(annotation)
-    return re.match(r"(typing\.)?tuple\b", text, re.IGNORECASE) is not None
+    found = re.match(r"(typing\.)?tuple\[(.*)\]$", text.strip(), re.IGNORECASE)
+    if found is None:
+        return 1 if re.match(r"(typing\.)?tuple\b", text, re.IGNORECASE) else None
+    depth, parts = 0, 1
+    for ch in found.group(2):
+        depth += ch in "[(" and 1 or ch in "])" and -1 or 0
+        parts += ch == "," and depth == 0
+    return 1 if "..." in found.group(2) else parts
 
 
 class LayerContextBuilder:
@@ -183,10 +226,12 @@ class LayerContextBuilder:
         # A shallow copy of the body with a feed for the embedding, stubs in place of layers and an
         # identity final norm: the skeleton itself stays intact for export and templates.
         self.body = shallow_copy(body)
-        self.feed = _EmbeddingFeed()
+        self.feed = _EmbeddingFeed(embed)
         self.body._modules[next(n for n, c in body.named_children() if c is embed)] = self.feed
         self.body._modules[spec.layers_attr] = stubs
-        self.body._modules[spec.norm_attr] = nn.Identity()
+        norm = getattr(body, spec.norm_attr)
+        if any(True for _ in norm.parameters()):  # a parameterless norm (NanoChat's, also run before the layers) stays
+            self.body._modules[spec.norm_attr] = nn.Identity()
         self.vision = spec.vision
         self.images = _ImageFeatures()
         self.injected: tuple[torch.Tensor, list[torch.Tensor]] | None = None
@@ -310,13 +355,27 @@ class LayerContextBuilder:
                 f"'{self.model_type}': its body changes the hidden state between decoder layers {changed[0] - 1} and "
                 f"{changed[0]}, which mt-ray does not replay; this family cannot be trained yet"
             )
+        handed = [(i, k) for i in range(self.num_layers) for k, v in self.log[i][1].items() if _holds_handed(v)]
+        if handed:
+            raise ModelNotSupportedError(
+                f"'{self.model_type}': its body hands what decoder layer {handed[0][0] - 1} returns beside the hidden "
+                f"state to the next layer (`{handed[0][1]}`), which mt-ray does not replay; this family cannot be "
+                "trained yet"
+            )
         h0 = self.log[0][0]
         per_layer = [dict(self.log[i][1]) for i in range(self.num_layers)]
         for kw in per_layer:
             kw.pop("past_key_values", None)
-            kw["use_cache"] = False
+            if "use_cache" in kw:
+                kw["use_cache"] = False
         self.log.clear()
         return h0, per_layer
+
+
+def _holds_handed(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_holds_handed(v) for v in value)
+    return isinstance(value, _Handed)
 
 
 def _takes_deepstack(body: nn.Module) -> bool:
