@@ -32,6 +32,7 @@ through. Any other change between layers is refused: the engine would not replay
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +44,10 @@ from torch import nn
 
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.discovery import ModelSpec, meta_free_buffers_to
+from mt_ray.models.packing_probe import packed_differs
 from mt_ray.models.varlen import takes_document_bounds
+
+logger = logging.getLogger(__name__)
 
 LayerKwargs = dict[str, Any]
 Span = tuple[int, int]  # [start, end) of one document in the flattened [B*T] batch
@@ -247,7 +251,8 @@ class LayerContextBuilder:
         self.num_layers = len(layers)
         self.model_type = spec.config.model_type
         self.bounds_not_masks = takes_document_bounds(spec.config._attn_implementation)
-        self.isolate_documents = spec.isolate_documents or not self._masks_keep_documents_apart(spec, device)
+        exact = self._packed_rows_exact(spec, device)  # also runs the body around the stand-ins once
+        self.isolate_documents = spec.isolate_documents or not exact
         if self.isolate_documents and spec.vision is not None:
             raise ModelNotSupportedError(
                 f"'{spec.config.model_type}': its documents must run through the layers one at a time, which "
@@ -292,18 +297,23 @@ class LayerContextBuilder:
             self.injected = (visual_pos_masks, deepstack_visual_embeds)
         return forward(*args, **kwargs)
 
-    def _masks_keep_documents_apart(self, spec: ModelSpec, device: torch.device) -> bool:
-        """Probe: does every layer's attention mask for the row [doc 0 0, doc 1 1] stop token 2 from
-        seeing token 1? Backends that take document bounds are given the engine's own."""
-        if self.bounds_not_masks:
-            return True
-        embeds = torch.zeros(1, 4, spec.skeleton.get_input_embeddings().weight.shape[-1], device=device)
-        ids = torch.zeros(1, 4, dtype=torch.long, device=device)
-        positions = torch.tensor([[0, 1, 0, 1]], device=device)
-        if self.vision is not None and self.vision.rope_index:
-            positions = positions.expand(4, 1, 4)  # text-only rows: every rotary axis follows the text position
-        _, per_layer = self._record(embeds, ids, positions)
-        return all(_blocks(kw["attention_mask"], 2, 1) for kw in per_layer if "attention_mask" in kw)
+    def _packed_rows_exact(self, spec: ModelSpec, device: torch.device) -> bool:
+        """Whether a packed row's documents reach the layers as they would alone (`packing_probe`)."""
+        rope_axes = 4 if self.vision is not None and self.vision.rope_index else 0
+        hidden = spec.skeleton.get_input_embeddings().weight.shape[-1]
+        try:
+            differs = packed_differs(lambda *row: self._record(*row)[1], spec.config, hidden, device, rope_axes,
+                                     masks=not self.bounds_not_masks)
+        except (TypeError, ValueError) as e:  # the body cannot run around the stand-ins
+            raise ModelNotSupportedError(
+                f"'{self.model_type}': its body does not run with mt-ray's layer stand-ins ({type(e).__name__}: {e}); "
+                "its decoder layers do not return what their annotation says, or take unnamed arguments; this "
+                "family cannot be trained yet"
+            ) from None
+        if differs is not None:
+            logger.info("'%s': %s differs for a document packed after another, so each document runs alone",
+                        self.model_type, differs)
+        return differs is None
 
     def rope_positions(self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
                        image_grid_thw: torch.Tensor | None) -> torch.Tensor | None:
@@ -382,17 +392,6 @@ def _takes_deepstack(body: nn.Module) -> bool:
     """Qwen3-VL's language model takes features to add at the image tokens after its first layers (deepstack)."""
     params = inspect.signature(type(body).forward).parameters
     return {"visual_pos_masks", "deepstack_visual_embeds"} <= params.keys() and hasattr(body, "_deepstack_process")
-
-
-def _blocks(mask: Any, query: int, key: int) -> bool:
-    """Whether `mask` (None, a boolean or additive 4-D tensor, or a flex BlockMask) stops `query` seeing `key`."""
-    if mask is None:
-        return False
-    if hasattr(mask, "mask_mod"):  # flex attention's BlockMask: ask its mask function
-        idx = [torch.tensor(v, device=mask.kv_indices.device) for v in (0, 0, query, key)]
-        return not bool(mask.mask_mod(*idx))
-    allowed = mask[0, 0, query, key]
-    return not bool(allowed) if allowed.dtype == torch.bool else bool(allowed <= torch.finfo(allowed.dtype).min / 2)
 
 
 def document_spans(position_ids_BT: torch.Tensor) -> list[Span]:

@@ -349,11 +349,10 @@ def _find_final_norm(base: nn.Module, embed: nn.Module, layers_attr: str, model_
         name: c for name, c in base.named_children()
         if c is not embed and name != layers_attr and any(True for _ in c.parameters())
     }
-    beside_embedding = [n for n, c in rest.items() if isinstance(c, nn.Embedding) or "emb" in n or "pos" in n]
-    if len(rest) == 1 and not beside_embedding:
+    if len(rest) == 1 and _is_norm(next(iter(rest.values()))):
         return next(iter(rest))
     if not rest:
-        norms = [name for name, c in base.named_children() if "norm" in type(c).__name__.lower()]
+        norms = [name for name, c in base.named_children() if _is_norm(c)]
         if len(norms) == 1:
             return norms[0]
     raise ModelNotSupportedError(
@@ -361,6 +360,11 @@ def _find_final_norm(base: nn.Module, embed: nn.Module, layers_attr: str, model_
         f"({type(base).__name__}: {sorted(rest) or 'no final norm'}; learned position embeddings, an embedding "
         "norm or a head before the LM head), which mt-ray does not stream; this family cannot be trained yet"
     )
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A norm by its class (`LayerNorm`, `Lfm2RMSNorm`, ...); a position embedding is not one."""
+    return "norm" in type(module).__name__.lower() and not isinstance(module, nn.Embedding)
 
 
 def _reject_unknown_parameters(
