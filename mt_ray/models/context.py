@@ -164,6 +164,10 @@ class _ImageFeatures:
         return self.pending
 
 
+class _HiddenChanged(ModelNotSupportedError):
+    """The body changes the hidden state between two layers (or a stand-in returned what it does not take)."""
+
+
 class _Handed:
     """What a stand-in returns beside the hidden state (the real layer's attention weights, its top-k indices, ...):
     a marker, so that a body handing it to the next layer shows (`LayerContextBuilder._record` refuses it)."""
@@ -182,6 +186,7 @@ class _RecordingLayer(_StandIn):
         self.index = index
         self.log = log
         self.arity = returned_values(template)
+        self.annotated = inspect.signature(type(template).forward).return_annotation is not inspect.Signature.empty
         self.signature = inspect.signature(type(template).forward)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor | tuple:
@@ -225,7 +230,7 @@ class LayerContextBuilder:
         self.log: dict[int, tuple[torch.Tensor, LayerKwargs]] = {}
         body = spec.base
         layers = getattr(body, spec.layers_attr)
-        stubs = nn.ModuleList(_RecordingLayer(i, self.log, layer) for i, layer in enumerate(layers))
+        self.stubs = stubs = nn.ModuleList(_RecordingLayer(i, self.log, layer) for i, layer in enumerate(layers))
         embed = spec.skeleton.get_input_embeddings()
         # A shallow copy of the body with a feed for the embedding, stubs in place of layers and an
         # identity final norm: the skeleton itself stays intact for export and templates.
@@ -251,6 +256,7 @@ class LayerContextBuilder:
         self.num_layers = len(layers)
         self.model_type = spec.config.model_type
         self.bounds_not_masks = takes_document_bounds(spec.config._attn_implementation)
+        self._fit_unannotated_stand_ins(spec, device)
         exact = self._packed_rows_exact(spec, device)  # also runs the body around the stand-ins once
         self.isolate_documents = spec.isolate_documents or not exact
         if self.isolate_documents and spec.vision is not None:
@@ -297,6 +303,28 @@ class LayerContextBuilder:
             self.injected = (visual_pos_masks, deepstack_visual_embeds)
         return forward(*args, **kwargs)
 
+    def _fit_unannotated_stand_ins(self, spec: ModelSpec, device: torch.device) -> None:
+        """Layers whose forward has no return annotation (Falcon's, RWKV's): their stand-ins return what the body
+        takes, found by trying a tensor, then tuples of 1 to 4 values (the first the hidden state)."""
+        unknown = [s for s in self.stubs if not s.annotated]
+        if not unknown:
+            return
+        hidden = spec.skeleton.get_input_embeddings().weight.shape[-1]
+        row = (torch.zeros(1, 2, hidden, device=device), torch.zeros(1, 2, dtype=torch.long, device=device),
+               torch.arange(2, device=device)[None])
+        for arity in (None, 1, 2, 3, 4):
+            for stub in unknown:
+                stub.arity = arity
+            try:
+                self._record(*row)
+                return
+            except _HiddenChanged:
+                continue
+            except ModelNotSupportedError:
+                return  # a refusal the probe repeats
+            except (TypeError, ValueError, IndexError):
+                continue
+
     def _packed_rows_exact(self, spec: ModelSpec, device: torch.device) -> bool:
         """Whether a packed row's documents reach the layers as they would alone (`packing_probe`)."""
         rope_axes = 4 if self.vision is not None and self.vision.rope_index else 0
@@ -304,6 +332,8 @@ class LayerContextBuilder:
         try:
             differs = packed_differs(lambda *row: self._record(*row)[1], spec.config, hidden, device, rope_axes,
                                      masks=not self.bounds_not_masks)
+        except ModelNotSupportedError:
+            raise
         except (TypeError, ValueError) as e:  # the body cannot run around the stand-ins
             raise ModelNotSupportedError(
                 f"'{self.model_type}': its body does not run with mt-ray's layer stand-ins ({type(e).__name__}: {e}); "
@@ -361,7 +391,7 @@ class LayerContextBuilder:
         # it is): a layer that receives anything else received what the body itself changed.
         changed = [i for i in range(1, self.num_layers) if layer_hidden(self.log[i][0]) is not self.log[i - 1][0]]
         if changed:
-            raise ModelNotSupportedError(
+            raise _HiddenChanged(
                 f"'{self.model_type}': its body changes the hidden state between decoder layers {changed[0] - 1} and "
                 f"{changed[0]}, which mt-ray does not replay; this family cannot be trained yet"
             )

@@ -90,10 +90,14 @@ def _plain(v: Any) -> bool:
 
 
 def _mask_same(p: Any, q: Any, a: int) -> bool:
-    """B's queries in the packed mask see no key of A and B's keys as B's mask alone lets them."""
+    """B's queries in the packed mask see no key of A and B's keys as B's mask alone lets them.
+
+    A mask of another convention (MPT's, True where blocked) shows as a token not seeing itself: it
+    cannot be read, so it counts as differing."""
     packed = _allowed(p, a + _B, range(a, a + _B))
     alone = _allowed(q, _B, range(_B))
-    return not packed[:, :a].any() and torch.equal(packed[:, a:], alone)
+    readable = bool(alone.diagonal().all())
+    return readable and not packed[:, :a].any() and torch.equal(packed[:, a:], alone)
 
 
 def _allowed(mask: Any, T: int, queries: range) -> torch.Tensor:
