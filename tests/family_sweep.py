@@ -52,7 +52,7 @@ _SIZES: dict[str, object] = dict(
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
     linear_conv_kernel_dim=4, linear_num_heads=4, linear_head_dim=8, mamba_d_state=8, mamba_n_heads=4,
     mamba_d_head=8, mamba_chunk_size=8, mamba_d_ssm=32, mamba_headdim=8, mamba_head_dim=8, mamba_num_heads=4,
-    mamba_n_groups=1, mamba_ngroups=1, n_groups=1, state_size=8, ssm_state_size=8, chunk_size=8, time_step_rank=8,
+    mamba_expand=1, mamba_n_groups=1, mamba_ngroups=1, n_groups=1, state_size=8, ssm_state_size=8, chunk_size=8, time_step_rank=8,
     mamba_dt_rank=8,
     # windows shorter than a document, so they bite
     sliding_window=4, attention_chunk_size=4, sliding_window_size=4, attention_window_size=4,
@@ -60,10 +60,18 @@ _SIZES: dict[str, object] = dict(
     rotary_dim=4, decoder_attention_heads=4, encoder_attention_heads=4, decoder_ffn_dim=64, encoder_ffn_dim=64,
     decoder_layers=LAYERS, encoder_layers=LAYERS, num_encoder_layers=LAYERS, num_decoder_layers=LAYERS,
 )
+_DERIVED = ("head_dim",)  # None in some defaults (derived from the hidden size), yet read as it is by the model
 _ZEROED = ("dropout", "pdrop", "jitter", "layerdrop")  # training-time noise: the reference must be deterministic
 
 # Per family: what its tiny model needs beyond the scaled sizes (each line says why).
-FAMILY_OVERRIDES: dict[str, dict] = {}
+FAMILY_OVERRIDES: dict[str, dict] = {
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # one layer of each kind; the default lists 24
+    "mamba2": {"num_heads": 8},  # heads x head_dim = expand x hidden
+    "reformer": {"is_decoder": True},  # its causal-LM class requires it
+    # two hybrid layers, so that they share the one transformer block; its attention is twice the hidden size wide
+    "zamba2": {"num_hidden_layers": 4, "layer_types": ["linear_attention", "hybrid"] * 2, "head_dim": 16,
+               "attention_head_dim": 16},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +112,8 @@ def _settable(config: PretrainedConfig, key: str) -> bool:
 
 
 def _scaled(config: PretrainedConfig) -> dict:
-    kw = {k: v for k, v in _SIZES.items() if getattr(config, k, None) is not None and _settable(config, k)}
+    kw = {k: v for k, v in _SIZES.items()
+          if (getattr(config, k, None) is not None or k in _DERIVED) and hasattr(config, k) and _settable(config, k)}
     if getattr(config, "kv_lora_rank", None) is not None:  # MLA: every head has its own keys and values
         kw["num_key_value_heads"] = kw["num_attention_heads"]
     for k, v in config.to_dict().items():
@@ -243,7 +252,9 @@ def families_table(mappings: dict[str, dict[str, Outcome]]) -> str:
     """The README's families section between its markers, from the sweep's outcomes."""
     lines = [README_START]
     for mapping, outcomes in mappings.items():
-        by = lambda s: sorted(t for t, o in outcomes.items() if o.status == s)  # noqa: E731
+        def by(status: str, outcomes: dict[str, Outcome] = outcomes) -> list[str]:
+            return sorted(t for t, o in outcomes.items() if o.status == status)
+
         alone = {t for t, o in outcomes.items() if o.status == "matched" and o.reason}
         matched = ", ".join(f"`{t}`" + ("*" if t in alone else "") for t in by("matched"))
         lines += ["", f"**{mapping}** (`{summary_line(outcomes)}`)", "",

@@ -218,6 +218,7 @@ def discover(model: str | PretrainedConfig | dict, freeze_vision_tower: bool = T
 
     names = {id(m): n for n, m in skeleton.named_modules()}
     layers = getattr(base, layers_attr)
+    _reject_weights_tied_between_layers(skeleton, head, names)
     layer_kinds: dict[str, nn.Module] = {}
     units = _vision_units(vision, freeze_vision_tower, freeze_multi_modal_projector) if vision else []
     units.append(UnitSpec("embed", _params(embed, names[id(embed)]), "embed"))
@@ -360,6 +361,19 @@ def _find_final_norm(base: nn.Module, embed: nn.Module, layers_attr: str, model_
         f"({type(base).__name__}: {sorted(rest) or 'no final norm'}; learned position embeddings, an embedding "
         "norm or a head before the LM head), which mt-ray does not stream; this family cannot be trained yet"
     )
+
+
+def _reject_weights_tied_between_layers(skeleton: nn.Module, head: nn.Module, names: dict[int, str]) -> None:
+    """Zamba's and Zamba2's shared transformer block is one set of weights inside several layers (transformers
+    ties them, `save_pretrained` stores them once): streamed per layer they would train as separate copies."""
+    head_weight = f"{names[id(head)]}.weight"
+    tied = {t: s for t, s in (getattr(skeleton, "all_tied_weights_keys", None) or {}).items() if t != head_weight}
+    if tied:
+        target, source = next(iter(tied.items()))
+        raise ModelNotSupportedError(
+            f"'{skeleton.config.model_type}' ties weights between decoder layers ({len(tied)} tensors, e.g. {target} "
+            f"is {source}), which mt-ray would train as separate copies; this family cannot be trained yet"
+        )
 
 
 def _is_norm(module: nn.Module) -> bool:
