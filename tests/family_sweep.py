@@ -63,11 +63,54 @@ _SIZES: dict[str, object] = dict(
 _DERIVED = ("head_dim",)  # None in some defaults (derived from the hidden size), yet read as it is by the model
 _ZEROED = ("dropout", "pdrop", "jitter", "layerdrop")  # training-time noise: the reference must be deterministic
 
+# Gemma 4's global layers have their own head width (per-layer config), 512 in the default
+_GEMMA4_TEXT = dict(head_dim=8, global_head_dim=16, layer_types=["sliding_attention", "full_attention"])
+# a drafter on a Gemma 4 text model without per-layer inputs (the default has no text config)
+_GEMMA4_ASSISTANT = dict(backbone_hidden_size=32, num_centroids=8, centroid_intermediate_top_k=2, text_config=dict(
+    model_type="gemma4_text", vocab_size=SWEEP_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=4,
+    hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, **_GEMMA4_TEXT))
+# the sparse-attention indexer is off (None) in the default but its layers are built with it
+_QWEN4_EXP = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4,
+                  indexer_compress_ratio=2, hc_lowrank=8, split_ngram_parts=4)
+# rotary halves of 8-wide heads (the default's [22, 22, 20] fits 128)
+_COMPASS_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
+                 "full_attention": None}
+
 # Per family: what its tiny model needs beyond the scaled sizes (each line says why).
 FAMILY_OVERRIDES: dict[str, dict] = {
+    # released checkpoints carry the rope_theta and clip_qkv its attention reads (the default lacks them);
+    # and the experts' width follows d_model as the config is built, before hidden_size is mapped onto it
+    "dbrx": {"d_model": 32, "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+             "ffn_config": {"ffn_hidden_size": 64, "moe_top_k": 2}},
+    "deepseek_v2": {"num_experts_per_tok": 2},  # None in the default, read as the router's top-k
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2},  # None in the default
+    # a sliding layer with rotary positions and a NoPE global layer, as the released checkpoint has
+    "cohere_compass_text": {"layer_types": ["sliding_attention", "full_attention"], "rope_parameters": _COMPASS_ROPE},
+    "gemma3n_text": {"layer_types": ["sliding_attention", "full_attention"] * 2, "num_hidden_layers": 4,
+                     "num_kv_shared_layers": 2, "laurel_rank": 4, "altup_num_inputs": 2,
+                     "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0], "intermediate_size": 64},
+    "gemma4": {"text_config": _GEMMA4_TEXT},
+    "gemma4_assistant": _GEMMA4_ASSISTANT,
+    "gemma4_text": _GEMMA4_TEXT,
+    "gemma4_unified": {"text_config": _GEMMA4_TEXT},
+    "gemma4_unified_assistant": {**_GEMMA4_ASSISTANT, "text_config": {
+        **_GEMMA4_ASSISTANT["text_config"], "model_type": "gemma4_unified_text"}},
+    "gemma4_unified_text": _GEMMA4_TEXT,
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # one layer of each kind; the default lists 24
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # one MoE layer of each kind
     "mamba2": {"num_heads": 8},  # heads x head_dim = expand x hidden
-    "reformer": {"is_decoder": True},  # its causal-LM class requires it
+    "nemotron": {"num_key_value_heads": 2},  # None in the default, read as a number
+    "qwen4_exp": _QWEN4_EXP,
+    "qwen4_exp_text": _QWEN4_EXP,
+    # its causal-LM class requires is_decoder; axial position embeddings must sum to the hidden size
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [16, 16], "axial_pos_shape": [8, 8],
+                 "attention_head_size": 8, "feed_forward_size": 64, "attn_layers": ["local", "lsh"],
+                 "local_attn_chunk_length": 4, "lsh_attn_chunk_length": 4, "num_buckets": 2},
+    "xlnet": {"d_head": 8, "d_inner": 64},  # d_model / n_head, fixed at 64 in the default
+    "zaya": {"num_experts_per_tok": 1, "router_hidden_size": 8},  # transformers builds top-1 routing only
+    # two hybrid layers, so that they share the one transformer block
+    "zamba": {"num_hidden_layers": 4, "layer_types": ["linear_attention", "hybrid"] * 2},
     # two hybrid layers, so that they share the one transformer block; its attention is twice the hidden size wide
     "zamba2": {"num_hidden_layers": 4, "layer_types": ["linear_attention", "hybrid"] * 2, "head_dim": 16,
                "attention_head_dim": 16},
@@ -97,7 +140,8 @@ def tiny_config(model_type: str) -> PretrainedConfig:
         sub = getattr(default, key, None)
         if isinstance(sub, PretrainedConfig):
             kw[key] = _scaled(sub)
-    kw.update(FAMILY_OVERRIDES.get(model_type, {}))
+    for key, value in FAMILY_OVERRIDES.get(model_type, {}).items():  # a sub-config's overrides join its sizes
+        kw[key] = {**kw[key], **value} if isinstance(value, dict) and isinstance(kw.get(key), dict) else value
     return cls(**kw)
 
 
@@ -105,15 +149,25 @@ def _settable(config: PretrainedConfig, key: str) -> bool:
     """Whether the config takes `key` (some derive it, e.g. Mamba's `layer_types`, or refuse it)."""
     probe = copy.copy(config)
     try:
-        setattr(probe, key, getattr(config, key))
+        setattr(probe, key, _value(config, key))
     except (AttributeError, NotImplementedError, ValueError, TypeError):
         return False
     return True
 
 
+def _value(config: PretrainedConfig, key: str, missing: object = None) -> object:
+    """`config.key`, or `missing` where the config has no global value (Gemma 4's per-layer head_dim)."""
+    try:
+        return getattr(config, key)
+    except Exception:  # noqa: BLE001 - AttributeError, or transformers' AmbiguousGlobalPerLayerAttributeError
+        return missing
+
+
 def _scaled(config: PretrainedConfig) -> dict:
+    absent = object()
     kw = {k: v for k, v in _SIZES.items()
-          if (getattr(config, k, None) is not None or k in _DERIVED) and hasattr(config, k) and _settable(config, k)}
+          if _value(config, k, absent) is not absent and (_value(config, k) is not None or k in _DERIVED)
+          and _settable(config, k)}
     if getattr(config, "kv_lora_rank", None) is not None:  # MLA: every head has its own keys and values
         kw["num_key_value_heads"] = kw["num_attention_heads"]
     for k, v in config.to_dict().items():
@@ -210,7 +264,9 @@ def _trace(e: BaseException) -> str:
 
 
 def _short(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    """The exception's type and first line of text (transformers' ImportError opens with an empty line)."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 # Every outcome of this session, by mapping name ("causal-LM", "image-text"), for the summary line

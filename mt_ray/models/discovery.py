@@ -335,7 +335,7 @@ def _find_layers(base: nn.Module, config: PretrainedConfig) -> str:
     if len(lists) != 1:
         raise ModelNotSupportedError(
             f"'{config.model_type}' does not have a decoder-only layout: expected one list of {n} decoder layers "
-            f"in {type(base).__name__}, found {lists or 'none'}"
+            f"beside the input embedding (in {type(base).__name__}), found {lists or 'none'}"
         )
     return lists[0]
 
@@ -356,9 +356,14 @@ def _find_final_norm(base: nn.Module, embed: nn.Module, layers_attr: str, model_
         norms = [name for name, c in base.named_children() if _is_norm(c)]
         if len(norms) == 1:
             return norms[0]
+    if not rest:
+        raise ModelNotSupportedError(
+            f"'{model_type}' has no final norm between its decoder layers and the LM head ({type(base).__name__}), "
+            "where mt-ray's head unit starts; this family cannot be trained yet"
+        )
     raise ModelNotSupportedError(
         f"'{model_type}' has parameterised modules beside its embedding, decoder layers and one final norm "
-        f"({type(base).__name__}: {sorted(rest) or 'no final norm'}; learned position embeddings, an embedding "
+        f"({type(base).__name__}: {sorted(rest)}; learned position embeddings, an embedding "
         "norm or a head before the LM head), which mt-ray does not stream; this family cannot be trained yet"
     )
 
