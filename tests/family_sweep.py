@@ -54,6 +54,8 @@ _SIZES: dict[str, object] = dict(
     mamba_d_head=8, mamba_chunk_size=8, mamba_d_ssm=32, mamba_headdim=8, mamba_head_dim=8, mamba_num_heads=4,
     mamba_expand=1, mamba_n_groups=1, mamba_ngroups=1, n_groups=1, state_size=8, ssm_state_size=8, chunk_size=8, time_step_rank=8,
     mamba_dt_rank=8,
+    # per-layer input embeddings (Gemma 3n, Gemma 4)
+    vocab_size_per_layer_input=SWEEP_VOCAB, hidden_size_per_layer_input=8,
     # windows shorter than a document, so they bite
     sliding_window=4, attention_chunk_size=4, sliding_window_size=4, attention_window_size=4,
     # older and encoder-decoder families' own names
@@ -83,10 +85,13 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     # and the experts' width follows d_model as the config is built, before hidden_size is mapped onto it
     "dbrx": {"d_model": 32, "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
              "ffn_config": {"ffn_hidden_size": 64, "moe_top_k": 2}},
+    "blt": {"encoder_hash_byte_group_vocab": 64},  # 500,002 hashed n-gram rows in the default: slow to build
     "deepseek_v2": {"num_experts_per_tok": 2},  # None in the default, read as the router's top-k
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2},  # None in the default
     # a sliding layer with rotary positions and a NoPE global layer, as the released checkpoint has
     "cohere_compass_text": {"layer_types": ["sliding_attention", "full_attention"], "rope_parameters": _COMPASS_ROPE},
+    # the last two layers reuse the keys and values of the last sliding and global layer before them; the
+    # sparsity pattern has one entry per layer and AltUp one prediction per input
     "gemma3n_text": {"layer_types": ["sliding_attention", "full_attention"] * 2, "num_hidden_layers": 4,
                      "num_kv_shared_layers": 2, "laurel_rank": 4, "altup_num_inputs": 2,
                      "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0], "intermediate_size": 64},
@@ -98,7 +103,8 @@ FAMILY_OVERRIDES: dict[str, dict] = {
         **_GEMMA4_ASSISTANT["text_config"], "model_type": "gemma4_unified_text"}},
     "gemma4_unified_text": _GEMMA4_TEXT,
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # one layer of each kind; the default lists 24
-    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # one MoE layer of each kind
+    # a short-convolution layer, then an attention layer with experts (layer kinds are None in the default)
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "mamba2": {"num_heads": 8},  # heads x head_dim = expand x hidden
     "nemotron": {"num_key_value_heads": 2},  # None in the default, read as a number
     "qwen4_exp": _QWEN4_EXP,
