@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,15 @@ def _ray_cluster(nodes: int):
         finally:
             ray.shutdown()
             cluster.shutdown()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The family sweep's summary line per mapping, and each skip's reason (tests/unit/engine/test_family_sweep.py)."""
+    sweep = sys.modules.get("tests.family_sweep")
+    if sweep is None or not sweep.RESULTS:
+        return
+    for mapping, outcomes in sweep.RESULTS.items():
+        terminalreporter.write_line(f"{mapping} sweep: {sweep.summary_line(outcomes)}")
+        for t, o in sorted(outcomes.items()):
+            if o.status != "matched":
+                terminalreporter.write_line(f"  {o.status} {t}: {sweep.short_reason(o)}")

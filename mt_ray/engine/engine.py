@@ -134,6 +134,8 @@ class StreamingEngine:
         spec.config._attn_implementation = resolve_attention(spec, cfg.attn_implementation, self.device, self.dtype)
         apply_kernels(spec, cfg.kernels, self.device)  # before any allocation, and before the templates
         apply_token_chunks(spec, cfg.mlp_chunk_tokens)  # around whichever forward the kernels left
+        # Before any state is sized or allocated: a family the layer context refuses is refused by name first.
+        self.context = LayerContextBuilder(spec, self.device)
         pin = self.device.type == "cuda"
         copy_dtype = None if cfg.stream_master or self.dtype == torch.float32 else self.dtype
         self.grad_dtype = grad_dtype = cfg.grad_torch_dtype
@@ -165,7 +167,6 @@ class StreamingEngine:
         self.activations = build_activation_store(cfg.checkpoint_placement, self.streams, self.dtype,
                                                   cfg.host_memory_limit_gb)
         self.templates = build_templates(spec, self.device)
-        self.context = LayerContextBuilder(spec, self.device)
         self.layer_templates = [self.templates[u.kind] for u in spec.layer_units]
         self.vision = VisionStage(spec, self.templates, self.device, self._weights, self._add_grad) if spec.vision else None
         kinds = [self.templates[k].module for k in spec.layer_kinds]

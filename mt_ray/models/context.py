@@ -32,6 +32,7 @@ through. Any other change between layers is refused: the engine would not replay
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +44,10 @@ from torch import nn
 
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.discovery import ModelSpec, meta_free_buffers_to
+from mt_ray.models.packing_probe import packed_differs
 from mt_ray.models.varlen import takes_document_bounds
+
+logger = logging.getLogger(__name__)
 
 LayerKwargs = dict[str, Any]
 Span = tuple[int, int]  # [start, end) of one document in the flattened [B*T] batch
@@ -123,11 +127,27 @@ def layer_hidden(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-class _EmbeddingFeed(nn.Module):
+class _StandIn(nn.Module):
+    """Base of the modules put into the body in place of its own: an attribute the stand-in lacks is read off
+    the (weightless) module it replaces, so a body reading `block_type` (NemotronH), `attention_type` or an
+    embedding's `.weight` (Llama 4) finds what it would find on the real module."""
+
+    def __init__(self, original: nn.Module):
+        super().__init__()
+        self.__dict__["_original"] = original  # not a submodule: its meta parameters must not show
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_original"], name)
+
+
+class _EmbeddingFeed(_StandIn):
     """Stands in for the input embedding: returns the output the engine computed with its weights."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, original: nn.Module):
+        super().__init__(original)
         self.pending: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -144,31 +164,63 @@ class _ImageFeatures:
         return self.pending
 
 
-class _RecordingLayer(nn.Module):
-    """Stands in for decoder layer `index`: records its call, returns the input unchanged."""
+class _HiddenChanged(ModelNotSupportedError):
+    """The body changes the hidden state between two layers (or a stand-in returned what it does not take)."""
+
+
+class _Handed:
+    """What a stand-in returns beside the hidden state (the real layer's attention weights, its top-k indices, ...):
+    a marker, so that a body handing it to the next layer shows (`LayerContextBuilder._record` refuses it)."""
+
+    def __init__(self, index: int, position: int):
+        self.index, self.position = index, position
+
+
+class _RecordingLayer(_StandIn):
+    """Stands in for decoder layer `index`: records its call (every argument by name, positional ones
+    too), returns the input unchanged in the shape the real layer returns (a tuple of as many values as
+    its annotation names: Bamba unpacks two, GLM-MoE-DSA hands its second to the next layer)."""
 
     def __init__(self, index: int, log: dict[int, tuple[torch.Tensor, LayerKwargs]], template: nn.Module):
-        super().__init__()
+        super().__init__(template)
         self.index = index
         self.log = log
-        # Bodies index a layer's output when the layer returns a tuple (Falcon-H1): return the same kind.
-        self.returns_tuple = returns_tuple(template)
-        # Bodies read attributes such as `attention_type` off their layers; mirror them.
-        for attr in ("attention_type", "layer_type", "is_sliding"):
-            if hasattr(template, attr):
-                setattr(self, attr, getattr(template, attr))
+        self.arity = returned_values(template)
+        self.annotated = inspect.signature(type(template).forward).return_annotation is not inspect.Signature.empty
+        self.signature = inspect.signature(type(template).forward)
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor | tuple:
-        if args:
-            raise TypeError("decoder layers are expected to take their context as keyword arguments")
-        self.log[self.index] = (hidden_states, kwargs)
-        return (hidden_states,) if self.returns_tuple else hidden_states
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor | tuple:
+        named = self.signature.bind(self._original, *args, **kwargs).arguments
+        named.pop(next(iter(self.signature.parameters)))  # self
+        for name, p in self.signature.parameters.items():
+            if name in named and p.kind is p.VAR_KEYWORD:
+                named.update(named.pop(name))
+            elif name in named and p.kind is p.VAR_POSITIONAL:
+                raise TypeError("decoder layers are expected to take their context as named arguments")
+        hidden_states = named.pop(next(iter(named)))
+        self.log[self.index] = (hidden_states, named)
+        if self.arity is None:
+            return hidden_states
+        return (hidden_states, *(_Handed(self.index, k) for k in range(1, self.arity)))
 
 
 def returns_tuple(layer: nn.Module) -> bool:
+    return returned_values(layer) is not None
+
+
+def returned_values(layer: nn.Module) -> int | None:
+    """How many values the layer's forward returns by its annotation: None for a tensor, else the tuple's length
+    (1 where it is open-ended, `tuple[torch.Tensor, ...]`: bodies then index its first)."""
     annotation = inspect.signature(type(layer).forward).return_annotation
     text = annotation if isinstance(annotation, str) else repr(annotation)
-    return re.match(r"(typing\.)?tuple\b", text, re.IGNORECASE) is not None
+    found = re.match(r"(typing\.)?tuple\[(.*)\]$", text.strip(), re.IGNORECASE)
+    if found is None:
+        return 1 if re.match(r"(typing\.)?tuple\b", text, re.IGNORECASE) else None
+    depth, parts = 0, 1
+    for ch in found.group(2):
+        depth += ch in "[(" and 1 or ch in "])" and -1 or 0
+        parts += ch == "," and depth == 0
+    return 1 if "..." in found.group(2) else parts
 
 
 class LayerContextBuilder:
@@ -178,15 +230,17 @@ class LayerContextBuilder:
         self.log: dict[int, tuple[torch.Tensor, LayerKwargs]] = {}
         body = spec.base
         layers = getattr(body, spec.layers_attr)
-        stubs = nn.ModuleList(_RecordingLayer(i, self.log, layer) for i, layer in enumerate(layers))
+        self.stubs = stubs = nn.ModuleList(_RecordingLayer(i, self.log, layer) for i, layer in enumerate(layers))
         embed = spec.skeleton.get_input_embeddings()
         # A shallow copy of the body with a feed for the embedding, stubs in place of layers and an
         # identity final norm: the skeleton itself stays intact for export and templates.
         self.body = shallow_copy(body)
-        self.feed = _EmbeddingFeed()
+        self.feed = _EmbeddingFeed(embed)
         self.body._modules[next(n for n, c in body.named_children() if c is embed)] = self.feed
         self.body._modules[spec.layers_attr] = stubs
-        self.body._modules[spec.norm_attr] = nn.Identity()
+        norm = getattr(body, spec.norm_attr)
+        if any(True for _ in norm.parameters()):  # a parameterless norm (NanoChat's, also run before the layers) stays
+            self.body._modules[spec.norm_attr] = nn.Identity()
         self.vision = spec.vision
         self.images = _ImageFeatures()
         self.injected: tuple[torch.Tensor, list[torch.Tensor]] | None = None
@@ -202,7 +256,9 @@ class LayerContextBuilder:
         self.num_layers = len(layers)
         self.model_type = spec.config.model_type
         self.bounds_not_masks = takes_document_bounds(spec.config._attn_implementation)
-        self.isolate_documents = spec.isolate_documents or not self._masks_keep_documents_apart(spec, device)
+        self._fit_unannotated_stand_ins(spec, device)
+        exact = self._packed_rows_exact(spec, device)  # also runs the body around the stand-ins once
+        self.isolate_documents = spec.isolate_documents or not exact
         if self.isolate_documents and spec.vision is not None:
             raise ModelNotSupportedError(
                 f"'{spec.config.model_type}': its documents must run through the layers one at a time, which "
@@ -247,18 +303,47 @@ class LayerContextBuilder:
             self.injected = (visual_pos_masks, deepstack_visual_embeds)
         return forward(*args, **kwargs)
 
-    def _masks_keep_documents_apart(self, spec: ModelSpec, device: torch.device) -> bool:
-        """Probe: does every layer's attention mask for the row [doc 0 0, doc 1 1] stop token 2 from
-        seeing token 1? Backends that take document bounds are given the engine's own."""
-        if self.bounds_not_masks:
-            return True
-        embeds = torch.zeros(1, 4, spec.skeleton.get_input_embeddings().weight.shape[-1], device=device)
-        ids = torch.zeros(1, 4, dtype=torch.long, device=device)
-        positions = torch.tensor([[0, 1, 0, 1]], device=device)
-        if self.vision is not None and self.vision.rope_index:
-            positions = positions.expand(4, 1, 4)  # text-only rows: every rotary axis follows the text position
-        _, per_layer = self._record(embeds, ids, positions)
-        return all(_blocks(kw["attention_mask"], 2, 1) for kw in per_layer if "attention_mask" in kw)
+    def _fit_unannotated_stand_ins(self, spec: ModelSpec, device: torch.device) -> None:
+        """Layers whose forward has no return annotation (Falcon's, RWKV's): their stand-ins return what the body
+        takes, found by trying a tensor, then tuples of 1 to 4 values (the first the hidden state)."""
+        unknown = [s for s in self.stubs if not s.annotated]
+        if not unknown:
+            return
+        hidden = spec.skeleton.get_input_embeddings().weight.shape[-1]
+        row = (torch.zeros(1, 2, hidden, device=device), torch.zeros(1, 2, dtype=torch.long, device=device),
+               torch.arange(2, device=device)[None])
+        for arity in (None, 1, 2, 3, 4):
+            for stub in unknown:
+                stub.arity = arity
+            try:
+                self._record(*row)
+                return
+            except _HiddenChanged:
+                continue
+            except ModelNotSupportedError:
+                return  # a refusal the probe repeats
+            except (TypeError, ValueError, IndexError):
+                continue
+
+    def _packed_rows_exact(self, spec: ModelSpec, device: torch.device) -> bool:
+        """Whether a packed row's documents reach the layers as they would alone (`packing_probe`)."""
+        rope_axes = 4 if self.vision is not None and self.vision.rope_index else 0
+        hidden = spec.skeleton.get_input_embeddings().weight.shape[-1]
+        try:
+            differs = packed_differs(lambda *row: self._record(*row)[1], spec.config, hidden, device, rope_axes,
+                                     masks=not self.bounds_not_masks)
+        except ModelNotSupportedError:
+            raise
+        except (TypeError, ValueError) as e:  # the body cannot run around the stand-ins
+            raise ModelNotSupportedError(
+                f"'{self.model_type}': its body does not run with mt-ray's layer stand-ins ({type(e).__name__}: {e}); "
+                "its decoder layers do not return what their annotation says, or take unnamed arguments; this "
+                "family cannot be trained yet"
+            ) from None
+        if differs is not None:
+            logger.info("'%s': %s differs for a document packed after another, so each document runs alone",
+                        self.model_type, differs)
+        return differs is None
 
     def rope_positions(self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
                        image_grid_thw: torch.Tensor | None) -> torch.Tensor | None:
@@ -306,34 +391,37 @@ class LayerContextBuilder:
         # it is): a layer that receives anything else received what the body itself changed.
         changed = [i for i in range(1, self.num_layers) if layer_hidden(self.log[i][0]) is not self.log[i - 1][0]]
         if changed:
-            raise ModelNotSupportedError(
+            raise _HiddenChanged(
                 f"'{self.model_type}': its body changes the hidden state between decoder layers {changed[0] - 1} and "
                 f"{changed[0]}, which mt-ray does not replay; this family cannot be trained yet"
+            )
+        handed = [(i, k) for i in range(self.num_layers) for k, v in self.log[i][1].items() if _holds_handed(v)]
+        if handed:
+            raise ModelNotSupportedError(
+                f"'{self.model_type}': its body hands what decoder layer {handed[0][0] - 1} returns beside the hidden "
+                f"state to the next layer (`{handed[0][1]}`), which mt-ray does not replay; this family cannot be "
+                "trained yet"
             )
         h0 = self.log[0][0]
         per_layer = [dict(self.log[i][1]) for i in range(self.num_layers)]
         for kw in per_layer:
             kw.pop("past_key_values", None)
-            kw["use_cache"] = False
+            if "use_cache" in kw:
+                kw["use_cache"] = False
         self.log.clear()
         return h0, per_layer
+
+
+def _holds_handed(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_holds_handed(v) for v in value)
+    return isinstance(value, _Handed)
 
 
 def _takes_deepstack(body: nn.Module) -> bool:
     """Qwen3-VL's language model takes features to add at the image tokens after its first layers (deepstack)."""
     params = inspect.signature(type(body).forward).parameters
     return {"visual_pos_masks", "deepstack_visual_embeds"} <= params.keys() and hasattr(body, "_deepstack_process")
-
-
-def _blocks(mask: Any, query: int, key: int) -> bool:
-    """Whether `mask` (None, a boolean or additive 4-D tensor, or a flex BlockMask) stops `query` seeing `key`."""
-    if mask is None:
-        return False
-    if hasattr(mask, "mask_mod"):  # flex attention's BlockMask: ask its mask function
-        idx = [torch.tensor(v, device=mask.kv_indices.device) for v in (0, 0, query, key)]
-        return not bool(mask.mask_mod(*idx))
-    allowed = mask[0, 0, query, key]
-    return not bool(allowed) if allowed.dtype == torch.bool else bool(allowed <= torch.finfo(allowed.dtype).min / 2)
 
 
 def document_spans(position_ids_BT: torch.Tensor) -> list[Span]:

@@ -9,7 +9,7 @@ the same rename and convert code, but one group of tensors at a time, so a check
 host memory unit by unit and an export is what `save_pretrained` writes.
 
 Before anything is read, every group is converted once on the meta device (shapes only), so a
-checkpoint with missing tensors or wrong shapes fails at once with the first few named.
+checkpoint with missing, extra or mis-shaped tensors fails at once with the first few named.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors import safe_open
@@ -71,7 +72,8 @@ class CheckpointReader:
         self.folder = Path(folder)
         self.weight_map = _weight_map(self.folder)
         self._handles: dict[str, object] = {}
-        self._groups = _plan_groups(spec.skeleton, self.weight_map)
+        self._groups, unused = _plan_groups(spec.skeleton, self.weight_map)
+        self._check_no_extra(unused)
         self._group_of = self._check_shapes()
         self._ready: dict[str, torch.Tensor] = {}
 
@@ -120,6 +122,21 @@ class CheckpointReader:
                 "full-precision weights: dequantize the checkpoint to bf16 or fp32 first"
             )
 
+    def _check_no_extra(self, unused: list[str]) -> None:
+        """Tensors the model has no place for mean the checkpoint is not for this config (more layers or
+        experts, another architecture): refuse it, bar those transformers itself drops when loading
+        (`_keys_to_ignore_on_load_unexpected`, such as DeepSeek-V3's multi-token-prediction layer, and stale
+        rotary tables)."""
+        report = SimpleNamespace(missing_keys=set(), unexpected_keys=set(unused))
+        self.spec.skeleton._adjust_missing_and_unexpected_keys(report)  # transformers' own exception rules
+        extra = sorted(report.unexpected_keys, key=dot_natural_key)
+        if extra:
+            raise CheckpointError(
+                f"{self.folder} holds {len(extra)} tensors this model does not have: {', '.join(extra[:_SHOWN])}"
+                f"{' ...' if len(extra) > _SHOWN else ''}; does config.json describe this checkpoint (number of "
+                "layers or experts, architecture)?"
+            )
+
     def _check_shapes(self) -> dict[str, _Group]:
         """Convert every group on the meta device; map each model tensor to the group that makes it."""
         self._check_precision()
@@ -160,8 +177,9 @@ def to_checkpoint_format(spec: ModelSpec, state: dict[str, torch.Tensor]) -> dic
     return revert_weight_conversion(spec.skeleton, state)
 
 
-def _plan_groups(skeleton: torch.nn.Module, weight_map: dict[str, str]) -> list[_Group]:
-    """Group the checkpoint's keys by the model tensor they become, as `from_pretrained` does."""
+def _plan_groups(skeleton: torch.nn.Module, weight_map: dict[str, str]) -> tuple[list[_Group], list[str]]:
+    """Group the checkpoint's keys by the model tensor they become, as `from_pretrained` does; and the keys
+    that become none of the model's tensors."""
     mapping = get_model_conversion_mapping(skeleton)
     renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
     converters = [t for t in mapping if isinstance(t, WeightConverter)]
@@ -169,16 +187,18 @@ def _plan_groups(skeleton: torch.nn.Module, weight_map: dict[str, str]) -> list[
     model_keys = skeleton.state_dict()
     prefix = skeleton.base_model_prefix
     groups: dict[str, _Group] = {}
+    unused: list[str] = []
     # Natural key order, as transformers uses: experts 0, 1, ..., 10 stack in index order.
     for key in sorted(weight_map, key=dot_natural_key):
         target, pattern = rename_source_key(key, renamings, converters, prefix, model_keys)
         if target not in model_keys and key in model_keys:  # transformers' own fallback: keep the name
             target, pattern = rename_source_key(key, [], [], prefix, model_keys)
         if target not in model_keys:
-            continue  # a tensor this model does not use (e.g. a multi-token-prediction head)
+            unused.append(key)
+            continue
         group = groups.setdefault(target, _Group(target, by_pattern[pattern] if pattern else None))
         group.sources.append((pattern or key, key))
-    return list(groups.values())
+    return list(groups.values()), unused
 
 
 def _weight_map(folder: Path) -> dict[str, str]:

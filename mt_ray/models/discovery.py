@@ -209,7 +209,7 @@ def discover(model: str | PretrainedConfig | dict, freeze_vision_tower: bool = T
     head = skeleton.get_output_embeddings()
     base = _find_base(skeleton, embed)
     layers_attr = _find_layers(base, config)
-    norm_attr = _find_final_norm(base, embed, layers_attr)
+    norm_attr = _find_final_norm(base, embed, layers_attr, config.model_type)
     if head is None or not isinstance(head, nn.Linear):
         raise ModelNotSupportedError(f"'{config.model_type}' has no linear LM head; it is not a causal LM")
     tied = head.weight is embed.weight or bool(getattr(config, "tie_word_embeddings", False))
@@ -218,6 +218,7 @@ def discover(model: str | PretrainedConfig | dict, freeze_vision_tower: bool = T
 
     names = {id(m): n for n, m in skeleton.named_modules()}
     layers = getattr(base, layers_attr)
+    _reject_weights_tied_between_layers(skeleton, head, names)
     layer_kinds: dict[str, nn.Module] = {}
     units = _vision_units(vision, freeze_vision_tower, freeze_multi_modal_projector) if vision else []
     units.append(UnitSpec("embed", _params(embed, names[id(embed)]), "embed"))
@@ -225,8 +226,9 @@ def discover(model: str | PretrainedConfig | dict, freeze_vision_tower: bool = T
     units += [UnitSpec(f"layers.{i}", _params(layer, names[id(layer)]), kinds[i]) for i, layer in enumerate(layers)]
     norm = getattr(base, norm_attr)
     head_params = _params(norm, names[id(norm)], prefix="norm.")
-    if not tied:
-        head_params += _params(head, names[id(head)], prefix="lm_head.")
+    # A tied head's matrix is the embedding's; anything else it has (CTRL's bias) is the head unit's own.
+    head_params += [p for p in _params(head, names[id(head)], prefix="lm_head.")
+                    if not (tied and p.local_name == "lm_head.weight")]
     units.append(UnitSpec("head", _decayed_first(head_params), "head"))
     isolate = _carries_sequence_state(skeleton, layers)
     return ModelSpec(config, skeleton, base, layers_attr, norm_attr, tied, units, layer_kinds, isolate, vision)
@@ -256,7 +258,7 @@ def _vision_units(vision: VisionSpec, freeze_tower: bool, freeze_projector: bool
     blocks = f"{vision.blocks_path}."
 
     def entries(keep) -> list[ParamInfo]:
-        return _decayed_first([ParamInfo(f"{path}.{n}", n, tuple(t.shape), isinstance(t, nn.Parameter))
+        return _decayed_first([ParamInfo(f"{path}.{n}", n, tuple(t.shape), isinstance(t, nn.Parameter) and t.requires_grad)
                                for n, t in saved.items() if keep(n)])
 
     tower = entries(lambda n: n.startswith(f"{vision.tower_path}.") and not n.startswith((*projector, blocks)))
@@ -270,9 +272,15 @@ def _vision_units(vision: VisionSpec, freeze_tower: bool, freeze_projector: bool
 
 
 def _params(module: nn.Module, path: str, prefix: str = "") -> list[ParamInfo]:
-    """The module's parameters, then the buffers a checkpoint stores (persistent ones) as frozen entries."""
+    """The module's parameters, then the buffers a checkpoint stores (persistent ones) as frozen entries.
+
+    A parameter the family declares with `requires_grad=False` (ERNIE-4.5-MoE's routing-correction bias) is a
+    frozen entry too, as is one of a module whose forward runs under `torch.no_grad` (DeepSeek-V3.2's sparse-attention
+    indexer): transformers never computes their gradient and torch's optimizer skips them."""
+    no_grad = {id(p) for m in module.modules() if _runs_without_grad(m) for p in m.parameters()}
     infos = [
-        ParamInfo(f"{path}.{n}" if path else n, prefix + n, tuple(p.shape))
+        ParamInfo(f"{path}.{n}" if path else n, prefix + n, tuple(p.shape),
+                  trainable=p.requires_grad and id(p) not in no_grad)
         for n, p in module.named_parameters()
     ]
     saved = module.state_dict(keep_vars=True)
@@ -281,6 +289,20 @@ def _params(module: nn.Module, path: str, prefix: str = "") -> list[ParamInfo]:
         for n, b in module.named_buffers() if n in saved
     ]
     return _decayed_first(infos)
+
+
+def _runs_without_grad(module: nn.Module) -> bool:
+    """Whether the module's forward is decorated with `torch.no_grad` (or inference mode): no gradient reaches
+    its parameters. The decorator keeps the context's factory in its wrapper's closure."""
+    cells = getattr(type(module).forward, "__closure__", None) or ()
+    return any(isinstance(getattr(_cell(c), "__self__", None), (torch.no_grad, torch.inference_mode)) for c in cells)
+
+
+def _cell(cell) -> object:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 def _decayed_first(infos: list[ParamInfo]) -> list[ParamInfo]:
@@ -302,7 +324,8 @@ def _find_base(skeleton: nn.Module, embed: nn.Module) -> nn.Module:
     for module in skeleton.modules():
         if any(child is embed for child in module.children()):
             return module
-    raise ModelNotSupportedError(f"cannot find the module that owns the embedding in {type(skeleton).__name__}")
+    raise ModelNotSupportedError(f"'{skeleton.config.model_type}': cannot find the module that owns the embedding "
+                                 f"in {type(skeleton).__name__}; this family cannot be trained yet")
 
 
 def _find_layers(base: nn.Module, config: PretrainedConfig) -> str:
@@ -312,23 +335,55 @@ def _find_layers(base: nn.Module, config: PretrainedConfig) -> str:
     if len(lists) != 1:
         raise ModelNotSupportedError(
             f"'{config.model_type}' does not have a decoder-only layout: expected one list of {n} decoder layers "
-            f"in {type(base).__name__}, found {lists or 'none'}"
+            f"beside the input embedding (in {type(base).__name__}), found {lists or 'none'}"
         )
     return lists[0]
 
 
-def _find_final_norm(base: nn.Module, embed: nn.Module, layers_attr: str) -> str:
-    """The one parameterised direct child of the body that is neither embedding nor layer list."""
-    rest = [
-        name
-        for name, c in base.named_children()
+def _find_final_norm(base: nn.Module, embed: nn.Module, layers_attr: str, model_type: str) -> str:
+    """The final norm: the one parameterised direct child of the body beside embedding and layer list,
+    or, where it has no parameters (OLMo's), the one parameterless child that is a norm.
+
+    Any other parameterised child (learned or sinusoidal position embeddings, an embedding norm,
+    a hyper-connection head) computes between the units the engine streams: refuse the family."""
+    rest = {
+        name: c for name, c in base.named_children()
         if c is not embed and name != layers_attr and any(True for _ in c.parameters())
-    ]
-    if len(rest) != 1:
+    }
+    if len(rest) == 1 and _is_norm(next(iter(rest.values()))):
+        return next(iter(rest))
+    if not rest:
+        norms = [name for name, c in base.named_children() if _is_norm(c)]
+        if len(norms) == 1:
+            return norms[0]
+    if not rest:
         raise ModelNotSupportedError(
-            f"{type(base).__name__}: expected exactly one final norm beside the layers, found {rest}"
+            f"'{model_type}' has no final norm between its decoder layers and the LM head ({type(base).__name__}), "
+            "where mt-ray's head unit starts; this family cannot be trained yet"
         )
-    return rest[0]
+    raise ModelNotSupportedError(
+        f"'{model_type}' has parameterised modules beside its embedding, decoder layers and one final norm "
+        f"({type(base).__name__}: {sorted(rest)}; learned position embeddings, an embedding "
+        "norm or a head before the LM head), which mt-ray does not stream; this family cannot be trained yet"
+    )
+
+
+def _reject_weights_tied_between_layers(skeleton: nn.Module, head: nn.Module, names: dict[int, str]) -> None:
+    """Zamba's and Zamba2's shared transformer block is one set of weights inside several layers (transformers
+    ties them, `save_pretrained` stores them once): streamed per layer they would train as separate copies."""
+    head_weight = f"{names[id(head)]}.weight"
+    tied = {t: s for t, s in (getattr(skeleton, "all_tied_weights_keys", None) or {}).items() if t != head_weight}
+    if tied:
+        target, source = next(iter(tied.items()))
+        raise ModelNotSupportedError(
+            f"'{skeleton.config.model_type}' ties weights between decoder layers ({len(tied)} tensors, e.g. {target} "
+            f"is {source}), which mt-ray would train as separate copies; this family cannot be trained yet"
+        )
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A norm by its class (`LayerNorm`, `Lfm2RMSNorm`, ...); a position embedding is not one."""
+    return "norm" in type(module).__name__.lower() and not isinstance(module, nn.Embedding)
 
 
 def _reject_unknown_parameters(
@@ -344,8 +399,9 @@ def _reject_unknown_parameters(
     unknown = [n for n, t in skeleton.state_dict(keep_vars=True).items() if id(t) not in known]
     if unknown:
         raise ModelNotSupportedError(
-            f"{type(skeleton).__name__} has parameters or saved buffers outside embedding/layers/norm/head: "
-            f"{unknown[:5]}"
+            f"'{skeleton.config.model_type}' has parameters or saved buffers outside embedding, decoder layers, "
+            f"final norm and LM head ({type(skeleton).__name__}: {unknown[:5]}), which mt-ray does not stream; "
+            "this family cannot be trained yet"
         )
 
 

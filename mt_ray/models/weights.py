@@ -36,7 +36,7 @@ def unit_module(spec: ModelSpec, unit: UnitSpec) -> nn.Module:
         return spec.skeleton.get_input_embeddings()
     if unit.name == "head":
         parts = {"norm": getattr(spec.base, spec.norm_attr)}
-        if not spec.tied:
+        if not spec.tied or any(p.local_name.startswith("lm_head.") for p in unit.params):  # a tied head's bias
             parts["lm_head"] = spec.skeleton.get_output_embeddings()
         return nn.ModuleDict(parts)
     return getattr(spec.base, spec.layers_attr)[int(unit.name.split(".")[1])]

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mt_ray.engine import EngineConfig, StreamingEngine
-from mt_ray.errors import ConfigError
+from mt_ray.errors import ConfigError, ModelNotSupportedError
 from mt_ray.models.discovery import discover
 from tests.family_checks import (
     OPT,
@@ -166,3 +166,14 @@ def test_router_aux_loss_is_added_as_transformers_adds_it(family, tmp_path):
     [ref_loss] = reference_train(ref, [mbs], OPT, objective=weighted)
     assert result.aux_loss.item() == pytest.approx(sum(auxes), rel=1e-5)
     assert_same_step(state, before, ref.state_dict(), result.loss.item(), ref_loss)
+
+
+@pytest.mark.parametrize("model_type", ["rwkv", "glm_moe_dsa"])
+def test_a_family_the_layer_context_refuses_is_refused_before_any_state(model_type):
+    """Refused by name before the host store is sized: with no host memory to spare, the refusal still comes
+    first, not an out-of-memory error for a model that could never train."""
+    from tests.family_sweep import tiny_config  # noqa: PLC0415 - the sweep's tiny configs, for these two only
+
+    spec = discover(tiny_config(model_type))
+    with pytest.raises(ModelNotSupportedError, match=f"'{model_type}': its body hands what decoder layer 0 returns"):
+        StreamingEngine(spec, EngineConfig(device="cpu", host_memory_limit_gb=1e-6), OPT, total_steps=1)

@@ -88,6 +88,58 @@ def test_wrong_shapes_are_named_with_expected_and_found(tmp_path):
     assert "model.norm.weight: expected (32,), found (48,)" in message
 
 
+def test_extra_tensors_are_named(tmp_path):
+    """A sixth layer and a stray module: the checkpoint is for another config, whatever else it holds."""
+    def grow(t):
+        t["model.layers.5.mlp.up_proj.weight"] = torch.zeros(64, 32)
+        t["model.layers.5.input_layernorm.weight"] = torch.zeros(32)
+        t["model.adapter.weight"] = torch.zeros(32, 32)
+
+    write_checkpoint(tmp_path, tiny_config("llama"), grow)
+    message = load_error(tmp_path, tiny_config("llama"))
+    assert "holds 3 tensors this model does not have: model.adapter.weight, " in message
+    assert "model.layers.5.input_layernorm.weight, model.layers.5.mlp.up_proj.weight" in message
+
+
+def test_tensors_transformers_drops_are_not_extra(tmp_path):
+    """DeepSeek-V3's multi-token-prediction layer (model.layers.61) and stale rotary tables load as in
+    transformers: dropped, not refused."""
+    config = checkpoint_config("deepseek_v3")
+
+    def add_dropped(t):
+        t["model.layers.61.eh_proj.weight"] = torch.zeros(32, 64)
+        t["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(4)
+
+    write_checkpoint(tmp_path, config, add_dropped)
+    engine = make_engine(config)
+    try:
+        engine.load_pretrained(tmp_path)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("with_head", [False, True], ids=["head-omitted", "head-stored"])
+def test_a_tied_checkpoint_is_complete_with_or_without_its_head(tmp_path, with_head):
+    """save_pretrained omits a tied head; older exports store it beside the embedding. transformers loads
+    both, and so does mt-ray: neither is incomplete, nor has an extra tensor."""
+    config = checkpoint_config("qwen2-tied")
+    ref = reference_model(config)
+
+    def head(t):
+        assert "lm_head.weight" not in t  # transformers' own tied format
+        if with_head:
+            t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+
+    write_checkpoint(tmp_path, config, head)
+    engine = make_engine(config)
+    try:
+        engine.load_pretrained(tmp_path)
+        state = engine.state_dict()
+    finally:
+        engine.close()
+    assert torch.equal(state["model.embed_tokens.weight"], ref.model.embed_tokens.weight)
+
+
 def test_a_missing_expert_is_named_by_the_fused_tensor_it_leaves_short(tmp_path):
     config = checkpoint_config("mixtral")
 
