@@ -124,6 +124,13 @@ def registry() -> dict[str, dict[str, object]]:
             "columns": {"messages": "messages", "images": "images"},
             "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"},
         },
+        # LLaMA-Factory's own ranking demo (data/dpo_en_demo.json, Apache-2.0), copied unchanged, with its entry.
+        "dpo_en_demo": {
+            "file_name": "dpo_en_demo.json",
+            "ranking": True,
+            "formatting": "sharegpt",
+            "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"},
+        },
     }
 
 
