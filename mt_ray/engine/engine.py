@@ -162,6 +162,7 @@ class StreamingEngine:
         depth = cfg.prefetch_units or cfg.checkpoint_every
         source, wait = (self.store, self.worker.wait_updated) if local else (weight_source, weight_source.wait_updated)
         self.pref = build_preference(self, stage, pref or PreferenceConfig(), pin) if stage != "sft" else None
+        self._streams_reference = self.pref is not None and self.pref.streams_reference
         if self._streams_reference:
             source = WithReference(source, self.pref.reference, wait)
             wait = source.wait_updated
@@ -373,10 +374,6 @@ class StreamingEngine:
 
     # ------------------------------------------------------------------ schedule
 
-    @property
-    def _streams_reference(self) -> bool:
-        return getattr(self, "pref", None) is not None and self.pref.streams_reference
-
     def _snapshot_reference(self) -> None:
         if self._streams_reference:
             self.pref.reference.snapshot(self.store.master)
@@ -517,6 +514,7 @@ class StreamingEngine:
             # The tied embedding's head gradient waits on the device for the embedding's own part.
             sums.append(self._grad_sum("embed", weights["lm_head.weight"].numel()))
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        chunk = self.cfg.loss_chunk_tokens
         for j, (h_BTD, mb) in enumerate(zip(hiddens, mbs, strict=True)):
             h_ND = h_BTD.reshape(-1, h_BTD.shape[-1])
             sel_ND = h_ND.index_select(0, mb.loss_index)
@@ -524,28 +522,19 @@ class StreamingEngine:
                 g_sel, loss = self.pref.head_grads(head, weights, leaves, sums, sel_ND, mb)
                 loss_sum += loss
             else:
-                g_sel = self._token_loss_grads(head, weights, leaves, sums, sel_ND, mb, inv_n, loss_sum)
+                g_sel = torch.empty_like(sel_ND)
+                for s in range(0, mb.num_loss_tokens, chunk):
+                    x = sel_ND[s : s + chunk].detach().requires_grad_()
+                    with torch.enable_grad():
+                        loss = _chunk_loss(head, weights, x, mb.loss_target[s : s + chunk])
+                        g = torch.autograd.grad(loss * inv_n, [x, *leaves])
+                    g_sel[s : s + chunk] = g[0]
+                    torch._foreach_add_(sums, [t.reshape(-1) for t in g[1:]])
+                    loss_sum += loss.detach()
             on_grad(j, torch.zeros_like(h_ND).index_copy_(0, mb.loss_index, g_sel).view_as(h_BTD))
         if final:
             self._send_grad("head", self._grad_sums.pop("head"))
         return loss_sum
-
-    def _token_loss_grads(self, head: UnitTemplate, weights: Weights, leaves: list[torch.Tensor],
-                          sums: list[torch.Tensor], sel_ND: torch.Tensor, mb: MicroBatch, inv_n: float,
-                          loss_sum: torch.Tensor) -> torch.Tensor:
-        """One micro-batch's token cross-entropy, chunk by chunk: added to `loss_sum`, its head-weight gradients
-        to `sums`; returns the gradient of its selected hidden states."""
-        chunk = self.cfg.loss_chunk_tokens
-        g_sel = torch.empty_like(sel_ND)
-        for s in range(0, mb.num_loss_tokens, chunk):
-            x = sel_ND[s : s + chunk].detach().requires_grad_()
-            with torch.enable_grad():
-                loss = _chunk_loss(head, weights, x, mb.loss_target[s : s + chunk])
-                g = torch.autograd.grad(loss * inv_n, [x, *leaves])
-            g_sel[s : s + chunk] = g[0]
-            torch._foreach_add_(sums, [t.reshape(-1) for t in g[1:]])
-            loss_sum += loss.detach()
-        return g_sel
 
     def _eval_head(self, hiddens: Iterable[torch.Tensor], mbs: list[MicroBatch]) -> torch.Tensor:
         """The summed loss of the final hidden states, in the training head's chunks, with no graph."""
