@@ -3,7 +3,8 @@
 Two configs with the same fingerprint train the same weights (whatever the device, worker count
 or logging cadence), so a run may resume only from checkpoints written under its own name with
 its own fingerprint. The keys that count are listed in `TRAINING_KEYS`: the whole `model`, `data`
-and `optimizer` sections and the loop's length, batch shape and seed. `engine`, `cluster`,
+and `optimizer` sections and the loop's length, batch shape and seed, and for a preference stage
+the stage and the `pref` section (an SFT run's fingerprint is as before they existed). `engine`, `cluster`,
 `checkpoint`, `tracking` and the rest of `training` say how or where the run computes and logs,
 not what it learns, and may change across a resume.
 """
@@ -21,6 +22,7 @@ from mt_ray.config.run import RunConfig
 
 TRAINING_KEYS = ("model", "data", "optimizer", "training.steps", "training.micro_batch_size",
                  "training.grad_accum_steps", "training.seed")
+PREFERENCE_KEYS = ("training.stage", "pref")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+=-]+")
 
 
@@ -50,7 +52,8 @@ def run_identity(cfg: RunConfig) -> RunIdentity:
 def training_keys(cfg: RunConfig) -> dict[str, Any]:
     """`TRAINING_KEYS` as flat dotted keys with their JSON values, e.g. `{"data.max_seq_len": 256, ...}`."""
     flat = _flatten(cfg.model_dump(mode="json"))
-    return {k: v for k, v in flat.items() if any(k == p or k.startswith(p + ".") for p in TRAINING_KEYS)}
+    counted = TRAINING_KEYS + (PREFERENCE_KEYS if cfg.training.stage != "sft" else ())
+    return {k: v for k, v in flat.items() if any(k == p or k.startswith(p + ".") for p in counted)}
 
 
 def generated_name(cfg: RunConfig, fingerprint: str) -> str:

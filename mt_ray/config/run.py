@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from mt_ray.cluster.config import ClusterConfig
 from mt_ray.data import DataConfig
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
+from mt_ray.engine.preference import PreferenceConfig, check_stage
 from mt_ray.errors import ConfigError
 from mt_ray.tracking import CheckpointConfig, TrackingConfig
 from mt_ray.tracking.checkpoint import check_storage_uri
@@ -68,6 +69,9 @@ class ModelConfig(_Section):
 class TrainingConfig(_Section):
     """Loop length, batch shape and outputs."""
 
+    stage: Literal["sft", "dpo", "kto"] = "sft"
+    """What to train, as LLaMA-Factory names its stages: `sft` (supervised, on SFT and text datasets), `dpo`
+    (preference pairs of ranking datasets, with `pref.loss`), `kto` (KTO on datasets with a kto_tag)."""
     steps: int = Field(60, ge=1)
     """Optimizer steps to run."""
     micro_batch_size: int = Field(4, ge=1)
@@ -129,6 +133,7 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(**DEMO_DEFAULTS["checkpoint"]))
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     cluster: ClusterRunConfig = Field(default_factory=ClusterRunConfig)
+    pref: PreferenceConfig = Field(default_factory=PreferenceConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -153,6 +158,17 @@ class RunConfig(_Section):
         if self.training.eval_every is not None and not self.data.has_eval_split:
             raise ValueError("training.eval_every: there is nothing to evaluate on; hold out rows with data.val_size "
                              "(e.g. 0.1 or 200) or name data.eval_datasets, or unset training.eval_every")
+        return self
+
+    @model_validator(mode="after")
+    def _preference_stage_fits(self) -> RunConfig:
+        stage = self.training.stage
+        check_stage(stage, self.pref)
+        if self.pref.reference == "precompute":
+            raise ValueError("pref.reference: precompute is not built yet; use pref.reference: stream")
+        if stage != "sft" and self.cluster.num_workers > 1:
+            raise ValueError(f"cluster.num_workers: training.stage {stage} runs on a single engine for now (its data-"
+                             "parallel path is not built yet); use cluster.num_workers=1")
         return self
 
     @model_validator(mode="after")

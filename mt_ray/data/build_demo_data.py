@@ -15,6 +15,8 @@ import random
 from pathlib import Path
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / "demo_data"
+VENDORED = ("dpo_en_demo.json",)
+"""Files shipped as their authors wrote them (LLaMA-Factory's data/, Apache-2.0), not generated: copied along."""
 
 CAPITALS = {
     "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo",
@@ -124,6 +126,13 @@ def registry() -> dict[str, dict[str, object]]:
             "columns": {"messages": "messages", "images": "images"},
             "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"},
         },
+        # LLaMA-Factory's own ranking demo (data/dpo_en_demo.json, Apache-2.0), copied unchanged, with its entry.
+        "dpo_en_demo": {
+            "file_name": "dpo_en_demo.json",
+            "ranking": True,
+            "formatting": "sharegpt",
+            "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"},
+        },
     }
 
 
@@ -147,6 +156,8 @@ def build(out_dir: Path = DEMO_DIR, seed: int = 0, n_alpaca: int = 400, n_shareg
     mllm_rng = random.Random(f"mllm/{seed}")  # its own stream: the text demos stay as they were
     _write(out_dir / "demo_mllm.json", json.dumps([mllm_row(mllm_rng) for _ in range(n_mllm)], indent=1) + "\n")
     write_images(out_dir / "mllm")
+    for name in VENDORED if out_dir.resolve() != DEMO_DIR else ():
+        _write(out_dir / name, (DEMO_DIR / name).read_text(encoding="utf-8"))
     _write(out_dir / "dataset_info.json", json.dumps(registry(), indent=2) + "\n")
 
 

@@ -7,6 +7,11 @@ converters: prompt-side turns (user, observation) and response-side turns (assis
 function_call) must alternate, starting with the prompt side and ending with the
 response side. A row's images must exist and open as images, one per ``<image>``
 placeholder, all in prompt-side turns (they are decoded later, in the loader's worker).
+
+Preference rows (LLaMA-Factory's ranking and KTO entries): a ranking row's conversation ends on a
+prompt-side turn and its ``chosen`` and ``rejected`` columns hold the two responses (sharegpt: turn
+objects with a response-side role; alpaca: strings), giving a ``PairExample``; a KTO row is an SFT
+row whose ``kto_tag`` column is true or false, giving a ``FeedbackExample``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from mt_ray.data.schema import (
     RESPONSE_ROLES,
     ChatExample,
     Example,
+    FeedbackExample,
     Message,
+    PairExample,
     Role,
     TextExample,
 )
@@ -44,13 +51,54 @@ def convert_row(entry: DatasetEntry, raw: RawRow) -> Example:
             raise _RowProblem(raw.error or "unreadable row")
         if entry.formatting == "text":
             return TextExample(text=_required_str(raw.data, entry.columns.prompt, allow_empty=False))
-        if entry.formatting == "alpaca":
-            example = _convert_alpaca(entry.columns, raw.data)
-        else:
-            example = _convert_sharegpt(entry.columns, entry.tags, raw.data)
-        return _with_images(example, entry, raw) if entry.columns.images and isinstance(example, ChatExample) else example
+        if entry.kind == "ranking":
+            return _convert_pair(entry, raw.data)
+        if entry.kind == "kto":
+            return FeedbackExample(_convert_chat(entry, raw), _kto_tag(entry.columns.kto_tag, raw.data))
+        return _convert_chat(entry, raw)
     except _RowProblem as e:
         raise DatasetError(f"dataset '{entry.name}': {raw.file} row {raw.row}: {e}") from None
+
+
+def _convert_chat(entry: DatasetEntry, raw: RawRow) -> ChatExample:
+    if entry.formatting == "alpaca":
+        example = _convert_alpaca(entry.columns, raw.data)
+    else:
+        example = _convert_sharegpt(entry.columns, entry.tags, raw.data)
+    return _with_images(example, entry, raw) if entry.columns.images else example
+
+
+def _convert_pair(entry: DatasetEntry, data: dict[str, Any]) -> PairExample:
+    """A ranking row: the prompt conversation and its chosen and rejected responses."""
+    cols, tags = entry.columns, entry.tags
+    missing = [c for c in (cols.chosen, cols.rejected) if data.get(c) is None]
+    if missing:
+        raise _RowProblem(f"no {' or '.join(repr(c) for c in missing)} column: a ranking row needs a chosen and a "
+                          "rejected response")
+    if entry.formatting == "alpaca":
+        prompt = _alpaca_prompt(cols, data)
+        return PairExample(prompt=prompt, chosen=Message("assistant", _required_str(data, cols.chosen, False)),
+                           rejected=Message("assistant", _required_str(data, cols.rejected, False)),
+                           system=_optional_str(data, cols.system))
+    turns = data.get(cols.messages)
+    if not isinstance(turns, list) or not turns:
+        raise _RowProblem(f"column '{cols.messages}' must be a non-empty list of turns")
+    system, turns = _leading_system(tags, turns, _optional_str(data, cols.system))
+    prompt = tuple(_sharegpt_message(turn, tags, i) for i, turn in enumerate(turns))
+    if not prompt or prompt[-1].role not in PROMPT_ROLES:
+        raise _RowProblem(f"a ranking conversation must end on a prompt-side turn (the responses are the "
+                          f"'{cols.chosen}' and '{cols.rejected}' columns)")
+    responses = [_sharegpt_message(data[c], tags, len(prompt)) for c in (cols.chosen, cols.rejected)]
+    return PairExample(prompt=prompt, chosen=responses[0], rejected=responses[1], system=system,
+                       tools=_tools(data, cols.tools))
+
+
+def _kto_tag(column: str | None, data: dict[str, Any]) -> bool:
+    value = data.get(column) if column else None
+    if not isinstance(value, bool):
+        kind = "missing" if value is None else f"{type(value).__name__} {value!r}"
+        raise _RowProblem(f"column '{column}' (the KTO tag) must be true or false, got {kind}")
+    return value
 
 
 def _with_images(example: ChatExample, entry: DatasetEntry, raw: RawRow) -> ChatExample:
@@ -111,14 +159,18 @@ def _optional_str(data: dict[str, Any], column: str | None) -> str | None:
 
 
 def _convert_alpaca(cols: Columns, data: dict[str, Any]) -> ChatExample:
-    messages = _alpaca_history(cols, data)
+    response = _required_str(data, cols.response, allow_empty=False)
+    messages = (*_alpaca_prompt(cols, data), Message("assistant", response))
+    return ChatExample(messages=messages, system=_optional_str(data, cols.system))
+
+
+def _alpaca_prompt(cols: Columns, data: dict[str, Any]) -> tuple[Message, ...]:
+    """The history's turns and the row's prompt (its prompt and query columns, joined)."""
     parts = [_optional_str(data, c) for c in (cols.prompt, cols.query)]
     prompt = "\n".join(p for p in parts if p)
     if not prompt:
         raise _RowProblem(f"empty prompt: columns '{cols.prompt}' and '{cols.query}' are missing or empty")
-    response = _required_str(data, cols.response, allow_empty=False)
-    messages += [Message("user", prompt), Message("assistant", response)]
-    return ChatExample(messages=tuple(messages), system=_optional_str(data, cols.system))
+    return (*_alpaca_history(cols, data), Message("user", prompt))
 
 
 def _alpaca_history(cols: Columns, data: dict[str, Any]) -> list[Message]:
@@ -139,17 +191,21 @@ def _convert_sharegpt(cols: Columns, tags: Tags, data: dict[str, Any]) -> ChatEx
     turns = data.get(cols.messages)
     if not isinstance(turns, list) or not turns:
         raise _RowProblem(f"column '{cols.messages}' must be a non-empty list of turns")
-    system = _optional_str(data, cols.system)
-    first = turns[0]
-    if tags.system_tag and isinstance(first, dict) and first.get(tags.role_tag) == tags.system_tag:
-        system = _turn_content(first, tags, 0)
-        turns = turns[1:]
+    system, turns = _leading_system(tags, turns, _optional_str(data, cols.system))
     if not turns:
         raise _RowProblem("conversation has a system prompt but no turns")
     messages = tuple(_sharegpt_message(turn, tags, i) for i, turn in enumerate(turns))
     if messages[-1].role not in RESPONSE_ROLES:
         raise _RowProblem(f"conversation ends on a '{messages[-1].role}' turn; it must end on an assistant turn")
     return ChatExample(messages=messages, system=system, tools=_tools(data, cols.tools))
+
+
+def _leading_system(tags: Tags, turns: list[Any], system: str | None) -> tuple[str | None, list[Any]]:
+    """A first turn with the system role is the system prompt (it overrides the system column)."""
+    first = turns[0]
+    if tags.system_tag and isinstance(first, dict) and first.get(tags.role_tag) == tags.system_tag:
+        return _turn_content(first, tags, 0), turns[1:]
+    return system, turns
 
 
 def _sharegpt_message(turn: Any, tags: Tags, index: int) -> Message:

@@ -29,9 +29,10 @@ from mt_ray.data.config import DataConfig
 from mt_ray.data.mixing import Mixer
 from mt_ray.data.mm_processor import ImageEncoder
 from mt_ray.data.packing import collate, pack_first_fit_decreasing
+from mt_ray.data.preference import Group, add_kl_twins, group_lengths
 from mt_ray.data.processor import Processor
 from mt_ray.data.registry import DatasetEntry, load_registry
-from mt_ray.data.schema import TokenizedExample
+from mt_ray.data.schema import FeedbackExample, PairExample, TokenizedExample
 from mt_ray.data.sources import DatasetSource
 from mt_ray.data.split import HeldOut, plan_held_out
 from mt_ray.errors import ConfigError, DatasetError
@@ -129,29 +130,38 @@ class StepLoader:
     def _next_window(self) -> None:
         """Tokenize the next ``packing_window`` examples and arrange them into rows."""
         self._window_start = self._snapshot()
-        examples: list[TokenizedExample] = []
-        while len(examples) < self.config.packing_window:
+        groups: list[Group] = []  # the sequences of one example that stay in one row (a pair), or one piece
+        while len(groups) < self.config.packing_window:
             example = self.mixer.next()
             try:
-                tokenized = self.processor(example)
+                new = tokenize_groups(self.processor, example)
             except DatasetError as e:  # an image that does not decode, or does not fit
                 if self.config.on_bad_row != "skip":
                     raise
                 logger.warning("skipping example: %s", e)
-                tokenized = []
+                new = []
             else:
                 self.cut_examples += self.processor.cut
-            if not tokenized:
+            if not new:
                 self.dropped_examples += 1
-            examples += tokenized
+            groups += new
+        groups = add_kl_twins(groups, self.config.max_seq_len // 2)
         if self.config.packing:
-            bins = pack_first_fit_decreasing([len(e) for e in examples], self.config.max_seq_len)
-            rows = [[examples[i] for i in b] for b in bins]
+            bins = pack_first_fit_decreasing(group_lengths(groups), self.config.max_seq_len)
+            rows = [[e for i in b for e in groups[i]] for b in bins]
             random.Random(f"pack/{self.config.seed}/{self._window_index}").shuffle(rows)
         else:
-            rows = [[e] for e in examples]
+            rows = list(groups)
         self._window, self._used, self._window_built = rows, 0, True
         self._window_index += 1
+
+
+def tokenize_groups(processor: Processor, example) -> list[Group]:
+    """A preference example's sequences as one group; each piece of any other example as a group of its own."""
+    if isinstance(example, PairExample | FeedbackExample):
+        sequences = processor.preference(example)
+        return [sequences] if sequences else []
+    return [[piece] for piece in processor(example)]
 
 
 def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
@@ -163,7 +173,7 @@ def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -
 def build_dataloader(data_config: DataConfig, tokenizer: PreTrainedTokenizerBase, micro_batch_size: int,
                      grad_accum_steps: int | None = None, *, global_batch_size: int | None = None,
                      seed: int | None = None, held_out: HeldOut | None = None,
-                     images: ImageEncoder | None = None) -> StepLoader:
+                     images: ImageEncoder | None = None, stage: str = "sft") -> StepLoader:
     """Build the step loader: each batch holds ``micro_batch_size * grad_accum_steps`` rows.
 
     Give ``grad_accum_steps`` or ``global_batch_size`` (rows per optimizer step, a multiple
@@ -175,7 +185,7 @@ def build_dataloader(data_config: DataConfig, tokenizer: PreTrainedTokenizerBase
     rows = _rows_per_step(micro_batch_size, grad_accum_steps, global_batch_size)
     if seed is not None:
         data_config = data_config.model_copy(update={"seed": seed})
-    entries = resolve_entries(data_config, data_config.datasets)
+    entries = resolve_entries(data_config, data_config.datasets, stage)
     held_out = held_out or plan_split(data_config, entries)
     sources = [
         DatasetSource(entry, i, data_config.seed, data_config.shuffle, data_config.shuffle_buffer,
@@ -188,10 +198,14 @@ def build_dataloader(data_config: DataConfig, tokenizer: PreTrainedTokenizerBase
     return StepLoader(data_config, mixer, processor, rows, pad_token_id(tokenizer))
 
 
-def resolve_entries(data_config: DataConfig, names: list[str]) -> list[DatasetEntry]:
-    """The registry entries ``names`` of the configured registry (the built-in demo one by default)."""
+def resolve_entries(data_config: DataConfig, names: list[str], stage: str | None = None) -> list[DatasetEntry]:
+    """The registry entries ``names`` of the configured registry (the built-in demo one by default), each
+    checked to fit ``stage`` when given."""
     registry = load_registry(data_config.registry or demo_registry_path())
-    return [registry.resolve(name) for name in names]
+    entries = [registry.resolve(name) for name in names]
+    for entry in entries if stage is not None else ():
+        entry.check_stage(stage)
+    return entries
 
 
 def plan_split(data_config: DataConfig, entries: list[DatasetEntry] | None = None) -> HeldOut | None:

@@ -11,6 +11,10 @@ Labels are unshifted and the first label of every segment is -100 (so the last t
 one example is never trained to predict the first token of the next); padding labels
 are -100.
 
+Rows of preference sequences also carry ``seq_role``: ``LongTensor[B, S]``, the ``ROLE_*`` of each
+segment of each row (S the most segments of any row; the padding segment and the columns past a row's
+last sequence are ``ROLE_SFT``), so the loss knows which sequence is chosen, rejected or a KL twin.
+
 Rows with images also carry ``images``: per row, the processor's tensors of each image, in
 the order of their tokens (a list, not a tensor: images differ in size). Packing keeps them
 correct: an image's tokens stay in its example, and multi-dimensional rotary positions are
@@ -24,7 +28,7 @@ from typing import Any
 
 import torch
 
-from mt_ray.data.schema import IGNORE_INDEX, TokenizedExample
+from mt_ray.data.schema import IGNORE_INDEX, ROLE_SFT, TokenizedExample
 
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
 
@@ -79,6 +83,10 @@ def collate(rows: Sequence[Sequence[TokenizedExample]], length: int | None, pad_
         length = max(sum(len(e) for e in row) for row in rows)
     built = [build_row(row, length, pad_id) for row in rows]
     batch = {key: torch.tensor([b[key] for b in built], dtype=torch.long) for key in BATCH_KEYS}
+    if any(e.role != ROLE_SFT for row in rows for e in row):
+        roles = [[e.role for e in row] for row in rows]
+        width = max(len(r) for r in roles) + 1  # the padding segment has a column too
+        batch["seq_role"] = torch.tensor([r + [ROLE_SFT] * (width - len(r)) for r in roles], dtype=torch.long)
     images = [row_images(row) for row in rows]
     if any(images):
         batch["images"] = images

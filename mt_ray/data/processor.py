@@ -13,6 +13,12 @@ prompt and response.
 Labels are not shifted: ``labels[t]`` is the target for the logits at ``t - 1`` (the
 Hugging Face convention; the model shifts). ``labels[0]`` is always ``-100``.
 
+Preference examples (``preference``): a pair gives two sequences, the prompt followed by the chosen
+and by the rejected response, with the prompt (earlier turns included) masked and the final response
+trained as an SFT response is; a KTO example gives one. The sequences of one example share a row, so
+each is cut to half of ``max_seq_len``, prompt and responses as LLaMA-Factory cuts a pair (the longer
+response decides).
+
 Images: each ``<image>`` placeholder becomes the family's image text, and after tokenizing, the
 run of image tokens the model's processor expands it into (``ImageEncoder``); the images are
 decoded here, in the loader's worker. Image tokens are prompt tokens: never trained on. An example
@@ -32,9 +38,15 @@ from mt_ray.data.mm_processor import ImageEncoder
 from mt_ray.data.schema import (
     IGNORE_INDEX,
     IMAGE_PLACEHOLDER,
+    ROLE_CHOSEN,
+    ROLE_DESIRABLE,
+    ROLE_REJECTED,
+    ROLE_UNDESIRABLE,
     ChatExample,
     Example,
+    FeedbackExample,
     Message,
+    PairExample,
     TextExample,
     TokenizedExample,
 )
@@ -115,6 +127,40 @@ class Processor:
         if isinstance(example, TextExample):
             return self._text(example.text)
         return self._chat(example)
+
+    def preference(self, example: PairExample | FeedbackExample) -> list[TokenizedExample]:
+        """The sequences of a preference example (chosen then rejected, or the one KTO sequence); empty when
+        a response has no token left to train on. Sets ``cut``."""
+        self.cut = False
+        if isinstance(example, FeedbackExample):
+            chat = example.example
+            prompt, responses = chat.messages[:-1], [chat.messages[-1]]
+            roles = [ROLE_DESIRABLE if example.desirable else ROLE_UNDESIRABLE]
+        else:
+            chat = ChatExample(messages=example.prompt, system=example.system, tools=example.tools)
+            prompt = example.prompt
+            responses, roles = [example.chosen, example.rejected], [ROLE_CHOSEN, ROLE_REJECTED]
+        if chat.images:
+            raise DatasetError(f"{chat.origin}: preference training on images is not supported yet")
+        encoded = [self._final_response(replace(chat, messages=(*prompt, r)))
+                   for r in responses]
+        prompt_ids = encoded[0][0]
+        n_src, n_tgt = infer_seqlen(len(prompt_ids), max(len(t) for _, t, _ in encoded), self.max_seq_len // 2)
+        self.cut = n_src < len(prompt_ids) or any(n_tgt < len(t) for _, t, _ in encoded)
+        out = []
+        for (_, target, labels), role in zip(encoded, roles, strict=True):
+            ids = prompt_ids[:n_src] + target[:n_tgt]
+            finished = _finish(ids, [IGNORE_INDEX] * n_src + labels[:n_tgt])
+            if not finished:
+                return []
+            out.append(replace(finished[0], role=role, prompt_len=n_src))
+        return out
+
+    def _final_response(self, example: ChatExample) -> tuple[list[int], list[int], list[int]]:
+        """(prompt ids: every turn before the last response, that response's ids, its labels)."""
+        pairs = self._pairs(example)
+        prompt = [t for source, target, _ in pairs[:-1] for t in source + target] + pairs[-1][0]
+        return prompt, pairs[-1][1], pairs[-1][2]
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []

@@ -11,9 +11,12 @@ The registry is read exactly as LLaMA-Factory reads it, so its own files work un
 
 An ``images`` column (multimodal SFT, as LLaMA-Factory's ``mllm_demo``) lists each row's image
 files, relative to the registry's folder, one per ``<image>`` placeholder in the text.
-Hub, script and cloud entries cannot load offline and raise ``DatasetError``; so do
-preference (``ranking``), KTO, video and audio entries, which this SFT pipeline does not
-train. A hub entry that also names a ``file_name`` uses the local copy.
+Preference entries are read as LLaMA-Factory reads them too: ``ranking: true`` with ``chosen`` and
+``rejected`` columns (sharegpt: each a turn object; alpaca: each a response string) trains under
+``training.stage: dpo``, and a ``kto_tag`` column (a boolean per row) under ``stage: kto``; the
+entry's ``kind`` says which stage it fits. Hub, script and cloud entries cannot load offline and
+raise ``DatasetError``; so do video and audio entries. A hub entry that also names a ``file_name``
+uses the local copy.
 """
 
 from __future__ import annotations
@@ -27,10 +30,14 @@ from typing import Any, Literal
 from mt_ray.errors import DatasetError
 
 Formatting = Literal["alpaca", "sharegpt", "text"]
+Kind = Literal["sft", "ranking", "kto"]
+STAGE_OF_KIND: dict[str, str] = {"sft": "sft", "ranking": "dpo", "kto": "kto"}
+"""The ``training.stage`` each kind of entry trains under (LLaMA-Factory's stage names)."""
 REGISTRY_FILE = "dataset_info.json"
 _REMOTE_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
-_UNSUPPORTED_COLUMNS = ("videos", "audios", "kto_tag", "chosen", "rejected")
-_COLUMN_NAMES = ("prompt", "query", "response", "history", "messages", "system", "tools", "images")
+_UNSUPPORTED_COLUMNS = ("videos", "audios")
+_COLUMN_NAMES = ("prompt", "query", "response", "history", "messages", "system", "tools", "images",
+                 "chosen", "rejected", "kto_tag")
 _TAG_NAMES = ("role_tag", "content_tag", "user_tag", "assistant_tag", "observation_tag",
               "function_tag", "system_tag")
 
@@ -47,6 +54,9 @@ class Columns:
     system: str | None = None
     tools: str | None = None
     images: str | None = None
+    chosen: str | None = None
+    rejected: str | None = None
+    kto_tag: str | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,20 @@ class DatasetEntry:
     tags: Tags
     media_dir: Path | None = None
     """The folder image paths are relative to: the registry's (LLaMA-Factory's default ``media_dir``)."""
+    kind: Kind = "sft"
+    """``ranking`` (chosen/rejected pairs, stage dpo), ``kto`` (rows tagged desirable or not) or ``sft``."""
+
+    @property
+    def stage(self) -> str:
+        """The ``training.stage`` this entry trains under."""
+        return STAGE_OF_KIND[self.kind]
+
+    def check_stage(self, stage: str) -> None:
+        """Refuse, in one line, an entry that does not fit ``stage``."""
+        if stage != self.stage:
+            what = {"sft": "an SFT", "ranking": "a preference (ranking)", "kto": "a KTO (kto_tag)"}[self.kind]
+            raise DatasetError(f"dataset '{self.name}' is {what} dataset, which trains under training.stage: "
+                               f"{self.stage}, not {stage}")
 
 
 @dataclass(frozen=True)
@@ -94,9 +118,10 @@ class Registry:
         if not path.exists():
             raise DatasetError(f"dataset '{name}': file_name '{info['file_name']}' not found at {path}")
         columns = _columns(info)
-        formatting = _formatting(name, info, columns)
+        kind = _kind(name, info, columns)
+        formatting = _formatting(name, info, columns, kind)
         return DatasetEntry(name=name, path=path, formatting=formatting, columns=columns, tags=_tags(info),
-                            media_dir=self.folder)
+                            media_dir=self.folder, kind=kind)
 
 
 def load_registry(path: str | Path) -> Registry:
@@ -122,11 +147,24 @@ def _check_supported(name: str, info: dict[str, Any]) -> None:
                 "download it and point file_name at the local copy"
             )
         raise DatasetError(f"dataset '{name}' has no file_name")
-    if info.get("ranking"):
-        raise DatasetError(f"dataset '{name}' is a preference (ranking) dataset; only SFT and text are supported")
     used = [c for c in _UNSUPPORTED_COLUMNS if c in info.get("columns", {})]
     if used:
-        raise DatasetError(f"dataset '{name}' uses columns {used}, which are not supported (SFT on text and images)")
+        raise DatasetError(f"dataset '{name}' uses columns {used}, which are not supported (text and images)")
+
+
+def _kind(name: str, info: dict[str, Any], columns: Columns) -> Kind:
+    if info.get("ranking"):
+        if not (columns.chosen and columns.rejected):
+            raise DatasetError(f"dataset '{name}' is a ranking dataset but its columns name no chosen and rejected "
+                               "columns; add them to its entry (columns: {chosen: ..., rejected: ...})")
+        if columns.images:
+            raise DatasetError(f"dataset '{name}': preference training on images is not supported yet")
+        return "ranking"
+    if columns.kto_tag:
+        if columns.images:
+            raise DatasetError(f"dataset '{name}': preference training on images is not supported yet")
+        return "kto"
+    return "sft"
 
 
 def _columns(info: dict[str, Any]) -> Columns:
@@ -141,7 +179,7 @@ def _tags(info: dict[str, Any]) -> Tags:
     return Tags(**{key: info["tags"].get(key) for key in _TAG_NAMES})
 
 
-def _formatting(name: str, info: dict[str, Any], columns: Columns) -> Formatting:
+def _formatting(name: str, info: dict[str, Any], columns: Columns, kind: Kind) -> Formatting:
     formatting = info.get("formatting", "alpaca")
     if formatting == "sharegpt":
         tags = _tags(info)
@@ -150,6 +188,8 @@ def _formatting(name: str, info: dict[str, Any], columns: Columns) -> Formatting
         return "sharegpt"
     if formatting != "alpaca":
         raise DatasetError(f"dataset '{name}': formatting '{formatting}' is not supported (alpaca or sharegpt)")
+    if kind == "ranking":
+        return "alpaca"  # the responses are the chosen and rejected columns
     if columns.response is None:
         if columns.prompt is None:
             raise DatasetError(f"dataset '{name}': a text dataset needs columns.prompt (the text column)")

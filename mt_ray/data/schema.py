@@ -14,7 +14,10 @@ Whatever the source format (alpaca, sharegpt, plain text), a row becomes either
   example has at least one trained turn; ``images`` are the files of its ``<image>``
   placeholders, in order (``origin`` names the file and row, for errors found later); or
 
-* a ``TextExample``: plain text for pretraining, every token trained.
+* a ``TextExample``: plain text for pretraining, every token trained; or, for preference training,
+
+* a ``PairExample`` (a ranking row: one prompt conversation, a chosen and a rejected final response)
+  or a ``FeedbackExample`` (a KTO row: a conversation whose last response is desirable or not).
 
 Role names follow LLaMA-Factory's internal roles; the processor maps them onto the
 Hugging Face chat-template convention (``tool_calls`` on an assistant turn, ``tool``
@@ -64,7 +67,32 @@ class TextExample:
     text: str
 
 
-Example = ChatExample | TextExample
+@dataclass(frozen=True)
+class PairExample:
+    """A preference pair (LLaMA-Factory's ranking row): ``prompt`` ends on a prompt-side turn, and
+    ``chosen`` and ``rejected`` are the two response-side turns that may follow it."""
+
+    prompt: tuple[Message, ...]
+    chosen: Message
+    rejected: Message
+    system: str | None = None
+    tools: tuple[dict[str, Any], ...] | None = None
+
+
+@dataclass(frozen=True)
+class FeedbackExample:
+    """A KTO row: ``example``'s last response is desirable (its ``kto_tag`` true) or undesirable."""
+
+    example: ChatExample
+    desirable: bool
+
+
+Example = ChatExample | TextExample | PairExample | FeedbackExample
+
+# What each tokenized sequence is to the loss (``TokenizedExample.role``): an SFT sequence, the chosen or
+# rejected sequence of a pair, a desirable or undesirable KTO sequence, or a KTO sequence's mismatched
+# twin (its prompt with another example's response), whose log-probs estimate KTO's KL term.
+ROLE_SFT, ROLE_CHOSEN, ROLE_REJECTED, ROLE_DESIRABLE, ROLE_UNDESIRABLE, ROLE_KL = range(6)
 
 
 @dataclass(frozen=True)
@@ -79,6 +107,10 @@ class TokenizedExample:
     labels: tuple[int, ...]
     images: tuple[dict[str, Any], ...] = ()
     """The processor's tensors of each image whose tokens are in ``input_ids``, in order."""
+    role: int = ROLE_SFT
+    """What the sequence is to a preference loss (``ROLE_*``); SFT sequences are ``ROLE_SFT``."""
+    prompt_len: int = 0
+    """Tokens before the response (preference sequences; KTO's mismatched twins are built from it)."""
 
     def __post_init__(self) -> None:
         if len(self.labels) != len(self.input_ids) or not self.input_ids or self.labels[0] != IGNORE_INDEX:

@@ -222,7 +222,7 @@ def build_activation_store(placement: str, streams: StreamSet, dtype: torch.dtyp
     return ActivationStore()
 
 
-def streamed_step_plan(n_blocks: int, n_micro: int, train: bool) -> list[Op]:
+def streamed_step_plan(n_blocks: int, n_micro: int, train: bool, reference: bool = False) -> list[Op]:
     """Every put and get of a streamed step's parked hidden states, in the order the engine makes them.
 
     Slot b < n_blocks holds block b's checkpoint (its input), slot n_blocks the carry: the last block's
@@ -231,11 +231,17 @@ def streamed_step_plan(n_blocks: int, n_micro: int, train: bool) -> list[Op]:
     read, gradient written) and each block backward from the last (checkpoint and gradient read, the
     gradient of its input written); the embedding's backward reads the last gradient. An evaluation
     reads the carry once, for the loss.
+
+    With a `reference` (preference training), slot n_blocks + 1 holds the reference model's hidden state:
+    its embedding is put after the policy's, each block runs it forward after the policy's block (read,
+    then written back), and its head reads it once before the policy's head.
     """
-    carry, mbs = n_blocks, range(n_micro)
-    plan: list[Op] = [("put", (0, j)) for j in mbs]
+    carry, ref, mbs = n_blocks, n_blocks + 1, range(n_micro)
+    ref_pass = [op for j in mbs for op in (("get", (ref, j)), ("put", (ref, j)))] if reference else []
+    plan: list[Op] = [("put", (0, j)) for j in mbs] + ([("put", (ref, j)) for j in mbs] if reference else [])
     for b in range(n_blocks):
-        plan += [op for j in mbs for op in (("get", (b, j)), ("put", (b + 1, j)))]
+        plan += [op for j in mbs for op in (("get", (b, j)), ("put", (b + 1, j)))] + ref_pass
+    plan += [("get", (ref, j)) for j in mbs] if reference else []
     if not train:
         return plan + [("get", (carry, j)) for j in mbs]
     plan += [op for j in mbs for op in (("get", (carry, j)), ("put", (carry, j)))]

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from mt_ray.engine.preference import Sequences, sequences_of
 from mt_ray.models.context import Documents, document_spans
 
 IGNORE_INDEX = -100
@@ -32,6 +33,8 @@ class MicroBatch:
     rope_position_ids: torch.Tensor | None = None  # [4, B, T] text then multi-dimensional rotary positions (Qwen-VL)
     image_features: Any = None  # what get_image_features returned for `images` (set by the vision stage)
     feature_grads: list[torch.Tensor | None] | None = None  # their gradient (set by the embedding's backward)
+    seqs: Sequences | None = None  # preference rows: where each chosen, rejected or KTO sequence is
+    ref_logps: torch.Tensor | None = None  # [S] the reference's log-prob sum of each sequence (preference stages)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -47,7 +50,8 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
     """Shift labels (token t predicts label t+1, as transformers does) and select the loss tokens.
 
     `batch["images"]`, where present, holds each row's images (a list per row of the processor's
-    tensors for one image); they are concatenated in token order. `rope_positions(input_ids,
+    tensors for one image); they are concatenated in token order. Preference rows carry `seq_role` (and
+    `segment_ids`; with a precomputed reference, `ref_logps`), from which each sequence is indexed. `rope_positions(input_ids,
     position_ids, image_grid_thw)` gives a model with multi-dimensional rotary positions its
     [4, B, T] positions (host tensors).
     """
@@ -68,6 +72,9 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
     cu_seq_lens = torch.tensor([s for s, _ in spans] + [B * T], dtype=torch.int32)
     images = _collate_images(batch.get("images"))
     rope = rope_positions(input_ids, position_ids, (images or {}).get("image_grid_thw")) if rope_positions else None
+    seqs = sequences_of(batch["seq_role"], batch["segment_ids"], index, lambda t: _to(t, device, pin)) \
+        if "seq_role" in batch else None
+    ref = batch.get("ref_logps")
     return MicroBatch(
         input_ids_BT=_to(input_ids, device, pin),
         position_ids_BT=_to(position_ids.contiguous(), device, pin),
@@ -78,6 +85,8 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
         documents=Documents(spans, _to(cu_seq_lens, device, pin), max(e - s for s, e in spans)),
         images={k: _to(v, device, pin) for k, v in images.items()} if images else None,
         rope_position_ids=_to(rope, device, pin) if rope is not None else None,
+        seqs=seqs,
+        ref_logps=_to(ref.reshape(-1).float(), device, pin) if ref is not None else None,
     )
 
 

@@ -36,12 +36,15 @@ before the language model's in the forward and after them in the backward; the i
 enter through the body's own scatter over the image tokens. Frozen units (the tower, by
 default) have no moments and send no gradient.
 
+A preference stage (`stage: dpo | kto`, see preference.py and reference.py) streams the reference's
+units through the same loop, each block's after the policy's, and replaces the head's token loss with
+per-sequence log-probs fed to the preference loss; the backward is unchanged.
+
 Tensor shape key: B batch, T tokens, D hidden, N selected tokens, V vocabulary.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -56,6 +59,8 @@ from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import HostStore
 from mt_ray.engine.optimizer import UnitOptimizer, counts_behind, lr_at, restore_counts
 from mt_ray.engine.optimizer_worker import OptimizerWorker
+from mt_ray.engine.preference import PreferenceConfig
+from mt_ray.engine.reference import REF, WithReference, build_preference, eval_mode, forward_plan
 from mt_ray.engine.seams import GradSink, WeightSource
 from mt_ray.engine.sizing import grad_buffer_bytes, grad_buffers_per_unit
 from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
@@ -96,6 +101,7 @@ class StepResult:
     num_tokens: int
     num_loss_tokens: int
     aux_loss: torch.Tensor | None = None
+    metrics: dict[str, torch.Tensor] | None = None  # a preference stage's rewards and log-probs (TRL's names)
 
 
 @dataclass
@@ -105,6 +111,8 @@ class EvalResult:
     loss_sum: torch.Tensor
     num_loss_tokens: int
     num_tokens: int
+    pref_sums: dict[str, torch.Tensor] | None = None  # a preference stage's metric sums, and what they count
+    pref_counts: dict[str, int] | None = None
 
 
 class StreamingEngine:
@@ -112,16 +120,19 @@ class StreamingEngine:
 
     `grad_sink` and `weight_source` (given together) replace the local optimizer thread and
     host store, for a trainer that keeps the weights elsewhere (mt_ray.cluster); the engine
-    then allocates no master weights or moments of its own.
+    then allocates no master weights or moments of its own. `stage` `dpo` or `kto` trains on
+    preference rows with the `pref` loss (a single engine only, for now).
     """
 
     def __init__(self, spec: ModelSpec, cfg: EngineConfig, opt_cfg: OptimizerConfig, total_steps: int,
                  grad_sink: GradSink | None = None, weight_source: WeightSource | None = None,
-                 grad_buffers: GradBuffers | None = None):
+                 grad_buffers: GradBuffers | None = None, stage: str = "sft", pref: PreferenceConfig | None = None):
         """`grad_buffers`: where gradients land on the host, given by a trainer whose buffers are shared memory
         (mt_ray.cluster); by default the engine allocates its own pinned ones."""
         if (grad_sink is None) != (weight_source is None):
             raise ValueError("grad_sink and weight_source are given together or not at all")
+        if stage != "sft" and (grad_sink is not None or spec.vision is not None):
+            raise ValueError(f"stage {stage} runs on a single engine and a text model, for now")
         self.spec = spec
         self.cfg = cfg
         self.opt_cfg = opt_cfg
@@ -156,13 +167,17 @@ class StreamingEngine:
         )
         self.streams = StreamSet(self.device)
         depth = cfg.prefetch_units or cfg.checkpoint_every
-        source = self.store if local else weight_source
+        source, wait = (self.store, self.worker.wait_updated) if local else (weight_source, weight_source.wait_updated)
+        self.pref = build_preference(self, stage, pref or PreferenceConfig(), pin) if stage != "sft" else None
+        self._streams_reference = self.pref is not None and self.pref.streams_reference
+        if self._streams_reference:
+            source = WithReference(source, self.pref.reference, wait)
+            wait = source.wait_updated
         self.resident = cfg.schedule == "resident"
         # Streaming holds at most one block of K units at once, or the head with a tied embedding;
-        # the resident schedule holds every unit for the whole step.
-        hold = len(spec.units) if self.resident else max(cfg.checkpoint_every, 2)
-        self.streamer = WeightStreamer(source, self.streams, self.dtype, depth, hold,
-                                       (weight_source or self.worker).wait_updated)
+        # the resident schedule holds every unit (and the reference's) for the whole step.
+        hold = len(spec.units) * (2 if self._streams_reference else 1) if self.resident else max(cfg.checkpoint_every, 2)
+        self.streamer = WeightStreamer(source, self.streams, self.dtype, depth, hold, wait)
         self.outbox = Outbox(self.streams)
         self.activations = build_activation_store(cfg.checkpoint_placement, self.streams, self.dtype,
                                                   cfg.host_memory_limit_gb)
@@ -188,6 +203,8 @@ class StreamingEngine:
         mbs = self._prepare(micro_batches)
         n_loss = sum(mb.num_loss_tokens for mb in mbs)
         n_norm = n_loss if loss_normaliser is None else loss_normaliser
+        if self.pref is not None and self.pref.start(mbs) == 0:
+            raise ValueError("this step holds no preference pair or KTO example")
         if n_norm == 0:
             raise ValueError("this step has no token that carries loss (every label is -100)")
         lr = lr_at(self.step_idx, self.opt_cfg, self.total_steps)
@@ -207,7 +224,7 @@ class StreamingEngine:
             imaged = [mb for mb in mbs if mb.images is not None]
             tapes = self.vision.forward(imaged) if imaged else []
             park, carry = self.activations, len(self._blocks())
-            park.start(streamed_step_plan(carry, len(mbs), train=True), self._hidden_numels(mbs))
+            park.start(streamed_step_plan(carry, len(mbs), True, self._streams_reference), self._hidden_numels(mbs))
             contexts, aux_grads = self._forward(mbs, aux_weights)
             loss_sum = self._head(self._carried(len(mbs)), mbs, 1.0 / n_norm, True,
                                   lambda j, g: park.put((carry, j), g))
@@ -229,10 +246,11 @@ class StreamingEngine:
         self.outbox.add(self._norm_sq, norm_ready)  # a later step must not reuse it before the copy
         self.worker.end_step(self._norm_sq_host, norm_ready, lr)
         self.step_idx += 1
-        loss = loss_sum / n_norm
+        loss = loss_sum / n_norm if self.pref is None else loss_sum  # a preference head normalises its own
         if self._aux_sum is not None:
             loss = loss + self.router_loss.coef * self._aux_sum
-        return StepResult(loss, self._norm_sq.sqrt(), lr, sum(m.num_tokens for m in mbs), n_loss, self._aux_sum)
+        return StepResult(loss, self._norm_sq.sqrt(), lr, sum(m.num_tokens for m in mbs), n_loss, self._aux_sum,
+                          self.pref.metrics() if self.pref is not None else None)
 
     def evaluate(self, micro_batches: list[dict[str, torch.Tensor]]) -> EvalResult:
         """Summed next-token loss of `micro_batches` under the weights after `step_idx` steps: forward only.
@@ -245,20 +263,22 @@ class StreamingEngine:
         """
         mbs = self._prepare(micro_batches)
         imaged = [mb for mb in mbs if mb.images is not None]
-        plan = ["embed", *(f"layers.{i}" for i in range(self.spec.num_layers)), "head"]
-        plan = (self.vision.plan()[0] if imaged else []) + plan
-        self.streamer.start(plan + (["embed"] if self.spec.tied and not self.resident else []), version=self.step_idx)
+        if self.pref is not None:
+            self.pref.start(mbs)
+        plan = forward_plan(self._blocks(), self.spec.tied and not self.resident, self._streams_reference)
+        self.streamer.start((self.vision.plan()[0] if imaged else []) + plan, version=self.step_idx)
         self._kept = {}
-        self.activations.start(streamed_step_plan(len(self._blocks()), len(mbs), train=False),
+        self.activations.start(streamed_step_plan(len(self._blocks()), len(mbs), False, self._streams_reference),
                                self._hidden_numels(mbs))
         modules = [t.module for t in self.templates.values()] + ([self.vision.embed.module] if self.vision else [])
-        with _eval_mode(modules), torch.no_grad():
+        with eval_mode(modules), torch.no_grad():
             if imaged:
                 self.vision.forward(imaged)
             self._forward(mbs)
             loss_sum = self._eval_head(self._carried(len(mbs)), mbs)
         self._kept.clear()
-        return EvalResult(loss_sum, sum(mb.num_loss_tokens for mb in mbs), sum(mb.num_tokens for mb in mbs))
+        pref = (self.pref.sums, self.pref.norm) if self.pref is not None else (None, None)
+        return EvalResult(loss_sum, sum(mb.num_loss_tokens for mb in mbs), sum(mb.num_tokens for mb in mbs), *pref)
 
     def set_attention(self, requested: str) -> str:
         """Switch the attention backend between steps, resolved as `EngineConfig.attn_implementation` is at
@@ -273,18 +293,26 @@ class StreamingEngine:
             self.worker.wait_updated(unit, self.step_idx)
 
     def load_random(self, seed: int = 0) -> None:
-        """Initialise weights as the family's `from_config` does (on the device when it is a GPU)."""
+        """Initialise weights as the family's `from_config` does (on the device when it is a GPU); they are a
+        preference stage's reference, as all weights loaded below (a checkpoint restores the policy only)."""
         init_random(self.spec, self.store.load_named, seed, self.device)
+        self._snapshot_reference()
 
     def load_pretrained(self, folder: str | Path) -> None:
         """Read a safetensors checkpoint folder straight into the host store."""
         load_safetensors(self.spec, folder, self.store.load_named)
+        self._snapshot_reference()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy weights given by Hugging Face name (e.g. another model's state_dict) into the store."""
         self.synchronize()
         for unit in self.spec.units:
             self.store.load_named(unit, state)
+        self._snapshot_reference()
+
+    def load_reference(self, state: dict[str, torch.Tensor]) -> None:
+        """Make `state` (by Hugging Face name) the preference stage's reference instead of the starting weights."""
+        self.pref.reference.load_named(self.store, state)
 
     def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32,
                extra_files: tuple[Path, ...] = ()) -> Path:
@@ -347,8 +375,14 @@ class StreamingEngine:
         self.grad_buffers.close()
         if self.store is not None:
             self.store.close()
+        if self._streams_reference:
+            self.pref.reference.close()
 
     # ------------------------------------------------------------------ schedule
+
+    def _snapshot_reference(self) -> None:
+        if self._streams_reference:
+            self.pref.reference.snapshot(self.store.master)
 
     def _blocks(self) -> list[range]:
         K, L = self.cfg.checkpoint_every, self.spec.num_layers
@@ -362,8 +396,9 @@ class StreamingEngine:
         layers = [f"layers.{i}" for i in range(self.spec.num_layers)]
         vision_fwd, vision_bwd = self.vision.plan() if any(mb.images is not None for mb in mbs) else ([], [])
         if self.resident:
-            return [*dict.fromkeys(vision_fwd), "embed", *layers, "head"]
-        plan = vision_fwd + ["embed", *layers, "head"] + (["embed"] if self.spec.tied else [])
+            ref = [REF + u for u in ["embed", *layers, "head"]] if self._streams_reference else []
+            return [*dict.fromkeys(vision_fwd), *ref, "embed", *layers, "head"]
+        plan = vision_fwd + forward_plan(self._blocks(), self.spec.tied, self._streams_reference)
         for block in reversed(self._blocks()):
             plan += [f"layers.{i}" for i in block]
         return plan + ["embed"] + vision_bwd
@@ -402,6 +437,8 @@ class StreamingEngine:
             contexts.append(ctx)
             park.put((0, j), h0)
         del embed  # the streamer may free the embedding's upload before the layers need the memory
+        if self._streams_reference:
+            self.pref.embed(mbs)
         router_logits: list[dict[int, torch.Tensor]] = [{} for _ in mbs]
         with torch.no_grad():
             for b, block in enumerate(self._blocks()):
@@ -415,6 +452,10 @@ class StreamingEngine:
                         if logits is not None:
                             router_logits[j][i] = logits
                     park.put((b + 1, j), x)
+                if self._streams_reference:
+                    self.pref.block(block, contexts)
+        if self._streams_reference:
+            self.pref.head(mbs)
         aux_grads = [] if aux_weights is None else [
             self._router_loss_grads(lg, w) for lg, w in zip(router_logits, aux_weights, strict=True)]
         return contexts, aux_grads
@@ -422,6 +463,7 @@ class StreamingEngine:
     def _resident_step(self, mbs: list[MicroBatch], inv_n: float, aux_weights: list[float]) -> torch.Tensor:
         """Each micro-batch forward and backward in turn, activations kept, weights bound once."""
         weights: dict[int, Weights] = {}
+        ref_weights: dict[int, Weights] = {}  # the reference's layers (a preference stage), bound once too
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         head_grad: list[torch.Tensor] = []  # the head hands each micro-batch's gradient over here
         last_imaged = max((j for j, mb in enumerate(mbs) if mb.images is not None), default=-1)
@@ -431,6 +473,8 @@ class StreamingEngine:
         for j, mb in enumerate(mbs):
             final = j == len(mbs) - 1
             tapes = self.vision.forward([mb]) if mb.images is not None else []
+            if self._streams_reference:
+                self.pref.resident_reference(mb, ref_weights)
             h, ctx = self._embed(self.templates["embed"].bind(self._weights("embed")), mb)
             segments = self._run_layers(range(self.spec.num_layers), h, ctx, weights)
             aux_grads = self._router_loss_grads({s.layer: s.logits for s in segments if s.logits is not None},
@@ -455,11 +499,11 @@ class StreamingEngine:
         self._aux_sum += aux * weight
         return grads
 
-    def _bind_head(self, requires_grad: bool) -> Weights:
-        """The head's weights, with the embedding matrix as `lm_head.weight` when they are tied."""
-        weights = self.templates["head"].bind(self._weights("head"), requires_grad=requires_grad)
+    def _bind_head(self, requires_grad: bool, prefix: str = "") -> Weights:
+        """The head's weights (`prefix` REF: the reference's), with the embedding matrix as `lm_head.weight` when tied."""
+        weights = self.templates["head"].bind(self._weights(prefix + "head"), requires_grad=requires_grad)
         if self.spec.tied:
-            emb = self._weights("embed").view(self._embed_shape).detach()
+            emb = self._weights(prefix + "embed").view(self._embed_shape).detach()
             weights["lm_head.weight"] = emb.requires_grad_() if requires_grad else emb
         return weights
 
@@ -480,15 +524,19 @@ class StreamingEngine:
         for j, (h_BTD, mb) in enumerate(zip(hiddens, mbs, strict=True)):
             h_ND = h_BTD.reshape(-1, h_BTD.shape[-1])
             sel_ND = h_ND.index_select(0, mb.loss_index)
-            g_sel = torch.empty_like(sel_ND)
-            for s in range(0, mb.num_loss_tokens, chunk):
-                x = sel_ND[s : s + chunk].detach().requires_grad_()
-                with torch.enable_grad():
-                    loss = _chunk_loss(head, weights, x, mb.loss_target[s : s + chunk])
-                    g = torch.autograd.grad(loss * inv_n, [x, *leaves])
-                g_sel[s : s + chunk] = g[0]
-                torch._foreach_add_(sums, [t.reshape(-1) for t in g[1:]])
-                loss_sum += loss.detach()
+            if self.pref is not None:  # per-sequence log-probs into the preference loss instead
+                g_sel, loss = self.pref.head_grads(head, weights, leaves, sums, sel_ND, mb)
+                loss_sum += loss
+            else:
+                g_sel = torch.empty_like(sel_ND)
+                for s in range(0, mb.num_loss_tokens, chunk):
+                    x = sel_ND[s : s + chunk].detach().requires_grad_()
+                    with torch.enable_grad():
+                        loss = _chunk_loss(head, weights, x, mb.loss_target[s : s + chunk])
+                        g = torch.autograd.grad(loss * inv_n, [x, *leaves])
+                    g_sel[s : s + chunk] = g[0]
+                    torch._foreach_add_(sums, [t.reshape(-1) for t in g[1:]])
+                    loss_sum += loss.detach()
             on_grad(j, torch.zeros_like(h_ND).index_copy_(0, mb.loss_index, g_sel).view_as(h_BTD))
         if final:
             self._send_grad("head", self._grad_sums.pop("head"))
@@ -501,6 +549,9 @@ class StreamingEngine:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         chunk = self.cfg.loss_chunk_tokens
         for h_BTD, mb in zip(hiddens, mbs, strict=True):
+            if self.pref is not None:
+                self.pref.eval_head(head, weights, h_BTD, mb)
+                continue
             sel_ND = h_BTD.reshape(-1, h_BTD.shape[-1]).index_select(0, mb.loss_index)
             for s in range(0, mb.num_loss_tokens, chunk):
                 loss_sum += _chunk_loss(head, weights, sel_ND[s : s + chunk], mb.loss_target[s : s + chunk])
@@ -617,20 +668,6 @@ def _chunk_loss(head: UnitTemplate, weights: Weights, x_ND: torch.Tensor, target
     """Summed cross-entropy of one chunk of selected tokens, from fp32 logits that live only for this chunk."""
     logits_NV = head(weights, x_ND).float()
     return torch.nn.functional.cross_entropy(logits_NV, target_N, reduction="sum")
-
-
-@contextlib.contextmanager
-def _eval_mode(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
-    """Modules in eval mode for the block (dropout and router noise off), then back as they were."""
-    modules = list(modules)
-    was_training = [m.training for m in modules]
-    for m in modules:
-        m.train(False)
-    try:
-        yield
-    finally:
-        for m, mode in zip(modules, was_training, strict=True):
-            m.train(mode)
 
 
 def _accumulate(acc: torch.Tensor | None, grads, frozen_numel: int = 0) -> torch.Tensor:

@@ -21,6 +21,7 @@ from mt_ray.config.run import RunConfig
 from mt_ray.data import build_dataloader, build_eval_batches, plan_split, split_micro_batches
 from mt_ray.data.mm_processor import processor_files
 from mt_ray.data.prefetch import BackgroundLoader
+from mt_ray.engine.preference import Objective, add_counts, add_sums
 from mt_ray.training.auto_fit import apply_auto_fit, refuse_what_cannot_fit
 from mt_ray.training.backend import TrainingBackend, build_backend
 from mt_ray.training.callbacks import Callback, ResumePoint
@@ -65,9 +66,10 @@ class Trainer:
         held_out = plan_split(data)  # drawn once: the loader skips exactly the rows the eval set scores
         # Its worker thread tokenizes and decodes images ahead of the steps, off the engine's thread.
         self.loader = BackgroundLoader(build_dataloader(data, self.tokenizer, t.micro_batch_size, t.grad_accum_steps,
-                                                        held_out=held_out, images=images))
+                                                        held_out=held_out, images=images, stage=t.stage))
         self.eval_batches = build_eval_batches(data, self.tokenizer, t.micro_batch_size, held_out=held_out,
-                                               images=images)
+                                               images=images, stage=t.stage)
+        self.objective = Objective(t.stage, cfg.pref) if t.stage != "sft" else None
         self.engine: TrainingBackend = build_backend(cfg, self.spec)
 
     @property
@@ -99,7 +101,8 @@ class Trainer:
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     elapsed = time.perf_counter() - window_start
                     metrics = self._metrics(result, window_tokens / elapsed)
-                    self._show(bar, loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                    self._show(bar, loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
+                               **({"acc": f"{metrics['rewards/accuracies']:.2f}"} if "rewards/accuracies" in metrics else {}))
                     for cb in self.callbacks:
                         cb.on_log(self, self.step, metrics)
                     window_start, window_tokens = time.perf_counter(), 0
@@ -132,11 +135,22 @@ class Trainer:
         """
         group = self.cfg.training.grad_accum_steps
         results = [self.engine.evaluate(self.eval_batches[i:i + group]) for i in range(0, len(self.eval_batches), group)]
+        if self.objective is not None:
+            return self._preference_eval(results)
         # .item() waits for the device: once per evaluation.
         loss_sum = torch.stack([r.loss_sum.double().cpu() for r in results]).sum().item()
         tokens = sum(r.num_loss_tokens for r in results)
         loss = loss_sum / tokens
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)), "eval_tokens": tokens}
+
+    def _preference_eval(self, results) -> dict[str, float]:
+        """A preference stage's eval metrics: its loss and TRL's rewards and log-probs over the whole split."""
+        sums, counts = {}, {}
+        for r in results:
+            add_sums(sums, r.pref_sums)
+            counts = add_counts(counts, r.pref_counts)
+        metrics = {f"eval_{k}": v.item() for k, v in self.objective.metrics(sums, counts).items()}  # one sync each
+        return {**metrics, "eval_examples": self.objective.examples(counts)}
 
     def _evaluate(self, bar) -> None:
         metrics = self.evaluate()
@@ -173,6 +187,9 @@ class Trainer:
         }
         if result.aux_loss is not None:  # the MoE router's load-balancing loss, when configured
             metrics["aux_loss"] = result.aux_loss.item()
+        for name, value in (result.metrics or {}).items():  # a preference stage's rewards and log-probs
+            if name != "loss":
+                metrics[name] = value.item()
         self.history.append({"step": self.step, **metrics})
         return metrics
 
@@ -191,7 +208,9 @@ class Trainer:
             summary["stopped_early"] = self.stop_reason
         if self.eval_history:
             last = self.eval_history[-1]
-            summary.update({k: last[k] for k in ("eval_loss", "eval_perplexity", "eval_tokens")})
+            summary.update({k: v for k, v in last.items() if k != "step"})
+        if self.objective is not None and self.history:
+            summary.update({k: v for k, v in self.history[-1].items() if k.startswith(("rewards/", "logps/"))})
         if self.cfg.training.export and self.stop_reason is None:
             extra = {"extra_files": processor_files(self.cfg.model.path)} if self.spec.vision is not None else {}
             self.engine.export(self.run.staging / EXPORT_DIR, self.tokenizer, **extra)

@@ -175,7 +175,8 @@ def test_config_errors_name_the_dotted_key() -> None:
 
 def test_demo_registry_is_the_default(tokenizer) -> None:
     assert DataConfig().registry is None
-    assert set(load_registry(demo_registry_path()).entries) == {"demo_alpaca", "demo_sharegpt", "demo_mllm"}
+    assert set(load_registry(demo_registry_path()).entries) == {"demo_alpaca", "demo_sharegpt", "demo_mllm",
+                                                                 "dpo_en_demo"}
 
 
 def local_entries(folder: Path) -> list[str]:
@@ -184,17 +185,30 @@ def local_entries(folder: Path) -> list[str]:
 
 
 def test_every_llamafactory_local_entry_loads_or_says_why(tokenizer, llamafactory_dir: Path) -> None:
-    usable = []
+    usable, preference = [], []
     for name in local_entries(llamafactory_dir):
         info = json.loads((llamafactory_dir / "dataset_info.json").read_text())[name]
         config = small_config(registry=llamafactory_dir, datasets=[name], max_seq_len=256)
-        if info.get("ranking") or {"videos", "audios", "kto_tag"} & set(info.get("columns", {})):
-            with pytest.raises(DatasetError, match=f"dataset '{name}' (is a preference|uses columns)"):
+        if {"videos", "audios"} & set(info.get("columns", {})):
+            with pytest.raises(DatasetError, match=f"dataset '{name}' uses columns"):
                 build_dataloader(config, tokenizer, 2)
             continue
         if not (llamafactory_dir / info["file_name"]).exists():
             with pytest.raises(DatasetError, match=f"dataset '{name}': file_name .* not found"):
                 build_dataloader(config, tokenizer, 2)
+            continue
+        if "images" in info.get("columns", {}):  # needs an image-text model's processor (tests/unit/data/test_data_images.py)
+            with pytest.raises(DatasetError, match="not an image-text model"):
+                next(build_dataloader(config, tokenizer, 2, 2))
+            continue
+        stage = "dpo" if info.get("ranking") else "kto" if "kto_tag" in info.get("columns", {}) else None
+        if stage is not None:  # refused under sft in one line naming its stage; trains under that stage
+            with pytest.raises(DatasetError, match=f"dataset '{name}' is .* trains under training.stage: {stage}, "
+                                                   "not sft$"):
+                build_dataloader(config, tokenizer, 2)
+            batch = next(build_dataloader(config, tokenizer, 2, 2, stage=stage))
+            assert batch["input_ids"].shape == (4, 256) and batch["seq_role"].shape[0] == 4
+            preference.append(name)
             continue
         loader = build_dataloader(config, tokenizer, 2, 2)
         for batch in take(loader, 2):
@@ -202,6 +216,7 @@ def test_every_llamafactory_local_entry_loads_or_says_why(tokenizer, llamafactor
         assert loader.stats()["bad_rows"] == {name: 0}
         usable.append(name)
     assert sorted(usable) == ["alpaca_en_demo", "c4_demo", "glaive_toolcall_en_demo", "identity", "wiki_demo"]
+    assert sorted(preference) == ["dpo_en_demo", "kto_en_demo"]
 
 
 def test_state_from_another_dataset_list_is_refused(tokenizer) -> None:

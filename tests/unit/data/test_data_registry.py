@@ -61,7 +61,7 @@ def test_hub_entry_with_local_copy_uses_the_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("info", "message"), [
     ({"file_name": "missing.json"}, "file_name 'missing.json' not found"),
-    ({"file_name": "a.jsonl", "ranking": True}, "preference"),
+    ({"file_name": "a.jsonl", "ranking": True}, "ranking dataset but its columns name no chosen and rejected"),
     ({"file_name": "a.jsonl", "formatting": "sharegpt", "columns": {"messages": "m", "videos": "v"}},
      r"columns \['videos'\], which are not supported"),
     ({"file_name": "a.jsonl", "formatting": "openai"}, "formatting 'openai' is not supported"),

@@ -1,0 +1,245 @@
+"""The engine's preference stage: the reference model streamed through the policy's own layer loop, and the
+head that turns per-sequence log-probs into the preference loss and its gradient.
+
+The reference is the frozen starting weights, one flat host buffer in the store's layout, in the
+compute dtype (bf16 on a GPU: 2 B/param; fp32 where the run computes in fp32), snapshotted when the
+weights are loaded (a resume restores the policy from its checkpoint and keeps the snapshot of the
+starting weights). Its units are named `ref:<unit>` and ride the weight streamer's plan beside the
+policy's: there is one layer loop, and in it each block runs the reference's copy of its layers
+forward, without a graph, right after the policy's (`forward_plan`). The reference's hidden state
+waits in its own activation slot (`streamed_step_plan(reference=True)`), and its head computes each
+sequence's log-prob sum before the policy's head needs it. The resident schedule keeps the
+reference's units on the device too and runs each micro-batch through it before the policy.
+
+Reference-free losses (ORPO, SimPO) hold no reference; `pref.reference: precompute` reads the
+reference's sums from the batch (`ref_logps`, computed once per dataset) instead.
+
+Shape key: B batch, T tokens, D hidden, N selected (loss) tokens, S sequences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from mt_ray.engine.batch import MicroBatch
+from mt_ray.engine.host_store import StoreLayout
+from mt_ray.engine.pinning import host_empty, unregister_pinned
+from mt_ray.engine.preference import Objective, PreferenceConfig, add_counts, add_sums
+from mt_ray.engine.seams import WeightSource
+from mt_ray.engine.templates import UnitTemplate, Weights
+
+REF = "ref:"
+
+
+class ReferenceWeights:
+    """The frozen starting weights of every unit, in the host store's layout (`WeightSource` for `ref:` units)."""
+
+    def __init__(self, layout: StoreLayout, dtype: torch.dtype, pin: bool):
+        self.layout = layout
+        self.pin = pin
+        self.buf = host_empty(layout.total, dtype, pin)  # page-locked once: uploaded every step
+
+    def snapshot(self, master: torch.Tensor) -> None:
+        """Take the weights just loaded into the store as the reference."""
+        self.buf.copy_(master)
+
+    @torch.no_grad()
+    def load_named(self, store, state: dict[str, torch.Tensor]) -> None:
+        """Another reference than the starting weights, by Hugging Face name (`store` knows each unit's slice)."""
+        for unit in store.units:
+            for name, view in store.named_views(unit, self.buf).items():
+                view.copy_(state[name])
+
+    def streamed_of(self, unit: str) -> torch.Tensor:
+        off = self.layout.offsets[unit]
+        return self.buf[off : off + self.layout.numels[unit]]
+
+    def close(self) -> None:
+        if self.pin:
+            unregister_pinned(self.buf)
+            self.pin = False
+
+
+class WithReference:
+    """The policy's weight source with the reference's `ref:` units beside it; they never wait for the optimizer."""
+
+    def __init__(self, policy: WeightSource, reference: ReferenceWeights, policy_wait: Callable[[str, int], None]):
+        self.policy = policy
+        self.reference = reference
+        self.policy_wait = policy_wait
+
+    def wait_updated(self, unit: str, version: int) -> None:
+        if not unit.startswith(REF):
+            self.policy_wait(unit, version)
+
+    def streamed_of(self, unit: str) -> torch.Tensor:
+        if unit.startswith(REF):
+            return self.reference.streamed_of(unit.removeprefix(REF))
+        return self.policy.streamed_of(unit)
+
+    def release(self, unit: str, copied) -> None:
+        if not unit.startswith(REF):
+            self.policy.release(unit, copied)
+
+
+def build_preference(engine, stage: str, cfg: PreferenceConfig, pin: bool) -> PreferenceSteps:
+    """The preference stage of `engine`, with a reference to stream unless its loss is reference-free or the
+    reference's log-probs are precomputed."""
+    objective = Objective(stage, cfg)
+    streamed = cfg.reference == "stream" and objective.needs_reference
+    return PreferenceSteps(engine, objective, ReferenceWeights(engine.store.layout, engine.dtype, pin) if streamed else None)
+
+
+def forward_plan(blocks: list[range], tied: bool, reference: bool) -> list[str]:
+    """The units a forward pass reads, in order: block by block, each block's reference layers after the
+    policy's; the reference's head before the policy's (each with the embedding again where it is tied)."""
+    ref = [REF] if reference else []
+    plan = ["embed", *(p + "embed" for p in ref)]
+    for block in blocks:
+        plan += [f"{p}layers.{i}" for p in ["", *ref] for i in block]
+    for p in [*ref, ""]:
+        plan += [f"{p}head"] + ([f"{p}embed"] if tied else [])
+    return plan
+
+
+@contextlib.contextmanager
+def eval_mode(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
+    """Modules in eval mode for the block (dropout and router noise off), then back as they were."""
+    modules = list(modules)
+    was_training = [m.training for m in modules]
+    for m in modules:
+        m.train(False)
+    try:
+        yield
+    finally:
+        for m, mode in zip(modules, was_training, strict=True):
+            m.train(mode)
+
+
+class PreferenceSteps:
+    """What a preference stage adds to a `StreamingEngine` step: the reference's passes and the preference head.
+
+    It drives the engine's own loop pieces (`_weights`, `_embed`, `_layer`, `_bind_head`, the activation
+    store); the engine calls it at the points where a step differs from SFT.
+    """
+
+    def __init__(self, engine, objective: Objective, reference: ReferenceWeights | None):
+        self.e = engine
+        self.objective = objective
+        self.reference = reference
+        self.slot = 0  # the reference's activation slot (set per step)
+        self.norm: dict[str, int] = {}
+        self.sums: dict[str, torch.Tensor] = {}
+
+    @property
+    def streams_reference(self) -> bool:
+        return self.reference is not None
+
+    def start(self, mbs: list[MicroBatch]) -> int:
+        """Begin a step or an evaluation over `mbs`; returns what its loss is a mean over (pairs, or KTO examples)."""
+        for mb in mbs:
+            if mb.seqs is None:
+                raise ValueError("a preference stage needs batches with seq_role (the preference data pipeline's "
+                                 "rows); this micro-batch has none")
+            if self.objective.needs_reference and not self.streams_reference and mb.ref_logps is None:
+                raise ValueError("pref.reference: precompute needs each batch's ref_logps")
+        self.norm = {}
+        for mb in mbs:
+            self.norm = add_counts(self.norm, mb.seqs.counts)
+        self.sums = {}
+        self.slot = len(self.e._blocks()) + 1
+        return self.objective.examples(self.norm)
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """The step's (or evaluation's) metrics, as device tensors."""
+        return self.objective.metrics(self.sums, self.norm)
+
+    # ------------------------------------------------------------------ the reference's passes (streamed)
+
+    def embed(self, mbs: list[MicroBatch]) -> None:
+        """Park each micro-batch's reference embedding in the reference's slot."""
+        weights = self.e.templates["embed"].bind(self.e._weights(REF + "embed"))
+        for j, mb in enumerate(mbs):
+            self.e.activations.put((self.slot, j), self.e._embed(weights, mb)[0])
+
+    def block(self, block: range, contexts) -> None:
+        """Run the reference's copy of `block` over every micro-batch, forward only."""
+        weights: dict[int, Weights] = {}
+        with torch.no_grad(), eval_mode(self.e.layer_templates[i].module for i in block):
+            for j, ctx in enumerate(contexts):
+                x = self.e.activations.get((self.slot, j))
+                for i in block:
+                    if i not in weights:  # bound when first reached: compute waits for this upload only
+                        weights[i] = self.e.layer_templates[i].bind(self.e._weights(f"{REF}layers.{i}"))
+                    x = self.e._layer(i, weights[i], x, ctx)[0]  # a router's logits are dropped (no aux loss)
+                self.e.activations.put((self.slot, j), x)
+
+    def head(self, mbs: list[MicroBatch]) -> None:
+        """Each micro-batch's reference log-prob sums, from the reference's last hidden state."""
+        head, weights = self.e.templates["head"], self.e._bind_head(False, REF)
+        for j, mb in enumerate(mbs):
+            mb.ref_logps = sequence_logps(head, weights, self.e.activations.get((self.slot, j)), mb,
+                                          self.e.cfg.loss_chunk_tokens)
+
+    def resident_reference(self, mb: MicroBatch, weights: dict[int, Weights]) -> None:
+        """The resident schedule: one micro-batch through the whole reference (its units kept on the device)."""
+        with torch.no_grad(), eval_mode(t.module for t in self.e.layer_templates):
+            x, ctx = self.e._embed(self.e.templates["embed"].bind(self.e._weights(REF + "embed")), mb)
+            for i in range(self.e.spec.num_layers):
+                if i not in weights:
+                    weights[i] = self.e.layer_templates[i].bind(self.e._weights(f"{REF}layers.{i}"))
+                x = self.e._layer(i, weights[i], x, ctx)[0]
+            mb.ref_logps = sequence_logps(self.e.templates["head"], self.e._bind_head(False, REF), x, mb,
+                                          self.e.cfg.loss_chunk_tokens)
+
+    # ------------------------------------------------------------------ the policy's head
+
+    def head_grads(self, head: UnitTemplate, weights: Weights, leaves: list[torch.Tensor],
+                   grad_sums: list[torch.Tensor], sel_ND: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch's share of the preference loss; its head-weight gradients go into `grad_sums`.
+        Returns the gradient of its selected hidden states and the loss share.
+
+        A forward without a graph gives each sequence's log-prob sum; the loss then says what each sum's
+        gradient is (dL/ds), and the chunked forward and backward weights each token's log-prob by it.
+        """
+        chunk = self.e.cfg.loss_chunk_tokens
+        s_S = _sums(head, weights, sel_ND, mb, chunk).requires_grad_()
+        with torch.enable_grad():
+            loss, sums = self.objective.loss(s_S, mb.ref_logps, mb.seqs.tokens, mb.seqs, self.norm)
+            (coef_S,) = torch.autograd.grad(loss, [s_S])
+        add_sums(self.sums, sums)
+        coef_N = coef_S.index_select(0, mb.seqs.index)
+        g_sel = torch.empty_like(sel_ND)
+        for s in range(0, mb.num_loss_tokens, chunk):
+            x = sel_ND[s : s + chunk].detach().requires_grad_()
+            with torch.enable_grad():
+                logp_N = -F.cross_entropy(head(weights, x).float(), mb.loss_target[s : s + chunk], reduction="none")
+                g = torch.autograd.grad((logp_N * coef_N[s : s + chunk]).sum(), [x, *leaves])
+            g_sel[s : s + chunk] = g[0]
+            torch._foreach_add_(grad_sums, [t.reshape(-1) for t in g[1:]])
+        return g_sel, loss.detach()
+
+    def eval_head(self, head: UnitTemplate, weights: Weights, h_BTD: torch.Tensor, mb: MicroBatch) -> None:
+        """One micro-batch's metric sums under the current weights (no graph)."""
+        s_S = sequence_logps(head, weights, h_BTD, mb, self.e.cfg.loss_chunk_tokens)
+        add_sums(self.sums, self.objective.loss(s_S, mb.ref_logps, mb.seqs.tokens, mb.seqs, self.norm)[1])
+
+
+def sequence_logps(head: UnitTemplate, weights: Weights, h_BTD: torch.Tensor, mb: MicroBatch,
+                   chunk: int) -> torch.Tensor:
+    """Each sequence's summed log-prob of its loss tokens, from its final hidden states (no graph)."""
+    return _sums(head, weights, h_BTD.reshape(-1, h_BTD.shape[-1]).index_select(0, mb.loss_index), mb, chunk)
+
+
+def _sums(head: UnitTemplate, weights: Weights, sel_ND: torch.Tensor, mb: MicroBatch, chunk: int) -> torch.Tensor:
+    s_S = torch.zeros(mb.seqs.num, dtype=torch.float32, device=sel_ND.device)
+    with torch.no_grad():
+        for s in range(0, mb.num_loss_tokens, chunk):
+            logits_NV = head(weights, sel_ND[s : s + chunk]).float()
+            logp_N = -F.cross_entropy(logits_NV, mb.loss_target[s : s + chunk], reduction="none")
+            s_S.index_add_(0, mb.seqs.index[s : s + chunk], logp_N)
+    return s_S

@@ -1,0 +1,257 @@
+"""Preference training equals TRL: loss, metrics and one step's updated weights, for every loss, through the
+streamed and resident schedules, packed and unpacked.
+
+TRL computes its loss with its own trainer (`DPOTrainer.compute_loss`, `KTOTrainer.compute_loss`) or, for
+the experimental ORPO and SimPO (CPO) trainers, its own loss functions on the model's log-probs; its gradients
+then take one plain torch AdamW step, which the engine's update must equal.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mt_ray.data.packing import collate
+from mt_ray.data.schema import (
+    IGNORE_INDEX,
+    ROLE_CHOSEN,
+    ROLE_DESIRABLE,
+    ROLE_KL,
+    ROLE_REJECTED,
+    ROLE_UNDESIRABLE,
+)
+from mt_ray.data.schema import TokenizedExample as Seq
+from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine
+from mt_ray.engine.preference import PreferenceConfig
+from mt_ray.models.discovery import discover
+from tests.tiny_models import VOCAB, reference_model, tiny_config
+
+trl = pytest.importorskip("trl")
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+# eps above most gradients: a first Adam step is then nearly linear in the gradient, so the
+# updated weights compare the gradients (with eps 1e-8 it is lr·sign(g), which float rounding can flip)
+OPT = OptimizerConfig(lr=1e-2, eps=1e-3, max_grad_norm=0.0, schedule="constant")
+PAIRS = 4
+LAYOUTS = {  # (engine kwargs, packed): pairs per row and micro-batches
+    "stream-packed": ({"checkpoint_every": 2, "loss_chunk_tokens": 5}, True),
+    "stream-unpacked": ({"checkpoint_every": 3}, False),
+    "resident-packed": ({"schedule": "resident"}, True),
+}
+
+
+def make_pairs(seed: int = 0, n: int = PAIRS) -> list[dict[str, list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(k: int) -> list[int]:
+        return torch.randint(3, VOCAB, (k,), generator=g).tolist()
+
+    return [{"prompt_ids": ids(3 + i % 3), "chosen_ids": ids(2 + i), "rejected_ids": ids(5 - i % 3)} for i in range(n)]
+
+
+def sequence(prompt: list[int], response: list[int], role: int) -> Seq:
+    return Seq(input_ids=tuple(prompt + response), labels=(IGNORE_INDEX,) * len(prompt) + tuple(response),
+               role=role, prompt_len=len(prompt))
+
+
+def micro_batches(groups: list[list[Seq]], packed: bool) -> list[dict]:
+    """Two micro-batches: packed, one row holding half the groups each; unpacked, a row per group."""
+    half = len(groups) // 2
+    parts = [groups[:half], groups[half:]]
+    if packed:
+        return [collate([[s for g in part for s in g]], None, 0) for part in parts]
+    return [collate(part, None, 0) for part in parts]
+
+
+def models(seed: int = 0):
+    """The policy, and a reference near it (so rewards are not zero)."""
+    cfg = tiny_config("llama")
+    policy = reference_model(cfg, seed)
+    ref = copy.deepcopy(policy)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return cfg, policy, ref
+
+
+def engine_step(cfg, policy, ref, mbs, stage: str, pref: PreferenceConfig, engine_kw: dict):
+    engine_cfg = EngineConfig(device="cpu", compute_dtype="fp32", **engine_kw)
+    engine = StreamingEngine(discover(cfg), engine_cfg, OPT, total_steps=1, stage=stage, pref=pref)
+    try:
+        engine.load_state_dict(policy.state_dict())
+        if ref is not None and engine.pref.reference is not None:
+            engine.load_reference(ref.state_dict())
+        result = engine.train_step(mbs)
+        metrics = {k: v.item() for k, v in result.metrics.items()}
+        return result.loss.item(), metrics, {k: v.clone() for k, v in engine.state_dict().items()}
+    finally:
+        engine.close()
+
+
+def torch_step(model, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One AdamW step on `loss`'s gradients, as the engine's optimizer takes it (no decay, no clipping)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=0.0)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def assert_same(ours, theirs, metric_names):
+    loss, metrics, state = ours
+    ref_loss, ref_metrics, ref_state = theirs
+    assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+    for name in metric_names:
+        assert metrics[name] == pytest.approx(ref_metrics[name], rel=1e-4, abs=1e-5), name
+    for name, w in state.items():
+        torch.testing.assert_close(w, ref_state[name], atol=2e-6, rtol=1e-5, msg=name)
+
+
+def trainer_args(cls, **kw):
+    return cls(output_dir="/tmp/mt-ray-trl", report_to=[], use_cpu=True, bf16=False, max_length=None,
+               per_device_train_batch_size=PAIRS, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- DPO
+
+
+def trl_dpo(policy, ref, pairs, loss_types, weights, beta):
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from mt_ray.data import load_tiny_tokenizer
+
+    args = trainer_args(DPOConfig, beta=beta, loss_type=loss_types, loss_weights=weights)
+    dummy = Dataset.from_list([{"prompt": "hi", "chosen": " yes", "rejected": " no"}])
+    trainer = DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=dummy,
+                         processing_class=load_tiny_tokenizer())
+    policy.train()
+    loss = trainer.compute_loss(policy, trainer.data_collator(pairs))
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return loss.item(), metrics, torch_step(policy, loss)
+
+
+DPO_METRICS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+               "logps/rejected"]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "hinge"])
+def test_dpo_equals_trl(loss, layout):
+    engine_kw, packed = LAYOUTS[layout]
+    cfg, policy, ref = models()
+    pairs = make_pairs()
+    groups = [[sequence(p["prompt_ids"], p["chosen_ids"], ROLE_CHOSEN),
+               sequence(p["prompt_ids"], p["rejected_ids"], ROLE_REJECTED)] for p in pairs]
+    ftx = 0.5 if loss == "sigmoid" else 0.0  # TRL's "sft" loss term beside sigmoid: LLaMA-Factory's pref_ftx
+    pref = PreferenceConfig(beta=0.5, loss=loss, ftx=ftx)
+    ours = engine_step(cfg, policy, ref, micro_batches(groups, packed), "dpo", pref, engine_kw)
+    types, weights = ([loss, "sft"], [1.0, ftx]) if ftx else ([loss], [1.0])
+    theirs = trl_dpo(policy, ref, pairs, types, weights, beta=0.5)
+    assert_same(ours, theirs, DPO_METRICS)
+
+
+# ---------------------------------------------------------------------------------------------- ORPO, SimPO
+
+
+def trl_reference_free(policy, pairs, loss: str, beta: float, gamma: float, smoothing: float, ftx: float):
+    """TRL's ORPOTrainer.odds_ratio_loss or CPOTrainer.cpo_loss (loss_type simpo, cpo_alpha = ftx) on the
+    model's mean token log-probs, with its token-mean NLL of the chosen responses."""
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
+
+    seqs = [(p["prompt_ids"], p[k]) for k in ("chosen_ids", "rejected_ids") for p in pairs]
+    width = max(len(a) + len(b) for a, b in seqs)
+    ids = torch.tensor([a + b + [0] * (width - len(a) - len(b)) for a, b in seqs])
+    labels = torch.tensor([[-100] * len(a) + b + [-100] * (width - len(a) - len(b)) for a, b in seqs])
+    mask = (torch.arange(width) < torch.tensor([len(a) + len(b) for a, b in seqs])[:, None]).long()
+    policy.train()
+    logits = policy(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    logps = ORPOTrainer.get_batch_logps(logits, labels, average_log_prob=True)
+    chosen, rejected = logps[:PAIRS], logps[PAIRS:]
+    nll = F.cross_entropy(logits[:PAIRS, :-1].reshape(-1, VOCAB), labels[:PAIRS, 1:].reshape(-1))
+    me = SimpleNamespace(beta=beta, accelerator=SimpleNamespace(device="cpu"), loss_type=loss, simpo_gamma=gamma,
+                         label_smoothing=smoothing, alpha=0.0)
+    if loss == "orpo":
+        losses, rew_c, rew_r, _, _ = ORPOTrainer.odds_ratio_loss(me, chosen, rejected)
+        total = (1 + ftx) * nll - losses.mean()
+    else:
+        losses, rew_c, rew_r = CPOTrainer.cpo_loss(me, chosen, rejected)
+        total = losses.mean() + ftx * nll
+    metrics = {"rewards/chosen": rew_c.mean().item(), "rewards/rejected": rew_r.mean().item(),
+               "rewards/accuracies": (rew_c > rew_r).float().mean().item(),
+               "rewards/margins": (rew_c - rew_r).mean().item(), "logps/chosen": chosen.mean().item(),
+               "logps/rejected": rejected.mean().item()}
+    return total.item(), metrics, torch_step(policy, total)
+
+
+@pytest.mark.parametrize("layout", ["stream-packed", "resident-packed", "stream-unpacked"])
+@pytest.mark.parametrize("loss", ["orpo", "simpo"])
+def test_reference_free_losses_equal_trl(loss, layout):
+    engine_kw, packed = LAYOUTS[layout]
+    cfg, policy, _ = models()
+    pairs = make_pairs(seed=1)
+    groups = [[sequence(p["prompt_ids"], p["chosen_ids"], ROLE_CHOSEN),
+               sequence(p["prompt_ids"], p["rejected_ids"], ROLE_REJECTED)] for p in pairs]
+    smoothing, ftx = (0.0, 0.0) if loss == "orpo" else (0.1, 0.3)
+    pref = PreferenceConfig(beta=2.0, loss=loss, simpo_gamma=0.4, label_smoothing=smoothing, ftx=ftx)
+    ours = engine_step(cfg, policy, None, micro_batches(groups, packed), "dpo", pref, engine_kw)
+    theirs = trl_reference_free(policy, pairs, loss, 2.0, 0.4, smoothing, ftx)
+    assert_same(ours, theirs, DPO_METRICS)
+
+
+def test_reference_free_losses_hold_no_reference():
+    cfg = tiny_config("llama")
+    engine = StreamingEngine(discover(cfg), EngineConfig(device="cpu"), OPT, 1, stage="dpo",
+                             pref=PreferenceConfig(loss="simpo"))
+    try:
+        assert engine.pref.reference is None
+    finally:
+        engine.close()
+
+
+# ---------------------------------------------------------------------------------------------- KTO
+
+
+def trl_kto(policy, ref, examples, beta, w_d, w_u):
+    from datasets import Dataset
+    from trl import KTOConfig, KTOTrainer
+
+    from mt_ray.data import load_tiny_tokenizer
+
+    args = trainer_args(KTOConfig, beta=beta, desirable_weight=w_d, undesirable_weight=w_u,
+                        train_sampling_strategy="sequential")
+    dummy = Dataset.from_list([{"prompt": "hi", "completion": " yes", "label": True},
+                               {"prompt": "ho", "completion": " no", "label": False}])
+    trainer = KTOTrainer(model=policy, ref_model=ref, args=args, train_dataset=dummy,
+                         processing_class=load_tiny_tokenizer())
+    policy.train()
+    loss = trainer.compute_loss(policy, trainer.data_collator(examples))
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return loss.item(), metrics, torch_step(policy, loss)
+
+
+@pytest.mark.parametrize("layout", ["stream-packed", "stream-unpacked", "resident-packed"])
+def test_kto_equals_trl(layout):
+    engine_kw, packed = LAYOUTS[layout]
+    cfg, policy, ref = models()
+    pairs = make_pairs(seed=2)
+    labels = [True, False, True, True]
+    examples = [{"prompt_ids": p["prompt_ids"], "completion_ids": p["chosen_ids"], "label": lab}
+                for p, lab in zip(pairs, labels, strict=True)]
+    for i, ex in enumerate(examples):  # TRL's KL completions: each takes the one before's (the first, the last's)
+        ex["KL_completion_ids"] = examples[i - 1]["completion_ids"]
+    groups = [[sequence(ex["prompt_ids"], ex["completion_ids"], ROLE_DESIRABLE if ex["label"] else ROLE_UNDESIRABLE),
+               sequence(ex["prompt_ids"], ex["KL_completion_ids"], ROLE_KL)] for ex in examples]
+    mbs = [collate([[s for g in groups for s in g]], None, 0)] if packed else [collate(groups, None, 0)]
+    pref = PreferenceConfig(beta=0.5, kto_chosen_weight=1.0, kto_rejected_weight=1.5)
+    ours = engine_step(cfg, policy, ref, mbs, "kto", pref, engine_kw)
+    theirs = trl_kto(policy, ref, examples, 0.5, 1.0, 1.5)
+    assert_same(ours, theirs, ["rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+                               "logps/rejected", "kl"])
