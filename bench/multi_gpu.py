@@ -28,6 +28,7 @@ casts and puts of updated units for other nodes.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -46,6 +47,7 @@ from mt_ray.cluster.sizing import size_cluster  # noqa: E402
 from mt_ray.cluster.store_settings import SYSTEM_CONFIG  # noqa: E402
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
+from mt_ray.models.weights import init_random  # noqa: E402
 
 COLUMNS = ["system", "gpus", "rows_per_gpu", "step_s", "model_tflops_per_gpu", "node_host_bytes_per_param",
            "calc_node_host_bytes_per_param", "spilled_bytes", "weight_wait_s", "adam_s", "sum_s", "publish_s"]
@@ -67,23 +69,26 @@ def batches(args, cfg, gpus: int) -> list:
 
 
 def row(args, cfg, system: str, gpus: int, step_s: float, growth: int, calc: float, losses: list[float],
-        split: dict, spilled: int | None = None) -> dict:
+        split: dict, spilled: int | None = None, rows: int | None = None) -> dict:
+    """`rows`: a step's rows, where not `rows_per_gpu` on each of `gpus`."""
     n = discover(cfg).num_params
-    tokens = args.rows_per_gpu * gpus * args.seq
+    tokens = (rows or args.rows_per_gpu * gpus) * args.seq
     return {"system": system, "gpus": gpus, "rows_per_gpu": args.rows_per_gpu, "params": n, "step_s": step_s,
             "model_tflops_per_gpu": 6 * n * tokens / step_s / gpus / 1e12,
             "node_host_bytes_per_param": growth / n, "calc_node_host_bytes_per_param": calc,
             "spilled_bytes": spilled, "losses": losses, **split}
 
 
-def run_single(args, cfg, system: str = "single-engine") -> dict:
-    """The single engine on one GPU, no Ray: the speed each data-parallel GPU should match."""
+def run_single(args, cfg, system: str = "single-engine", init: str = "cuda", batch_of: int = 1) -> dict:
+    """The single engine on one GPU, no Ray: the speed each data-parallel GPU should match. `init` cpu and
+    `batch_of` N: its weights initialised on the CPU, as the cluster's shards do, and the global batch of N
+    GPUs, so an N-GPU cluster row's losses compare with its."""
     memory = NodeMemoryPeak()
     engine = StreamingEngine(discover(cfg), engine_config(args), optimizer(args), total_steps=args.warmup + args.steps)
     try:
-        engine.load_random(seed=0)
+        init_random(engine.spec, engine.store.load_named, 0, init)
         times, losses = [], []
-        for b in batches(args, cfg, 1):
+        for b in batches(args, cfg, batch_of):
             t0 = time.perf_counter()
             losses.append(engine.train_step(b).loss.item())  # the step's device work is done
             times.append(time.perf_counter() - t0)
@@ -91,9 +96,13 @@ def run_single(args, cfg, system: str = "single-engine") -> dict:
         adam = engine.worker.busy_seconds
     finally:
         engine.close()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()  # the GPU's memory back for the next row's workers, which share it
     memory.close()
     return row(args, cfg, system, 1, sum(times[args.warmup:]) / args.steps, memory.growth, float("nan"), losses,
-               {"weight_wait_s": None, "adam_s": adam, "sum_s": None, "publish_s": None})
+               {"weight_wait_s": None, "adam_s": adam, "sum_s": None, "publish_s": None},
+               rows=args.rows_per_gpu * batch_of)
 
 
 def run_cluster(args, cfg, system: str, gpus: int, nodes: int) -> dict:
@@ -115,17 +124,27 @@ def run_cluster(args, cfg, system: str, gpus: int, nodes: int) -> dict:
             before = split_seconds(trainer)
             result = trainer.train(data[args.warmup:])
             after = split_seconds(trainer)
+            processes = process_split(trainer)
         finally:
             trainer.close()
         spilled = spilled_bytes()
     finally:
         shutdown()
     memory.close()
-    split = {k: after[k] - before[k] for k in after}
+    split = {**{k: after[k] - before[k] for k in after}, **processes}
     # Two nodes on one host: the host's growth is both nodes', as is the calculator's figure.
     calc = sizing.node_host_bytes_per_param * (nodes if system == "sharded-1gpu" else 1)
     return row(args, cfg, system, gpus, sum(result.step_seconds) / args.steps, memory.growth, calc,
                losses + result.losses, split, spilled)
+
+
+def process_split(trainer: DataParallelTrainer) -> dict:
+    """Each process's own memory (private pages, beside the arena it maps): what a worker and a shard cost."""
+    import ray
+
+    workers = ray.get([w.host_bytes.remote() for w in trainer.workers])
+    shards = ray.get([s.host_bytes.remote() for s in trainer.shards])
+    return {"worker_uss_bytes": max(w["uss"] for w in workers), "shard_uss_bytes": max(s["uss"] for s in shards)}
 
 
 def spilled_bytes() -> int:
@@ -182,7 +201,7 @@ def start_ray(nodes: int, gpus: int, store_bytes: int, cpus_per_worker: float):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen2.5-7b")
-    p.add_argument("--gpus", default="1,2", help="comma-separated data-parallel GPU counts")
+    p.add_argument("--gpus", default="1,2", help="comma-separated data-parallel GPU counts (0: none)")
     p.add_argument("--sharded", action="store_true", help="also 2 Ray nodes x 1 GPU with the state sharded")
     p.add_argument("--sharded-layers", type=int, default=None,
                    help="layers of the model for the sharded row on a one-GPU host (both nodes' state on one host)")
@@ -208,7 +227,7 @@ def main() -> None:
     available = torch.cuda.device_count()
     runs = [] if args.no_single else [lambda: run_single(args, cfg)]
     runs += [lambda n=n: run_cluster(args, cfg, "data-parallel", n, 1)
-             for n in (int(g) for g in args.gpus.split(",")) if n <= available]
+             for n in (int(g) for g in args.gpus.split(",")) if 0 < n <= available]
     if args.sharded and available >= 2:
         runs.append(lambda: run_cluster(args, cfg, "sharded", 2, 2))
     elif args.sharded:
@@ -217,7 +236,7 @@ def main() -> None:
             cut.num_hidden_layers = args.sharded_layers
             if isinstance(getattr(cut, "layer_types", None), list):
                 cut.layer_types = cut.layer_types[: args.sharded_layers]
-            runs.append(lambda: run_single(args, cut, "single-engine-cut"))
+            runs.append(lambda: run_single(args, cut, "single-engine-cut", init="cpu", batch_of=2))
         runs.append(lambda: run_cluster(args, cut, "sharded-1gpu", 2, 2))
     payload: dict = {"shape": args.shape, "args": vars(args), "rows": []}
     for run in runs:  # each row is written as it lands: a run cut short keeps what it measured

@@ -22,10 +22,12 @@ def node_used_bytes() -> int:
     return info["MemTotal"] - info["MemAvailable"]
 
 
-def pss_bytes() -> int:
-    """This process's proportional set size: its private pages plus its share of each shared one, so the
-    processes of a run sum to the memory the run holds, a shared-memory arena counted once."""
-    return psutil.Process().memory_full_info().pss
+def process_bytes() -> dict[str, int]:
+    """This process's memory now. pss: its private pages plus its share of each shared one, so the processes
+    of a run sum to the memory the run holds, a shared-memory arena counted once. uss: its private pages alone
+    (what the process itself costs beside the arena)."""
+    info = psutil.Process().memory_full_info()
+    return {"pss": info.pss, "uss": info.uss}
 
 
 class NodeMemoryPeak:

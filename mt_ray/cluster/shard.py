@@ -42,7 +42,7 @@ from ray.exceptions import GetTimeoutError
 
 from mt_ray.cluster.arena import ABSENT, FAILED, PRESENT, SLOT, STOPPED, ArenaHandle, ArenaLayout, NodeArena
 from mt_ray.cluster.errors import ClusterError, StaleGenerationError
-from mt_ray.cluster.node_memory import NodeMemoryPeak, pss_bytes
+from mt_ray.cluster.node_memory import NodeMemoryPeak, process_bytes
 from mt_ray.cluster.partition import ShardPlan
 from mt_ray.cluster.wire import from_numpy, sum_in_order, to_numpy
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
@@ -213,8 +213,8 @@ class CoordinatorShard:
 
     def host_bytes(self) -> dict[str, int]:
         """Peak growth of this node's used memory since the shard started, this process's peak RSS, and its
-        proportional share now (`pss`: the arena's pages split among the processes that map them)."""
-        return {"node_growth": self.node_memory.growth, "shard_rss_peak": peak_rss_bytes(), "pss": pss_bytes()}
+        memory now (`process_bytes`)."""
+        return {"node_growth": self.node_memory.growth, "shard_rss_peak": peak_rss_bytes(), **process_bytes()}
 
     # ------------------------------------------------------------------ generations
 

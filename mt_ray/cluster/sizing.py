@@ -19,9 +19,12 @@ from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.models.discovery import ModelSpec
 
 GIB = 1024**3
-# A worker process's own memory beside the arena it maps: Python, torch, transformers, Ray's core
-# worker and the CUDA context's host side.
-WORKER_PROCESS_BYTES = 1 * GIB
+# A worker process's own memory beside the arena it maps (Python, torch, transformers, Ray's core worker,
+# the CUDA context's host side): 1.13 GiB private on the H100 with the 7B shape (bench/multi_gpu.py).
+WORKER_PROCESS_BYTES = int(1.15 * GIB)
+# Each node's fixed cost beside its state and workers: the shard's own process (0.78 GiB private beyond its
+# moments on the H100 with the 7B shape), Ray's daemons (about 0.45 GiB), the page tables of the arena's mappings.
+NODE_BASE_BYTES = int(1.5 * GIB)
 STORE_BASE_BYTES = 64 << 20  # batches and small objects
 STORE_SLACK = 1.05  # the object store's allocator needs some room beyond the objects themselves
 
@@ -51,7 +54,7 @@ class ClusterSizing:
     @property
     def node_host_bytes(self) -> int:
         return self.state_bytes + self.arena_bytes + self.rings * self.ring_bytes \
-            + self.workers_per_node * self.worker_process_bytes + self.object_store_bytes
+            + self.workers_per_node * self.worker_process_bytes + self.object_store_bytes + NODE_BASE_BYTES
 
     @property
     def node_host_bytes_per_param(self) -> float:
@@ -105,6 +108,7 @@ def render_cluster(sizing: ClusterSizing) -> str:
         ("shared arena beside the master", f"{s.arena_bytes / GIB:.1f} GiB (gradients, other nodes' weights)"),
         ("per worker (ring + process)", f"{s.per_worker_bytes / GIB:.2f} GiB"),
         ("object store", f"{s.object_store_bytes / GIB:.2f} GiB"),
+        ("shard process, Ray's daemons", f"{NODE_BASE_BYTES / GIB:.1f} GiB"),
         ("host per node", f"{s.node_host_bytes / GIB:.1f} GiB ({s.node_host_bytes_per_param:.1f} B/param)"),
         ("network per step per node", f"out {s.network_out_bytes_per_step / GIB:.1f} GiB, "
                                       f"in {s.network_in_bytes_per_step / GIB:.1f} GiB"),

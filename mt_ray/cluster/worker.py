@@ -28,7 +28,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from mt_ray.cluster.arena import SLOT, ArenaHandle, ArenaLayout, NodeArena
 from mt_ray.cluster.errors import ClusterError
-from mt_ray.cluster.node_memory import pss_bytes
+from mt_ray.cluster.node_memory import process_bytes
 from mt_ray.cluster.partition import ShardPlan
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.engine import StreamingEngine
@@ -297,8 +297,8 @@ class EngineWorker:
         self.engine.step_idx = step
 
     def host_bytes(self) -> dict[str, int]:
-        """This process's proportional share of host memory now (`pss`: the arena's pages split among its mappers)."""
-        return {"pss": pss_bytes()}
+        """This process's memory now (`process_bytes`: its share of the arena, and its own)."""
+        return process_bytes()
 
     def device(self) -> str:
         return str(self.engine.device)

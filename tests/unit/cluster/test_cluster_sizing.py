@@ -47,3 +47,13 @@ def test_more_workers_add_only_unit_sized_buffers(spec_7b):
     per_worker = (eight.node_host_bytes - two.node_host_bytes) / 6
     assert per_worker <= 6 * largest_unit * 2  # slabs and gradients in flight, never a model's worth
     assert eight.state_bytes == two.state_bytes
+
+
+def test_a_node_grows_by_the_named_per_worker_figure_alone(spec_7b):
+    """The arena (fp32 master, gradient slots) is held once per node; each further worker adds its gradient ring
+    and its process, `per_worker_bytes`, and nothing model-sized. Up to 4 workers a node stays within 16 B/param."""
+    sizes = {n: size_cluster(spec_7b, CFG, OptimizerConfig(max_grad_norm=1.0), n, 1) for n in (1, 2, 4, 8)}
+    for a, b in ((1, 2), (2, 4), (4, 8)):
+        assert sizes[b].node_host_bytes - sizes[a].node_host_bytes == (b - a) * sizes[a].per_worker_bytes
+    assert sizes[1].per_worker_bytes < spec_7b.num_params * 0.5  # a ring and a process: a quarter of a bf16 copy
+    assert all(sizes[n].node_host_bytes_per_param <= 16 for n in (1, 2, 4))
