@@ -75,7 +75,7 @@ class _Generation:
     opt: OptimizerWorker | None = None
     local: dict[tuple[int, str], dict[int, int | None]] = field(default_factory=dict)
     remote: dict[tuple[int, str], dict[int, list[torch.Tensor]]] = field(default_factory=dict)
-    norms: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    norms: dict[int, dict[str, torch.Tensor | None]] = field(default_factory=dict)  # None: the lone worker's GPU has it
     forwarded: dict[int, list[ray.ObjectRef]] = field(default_factory=dict)
     summed: dict[tuple[int, str], threading.Event] = field(default_factory=dict)  # set once a unit's sum is done
     advanced: dict[int, int] = field(default_factory=dict)  # version -> trained units updated to it
@@ -273,9 +273,9 @@ class CoordinatorShard:
         complete = step in gen.ended or len(norms) == len(self.trained)
         norm_sq = None
         if complete and step not in gen.ended:
-            # A lone worker's norm was its GPU's, lost with it: taken here from the slots instead.
-            norm_sq = self._norm_total({u: sum_in_order([self.arena.grad(u)], None) for u in norms}
-                                       if self.gpu_norm else norms)
+            # A lone worker's norm was its GPU's, lost with it: taken here from the slots it landed in instead.
+            norm_sq = self._norm_total({u: sum_in_order([self.arena.grad(u)], None) if n is None else n
+                                        for u, n in norms.items()})
         return {"complete": complete, "touched": step in gen.touched, "norm_sq": norm_sq,
                 "snapshot_step": self._snapshot.step if self._snapshot else None}
 
@@ -465,10 +465,11 @@ class CoordinatorShard:
             return
         norm_sq = self._sum_into_slot(unit, parts)
         del parts  # other nodes' objects can be freed now
-        self._to_optimizer(gen, step, unit, self.arena.grad(unit), torch.zeros(()) if norm_sq is None else norm_sq)
+        self._to_optimizer(gen, step, unit, self.arena.grad(unit), norm_sq)
 
     def _to_optimizer(self, gen: _Generation, step: int, unit: str, grad: torch.Tensor | None,
-                      norm_sq: torch.Tensor) -> None:
+                      norm_sq: torch.Tensor | None) -> None:
+        """Queue the unit's update; `norm_sq` None: its gradient's norm is the lone worker's GPU's."""
         with self._cond:
             if gen.stopped:
                 return
@@ -478,9 +479,9 @@ class CoordinatorShard:
             gen.norms.setdefault(step, {})[unit] = norm_sq
             self._cond.notify_all()
 
-    def _norm_total(self, norms: dict[str, torch.Tensor]) -> float:
+    def _norm_total(self, norms: dict[str, torch.Tensor | None]) -> float:
         # Summed in unit order, not arrival order, so a rerun clips with the same coefficient.
-        return float(sum(norms[u].double() for u in self.trained if u in norms))
+        return float(sum(norms[u].double() for u in self.trained if norms.get(u) is not None))
 
     # ------------------------------------------------------------------ updates out
 
