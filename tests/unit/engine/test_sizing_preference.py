@@ -40,6 +40,7 @@ def test_host_bytes_equal_engine_allocation_with_the_reference(dtype, stage, pre
         engine.close()
     sizing = Stage.of(stage, pref)
     assert sizing.reference == (ref is not None)
+    assert not Stage.of(stage, pref.model_copy(update={"reference": "precompute"})).reference  # nothing held
     assert host_bytes(spec, cfg, opt, stage=sizing) == allocated
     per_param = (host_bytes(spec, cfg, opt, stage=sizing) - host_bytes(spec, cfg, opt)) / spec.num_params
     assert per_param == ((2 if dtype == "bf16" else 4) if ref is not None else 0)
