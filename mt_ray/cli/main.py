@@ -91,7 +91,7 @@ def _calc(args) -> int:
         render_recommendation,
     )
     from mt_ray.engine.host_store import GIB, available_host_bytes
-    from mt_ray.engine.sizing import Machine
+    from mt_ray.engine.sizing import SFT, Machine, Stage
 
     for flag in ("seq", "global_batch", "gpu_mem_gb", "host_mem_gb", "h2d_gbps", "gpu_tflops"):
         value = getattr(args, flag)
@@ -112,11 +112,12 @@ def _calc(args) -> int:
         engine = run.engine.model_copy(update={"device": "cpu", "compute_dtype": dtype})
     spec = _spec(args, run)
     opt = run.optimizer if run else None
+    stage = Stage.of(run.training.stage, run.pref) if run else SFT  # a preference stage's reference and head
     if args.max_seq:
-        rec = longest_context(spec, gpu, host, args.global_batch, cfg=engine, opt=opt, machine=machine)
+        rec = longest_context(spec, gpu, host, args.global_batch, cfg=engine, opt=opt, machine=machine, stage=stage)
     else:
         rec = recommend(spec, args.seq, args.global_batch, gpu, host, cfg=engine, opt=opt, machine=machine,
-                        image_tokens=args.image_tokens)
+                        image_tokens=args.image_tokens, stage=stage)
     model = run.model.model_dump(exclude_defaults=True) if run else {"path": args.path} if args.path else {
         "preset": args.preset or "tiny"}
     cluster = _cluster_sizing(spec, args) if args.workers is not None or args.nodes > 1 else None

@@ -164,8 +164,9 @@ class RunConfig(_Section):
     def _preference_stage_fits(self) -> RunConfig:
         stage = self.training.stage
         check_stage(stage, self.pref)
-        if self.pref.reference == "precompute":
-            raise ValueError("pref.reference: precompute is not built yet; use pref.reference: stream")
+        if self.pref.reference == "precompute" and stage == "kto":
+            raise ValueError("pref.reference: precompute: KTO's KL twins pair each example with its neighbour's "
+                             "response, which the data order changes; use pref.reference: stream")
         if stage != "sft" and self.cluster.num_workers > 1:
             raise ValueError(f"cluster.num_workers: training.stage {stage} runs on a single engine for now (its data-"
                              "parallel path is not built yet); use cluster.num_workers=1")

@@ -92,6 +92,12 @@ class StepLoader:
         """Completed passes over the data (see ``Mixer.epoch``)."""
         return self.mixer.epoch
 
+    @property
+    def window_used_up(self) -> bool:
+        """Every row of the current packing window has been yielded: once ``epoch`` is 1, the first pass's last
+        examples are behind (the window that finished it holds them)."""
+        return self._window_built and self._used == len(self._window)
+
     def stats(self) -> dict[str, Any]:
         """Counts to report: bad rows skipped per dataset, examples dropped as untrainable, examples longer than
         ``max_seq_len`` (a text cut into chunks of it, a conversation truncated to it, as LLaMA-Factory does)."""

@@ -22,11 +22,14 @@ import yaml
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.sizing import (
     GIB,
+    SFT,
     Machine,
+    Stage,
     activation_slab_bytes,
     device_bytes,
     host_bytes,
     predicted_step_seconds,
+    reference_host_bytes,
     vision_sizes,
 )
 from mt_ray.errors import ConfigError
@@ -69,14 +72,15 @@ class Option:
 
 def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, host_mem_gb: float,
               cfg: EngineConfig | None = None, opt: OptimizerConfig | None = None, machine: Machine | None = None,
-              max_micro_tokens: int = MAX_MICRO_TOKENS, image_tokens: int = 0) -> dict:
+              max_micro_tokens: int = MAX_MICRO_TOKENS, image_tokens: int = 0, stage: Stage = SFT) -> dict:
     """The fastest configuration that fits `gpu_mem_gb` and `host_mem_gb` (GiB), or why none does.
 
     `cfg` gives everything not searched (dtype, kernels, grad slabs) and the stream_master and
     gradient dtype to prefer on a tie; `opt` decides whether clipping holds every gradient.
     `image_tokens`: an image-text model's image tokens per sample (part of `seq`), for its vision tower.
+    `stage`: what a preference stage adds (the policy's head again, a streamed reference).
     """
-    search = _Search.build(spec, gpu_mem_gb, host_mem_gb, cfg, opt, machine, max_micro_tokens, image_tokens)
+    search = _Search.build(spec, gpu_mem_gb, host_mem_gb, cfg, opt, machine, max_micro_tokens, image_tokens, stage)
     machine = search.machine
     out = {"params": spec.num_params, "seq": seq, "global_batch": global_batch, "gpu_mem_gb": gpu_mem_gb,
            "host_mem_gb": host_mem_gb, "h2d_gbps": machine.h2d_gbps}
@@ -84,6 +88,9 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
     if vision is not None:
         out.update(vision_tower_params=vision.tower_params, vision_projector_params=vision.projector_params,
                    image_tokens=image_tokens, vision_patches_per_sample=vision.patches)
+    if stage.preference:
+        out.update(reference="stream" if stage.reference else "none",
+                   reference_host_gib=reference_host_bytes(spec, search.cfg, stage) / GIB)
     options = list(search.options(seq, global_batch))
     best = _fastest([o for o in options if search.fits(o)])
     if best is None:
@@ -99,14 +106,14 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
 
 def longest_context(spec: ModelSpec, gpu_mem_gb: float, host_mem_gb: float, global_batch: int = 1,
                     cfg: EngineConfig | None = None, opt: OptimizerConfig | None = None,
-                    machine: Machine | None = None) -> dict:
+                    machine: Machine | None = None, stage: Stage = SFT) -> dict:
     """The longest sequence (a multiple of SEQ_STEP) that trains at `global_batch` sequences a step on this
     GPU and host, with the fastest configuration at that length, and what runs out one step longer."""
-    search = _Search.build(spec, gpu_mem_gb, host_mem_gb, cfg, opt, machine)
+    search = _Search.build(spec, gpu_mem_gb, host_mem_gb, cfg, opt, machine, stage=stage)
     seq = search._largest(lambda s: search._any_fit(s, global_batch), LONGEST_SEQ, SEQ_STEP)
     if seq is None:
-        return recommend(spec, SEQ_STEP, global_batch, gpu_mem_gb, host_mem_gb, cfg, opt, machine)
-    rec = recommend(spec, seq, global_batch, gpu_mem_gb, host_mem_gb, cfg, opt, machine)
+        return recommend(spec, SEQ_STEP, global_batch, gpu_mem_gb, host_mem_gb, cfg, opt, machine, stage=stage)
+    rec = recommend(spec, seq, global_batch, gpu_mem_gb, host_mem_gb, cfg, opt, machine, stage=stage)
     if seq + SEQ_STEP <= LONGEST_SEQ:
         binding, reasons, _ = search.binding(list(search.options(seq + SEQ_STEP, global_batch, [1])), seq + SEQ_STEP,
                                              global_batch)
@@ -118,20 +125,22 @@ class _Search:
     """The candidate configurations of one model on one machine, and the limits when none fits."""
 
     def __init__(self, spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, machine: Machine,
-                 gpu_budget: float, host_budget: float, max_micro_tokens: int, image_tokens: int = 0):
+                 gpu_budget: float, host_budget: float, max_micro_tokens: int, image_tokens: int = 0,
+                 stage: Stage = SFT):
         self.spec, self.cfg, self.opt, self.machine = spec, cfg, opt, machine
         self.gpu_budget, self.host_budget = gpu_budget, host_budget
         self.max_micro_tokens = max_micro_tokens
         self.image_tokens = image_tokens
+        self.stage = stage
 
     @classmethod
     def build(cls, spec: ModelSpec, gpu_mem_gb: float, host_mem_gb: float, cfg: EngineConfig | None,
               opt: OptimizerConfig | None, machine: Machine | None, max_micro_tokens: int = MAX_MICRO_TOKENS,
-              image_tokens: int = 0) -> _Search:
+              image_tokens: int = 0, stage: Stage = SFT) -> _Search:
         """The search with the defaults filled in and the budgets the GPU's headroom and the host's reserve leave."""
         return cls(spec, cfg or EngineConfig(device="cpu", compute_dtype="bf16"), opt or OptimizerConfig(),
                    machine or Machine(), gpu_mem_gb * GIB * GPU_HEADROOM, (host_mem_gb - HOST_RESERVE_GIB) * GIB,
-                   max_micro_tokens, image_tokens)
+                   max_micro_tokens, image_tokens, stage)
 
     def fits(self, o: Option) -> bool:
         return o.device <= self.gpu_budget and o.host <= self.host_budget
@@ -147,11 +156,11 @@ class _Search:
                 c = self.cfg.model_copy(update=knobs)
                 key = tuple(v for k, v in knobs.items() if k != "loss_chunk_tokens")
                 if key not in host:
-                    host[key] = host_bytes(self.spec, c, self.opt, seq, global_batch)
+                    host[key] = host_bytes(self.spec, c, self.opt, seq, global_batch, self.stage)
                     seconds[key] = predicted_step_seconds(self.spec, c, seq, global_batch, self.machine,
-                                                          self.image_tokens)
-                yield Option(c, micro, device_bytes(self.spec, c, micro, seq, global_batch, self.image_tokens)["total"],
-                             host[key], seconds[key])
+                                                          self.image_tokens, self.stage)
+                device = device_bytes(self.spec, c, micro, seq, global_batch, self.image_tokens, self.stage)["total"]
+                yield Option(c, micro, device, host[key], seconds[key])
 
     def _knobs(self, micro_tokens: int, seq: int) -> Iterator[dict]:
         chunks = _loss_chunks(self.cfg.loss_chunk_tokens, micro_tokens)
@@ -204,14 +213,14 @@ class _Search:
 
     def _host_reason(self, options: list[Option], lean: Option, seq: int, global_batch: int) -> str:
         c = lean.cfg
-        slab = activation_slab_bytes(self.spec, c, seq * global_batch)
+        slab = activation_slab_bytes(self.spec, c, seq * global_batch, self.stage)
         text = (f"host: the leanest state (stream_master={c.stream_master}, grad_dtype={c.grad_dtype}, checkpoints on "
                 f"the {c.checkpoint_placement}: {(lean.host - slab) / self.spec.num_params:.1f} B/param) needs "
                 f"{_gib(lean.host)}, over {_gib(self.host_budget)} (with {HOST_RESERVE_GIB:g} GiB kept "
                 "for the process)")
         if self.opt.max_grad_norm > 0:
             unclipped = self.opt.model_copy(update={"max_grad_norm": 0.0})
-            least = min(host_bytes(self.spec, o.cfg, unclipped, seq, global_batch) for o in options)
+            least = min(host_bytes(self.spec, o.cfg, unclipped, seq, global_batch, self.stage) for o in options)
             text += f"; without clipping (optimizer.max_grad_norm: 0) no step holds its gradients: {_gib(least)}"
         return text
 
@@ -232,7 +241,7 @@ class _Search:
 
     def _max_params(self, lean: Option, seq: int, global_batch: int) -> int | None:
         """Parameters this host holds at the leanest host state's bytes per parameter (slab aside)."""
-        slab = activation_slab_bytes(self.spec, lean.cfg, seq * global_batch)
+        slab = activation_slab_bytes(self.spec, lean.cfg, seq * global_batch, self.stage)
         per_param = (lean.host - slab) / self.spec.num_params
         room = self.host_budget - slab
         return int(room / per_param) if room > 0 else None

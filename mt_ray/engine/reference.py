@@ -12,7 +12,9 @@ sequence's log-prob sum before the policy's head needs it. The resident schedule
 reference's units on the device too and runs each micro-batch through it before the policy.
 
 Reference-free losses (ORPO, SimPO) hold no reference; `pref.reference: precompute` reads the
-reference's sums from the batch (`ref_logps`, computed once per dataset) instead.
+reference's sums from the batch (`ref_logps`, computed once per dataset) instead: `collecting()` turns
+`evaluate` into that forward-only pass, handing each micro-batch's sums out instead of the loss's
+(mt_ray/training/reference_cache.py runs it over the dataset with the starting weights and caches them).
 
 Shape key: B batch, T tokens, D hidden, N selected (loss) tokens, S sequences.
 """
@@ -134,6 +136,17 @@ class PreferenceSteps:
         self.slot = 0  # the reference's activation slot (set per step)
         self.norm: dict[str, int] = {}
         self.sums: dict[str, torch.Tensor] = {}
+        self.collected: list[torch.Tensor] | None = None  # set by `collecting`: each micro-batch's sums [S]
+
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator[list[torch.Tensor]]:
+        """Within the block, `evaluate` computes each micro-batch's sequence log-prob sums under the current
+        weights and appends them (device tensors, [S] each) to the list it yields; no loss, no metrics."""
+        self.collected = []
+        try:
+            yield self.collected
+        finally:
+            self.collected = None
 
     @property
     def streams_reference(self) -> bool:
@@ -145,7 +158,8 @@ class PreferenceSteps:
             if mb.seqs is None:
                 raise ValueError("a preference stage needs batches with seq_role (the preference data pipeline's "
                                  "rows); this micro-batch has none")
-            if self.objective.needs_reference and not self.streams_reference and mb.ref_logps is None:
+            if (self.objective.needs_reference and not self.streams_reference and mb.ref_logps is None
+                    and self.collected is None):
                 raise ValueError("pref.reference: precompute needs each batch's ref_logps")
         self.norm = {}
         for mb in mbs:
@@ -226,6 +240,9 @@ class PreferenceSteps:
     def eval_head(self, head: UnitTemplate, weights: Weights, h_BTD: torch.Tensor, mb: MicroBatch) -> None:
         """One micro-batch's metric sums under the current weights (no graph)."""
         s_S = sequence_logps(head, weights, h_BTD, mb, self.e.cfg.loss_chunk_tokens)
+        if self.collected is not None:
+            self.collected.append(s_S)
+            return
         add_sums(self.sums, self.objective.loss(s_S, mb.ref_logps, mb.seqs.tokens, mb.seqs, self.norm)[1])
 
 

@@ -9,7 +9,9 @@ all layers), with per-token activation bytes counted from the decoder layer's sh
 predicted from the machine's matmul rate and link bandwidth (defaults: the lent H100's measured
 figures). The search over configurations is `calculator.py`. An image-text model adds its vision
 tower: given the image tokens per sample, the block outputs a step keeps on the device (every
-block's, for every sample with images) and the tower's compute.
+block's, for every sample with images) and the tower's compute. A preference stage (`Stage`) adds
+what the engine runs for it: the policy's head once more forward (the sequence sums), and, with a
+reference to stream, the reference's host buffer, its hidden state, its upload and its forward.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from mt_ray.engine.activations import host_placement_device_hiddens
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import plan_layout
+from mt_ray.engine.preference import Objective, PreferenceConfig
 from mt_ray.models.chunking import token_wise
 from mt_ray.models.discovery import ModelSpec
 from mt_ray.models.vision import VISION_PROJECTOR, is_vision_unit
@@ -36,6 +39,32 @@ class Machine:
     layer_tflops: float = 500.0  # bf16 decoder-layer fwd+bwd throughput
     h2d_gbps: float = 50.0  # the host link, each direction (pinned copies run at 48-55 GB/s either way)
     adam_gparams_per_s: float = 3.0
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What a training stage adds to an SFT step, as the engine runs it (reference.py).
+
+    A preference head runs the policy's LM head forward once without a graph (each sequence's log-prob sum)
+    before its chunked forward and backward. A streamed reference (`pref.reference: stream`, a loss that needs
+    one) is held in host memory in the compute dtype, crosses the link once a step in it, runs forward through
+    every layer and its own head, and parks one hidden state per micro-batch (an activation slot) from its
+    embedding to its head; the resident schedule keeps its units on the device beside the policy's.
+    """
+
+    preference: bool = False
+    reference: bool = False
+
+    @classmethod
+    def of(cls, stage: str, pref: PreferenceConfig | None = None) -> Stage:
+        """The stage of `training.stage` with its `pref` section."""
+        if stage == "sft":
+            return cls()
+        pref = pref or PreferenceConfig()
+        return cls(True, pref.reference == "stream" and Objective(stage, pref).needs_reference)
+
+
+SFT = Stage()
 
 
 def grad_buffer_bytes(numels: dict[str, int], dtype: torch.dtype, per_unit: bool, slabs: int) -> int:
@@ -55,22 +84,30 @@ def grad_buffers_per_unit(cfg: EngineConfig, opt: OptimizerConfig) -> bool:
     return opt.max_grad_norm > 0 or cfg.schedule == "resident"
 
 
-def host_bytes(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, seq: int = 0, global_batch: int = 0) -> int:
-    """Exactly what the engine allocates in host memory for state, gradient buffers and (with
-    `checkpoint_placement: host`) the slab a step of `global_batch` x `seq` tokens parks hidden states in."""
+def host_bytes(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, seq: int = 0, global_batch: int = 0,
+               stage: Stage = SFT) -> int:
+    """Exactly what the engine allocates in host memory for state, gradient buffers, a streamed reference and
+    (with `checkpoint_placement: host`) the slab a step of `global_batch` x `seq` tokens parks hidden states in."""
     dtype = cfg.dtype
     copy = None if cfg.stream_master or dtype == torch.float32 else dtype
     numels = {u.name: u.numel for u in spec.trainable_units}  # frozen units send no gradient
     per_unit = grad_buffers_per_unit(cfg, opt)
     state = plan_layout(spec, copy).nbytes + grad_buffer_bytes(numels, cfg.grad_torch_dtype, per_unit, cfg.grad_slabs)
-    return state + activation_slab_bytes(spec, cfg, seq * global_batch)
+    return state + reference_host_bytes(spec, cfg, stage) + activation_slab_bytes(spec, cfg, seq * global_batch, stage)
 
 
-def activation_slab_bytes(spec: ModelSpec, cfg: EngineConfig, tokens: int) -> int:
-    """The pinned slab of host-placed hidden states: a checkpoint per block and the carry, per token."""
+def reference_host_bytes(spec: ModelSpec, cfg: EngineConfig, stage: Stage) -> int:
+    """The streamed reference's frozen weights: every unit in the compute dtype (bf16: 2 B/param, fp32: 4)."""
+    return plan_layout(spec, None).total * cfg.dtype.itemsize if stage.reference else 0
+
+
+def activation_slab_bytes(spec: ModelSpec, cfg: EngineConfig, tokens: int, stage: Stage = SFT) -> int:
+    """The pinned slab of host-placed hidden states: a checkpoint per block, the carry and the streamed
+    reference's hidden state, per token."""
     if cfg.checkpoint_placement != "host":
         return 0
-    return (_num_blocks(spec, cfg) + 1) * tokens * spec.text_config.hidden_size * cfg.dtype.itemsize
+    slots = _num_blocks(spec, cfg) + 1 + stage.reference
+    return slots * tokens * spec.text_config.hidden_size * cfg.dtype.itemsize
 
 
 def _num_blocks(spec: ModelSpec, cfg: EngineConfig) -> int:
@@ -198,14 +235,17 @@ def _merged_params(spec: ModelSpec) -> int:
 
 
 def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int, global_batch: int,
-                 image_tokens: int = 0) -> dict[str, int]:
+                 image_tokens: int = 0, stage: Stage = SFT) -> dict[str, int]:
     """Peak device memory of a step, by part (bytes); `image_tokens` per sample for an image-text model,
     whose vision block outputs stay on the device through the language model (`vision_outputs`).
 
     The parts are those of the last block's backward; `head_or_embed_extra` is what the loss, the
     first block's backward or the embedding's backward needs beyond it, where one of them peaks higher.
+    A streamed reference shares the streamer's buffers (no more weights on the device) and parks its hidden
+    states until its head, which runs before the policy's: that head's peak holds them too. The resident
+    schedule keeps the reference's units on the device (`reference_weights`).
     """
-    parts = _text_device_bytes(spec, cfg, micro_batch, seq, global_batch)
+    parts = _text_device_bytes(spec, cfg, micro_batch, seq, global_batch, stage)
     vision = vision_sizes(spec, image_tokens)
     if vision is not None and image_tokens:
         samples = micro_batch if cfg.schedule == "resident" else global_batch
@@ -215,9 +255,9 @@ def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int,
 
 
 def _text_device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int,
-                       global_batch: int) -> dict[str, int]:
+                       global_batch: int, stage: Stage = SFT) -> dict[str, int]:
     if cfg.schedule == "resident":
-        return _resident_device_bytes(spec, cfg, micro_batch * seq)
+        return _resident_device_bytes(spec, cfg, micro_batch * seq, stage)
     d, k = spec.text_config.hidden_size, cfg.checkpoint_every
     size = cfg.dtype.itemsize
     layer = max(u.numel for u in spec.layer_units)
@@ -245,6 +285,8 @@ def _text_device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq
     # The loss: one chunk of logits and the untied head's fp32 sum, the LM head in place of a layer.
     head = (last - parts["recompute"] - parts["layer_backward"] - k * layer * 4 + _loss_chunk_bytes(spec, cfg, mb_tokens)
             + (0 if spec.tied else lm_head * 4) + (lm_head - layer) * size)
+    # The reference's head, before the policy's: its hidden states wait for it on the device, every micro-batch's.
+    head += tokens * d * size if stage.reference and not host else 0
     # The first block's backward has the embedding in flight instead of `depth` layers.
     first = last + (embed - depth * layer) * size - (parked_last - parked_first) * d * size
     # The embedding's backward: its weights, autograd's dense gradient, their flat copy and its fp32 cast.
@@ -262,9 +304,9 @@ def _outbox_bytes(spec: ModelSpec, cfg: EngineConfig) -> int:
     return max(0 if spec.tied else _lm_head_numel(spec), 2 * layer) * cfg.grad_torch_dtype.itemsize
 
 
-def _resident_device_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> dict[str, int]:
-    """The resident schedule's peak: at a later micro-batch's loss, every weight, every fp32 gradient
-    sum and that micro-batch's activations through all layers are held, plus one loss chunk."""
+def _resident_device_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int, stage: Stage = SFT) -> dict[str, int]:
+    """The resident schedule's peak: at a later micro-batch's loss, every weight (and the reference's), every
+    fp32 gradient sum and that micro-batch's activations through all layers are held, plus one loss chunk."""
     size, grad_size = cfg.dtype.itemsize, cfg.grad_torch_dtype.itemsize
     layer = max(u.numel for u in spec.layer_units)
     parts = {
@@ -276,6 +318,8 @@ def _resident_device_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -
         + 2 * mb_tokens * spec.text_config.hidden_size * size + layer_backward_bytes(spec, cfg, mb_tokens),
         "loss_chunk": _loss_chunk_bytes(spec, cfg, mb_tokens),
     }
+    if stage.reference:
+        parts["reference_weights"] = spec.num_params * size
     parts["total"] = sum(parts.values())
     return parts
 
@@ -296,7 +340,7 @@ def _loss_chunk_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> int
 
 
 def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_batch: int,
-                           machine: Machine = Machine(), image_tokens: int = 0) -> float:
+                           machine: Machine = Machine(), image_tokens: int = 0, stage: Stage = SFT) -> float:
     """Compute or the host link, whichever bounds, plus what the GPU waits for: the optimizer time
     it cannot hide, and the uploads a prefetch shallower than K leaves exposed.
 
@@ -308,6 +352,8 @@ def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_
     language model alone; its vision tower adds `VisionSizes.flops` for `image_tokens` per sample.
     Causal attention over each sequence adds its FLOPs (recomputed too when streaming), and
     `mlp_chunk_tokens` one more forward of the layers' token-wise parts (2·N_chunked·T).
+    A preference head runs the LM head forward once more (2·N_head·T); a streamed reference runs forward
+    (2·N·T and its attention) and crosses the link once a step in the compute dtype.
     """
     tokens = global_batch * seq
     n = spec.num_params
@@ -318,9 +364,13 @@ def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_
     vision = vision_sizes(spec, image_tokens)
     if vision is not None:
         flops += vision.flops(global_batch, image_tokens)
+    if stage.preference:
+        flops += 2 * _lm_head_numel(spec) * tokens
+    if stage.reference:
+        flops += 2 * (spec.text_params * tokens + attention_flops(spec.text_config, tokens, seq) / 6)
     compute = flops / (machine.layer_tflops * 1e12)
     weight_size = 4 if cfg.stream_master else 2  # per parameter per pass
-    h2d = n * weight_size * (1 if resident else 2)
+    h2d = n * weight_size * (1 if resident else 2) + (n * cfg.dtype.itemsize if stage.reference else 0)
     d2h = n * cfg.grad_torch_dtype.itemsize
     blocks = _num_blocks(spec, cfg)
     if cfg.checkpoint_placement == "host" and not resident:

@@ -22,10 +22,12 @@ from mt_ray.data import build_dataloader, build_eval_batches, plan_split, split_
 from mt_ray.data.mm_processor import processor_files
 from mt_ray.data.prefetch import BackgroundLoader
 from mt_ray.engine.preference import Objective, add_counts, add_sums
+from mt_ray.tracking.run_files import open_run_files
 from mt_ray.training.auto_fit import apply_auto_fit, refuse_what_cannot_fit
 from mt_ray.training.backend import TrainingBackend, build_backend
 from mt_ray.training.callbacks import Callback, ResumePoint
 from mt_ray.training.model_source import load_image_encoder, load_model_and_tokenizer
+from mt_ray.training.reference_cache import ReferenceLogps, load_or_compute
 from mt_ray.training.run_dir import EXPORT_DIR, RunDir
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         images = load_image_encoder(cfg, self.spec)
         data = cfg.data.model_copy(update={"seed": t.seed})
-        held_out = plan_split(data)  # drawn once: the loader skips exactly the rows the eval set scores
+        held_out = self._held_out = plan_split(data)  # drawn once: the loader skips exactly the rows the eval set scores
         # Its worker thread tokenizes and decodes images ahead of the steps, off the engine's thread.
         self.loader = BackgroundLoader(build_dataloader(data, self.tokenizer, t.micro_batch_size, t.grad_accum_steps,
                                                         held_out=held_out, images=images, stage=t.stage))
@@ -71,6 +73,7 @@ class Trainer:
                                                images=images, stage=t.stage)
         self.objective = Objective(t.stage, cfg.pref) if t.stage != "sft" else None
         self.engine: TrainingBackend = build_backend(cfg, self.spec)
+        self.reference_logps: ReferenceLogps | None = None  # pref.reference: precompute, read or computed in `fit`
 
     @property
     def step(self) -> int:
@@ -87,6 +90,7 @@ class Trainer:
                   f"{self.run.uri}. To train it again, give it another training.run_name or delete that folder.",
                   flush=True)
             return self.finished
+        self._maybe_precompute_reference()  # with the starting weights: before a resume restores the policy
         self._maybe_resume()
         for cb in self.callbacks:
             cb.on_train_start(self)
@@ -95,6 +99,8 @@ class Trainer:
         try:
             while self.step < t.steps:
                 batch = next(self.loader)
+                if self.reference_logps is not None:
+                    batch = self.reference_logps.attach(batch)
                 result = self.engine.train_step(split_micro_batches(batch, t.micro_batch_size))
                 window_tokens += result.num_tokens
                 bar.update(1)
@@ -163,6 +169,15 @@ class Trainer:
         """Update the progress bar's postfix, keeping the values not given (the last loss, the last eval loss)."""
         self._postfix.update(values)
         bar.set_postfix(self._postfix)
+
+    def _maybe_precompute_reference(self) -> None:
+        """`pref.reference: precompute`: the reference's log-probs from the storage's cache, else computed now."""
+        if self.objective is None or self.cfg.pref.reference != "precompute" or not self.objective.needs_reference:
+            return
+        files = open_run_files(self.run.root, self.cfg.checkpoint)
+        self.reference_logps = load_or_compute(self.cfg, files, self.engine, self.tokenizer, self._held_out,
+                                               self.eval_batches)
+        self.eval_batches = [self.reference_logps.attach(b) for b in self.eval_batches]
 
     def _maybe_resume(self) -> None:
         """Let the checkpoint callback restore the state; say where from, on the console and in the log."""

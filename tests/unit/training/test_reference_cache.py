@@ -1,0 +1,57 @@
+"""`pref.reference: precompute`: the reference's log-probs computed once with the starting weights train exactly
+as the streamed reference does, are read back by a later run of the same key, and are computed again when the
+key changes or the file holds another key."""
+
+import json
+
+import pytest
+import torch
+
+from mt_ray.config.run import load_run_config
+from mt_ray.errors import ConfigError
+from mt_ray.training.reference_cache import CACHE_DIR
+from mt_ray.training.trainer import Trainer
+
+
+def train(tmp_path, name: str, *overrides: str):
+    cfg = load_run_config("jobs/configs/dpo_demo.yaml", [
+        "training.steps=3", "training.log_every=1", "data.max_seq_len=64", "engine.device=cpu",
+        "tracking.enabled=false", "training.export=false", f"training.storage={tmp_path}",
+        f"training.run_name={name}", "data.val_size=4", *overrides])
+    trainer = Trainer(cfg)
+    try:
+        summary = trainer.fit()
+        weights = {k: v.clone() for k, v in trainer.engine.state_dict().items()}
+        return trainer, summary, [h["loss"] for h in trainer.history], weights
+    finally:
+        trainer.close()
+
+
+def test_precompute_trains_as_the_stream_and_its_cache_is_reused(tmp_path):
+    _, stream, stream_losses, stream_weights = train(tmp_path, "stream")
+    first, pre, pre_losses, pre_weights = train(tmp_path, "pre1", "pref.reference=precompute")
+    assert first.reference_logps.computed and first.engine.pref.reference is None  # no reference weights held
+    assert pre_losses == pytest.approx(stream_losses, rel=1e-5)
+    assert pre["eval_loss"] == pytest.approx(stream["eval_loss"], rel=1e-5)
+    for k, v in stream_weights.items():
+        torch.testing.assert_close(pre_weights[k], v, rtol=1e-5, atol=1e-6)
+    cached = list((tmp_path / CACHE_DIR).iterdir())
+    assert len(cached) == 1
+
+    again, _, again_losses, _ = train(tmp_path, "pre2", "pref.reference=precompute")
+    assert not again.reference_logps.computed and again_losses == pytest.approx(pre_losses, rel=1e-6)
+
+    longer, *_ = train(tmp_path, "pre3", "pref.reference=precompute", "data.max_seq_len=48")
+    assert longer.reference_logps.computed and len(list((tmp_path / CACHE_DIR).iterdir())) == 2
+
+    stored = json.loads(cached[0].read_text())
+    stored["key"]["template"] = "another"
+    cached[0].write_text(json.dumps(stored))
+    refused, *_ = train(tmp_path, "pre4", "pref.reference=precompute")
+    assert refused.reference_logps.computed  # the file's key is not this run's: computed again and rewritten
+    assert json.loads(cached[0].read_text())["key"]["template"] != "another"
+
+
+def test_kto_refuses_precompute():
+    with pytest.raises(ConfigError, match="pref.reference: precompute: KTO"):
+        load_run_config(None, ["training.stage=kto", "pref.reference=precompute", "data.datasets=[kto_en_demo]"])
