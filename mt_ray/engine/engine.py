@@ -57,7 +57,7 @@ from mt_ray.engine.activations import build_activation_store, streamed_step_plan
 from mt_ray.engine.batch import MicroBatch, prepare_micro_batch
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import HostStore
-from mt_ray.engine.kept_blocks import KeptBlocks, resolve_kept
+from mt_ray.engine.kept_blocks import KeptBlocks
 from mt_ray.engine.optimizer import UnitOptimizer, counts_behind, lr_at, restore_counts
 from mt_ray.engine.optimizer_worker import OptimizerWorker
 from mt_ray.engine.preference import PreferenceConfig
@@ -180,8 +180,7 @@ class StreamingEngine:
         hold = len(spec.units) * (2 if self._streams_reference else 1) if self.resident else max(cfg.checkpoint_every, 2)
         self.streamer = WeightStreamer(source, self.streams, self.dtype, depth, hold, wait)
         self.outbox = Outbox(self.streams)
-        self.kept = KeptBlocks(self.streams)  # block graphs the backward uses instead of a recompute
-        self._kept_counts: dict[tuple, int] = {}  # keep_activations resolved, by step shape
+        self.kept = KeptBlocks(spec, self.streams)  # block graphs the backward uses instead of a recompute
         self.activations = build_activation_store(cfg.checkpoint_placement, self.streams, self.dtype,
                                                   cfg.host_memory_limit_gb)
         self.templates = build_templates(spec, self.device)
@@ -211,7 +210,7 @@ class StreamingEngine:
         if n_norm == 0:
             raise ValueError("this step has no token that carries loss (every label is -100)")
         lr = lr_at(self.step_idx, self.opt_cfg, self.total_steps)
-        self.kept.start(len(self._blocks()), len(mbs), 0 if self.resident else self._keep_count(mbs))
+        self.kept.start(self.cfg, len(self._blocks()), len(mbs), *mbs[0].input_ids_BT.shape)
         self.streamer.start(self._upload_plan(mbs), version=self.step_idx)
         self._norm_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         self._lr = lr
@@ -291,6 +290,11 @@ class StreamingEngine:
         self.spec.config._attn_implementation = resolve_attention(self.spec, requested, self.device, self.dtype)
         self.context = LayerContextBuilder(self.spec, self.device)
         return self.spec.config._attn_implementation
+
+    def set_keep_activations(self, keep: str | int) -> None:
+        """Change `keep_activations` between steps, resolved at the next (benchmarks compare it on one host store)."""
+        self.cfg = self.cfg.model_copy()
+        self.cfg.keep_activations = keep  # validated on assignment
 
     def synchronize(self) -> None:
         """Wait until every update of the steps run so far is in the master weights."""
@@ -416,13 +420,6 @@ class StreamingEngine:
             if self.resident:
                 self._kept[unit] = flat
         return flat
-
-    def _keep_count(self, mbs: list[MicroBatch]) -> int:
-        """`keep_activations` for this step's shape, resolved (and refused where it cannot fit) once per shape."""
-        B, T = mbs[0].input_ids_BT.shape
-        if (key := (len(mbs), B, T)) not in self._kept_counts:
-            self._kept_counts[key] = resolve_kept(self.spec, self.cfg, self.device, B, T, len(mbs))
-        return self._kept_counts[key]
 
     def _hidden_numels(self, mbs: list[MicroBatch]) -> list[int]:
         return [mb.input_ids_BT.numel() * self.spec.text_config.hidden_size for mb in mbs]

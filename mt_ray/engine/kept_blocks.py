@@ -35,17 +35,29 @@ from mt_ray.models.discovery import ModelSpec
 class KeptBlocks:
     """The step's kept block graphs: which (block, micro-batch) pairs, their segments and the forward's weights."""
 
-    def __init__(self, streams: StreamSet):
-        self.streams = streams
+    def __init__(self, spec: ModelSpec, streams: StreamSet):
+        self.spec, self.streams = spec, streams
+        self._counts: dict[tuple, int] = {}  # `keep_activations` resolved, by setting and step shape
         self._keys: set[tuple[int, int]] = set()
         self._whole: set[int] = set()
         self._graphs: dict[tuple[int, int], list] = {}
         self._weights: dict[int, dict[int, Any]] = {}
+        self.last_count = 0  # graphs the latest step kept (for benchmarks and logs)
 
-    def start(self, n_blocks: int, n_micro: int, kept: int) -> None:
+    def start(self, cfg: EngineConfig, n_blocks: int, n_micro: int, micro_batch: int, seq: int) -> None:
+        """Begin a step of `n_micro` micro-batches of `micro_batch` x `seq` tokens: resolve `keep_activations`
+        (refused where it cannot fit, before anything runs) once per shape, then keep that many graphs."""
+        key = (cfg.keep_activations, cfg.schedule, n_micro, micro_batch, seq)
+        if key not in self._counts:
+            self._counts[key] = resolve_kept(self.spec, cfg, self.streams.device, micro_batch, seq, n_micro)
+        self.keep(n_blocks, n_micro, self._counts[key])
+
+    def keep(self, n_blocks: int, n_micro: int, kept: int) -> None:
         """Keep the first `kept` graphs in backward order (last block first, micro-batch 0 first)."""
+        self.clear()  # a step that failed midway may have left graphs behind
         order = [(b, j) for b in reversed(range(n_blocks)) for j in range(n_micro)]
         self._keys = set(order[:kept])
+        self.last_count = len(self._keys)
         self._whole = {b for b in range(n_blocks) if all((b, j) in self._keys for j in range(n_micro))}
 
     def clear(self) -> None:

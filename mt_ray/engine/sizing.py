@@ -264,9 +264,10 @@ def kept_count(cfg: EngineConfig) -> int:
 
 
 def kept_block_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> int:
-    """Device bytes of one kept block graph: K layers' saved activations for one micro-batch, as its recompute holds them."""
-    return cfg.checkpoint_every * mb_tokens * activation_bytes_per_token(spec, cfg.dtype.itemsize, cfg.kernels,
-                                                                         _chunked(cfg, mb_tokens))
+    """Device bytes of one kept block graph: K layers' saved activations for one micro-batch, as its recompute
+    holds them, and the block's output (held with the graph; a copy is parked)."""
+    per_layer = activation_bytes_per_token(spec, cfg.dtype.itemsize, cfg.kernels, _chunked(cfg, mb_tokens))
+    return mb_tokens * (cfg.checkpoint_every * per_layer + spec.text_config.hidden_size * cfg.dtype.itemsize)
 
 
 def kept_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int, global_batch: int, kept: int) -> int:

@@ -45,8 +45,8 @@ def test_kept_graphs_are_bit_identical_to_recompute(family, engine_kw, n_micro, 
 
 
 def test_keep_order_is_last_block_first_then_micro_batch_zero():
-    kept = KeptBlocks(StreamSet(torch.device("cpu")))
-    kept.start(n_blocks=3, n_micro=2, kept=3)
+    kept = KeptBlocks(discover(tiny_config("llama")), StreamSet(torch.device("cpu")))
+    kept.keep(n_blocks=3, n_micro=2, kept=3)
     assert [(b, j) for b in range(3) for j in range(2) if kept.keeps(b, j)] == [(1, 0), (2, 0), (2, 1)]
     assert kept.whole(2) and not kept.whole(1)
 
