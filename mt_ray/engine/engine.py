@@ -11,6 +11,8 @@ Schedule of a step (L layers, blocks of K layers, M micro-batches):
             micro-batch recompute the block from its checkpoint and run it backward layer by
             layer, parking the gradient for the block before. A layer's gradient leaves the
             device as soon as the last micro-batch has contributed to it. Finally the embedding.
+            The first `keep_activations` block graphs in backward order (kept_blocks.py) are kept from
+            the forward instead, and a block kept for every micro-batch is not uploaded again.
 So each unit's weights cross the bus twice a step (forward, backward), and the optimizer
 thread updates units while the backward pass continues. Parked hidden states wait on the
 device or in pinned host memory (`checkpoint_placement`, see activations.py): slot b < L/K holds
@@ -224,18 +226,20 @@ class StreamingEngine:
         if self.resident:
             loss_sum = self._resident_step(mbs, 1.0 / n_norm, aux_weights)
         else:
-            imaged = [mb for mb in mbs if mb.images is not None]
-            tapes = self.vision.forward(imaged) if imaged else []
-            park, carry = self.activations, len(self._blocks())
-            park.start(streamed_step_plan(carry, len(mbs), True, self._streams_reference), self._hidden_numels(mbs))
-            contexts, aux_grads = self._forward(mbs, aux_weights)
-            loss_sum = self._head(self._carried(len(mbs)), mbs, 1.0 / n_norm, True,
-                                  lambda j, g: park.put((carry, j), g))
-            for b in reversed(range(carry)):
-                self._backward_block(b, contexts, aux_grads)
-            self._backward_embed(self._carried(len(mbs)), mbs, contexts, final=True)
-            if imaged:
-                self.vision.backward(imaged, tapes)
+            with self.kept.misses_reported(self.cfg, len(mbs), *mbs[0].input_ids_BT.shape):  # `auto` out of memory
+                imaged = [mb for mb in mbs if mb.images is not None]
+                tapes = self.vision.forward(imaged) if imaged else []
+                park, carry = self.activations, len(self._blocks())
+                park.start(streamed_step_plan(carry, len(mbs), True, self._streams_reference),
+                           self._hidden_numels(mbs))
+                contexts, aux_grads = self._forward(mbs, aux_weights)
+                loss_sum = self._head(self._carried(len(mbs)), mbs, 1.0 / n_norm, True,
+                                      lambda j, g: park.put((carry, j), g))
+                for b in reversed(range(carry)):
+                    self._backward_block(b, contexts, aux_grads)
+                self._backward_embed(self._carried(len(mbs)), mbs, contexts, final=True)
+                if imaged:
+                    self.vision.backward(imaged, tapes)
         self._kept.clear()
         self.kept.clear()
         for unit in self.vision.trainable if self.vision else ():

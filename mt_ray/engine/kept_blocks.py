@@ -20,13 +20,15 @@ the schedule's own peak; `auto` as many as that budget holds, and none on CPU.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from mt_ray.engine.calculator import GPU_HEADROOM
 from mt_ray.engine.config import EngineConfig
-from mt_ray.engine.sizing import GIB, max_kept
+from mt_ray.engine.sizing import GIB, device_bytes, max_kept
 from mt_ray.engine.transfer import StreamSet
 from mt_ray.errors import InsufficientMemoryError
 from mt_ray.models.discovery import ModelSpec
@@ -59,6 +61,25 @@ class KeptBlocks:
         self._keys = set(order[:kept])
         self.last_count = len(self._keys)
         self._whole = {b for b in range(n_blocks) if all((b, j) in self._keys for j in range(n_micro))}
+
+    @contextlib.contextmanager
+    def misses_reported(self, cfg: EngineConfig, n_micro: int, micro_batch: int, seq: int) -> Iterator[None]:
+        """A step that runs out of GPU memory with graphs kept under `auto` is the calculator's miss: reported
+        with its predicted and measured peaks and what to set instead, not as a bare CUDA error."""
+        try:
+            yield
+        except torch.OutOfMemoryError as e:
+            if cfg.keep_activations != "auto" or not self.last_count:
+                raise
+            kept = cfg.model_copy(update={"keep_activations": self.last_count})
+            predicted = device_bytes(self.spec, kept, micro_batch, seq, micro_batch * n_micro)["total"] / GIB
+            cuda = self.streams.device.type == "cuda"
+            measured = f"{torch.cuda.max_memory_allocated(self.streams.device) / GIB:.3g} GiB" if cuda else "unknown"
+            raise InsufficientMemoryError(
+                f"engine.keep_activations: auto kept {self.last_count} block graphs and the step ran out of GPU "
+                f"memory: the calculator's miss (predicted peak {predicted:.3g} GiB, measured {measured} when it ran "
+                f"out). Set engine.keep_activations to fewer (e.g. {self.last_count // 2}) or 0; the miss is worth "
+                "reporting") from e
 
     def clear(self) -> None:
         self._keys, self._whole = set(), set()
@@ -95,7 +116,12 @@ def resolve_kept(spec: ModelSpec, cfg: EngineConfig, device: torch.device, micro
         return 0 if cfg.keep_activations == "auto" else cfg.keep_activations
     index = device.index if device.index is not None else torch.cuda.current_device()
     total_gb = torch.cuda.get_device_properties(index).total_memory / GIB
-    gpu_gb = min(total_gb, cfg.gpu_memory_limit_gb or total_gb)
+    return kept_within(spec, cfg, min(total_gb, cfg.gpu_memory_limit_gb or total_gb), micro_batch, seq, n_micro)
+
+
+def kept_within(spec: ModelSpec, cfg: EngineConfig, gpu_gb: float, micro_batch: int, seq: int, n_micro: int) -> int:
+    """`keep_activations` on a `gpu_gb` GiB GPU (the calculator's budget: its headroom of it): `auto` as many
+    graphs as fit beside the stream schedule's peak, a number as given, or refused where more than fit."""
     largest = max_kept(spec, cfg, micro_batch, seq, micro_batch * n_micro, gpu_gb * GIB * GPU_HEADROOM)
     if cfg.keep_activations == "auto":
         return largest
@@ -107,4 +133,4 @@ def resolve_kept(spec: ModelSpec, cfg: EngineConfig, device: torch.device, micro
     return cfg.keep_activations
 
 
-__all__ = ["KeptBlocks", "resolve_kept"]
+__all__ = ["KeptBlocks", "kept_within", "resolve_kept"]

@@ -7,9 +7,10 @@ import torch
 
 from mt_ray.engine import EngineConfig
 from mt_ray.engine.calculator import recommend
-from mt_ray.engine.kept_blocks import KeptBlocks, resolve_kept
+from mt_ray.engine.kept_blocks import KeptBlocks, kept_within, resolve_kept
 from mt_ray.engine.sizing import device_bytes, predicted_step_seconds
 from mt_ray.engine.transfer import StreamSet
+from mt_ray.errors import InsufficientMemoryError
 from mt_ray.models.discovery import discover
 from tests.tiny_models import reference_model, tiny_batches, tiny_config
 from tests.unit.engine.test_parity import OPT, train_engine
@@ -60,8 +61,7 @@ def test_auto_keeps_none_on_cpu_and_a_number_as_given():
 
 
 def test_more_memory_keeps_more_blocks_and_predicts_fewer_seconds():
-    spec = discover(tiny_config("llama", hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
-                                num_key_value_heads=4, num_hidden_layers=28, vocab_size=152064))
+    spec = _qwen7b_shape()
     cfg = EngineConfig(device="cpu", compute_dtype="bf16")
     recs = [recommend(spec, 1024, 128, gb, 120.0, cfg=cfg) for gb in (40, 60, 80)]
     kept = [r["keep_activations"] for r in recs]
@@ -104,3 +104,31 @@ def test_kept_graphs_are_not_recomputed_nor_uploaded_again(keep, runs, uploads):
         assert (len(calls) - 1, calls[0]) == (runs, uploads)
     finally:
         engine.close()
+
+
+def _qwen7b_shape():
+    return discover(tiny_config("llama", hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+                                num_key_value_heads=4, num_hidden_layers=28, vocab_size=152064))
+
+
+def test_more_than_the_gpu_holds_is_refused_naming_the_largest():
+    spec = _qwen7b_shape()
+    cfg = EngineConfig(device="cpu", compute_dtype="bf16")
+    largest = kept_within(spec, cfg, 80, 16, 1024, 8)  # auto
+    assert largest > 0
+    exact = cfg.model_copy(update={"keep_activations": largest})
+    assert kept_within(spec, exact, 80, 16, 1024, 8) == largest
+    too_many = cfg.model_copy(update={"keep_activations": largest + 1})
+    with pytest.raises(InsufficientMemoryError, match=f"the largest that fits is {largest}"):
+        kept_within(spec, too_many, 80, 16, 1024, 8)
+
+
+def test_running_out_of_memory_under_auto_is_the_calculators_miss():
+    kept = KeptBlocks(discover(tiny_config("llama")), StreamSet(torch.device("cpu")))
+    kept.keep(n_blocks=3, n_micro=2, kept=4)
+    auto, given = EngineConfig(device="cpu"), EngineConfig(device="cpu", keep_activations=4)
+    with pytest.raises(InsufficientMemoryError, match="calculator's miss"), kept.misses_reported(auto, 2, 2, 12):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    # A number given, not the calculator's choice: the error as it came.
+    with pytest.raises(torch.OutOfMemoryError), kept.misses_reported(given, 2, 2, 12):
+        raise torch.OutOfMemoryError("CUDA out of memory")
