@@ -44,6 +44,7 @@ from bench.common import (  # noqa: E402
 )
 from mt_ray.engine import EngineConfig, StreamingEngine  # noqa: E402
 from mt_ray.engine.sizing import device_bytes, predicted_step_seconds  # noqa: E402
+from mt_ray.errors import InsufficientMemoryError  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
 
 
@@ -91,7 +92,8 @@ def measure(engine: StreamingEngine, args, cfg, profile: bool = False) -> dict:
     kept = engine.kept.last_count  # `auto` as resolved, for the calculator's figures
     ecfg = ecfg.model_copy(update={"keep_activations": kept})
     predicted = device_bytes(spec, ecfg, args.micro, args.seq, args.batch)["total"] / 2**30
-    row.update(split, keep_activations=engine.cfg.keep_activations, kept_graphs=kept, optimizer_s=opt_s, losses=[float(x) for x in losses], packed_docs=args.packed_docs,
+    row.update(split, keep_activations=engine.cfg.keep_activations, kept_graphs=kept,
+               optimizer_s=opt_s, losses=[float(x) for x in losses], packed_docs=args.packed_docs,
                attn=args.attn, attn_used=spec.config._attn_implementation,
                host_bytes_per_param=peak_rss_bytes() / spec.num_params, peak_gpu_gib=peak_gpu,
                calc_gpu_gib=predicted, calc_step_s=predicted_step_seconds(spec, ecfg, args.seq, args.batch, micro_batch=args.micro))
@@ -113,7 +115,7 @@ def run_keeps(args, cfg, out: str | None) -> list[dict]:
             engine.set_keep_activations(keep if keep == "auto" else int(keep))
             try:
                 rows.append({**measure(engine, args, cfg, profile=args.profile), "setup_s": setup_s})
-            except torch.OutOfMemoryError as e:
+            except (torch.OutOfMemoryError, InsufficientMemoryError) as e:  # the engine is unusable after: stop
                 rows.append({"system": "mt-ray", "keep_activations": keep, "status": f"out of GPU memory: {e}"[:300]})
                 break
             finally:
