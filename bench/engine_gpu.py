@@ -13,6 +13,10 @@ unpacked ones, on each attention backend, on one engine (one host store) in one 
     python bench/engine_gpu.py --seq 1024 --runs 0:sdpa,256:sdpa,256:varlen,256:flex_attention \
         --out bench/results/packed_7b.json
 
+Full recompute against kept activations (`engine.keep_activations`), one row each, on one engine:
+
+    python bench/engine_gpu.py --kernels liger --keep-activations 0,auto --out bench/results/keep_activations_7b.json
+
 Side-by-side runs against DeepSpeed, FSDP2 and plain PyTorch are `bench/compare.py`.
 """
 
@@ -40,6 +44,7 @@ from bench.common import (  # noqa: E402
 )
 from mt_ray.engine import EngineConfig, StreamingEngine  # noqa: E402
 from mt_ray.engine.sizing import device_bytes, predicted_step_seconds  # noqa: E402
+from mt_ray.errors import InsufficientMemoryError  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
 
 
@@ -84,21 +89,41 @@ def measure(engine: StreamingEngine, args, cfg, profile: bool = False) -> dict:
     peak_gpu = torch.cuda.max_memory_allocated() / 2**30
     split = profile_steps(engine, mbs) if profile else {}
     row = metrics(args, cfg, spec.num_params, step_s, "mt-ray")
+    kept = engine.kept.last_count  # `auto` as resolved, for the calculator's figures
+    ecfg = ecfg.model_copy(update={"keep_activations": kept})
     predicted = device_bytes(spec, ecfg, args.micro, args.seq, args.batch)["total"] / 2**30
-    row.update(split, optimizer_s=opt_s, losses=[float(x) for x in losses], packed_docs=args.packed_docs,
+    row.update(split, keep_activations=engine.cfg.keep_activations, kept_graphs=kept,
+               optimizer_s=opt_s, losses=[float(x) for x in losses], packed_docs=args.packed_docs,
                attn=args.attn, attn_used=spec.config._attn_implementation,
                host_bytes_per_param=peak_rss_bytes() / spec.num_params, peak_gpu_gib=peak_gpu,
-               calc_gpu_gib=predicted, calc_step_s=predicted_step_seconds(spec, ecfg, args.seq, args.batch))
+               calc_gpu_gib=predicted, calc_step_s=predicted_step_seconds(spec, ecfg, args.seq, args.batch, micro_batch=args.micro))
     return row
 
 
 def run_engine(args, cfg) -> dict:
     """One engine, one measured run (the side-by-side comparison's mt-ray row)."""
+    return run_keeps(args, cfg, None)[0]
+
+
+def run_keeps(args, cfg, out: str | None) -> list[dict]:
+    """A row per `--keep-activations` entry (0: full recompute, auto, or a number) on one engine, written
+    to `out` as they finish; a step out of GPU memory ends the list with its error."""
     engine, setup_s = build_engine(args, cfg)
+    rows = []
     try:
-        return {**measure(engine, args, cfg, profile=args.profile), "setup_s": setup_s}
+        for keep in str(args.keep_activations).split(","):
+            engine.set_keep_activations(keep if keep == "auto" else int(keep))
+            try:
+                rows.append({**measure(engine, args, cfg, profile=args.profile), "setup_s": setup_s})
+            except (torch.OutOfMemoryError, InsufficientMemoryError) as e:  # the engine is unusable after: stop
+                rows.append({"system": "mt-ray", "keep_activations": keep, "status": f"out of GPU memory: {e}"[:300]})
+                break
+            finally:
+                if out:
+                    write_json(out, {"args": vars(args), "device": torch.cuda.get_device_name(), "rows": rows})
     finally:
         engine.close()
+    return rows
 
 
 def run_variants(args, cfg, out: str) -> list[dict]:
@@ -197,6 +222,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn", default="auto", help="engine.attn_implementation (auto, varlen, sdpa, flex_attention, ...)")
     p.add_argument("--packed-docs", type=int, default=0,
                    help="pack rows with documents of this many tokens, as the data loader does (0: unpacked rows)")
+    p.add_argument("--keep-activations", default="0",
+                   help="engine.keep_activations: 0 (full recompute), auto, a number of block graphs, or a comma "
+                   "list of them measured on one engine, a row each (e.g. 0,auto)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="profile one extra step for the time split")
@@ -211,8 +239,8 @@ def main() -> None:
     args = p.parse_args()
 
     cfg = shape_config(args.shape)
-    rows = run_variants(args, cfg, args.out) if args.runs else [run_engine(args, cfg)]
-    cols = ["system", "shape", "params_b", "batch", "seq", "packed_docs", "attn", "attn_used", "step_s", "tokens_per_s", "model_tflops", "tflops_with_attn",
+    rows = run_variants(args, cfg, args.out) if args.runs else run_keeps(args, cfg, args.out)
+    cols = ["system", "shape", "params_b", "batch", "seq", "keep_activations", "kept_graphs", "packed_docs", "attn", "attn_used", "step_s", "tokens_per_s", "model_tflops", "tflops_with_attn",
             "peak_gpu_gib", "calc_gpu_gib", "host_bytes_per_param", "h2d_busy_s", "compute_busy_s", "d2h_busy_s", "optimizer_s",
             "gpu_idle_frac", "gpu_step_s", "calc_step_s"]
     print_table(rows, cols)

@@ -2,7 +2,8 @@
 
 The search covers every memory knob of the engine: schedule, K, micro-batch, checkpoint
 placement, prefetch depth, loss chunk, stream_master and gradient dtype, judged with the memory
-and time models of sizing.py. Of the configurations that fit both the GPU (90% of it: the
+and time models of sizing.py. Under `keep_activations: auto` each streamed configuration keeps as
+many block graphs as fit its GPU budget beside its own peak (`max_kept`), which lowers its predicted time. Of the configurations that fit both the GPU (90% of it: the
 allocator and the CUDA context need the rest) and the host, it takes the fastest predicted; among
 those within 2% of it, the first in preference order (larger micro-batches, K=4, checkpoints on
 the device, deeper prefetch, larger loss chunks, the given stream_master and gradient dtype),
@@ -28,6 +29,8 @@ from mt_ray.engine.sizing import (
     activation_slab_bytes,
     device_bytes,
     host_bytes,
+    kept_count,
+    max_kept,
     predicted_step_seconds,
     reference_host_bytes,
     vision_sizes,
@@ -56,7 +59,7 @@ MLP_CHUNKS = (16384, 4096)
 LONGEST_SEQ = 1 << 22  # the longest context `longest_context` looks for (4M tokens)
 # Knobs the search sets, as EngineConfig fields, in the order the snippet lists them.
 SEARCHED = ("schedule", "checkpoint_every", "checkpoint_placement", "prefetch_units", "loss_chunk_tokens",
-            "mlp_chunk_tokens", "stream_master", "grad_dtype")
+            "mlp_chunk_tokens", "stream_master", "grad_dtype", "keep_activations")
 
 
 @dataclass(frozen=True)
@@ -153,14 +156,24 @@ class _Search:
         seconds: dict[tuple, float] = {}
         for micro in micro_batches:
             for knobs in self._knobs(micro * seq, seq):
-                c = self.cfg.model_copy(update=knobs)
+                c = self._with_kept(self.cfg.model_copy(update=knobs), micro, seq, global_batch)
                 key = tuple(v for k, v in knobs.items() if k != "loss_chunk_tokens")
                 if key not in host:
                     host[key] = host_bytes(self.spec, c, self.opt, seq, global_batch, self.stage)
                     seconds[key] = predicted_step_seconds(self.spec, c, seq, global_batch, self.machine,
                                                           self.image_tokens, self.stage)
+                secs = seconds[key] if not kept_count(c) else predicted_step_seconds(
+                    self.spec, c, seq, global_batch, self.machine, self.image_tokens, self.stage, micro)
                 device = device_bytes(self.spec, c, micro, seq, global_batch, self.image_tokens, self.stage)["total"]
-                yield Option(c, micro, device, host[key], seconds[key])
+                yield Option(c, micro, device, host[key], secs)
+
+    def _with_kept(self, c: EngineConfig, micro: int, seq: int, global_batch: int) -> EngineConfig:
+        """`keep_activations: auto` resolved to the block graphs that fit the GPU budget beside the rest (0 when
+        resident, which keeps everything anyway); a given number is kept as given."""
+        if c.keep_activations != "auto":
+            return c
+        n = max_kept(self.spec, c, micro, seq, global_batch, self.gpu_budget, self.image_tokens, self.stage)
+        return c.model_copy(update={"keep_activations": n})
 
     def _knobs(self, micro_tokens: int, seq: int) -> Iterator[dict]:
         chunks = _loss_chunks(self.cfg.loss_chunk_tokens, micro_tokens)

@@ -45,6 +45,15 @@ class EngineConfig(_Strict):
         "fetched back on the copy streams, overlapped with compute, so GPU memory no longer grows with the "
         "step's tokens.",
     )
+    keep_activations: Literal["auto"] | int = Field(
+        "auto",
+        description="Stream schedule: how many block graphs (one block of K layers for one micro-batch) the "
+        "forward keeps for the backward instead of recomputing them (kept_blocks.py: the last blocks, for the "
+        "micro-batches the backward reaches first). 0: recompute every block. 'auto': as many as fit beside the "
+        "schedule's own peak in gpu_memory_limit_gb (or the GPU's memory), by the calculator's device model; "
+        "0 on CPU. A number larger than the GPU holds is refused before the first step. The resident schedule "
+        "keeps everything already.",
+    )
     stream_master: bool = Field(
         False,
         description="Stream the fp32 master and cast on the device instead of keeping a compute-dtype host copy "
@@ -97,6 +106,13 @@ class EngineConfig(_Strict):
     optimizer_threads: int | None = Field(
         None, ge=1, description="CPU threads for the optimizer; default: all cores but one (kept for launching GPU work)."
     )
+
+    @field_validator("keep_activations")
+    @classmethod
+    def _keep_not_negative(cls, v: str | int) -> str | int:
+        if isinstance(v, int) and v < 0:
+            raise ValueError("keep_activations is 'auto' or a number of block graphs >= 0 (0: full recompute)")
+        return v
 
     @model_validator(mode="after")
     def _liger_needs_cuda(self) -> EngineConfig:

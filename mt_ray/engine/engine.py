@@ -11,6 +11,8 @@ Schedule of a step (L layers, blocks of K layers, M micro-batches):
             micro-batch recompute the block from its checkpoint and run it backward layer by
             layer, parking the gradient for the block before. A layer's gradient leaves the
             device as soon as the last micro-batch has contributed to it. Finally the embedding.
+            The first `keep_activations` block graphs in backward order (kept_blocks.py) are kept from
+            the forward instead, and a block kept for every micro-batch is not uploaded again.
 So each unit's weights cross the bus twice a step (forward, backward), and the optimizer
 thread updates units while the backward pass continues. Parked hidden states wait on the
 device or in pinned host memory (`checkpoint_placement`, see activations.py): slot b < L/K holds
@@ -57,6 +59,7 @@ from mt_ray.engine.activations import build_activation_store, streamed_step_plan
 from mt_ray.engine.batch import MicroBatch, prepare_micro_batch
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import HostStore
+from mt_ray.engine.kept_blocks import KeptBlocks
 from mt_ray.engine.optimizer import UnitOptimizer, counts_behind, lr_at, restore_counts
 from mt_ray.engine.optimizer_worker import OptimizerWorker
 from mt_ray.engine.preference import PreferenceConfig
@@ -179,6 +182,7 @@ class StreamingEngine:
         hold = len(spec.units) * (2 if self._streams_reference else 1) if self.resident else max(cfg.checkpoint_every, 2)
         self.streamer = WeightStreamer(source, self.streams, self.dtype, depth, hold, wait)
         self.outbox = Outbox(self.streams)
+        self.kept = KeptBlocks(spec, self.streams)  # block graphs the backward uses instead of a recompute
         self.activations = build_activation_store(cfg.checkpoint_placement, self.streams, self.dtype,
                                                   cfg.host_memory_limit_gb)
         self.templates = build_templates(spec, self.device)
@@ -208,6 +212,7 @@ class StreamingEngine:
         if n_norm == 0:
             raise ValueError("this step has no token that carries loss (every label is -100)")
         lr = lr_at(self.step_idx, self.opt_cfg, self.total_steps)
+        self.kept.start(self.cfg, len(self._blocks()), len(mbs), *mbs[0].input_ids_BT.shape)
         self.streamer.start(self._upload_plan(mbs), version=self.step_idx)
         self._norm_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         self._lr = lr
@@ -221,19 +226,22 @@ class StreamingEngine:
         if self.resident:
             loss_sum = self._resident_step(mbs, 1.0 / n_norm, aux_weights)
         else:
-            imaged = [mb for mb in mbs if mb.images is not None]
-            tapes = self.vision.forward(imaged) if imaged else []
-            park, carry = self.activations, len(self._blocks())
-            park.start(streamed_step_plan(carry, len(mbs), True, self._streams_reference), self._hidden_numels(mbs))
-            contexts, aux_grads = self._forward(mbs, aux_weights)
-            loss_sum = self._head(self._carried(len(mbs)), mbs, 1.0 / n_norm, True,
-                                  lambda j, g: park.put((carry, j), g))
-            for b in reversed(range(carry)):
-                self._backward_block(b, contexts, aux_grads)
-            self._backward_embed(self._carried(len(mbs)), mbs, contexts, final=True)
-            if imaged:
-                self.vision.backward(imaged, tapes)
+            with self.kept.misses_reported(self.cfg, len(mbs), *mbs[0].input_ids_BT.shape):  # `auto` out of memory
+                imaged = [mb for mb in mbs if mb.images is not None]
+                tapes = self.vision.forward(imaged) if imaged else []
+                park, carry = self.activations, len(self._blocks())
+                park.start(streamed_step_plan(carry, len(mbs), True, self._streams_reference),
+                           self._hidden_numels(mbs))
+                contexts, aux_grads = self._forward(mbs, aux_weights)
+                loss_sum = self._head(self._carried(len(mbs)), mbs, 1.0 / n_norm, True,
+                                      lambda j, g: park.put((carry, j), g))
+                for b in reversed(range(carry)):
+                    self._backward_block(b, contexts, aux_grads)
+                self._backward_embed(self._carried(len(mbs)), mbs, contexts, final=True)
+                if imaged:
+                    self.vision.backward(imaged, tapes)
         self._kept.clear()
+        self.kept.clear()
         for unit in self.vision.trainable if self.vision else ():
             if unit not in self._sent:  # no image this step: the unit is not updated (torch skips a None grad)
                 self.worker.submit(unit, None, None, lr)
@@ -286,6 +294,11 @@ class StreamingEngine:
         self.spec.config._attn_implementation = resolve_attention(self.spec, requested, self.device, self.dtype)
         self.context = LayerContextBuilder(self.spec, self.device)
         return self.spec.config._attn_implementation
+
+    def set_keep_activations(self, keep: str | int) -> None:
+        """Change `keep_activations` between steps, resolved at the next (benchmarks compare it on one host store)."""
+        self.cfg = self.cfg.model_copy()
+        self.cfg.keep_activations = keep  # validated on assignment
 
     def synchronize(self) -> None:
         """Wait until every update of the steps run so far is in the master weights."""
@@ -399,8 +412,8 @@ class StreamingEngine:
             ref = [REF + u for u in ["embed", *layers, "head"]] if self._streams_reference else []
             return [*dict.fromkeys(vision_fwd), *ref, "embed", *layers, "head"]
         plan = vision_fwd + forward_plan(self._blocks(), self.spec.tied, self._streams_reference)
-        for block in reversed(self._blocks()):
-            plan += [f"layers.{i}" for i in block]
+        for b, block in reversed(list(enumerate(self._blocks()))):
+            plan += [] if self.kept.whole(b) else [f"layers.{i}" for i in block]
         return plan + ["embed"] + vision_bwd
 
     def _weights(self, unit: str) -> torch.Tensor:
@@ -445,6 +458,12 @@ class StreamingEngine:
                 weights: dict[int, Weights] = {}
                 for j, ctx in enumerate(contexts):
                     x = park.get((b, j))
+                    if self.kept.keeps(b, j):  # with a graph, which the backward uses instead of a recompute
+                        segments = self._run_layers(block, x, ctx, weights)
+                        self.kept.put(b, j, segments, weights)
+                        router_logits[j].update({s.layer: s.logits.detach() for s in segments if s.logits is not None})
+                        park.put((b + 1, j), segments[-1].out.detach())
+                        continue
                     for i in block:
                         if i not in weights:  # bound when first reached: compute waits for this upload only
                             weights[i] = self.layer_templates[i].bind(self._weights(f"layers.{i}"))
@@ -558,16 +577,19 @@ class StreamingEngine:
         return loss_sum
 
     def _backward_block(self, b: int, contexts: list[LayerContext], aux_grads: list[dict[int, torch.Tensor]]) -> None:
-        """Recompute block b from each micro-batch's checkpoint and run it backward, parking the
-        gradient of its input for the block before."""
+        """Recompute block b from each micro-batch's checkpoint (or take its kept graph) and run it
+        backward, parking the gradient of its input for the block before."""
         park, carry = self.activations, len(self._blocks())
         block = self._blocks()[b]
         weights: dict[int, Weights] = {}
         last = len(contexts) - 1
         for j, ctx in enumerate(contexts):
-            segments = self._run_layers(block, park.get((b, j)), ctx, weights)
-            g = self._backward_layers(segments, weights, park.get((carry, j)), j == last, aux_grads[j], ctx)
+            x = park.get((b, j))  # taken as planned even when kept (host placement fetches in plan order)
+            segments, used = self.kept.take(b, j) if self.kept.keeps(b, j) else (
+                self._run_layers(block, x, ctx, weights), weights)
+            g = self._backward_layers(segments, used, park.get((carry, j)), j == last, aux_grads[j], ctx)
             park.put((carry, j), g)
+        self.kept.release(b)
 
     def _run_layers(self, layers: range, x: torch.Tensor, ctx: LayerContext,
                     weights: dict[int, Weights]) -> list[Segment]:

@@ -293,8 +293,48 @@ def _text_device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq
     embed_bwd = ((hold - 1) * layer * size + embed * (3 * size + (4 if size < 4 else 0))
                  + (parked_first + mb_tokens) * d * size + common)
     parts["head_or_embed_extra"] = max(0, head - last, first - last, embed_bwd - last)
+    # Kept block graphs all live from the forward to the head; counted on top of every phase (they drain
+    # first in the backward, so this overstates the backward's peak by what has drained).
+    parts["kept_activations"] = kept_bytes(spec, cfg, micro_batch, seq, global_batch, kept_count(cfg))
     parts["total"] = sum(parts.values())
     return parts
+
+
+def kept_count(cfg: EngineConfig) -> int:
+    """The block graphs a configuration keeps (`auto` unresolved counts none; the resident schedule keeps all anyway)."""
+    return cfg.keep_activations if isinstance(cfg.keep_activations, int) and cfg.schedule == "stream" else 0
+
+
+def kept_block_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> int:
+    """Device bytes of one kept block graph: K layers' saved activations for one micro-batch, as its recompute
+    holds them, and the block's output (held with the graph; a copy is parked)."""
+    per_layer = activation_bytes_per_token(spec, cfg.dtype.itemsize, cfg.kernels, _chunked(cfg, mb_tokens))
+    return mb_tokens * (cfg.checkpoint_every * per_layer + spec.text_config.hidden_size * cfg.dtype.itemsize)
+
+
+def kept_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int, global_batch: int, kept: int) -> int:
+    """`kept` block graphs, and the forward's weights of every block they touch (the graphs hold them)."""
+    if kept <= 0:
+        return 0
+    n_micro = max(1, global_batch // micro_batch)
+    layer = max(u.numel for u in spec.layer_units)
+    blocks = math.ceil(kept / n_micro)
+    return kept * kept_block_bytes(spec, cfg, micro_batch * seq) + blocks * cfg.checkpoint_every * layer * cfg.dtype.itemsize
+
+
+def max_kept(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int, global_batch: int, budget: float,
+             image_tokens: int = 0, stage: Stage = SFT) -> int:
+    """The most block graphs that fit `budget` device bytes beside the stream schedule's own peak (0 when
+    resident, or when the schedule alone does not fit); at most every block for every micro-batch."""
+    if cfg.schedule != "stream":
+        return 0
+    base = cfg.model_copy(update={"keep_activations": 0})
+    room = budget - device_bytes(spec, base, micro_batch, seq, global_batch, image_tokens, stage)["total"]
+    per = kept_block_bytes(spec, cfg, micro_batch * seq)
+    n = min(int(max(0.0, room) // max(per, 1)), _num_blocks(spec, cfg) * max(1, global_batch // micro_batch))
+    while n > 0 and kept_bytes(spec, cfg, micro_batch, seq, global_batch, n) > room:
+        n -= 1
+    return n
 
 
 def _outbox_bytes(spec: ModelSpec, cfg: EngineConfig) -> int:
@@ -340,7 +380,8 @@ def _loss_chunk_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> int
 
 
 def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_batch: int,
-                           machine: Machine = Machine(), image_tokens: int = 0, stage: Stage = SFT) -> float:
+                           machine: Machine = Machine(), image_tokens: int = 0, stage: Stage = SFT,
+                           micro_batch: int | None = None) -> float:
     """Compute or the host link, whichever bounds, plus what the GPU waits for: the optimizer time
     it cannot hide, and the uploads a prefetch shallower than K leaves exposed.
 
@@ -353,7 +394,9 @@ def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_
     Causal attention over each sequence adds its FLOPs (recomputed too when streaming), and
     `mlp_chunk_tokens` one more forward of the layers' token-wise parts (2·N_chunked·T).
     A preference head runs the LM head forward once more (2·N_head·T); a streamed reference runs forward
-    (2·N·T and its attention) and crosses the link once a step in the compute dtype.
+    (2·N·T and its attention) and crosses the link once a step in the compute dtype. Each kept block graph
+    (`keep_activations`, one block for one `micro_batch`: default the whole batch) saves its recompute,
+    2·N_block·T_micro plus its attention, and a block kept for every micro-batch its backward upload.
     """
     tokens = global_batch * seq
     n = spec.num_params
@@ -368,11 +411,17 @@ def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_
         flops += 2 * _lm_head_numel(spec) * tokens
     if stage.reference:
         flops += 2 * (spec.text_params * tokens + attention_flops(spec.text_config, tokens, seq) / 6)
+    kept, n_micro = kept_count(cfg), max(1, global_batch // (micro_batch or global_batch))
+    blocks = _num_blocks(spec, cfg)
+    if kept:
+        layers_numel = sum(u.numel for u in spec.layer_units)
+        recompute = 2 * (layers_numel * tokens + attention_flops(spec.text_config, tokens, seq) / 6)
+        flops -= recompute * min(kept, blocks * n_micro) / (blocks * n_micro)
     compute = flops / (machine.layer_tflops * 1e12)
     weight_size = 4 if cfg.stream_master else 2  # per parameter per pass
     h2d = n * weight_size * (1 if resident else 2) + (n * cfg.dtype.itemsize if stage.reference else 0)
+    h2d -= min(kept // n_micro, blocks) * cfg.checkpoint_every * max(u.numel for u in spec.layer_units) * weight_size
     d2h = n * cfg.grad_torch_dtype.itemsize
-    blocks = _num_blocks(spec, cfg)
     if cfg.checkpoint_placement == "host" and not resident:
         hidden = tokens * spec.text_config.hidden_size * cfg.dtype.itemsize
         h2d += (3 * blocks + 2) * hidden  # forward and backward fetches of checkpoints and gradients

@@ -1,0 +1,136 @@
+"""Kept activations (`engine.keep_activations`): block graphs the stream schedule's backward uses
+instead of recomputing them.
+
+A kept block graph is one block of K layers run for one micro-batch with autograd during the
+forward (the same `_run_layers` the backward's recompute calls, on the same weights), its segments
+held until the backward reaches them. Which ones: the first `n` in the backward's order, which is
+the last block first and, within a block, micro-batch 0 first. So the graphs the forward makes last
+are the first the backward frees, and within a partly kept block the kept graphs drain before the
+others are recomputed, so a recompute never runs beside them. All kept graphs live together at the
+head (the device model's `kept_activations` part). A block kept for every micro-batch needs no
+backward upload: its forward weights, which the graphs hold, serve its backward too.
+
+Parity: the backward of a kept graph runs the same operations on the same inputs and weights as the
+recompute it replaces, so on CPU losses and weights are bit-identical to full recompute.
+
+How many: a number as given, refused (`InsufficientMemoryError`) on a GPU whose budget (the
+calculator's: `gpu_memory_limit_gb` or the device's memory, times its headroom) holds fewer beside
+the schedule's own peak; `auto` as many as that budget holds, and none on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from mt_ray.engine.calculator import GPU_HEADROOM
+from mt_ray.engine.config import EngineConfig
+from mt_ray.engine.sizing import GIB, device_bytes, max_kept
+from mt_ray.engine.transfer import StreamSet
+from mt_ray.errors import InsufficientMemoryError
+from mt_ray.models.discovery import ModelSpec
+
+
+class KeptBlocks:
+    """The step's kept block graphs: which (block, micro-batch) pairs, their segments and the forward's weights."""
+
+    def __init__(self, spec: ModelSpec, streams: StreamSet):
+        self.spec, self.streams = spec, streams
+        self._counts: dict[tuple, int] = {}  # `keep_activations` resolved, by setting and step shape
+        self._keys: set[tuple[int, int]] = set()
+        self._whole: set[int] = set()
+        self._graphs: dict[tuple[int, int], list] = {}
+        self._weights: dict[int, dict[int, Any]] = {}
+        self.last_count = 0  # graphs the latest step kept (for benchmarks and logs)
+
+    def start(self, cfg: EngineConfig, n_blocks: int, n_micro: int, micro_batch: int, seq: int) -> None:
+        """Begin a step of `n_micro` micro-batches of `micro_batch` x `seq` tokens: resolve `keep_activations`
+        (refused where it cannot fit, before anything runs) once per shape, then keep that many graphs."""
+        key = (cfg.keep_activations, cfg.schedule, n_micro, micro_batch, seq)
+        if key not in self._counts:
+            self._counts[key] = resolve_kept(self.spec, cfg, self.streams.device, micro_batch, seq, n_micro)
+        self.keep(n_blocks, n_micro, self._counts[key])
+
+    def keep(self, n_blocks: int, n_micro: int, kept: int) -> None:
+        """Keep the first `kept` graphs in backward order (last block first, micro-batch 0 first)."""
+        self.clear()  # a step that failed midway may have left graphs behind
+        order = [(b, j) for b in reversed(range(n_blocks)) for j in range(n_micro)]
+        self._keys = set(order[:kept])
+        self.last_count = len(self._keys)
+        self._whole = {b for b in range(n_blocks) if all((b, j) in self._keys for j in range(n_micro))}
+
+    @contextlib.contextmanager
+    def misses_reported(self, cfg: EngineConfig, n_micro: int, micro_batch: int, seq: int) -> Iterator[None]:
+        """A step that runs out of GPU memory with graphs kept under `auto` is the calculator's miss: reported
+        with its predicted and measured peaks and what to set instead, not as a bare CUDA error."""
+        try:
+            yield
+        except torch.OutOfMemoryError as e:
+            if cfg.keep_activations != "auto" or not self.last_count:
+                raise
+            kept = cfg.model_copy(update={"keep_activations": self.last_count})
+            predicted = device_bytes(self.spec, kept, micro_batch, seq, micro_batch * n_micro)["total"] / GIB
+            cuda = self.streams.device.type == "cuda"
+            measured = f"{torch.cuda.max_memory_allocated(self.streams.device) / GIB:.3g} GiB" if cuda else "unknown"
+            raise InsufficientMemoryError(
+                f"engine.keep_activations: auto kept {self.last_count} block graphs and the step ran out of GPU "
+                f"memory: the calculator's miss (predicted peak {predicted:.3g} GiB, measured {measured} when it ran "
+                f"out). Set engine.keep_activations to fewer (e.g. {self.last_count // 2}) or 0; the miss is worth "
+                "reporting") from e
+
+    def clear(self) -> None:
+        self._keys, self._whole = set(), set()
+        self._graphs.clear()
+        self._weights.clear()
+
+    def keeps(self, b: int, j: int) -> bool:
+        return (b, j) in self._keys
+
+    def whole(self, b: int) -> bool:
+        """Kept for every micro-batch: the backward uploads none of the block's layers."""
+        return b in self._whole
+
+    def put(self, b: int, j: int, segments: list, weights: dict[int, Any]) -> None:
+        self._graphs[(b, j)] = segments
+        self._weights[b] = weights
+
+    def take(self, b: int, j: int) -> tuple[list, dict[int, Any]]:
+        return self._graphs.pop((b, j)), self._weights[b]
+
+    def release(self, b: int) -> None:
+        """Drop block b's forward weights once its backward is queued. They were allocated on the upload
+        stream, so that stream waits for the compute queued so far before their memory can be reused."""
+        if self._weights.pop(b, None) is not None:
+            self.streams.wait(self.streams.h2d, self.streams.record(self.streams.compute))
+
+
+def resolve_kept(spec: ModelSpec, cfg: EngineConfig, device: torch.device, micro_batch: int, seq: int,
+                 n_micro: int) -> int:
+    """The block graphs a step of `n_micro` micro-batches of `micro_batch` x `seq` tokens keeps."""
+    if cfg.schedule != "stream" or cfg.keep_activations == 0:
+        return 0
+    if device.type != "cuda":
+        return 0 if cfg.keep_activations == "auto" else cfg.keep_activations
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total_gb = torch.cuda.get_device_properties(index).total_memory / GIB
+    return kept_within(spec, cfg, min(total_gb, cfg.gpu_memory_limit_gb or total_gb), micro_batch, seq, n_micro)
+
+
+def kept_within(spec: ModelSpec, cfg: EngineConfig, gpu_gb: float, micro_batch: int, seq: int, n_micro: int) -> int:
+    """`keep_activations` on a `gpu_gb` GiB GPU (the calculator's budget: its headroom of it): `auto` as many
+    graphs as fit beside the stream schedule's peak, a number as given, or refused where more than fit."""
+    largest = max_kept(spec, cfg, micro_batch, seq, micro_batch * n_micro, gpu_gb * GIB * GPU_HEADROOM)
+    if cfg.keep_activations == "auto":
+        return largest
+    if cfg.keep_activations > largest:
+        raise InsufficientMemoryError(
+            f"engine.keep_activations {cfg.keep_activations} block graphs do not fit a {gpu_gb:.3g} GiB GPU beside "
+            f"the stream schedule ({n_micro} micro-batches of {micro_batch} x {seq} tokens): the largest that fits "
+            f"is {largest}; set engine.keep_activations: {largest} (or auto)")
+    return cfg.keep_activations
+
+
+__all__ = ["KeptBlocks", "kept_within", "resolve_kept"]
