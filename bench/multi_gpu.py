@@ -58,7 +58,9 @@ def optimizer(args) -> OptimizerConfig:
 
 
 def engine_config(args) -> EngineConfig:
+    # Full recompute: the rows compare the cluster with the single engine, and two engines may share one GPU.
     return EngineConfig(device="cuda", compute_dtype="bf16", checkpoint_every=args.k, grad_dtype=args.grad_dtype,
+                        keep_activations=0,
                         stream_master=args.stream_master, kernels=args.kernels, optimizer_threads=args.optimizer_threads)
 
 
