@@ -102,3 +102,15 @@ def pytest_terminal_summary(terminalreporter) -> None:
         for t, o in sorted(outcomes.items()):
             if o.status != "matched":
                 terminalreporter.write_line(f"  {o.status} {t}: {sweep.short_reason(o)}")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads on a shared 2-core machine (a module opts in with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

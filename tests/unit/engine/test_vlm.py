@@ -36,12 +36,7 @@ QWEN_FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=QWEN_FAMILIES)
