@@ -121,10 +121,9 @@ class ArenaHandle:
 class NodeArena:
     """Typed views of one node's arena; `create` in the shard, `attach` in each worker."""
 
-    def __init__(self, layout: ArenaLayout, fd: int, owner: bool):
+    def __init__(self, layout: ArenaLayout, fd: int):
         self.layout = layout
         self._fd = fd
-        self.owner = owner
         self._map = mmap.mmap(fd, layout.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self.words = self.bytes[: 8 * (_HEADER + len(layout.units))].view(torch.int64)
@@ -142,7 +141,7 @@ class NodeArena:
                 "state over more nodes (cluster.num_nodes), run fewer workers per node, or use a larger host")
         fd = os.memfd_create("mt-ray-arena", os.MFD_CLOEXEC)
         os.ftruncate(fd, layout.nbytes)
-        arena = cls(layout, fd, owner=True)
+        arena = cls(layout, fd)
         arena.versions.fill_(ABSENT)
         return arena
 
@@ -156,7 +155,7 @@ class NodeArena:
         except OSError as e:
             raise ClusterError(f"cannot map the node's arena from the shard's process {handle.pid} ({e}): a worker "
                                "must run on its coordinator shard's node, as the same user") from e
-        return cls(layout, fd, owner=False)
+        return cls(layout, fd)
 
     def handle(self) -> ArenaHandle:
         return ArenaHandle(os.getpid(), self._fd, self.layout.nbytes)
@@ -175,13 +174,8 @@ class NodeArena:
         """The shard's own units' fp32 weights, contiguous: its HostStore's master buffer."""
         return self._view(self.layout.master_offset, self.layout.master_numel, torch.float32)
 
-    def weights_region(self) -> torch.Tensor:
-        """Every unit's weights, as bytes: what workers page-lock."""
-        lay = self.layout
-        return self.bytes[: lay.ring_offset + lay.num_rings * lay.ring_bytes]
-
     def grad(self, unit: str) -> torch.Tensor:
-        """The unit's gradient slot (where a lone worker lands it, and where a sum goes)."""
+        """The unit's gradient slot (where the node's first worker lands it, and where a sum goes)."""
         return self._view(self.layout.grad_offsets[unit], self.layout.numels[unit], self.layout.grad_dtype)
 
     def ring(self, rank: int) -> torch.Tensor:

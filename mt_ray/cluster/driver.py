@@ -61,8 +61,8 @@ _LOST_WORKER = (RayActorError, GetTimeoutError, ObjectLostError, StepTimeoutErro
 STEP_TIMEOUT_FACTOR = 10
 STEP_TIMEOUT_FLOOR_S = 600.0
 GPU_MACHINE = Machine()
-MIN_STORE = 256 << 20  # the object store of a Ray the driver starts: at least this (Ray's own minimum is 75 MiB)
 CPU_MACHINE = Machine(layer_tflops=0.02, h2d_gbps=5.0)  # a slow CPU's fp32 matmuls: a bound, not a prediction
+MIN_STORE = 256 << 20  # the object store of a Ray the driver starts: at least this (Ray's own minimum is 75 MiB)
 
 
 @dataclass
@@ -296,10 +296,15 @@ class DataParallelTrainer:
                 self.generation, start_step, self.cluster.placement_timeout_s, self.freeze)
         return workers
 
+    @property
+    def _grouped(self) -> bool:
+        """Whether each node's workers sum gradients between them in a process group (`grad_reduce: nccl`)."""
+        return self.landers != self.workers_per_node
+
     def _form_groups(self) -> None:
         """With `grad_reduce: nccl`, each node's workers form one process group (rank 0's node address)."""
         per = self.workers_per_node
-        if self.landers == per:
+        if not self._grouped:
             return
         calls = []
         for node in range(self.cluster.num_nodes):
@@ -362,9 +367,8 @@ class DataParallelTrainer:
         outs = self._wait_workers(step, timeout)
         # ...then for every shard's norm², whose total (shard order, so a rerun clips alike) starts the updates;
         # a lone worker's is its GPU's, taken before rounding as the single engine takes it.
-        norm_sq = sum(self._ask_shards(norms))
-        if self.num_workers == 1:
-            norm_sq = outs[0]["norm_sq"]
+        shard_norm_sq = sum(self._ask_shards(norms))  # also: every partial sum sent on has arrived
+        norm_sq = outs[0]["norm_sq"] if self.num_workers == 1 else shard_norm_sq
         self._ask_shards([s.apply_norm.remote(step, norm_sq) for s in self.shards])
         loss = sum(o["loss"] for o in outs)  # each worker's loss is its share of the global mean
         aux = None if outs[0]["aux_loss"] is None else torch.tensor(sum(o["aux_loss"] for o in outs), dtype=torch.float64)
@@ -423,7 +427,7 @@ class DataParallelTrainer:
         healthy, lost = self._sort_workers()
         if len(self.events) >= self.cluster.max_restarts:
             raise ClusterError(f"step {step} failed ({error}) after {len(self.events)} restarts; giving up") from error
-        if self.landers != self.workers_per_node:
+        if self._grouped:
             healthy = []  # a lost member breaks its node's process group: every worker is replaced
         for rank, w in enumerate(self.workers):
             if rank not in healthy:
