@@ -121,6 +121,14 @@ def trainer_args(cls, **kw):
 # ---------------------------------------------------------------------------------------------- DPO
 
 
+def trl_loss_and_step(trainer, policy, batch) -> tuple[float, dict, dict[str, torch.Tensor]]:
+    """TRL's loss on `batch` through its own collator, the metrics it logged, and one AdamW step of `policy`."""
+    policy.train()
+    loss = trainer.compute_loss(policy, trainer.data_collator(batch))
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return loss.item(), metrics, torch_step(policy, loss)
+
+
 def trl_dpo(policy, ref, pairs, loss_types, weights, beta):
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
@@ -131,10 +139,7 @@ def trl_dpo(policy, ref, pairs, loss_types, weights, beta):
     dummy = Dataset.from_list([{"prompt": "hi", "chosen": " yes", "rejected": " no"}])
     trainer = DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=dummy,
                          processing_class=load_tiny_tokenizer())
-    policy.train()
-    loss = trainer.compute_loss(policy, trainer.data_collator(pairs))
-    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-    return loss.item(), metrics, torch_step(policy, loss)
+    return trl_loss_and_step(trainer, policy, pairs)
 
 
 DPO_METRICS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -231,10 +236,7 @@ def trl_kto(policy, ref, examples, beta, w_d, w_u):
                                {"prompt": "ho", "completion": " no", "label": False}])
     trainer = KTOTrainer(model=policy, ref_model=ref, args=args, train_dataset=dummy,
                          processing_class=load_tiny_tokenizer())
-    policy.train()
-    loss = trainer.compute_loss(policy, trainer.data_collator(examples))
-    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-    return loss.item(), metrics, torch_step(policy, loss)
+    return trl_loss_and_step(trainer, policy, examples)
 
 
 @pytest.mark.parametrize("layout", ["stream-packed", "stream-unpacked", "resident-packed"])
