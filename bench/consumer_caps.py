@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import OPT, print_table, shape_config, write_json  # noqa: E402
 from bench.engine_gpu import measure  # noqa: E402
+from bench.memory_profile import replay  # noqa: E402
 from mt_ray.engine import EngineConfig, StreamingEngine  # noqa: E402
 from mt_ray.engine.calculator import SEARCHED, recommend  # noqa: E402
 from mt_ray.engine.host_store import GIB, available_host_bytes  # noqa: E402
@@ -73,7 +74,13 @@ def run_cap(args, cap: float) -> dict:
         return {**row, "error": str(e)}
     try:
         engine.load_random(seed=0)
+        if args.profile:  # the allocator's history from here on, replayed to its peak below
+            row["held_before_profile_gib"] = torch.cuda.memory_allocated() / GIB
+            torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
         m = measure(engine, run, cfg)  # engine_gpu's: the peak is the timed steps' (after the warm-up)
+        if args.profile:
+            row["at_peak"] = peak_sites(torch.cuda.memory._snapshot())
+            torch.cuda.memory._record_memory_history(enabled=None)
         row.update(trained=all(math.isfinite(x) for x in m["losses"]), **{k: m[k] for k in (
             "step_s", "peak_gpu_gib", "model_tflops", "tokens_per_s", "host_bytes_per_param", "losses")},
             peak_vs_calc=m["peak_gpu_gib"] / row["calc_gpu_gib"],
@@ -83,6 +90,13 @@ def run_cap(args, cap: float) -> dict:
     finally:
         engine.close()
     return row
+
+
+def peak_sites(snapshot: dict, top: int = 12) -> list[dict]:
+    """What is live at the recorded history's peak allocation, by the line of mt-ray that allocated it
+    (memory_profile's replay): where the calculator's device model and the device part ways."""
+    _, peak, at_peak = replay(snapshot["device_traces"][0], 0)
+    return [{"site": "peak", "gib": peak / GIB}] + [{"site": s, "gib": b / GIB} for s, b in at_peak.most_common(top)]
 
 
 def run_in_child(argv: list[str], cap: float) -> dict:
@@ -109,6 +123,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
     p.add_argument("--host-mem-gb", type=float, help="host memory to plan for (default: what is available)")
     p.add_argument("--dry-run", action="store_true", help="print the calculator's choice per cap; run nothing")
+    p.add_argument("--profile", action="store_true",
+                   help="record the allocator's history (slower steps) and add what is live at its peak, by site")
     p.add_argument("--cap", type=float, help=argparse.SUPPRESS)  # one cap, in a child process
     p.add_argument("--row-out", help=argparse.SUPPRESS)
     p.add_argument("--out", default="bench/results/consumer_caps_7b.json")

@@ -141,12 +141,33 @@ def run_cluster(args, cfg, system: str, gpus: int, nodes: int) -> dict:
 
 
 def process_split(trainer: DataParallelTrainer) -> dict:
-    """Each process's own memory (private pages, beside the arena it maps): what a worker and a shard cost."""
+    """Each process's own memory (private pages, beside the arena it maps): what a worker and a shard cost;
+    and the node's census, to account for the whole growth."""
     import ray
 
     workers = ray.get([w.host_bytes.remote() for w in trainer.workers])
     shards = ray.get([s.host_bytes.remote() for s in trainer.shards])
-    return {"worker_uss_bytes": max(w["uss"] for w in workers), "shard_uss_bytes": max(s["uss"] for s in shards)}
+    return {"worker_uss_bytes": max(w["uss"] for w in workers), "shard_uss_bytes": max(s["uss"] for s in shards),
+            "census_gib": node_census()}
+
+
+def node_census() -> dict[str, float]:
+    """GiB of private memory (USS) of every process on this host, summed by process title (Ray names its actors
+    `ray::<class>`), beside the host's shared memory (Shmem: the arenas and the object store)."""
+    import psutil
+
+    census: dict[str, int] = {}
+    for proc in psutil.process_iter(["cmdline", "name"]):
+        try:
+            title = ((proc.info["cmdline"] or [proc.info["name"]])[0] or proc.info["name"]).split("/")[-1][:40]
+            uss = proc.memory_full_info().uss
+        except (psutil.Error, IndexError):
+            continue
+        if uss > 16 << 20:
+            census[title] = census.get(title, 0) + uss
+    with open("/proc/meminfo") as f:
+        census["Shmem (arenas, object store)"] = next(int(line.split()[1]) << 10 for line in f if line.startswith("Shmem:"))
+    return {k: round(v / 2**30, 3) for k, v in sorted(census.items(), key=lambda kv: -kv[1])}
 
 
 def spilled_bytes() -> int:

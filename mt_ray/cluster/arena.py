@@ -17,8 +17,8 @@ Nothing model-sized is copied or put per step:
   being written. A worker waits for a word to reach its step before uploading.
 - **gradients.** Every trained unit has a slot in the gradient dtype. The node's first worker
   lands its device->host copy straight in the slot (a lone worker's is then used as it is);
-  each further worker lands in a ring of its own (a fixed size), and the shard adds them, in
-  rank order, into the slot.
+  each further worker lands in a ring of its own (a fixed size, at most RING_CAP_MB), in pieces
+  of at most half the ring, and the shard adds each piece, in rank order, into the slot's range.
 
 Layout (byte offsets, each region 4 KiB-aligned, computed alike by the shard and its workers):
 header words (generation, state, one version per unit), weights, gradient slots, rings.
@@ -46,18 +46,24 @@ RUNNING, STOPPED, FAILED = 0, 1, 2
 SLOT = -1  # where the node's first worker's gradient lands: in the unit's slot (`put_grad` takes a ring offset otherwise)
 _GENERATION, _STATE, _HEADER = 0, 1, 2  # header word indices; versions follow
 POLL_S = (1e-4, 2e-3)  # a version wait polls from the first to the second, doubling
+# A further worker's gradient ring, at most: 0.25 GiB beside its process's own ~1.15 GiB keeps 8 workers of a node
+# within 16 B/param at 7B; two of its pieces are in flight while the shard sums a third.
+RING_CAP_MB = 256
 
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def ring_numel(spec: ModelSpec) -> int:
-    """Elements of one worker's gradient ring: the largest trained unit, or two of the largest layers,
-    whichever is more, so two layers' gradients are in flight while the last is summed."""
+def ring_numel(spec: ModelSpec, grad_dtype: torch.dtype, cap_mb: float | None = None) -> int:
+    """Elements of one further worker's gradient ring: the largest trained unit or two of the largest layers,
+    whichever is more, capped at `cap_mb` MiB (default RING_CAP_MB). Gradients land in it in pieces of at most
+    half of it (`ArenaLayout.pieces`), so a unit larger than the ring still lands, and the ring's size is a
+    fixed per-worker cost rather than a model-sized one."""
     trained = [u.numel for u in spec.trainable_units]
     layers = [u.numel for u in spec.trainable_units if u.name.startswith("layers.")] or trained
-    return max(max(trained), 2 * max(layers))
+    cap = int((RING_CAP_MB if cap_mb is None else cap_mb) * 2**20) // grad_dtype.itemsize
+    return max(2, min(max(max(trained), 2 * max(layers)), cap))
 
 
 @dataclass(frozen=True)
@@ -79,8 +85,9 @@ class ArenaLayout:
 
     @classmethod
     def build(cls, spec: ModelSpec, plan: ShardPlan, shard: int, dtype: torch.dtype, grad_dtype: torch.dtype,
-              num_local: int) -> ArenaLayout:
-        """The layout of shard `shard`'s node: `num_local` workers, the compute `dtype` for other shards' units."""
+              num_local: int, ring: int | None = None) -> ArenaLayout:
+        """The layout of shard `shard`'s node: `num_local` workers, the compute `dtype` for other shards' units,
+        rings of `ring` elements (default `ring_numel`'s)."""
         owned = {u.name for u in plan.units_of(shard)}
         off = _align(8 * (_HEADER + len(spec.units)))
         weight_offsets, weight_dtypes, master_offset = {}, {}, None
@@ -98,7 +105,7 @@ class ArenaLayout:
             grad_offsets[u.name] = off
             off = _align(off + u.numel * grad_dtype.itemsize)
         rings = num_local - 1  # the node's first worker lands in the slots themselves
-        ring = ring_numel(spec)
+        ring = ring or ring_numel(spec, grad_dtype)
         return cls(tuple(u.name for u in spec.units), weight_offsets, weight_dtypes,
                    {u.name: u.numel for u in spec.units}, master_offset or 0, sum(u.numel for u in spec.units
                                                                                   if u.name in owned),
@@ -107,6 +114,12 @@ class ArenaLayout:
     @property
     def ring_bytes(self) -> int:
         return _align(self.ring_numel * self.grad_dtype.itemsize)
+
+    def pieces(self, numel: int) -> list[tuple[int, int]]:
+        """The [lo, hi) element ranges a gradient of `numel` elements lands in through a ring: at most half the
+        ring each, so one is in flight while the shard sums the last."""
+        size = max(1, self.ring_numel // 2)
+        return [(lo, min(lo + size, numel)) for lo in range(0, numel, size)]
 
 
 @dataclass(frozen=True)

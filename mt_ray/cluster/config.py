@@ -42,6 +42,13 @@ class ClusterConfig(BaseModel):
         "memory and the coordinator shard adds them. nccl: the node's GPUs reduce each unit's gradient between them "
         "(torch.distributed; gloo on CPU workers) and one device->host copy per node lands the sum. Text models only."
     )
+    grad_ring_mb: float | None = Field(
+        None, gt=0, description="MiB of each further worker's gradient ring in its node's shared memory (grad_reduce "
+        "host; the node's first worker lands in the gradient slots): gradients land in it in pieces of at most half "
+        "of it, and the coordinator shard sums each piece as every worker's is in. None: the largest unit gradient "
+        "or two layers', at most 256 MiB. Smaller saves host memory per worker; a ring the shard cannot keep up "
+        "with holds the worker's GPU."
+    )
     num_cpus: int | None = Field(None, ge=1, description="CPUs of an in-process Ray; None: all of them.")
     snapshot_every: int = Field(
         0, ge=0, description="Keep an in-memory copy of master weights and moments every N steps (12 B/param more "

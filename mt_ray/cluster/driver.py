@@ -33,6 +33,7 @@ from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from mt_ray.cluster.arena import ring_numel
 from mt_ray.cluster.config import ClusterConfig
 from mt_ray.cluster.errors import ClusterError, ClusterLostError, StepTimeoutError
 from mt_ray.cluster.partition import ShardPlan
@@ -195,7 +196,8 @@ class DataParallelTrainer:
                               "no image sends no vision gradient, so the node's collectives would not match); use "
                               "cluster.grad_reduce: host")
         self.landers = landers(self.workers_per_node, self.cluster.grad_reduce)
-        self.sizing = size_cluster(self.spec, engine_cfg, opt_cfg, num_workers, nodes, self.cluster.grad_reduce)
+        self.sizing = size_cluster(self.spec, engine_cfg, opt_cfg, num_workers, nodes, self.cluster.grad_reduce,
+                                   self.cluster.grad_ring_mb)
         check_plan(self.sizing, engine_cfg, num_workers)
         self._started_ray = init_ray(self.cluster, self.sizing.object_store_bytes)
         self.gpus_per_worker = self._resolve_gpus_per_worker()
@@ -206,6 +208,7 @@ class DataParallelTrainer:
             dtype = "bf16" if self.gpus_per_worker > 0 else "fp32"
             self.engine_cfg = engine_cfg = engine_cfg.model_copy(update={"compute_dtype": dtype})
         self.plan = ShardPlan.build(self.spec, nodes)
+        self.ring = ring_numel(self.spec, engine_cfg.grad_torch_dtype, self.cluster.grad_ring_mb)
         self.generation = 0
         self.placement = self._build_placement()
         self.shards = self._build_shards(weights)
@@ -270,7 +273,7 @@ class DataParallelTrainer:
         shards = [cls.options(num_cpus=self.cluster.coordinator_cpus, max_restarts=0,
                               max_concurrency=16 + 2 * self.num_workers + 4 * self.workers_per_node + 4 * n, **self._on_node(s)).remote(
             self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps, s, n,
-            self.landers, self.num_workers, self.cluster.snapshot_every, self.freeze) for s in range(n)]
+            self.landers, self.num_workers, self.cluster.snapshot_every, self.ring, self.freeze) for s in range(n)]
         self._ask_shards([s.set_peers.remote(shards) for s in shards])
         if isinstance(weights, int):
             calls = [s.load_random.remote(weights) for s in shards]
@@ -292,7 +295,7 @@ class DataParallelTrainer:
             workers[r] = cls.options(num_gpus=self.gpus_per_worker, num_cpus=self.cluster.cpus_per_worker,
                                      max_restarts=0, **self._on_node(node)).remote(
                 r, self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps,
-                self.shards[node], node, self.cluster.num_nodes, self.landers, self.arenas[node],
+                self.shards[node], node, self.cluster.num_nodes, self.landers, self.ring, self.arenas[node],
                 self.generation, start_step, self.cluster.placement_timeout_s, self.freeze)
         return workers
 

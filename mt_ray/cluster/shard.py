@@ -3,10 +3,10 @@
 The model is cut into contiguous parts (mt_ray.cluster.partition), one per node. Each node's
 shard owns the node's shared-memory arena (mt_ray.cluster.arena), whose weights its workers
 stream and whose gradient slots and rings they land their gradients in. It plays two roles:
-- **node reducer.** A worker tells it where each unit gradient landed (`put_grad`, a few bytes).
-  Once all local workers' gradients of a unit are in, the first worker's is already in the
-  unit's slot (a lone worker's is the sum); the others' are added from their rings in fp32, in
-  rank order, and rounded into the slot once. The node's
+- **node reducer.** A worker tells it where each unit gradient landed (`put_grad`, a few bytes):
+  the node's first worker lands it whole in the unit's slot (a lone worker's is the sum), the
+  others in pieces in their rings. Once every local worker's piece of a range is in, the range
+  is summed in fp32, in rank order, and rounded into the slot once. The node's
   sum of a unit another shard owns is sent to that owner, once: each node's gradients cross
   the network once.
 - **owner.** For its own units it adds the nodes' partial sums (node order) in the slot and
@@ -67,17 +67,33 @@ class _Snapshot:
 
 
 @dataclass
+class _Landing:
+    """One unit's gradients of one step on this node, piece by piece, as its workers report them."""
+
+    got: dict[int, dict[int, int | None]]  # piece start -> local rank -> where it landed (SLOT, ring offset; None: unused)
+    ends: dict[int, int]  # piece start -> end
+    left: int  # pieces not yet summed
+    used: bool = False  # some worker's rows used the unit
+    norm_sq: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))  # of the fp32 sums
+
+    def ranks_in(self) -> list[int]:
+        """Local workers whose every piece is in."""
+        return sorted(set.intersection(*(set(g) for g in self.got.values())))
+
+
+@dataclass
 class _Generation:
     """Everything one generation of workers may touch; a recovery or a restore starts a new one."""
 
     number: int
     step: int
     opt: OptimizerWorker | None = None
-    local: dict[tuple[int, str], dict[int, int | None]] = field(default_factory=dict)
+    local: dict[tuple[int, str], _Landing] = field(default_factory=dict)
+    local_norms: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # of a node's sum, several workers
     remote: dict[tuple[int, str], dict[int, list[torch.Tensor]]] = field(default_factory=dict)
     norms: dict[int, dict[str, torch.Tensor | None]] = field(default_factory=dict)  # None: the lone worker's GPU has it
     forwarded: dict[int, list[ray.ObjectRef]] = field(default_factory=dict)
-    summed: dict[tuple[int, str], threading.Event] = field(default_factory=dict)  # set once a unit's sum is done
+    summed: dict[tuple, threading.Event] = field(default_factory=dict)  # (step, unit[, piece]): set once summed
     advanced: dict[int, int] = field(default_factory=dict)  # version -> trained units updated to it
     touched: set[int] = field(default_factory=set)
     ended: set[int] = field(default_factory=set)
@@ -113,8 +129,10 @@ class CoordinatorShard:
     """A Ray actor with concurrent (threaded) calls; see the module docstring."""
 
     def __init__(self, model, engine_cfg: dict, opt_cfg: dict, total_steps: int, shard: int, num_shards: int,
-                 num_local: int, num_workers: int, snapshot_every: int, freeze: dict[str, bool] | None = None):
-        """`freeze`: the `discover` options the driver's spec was found with (an image-text model's freeze flags)."""
+                 num_local: int, num_workers: int, snapshot_every: int, ring: int,
+                 freeze: dict[str, bool] | None = None):
+        """`ring`: elements of each further local worker's gradient ring. `freeze`: the `discover` options the
+        driver's spec was found with (an image-text model's freeze flags)."""
         self.node_memory = NodeMemoryPeak()  # before anything of the run is allocated here
         self.spec = discover(model, **(freeze or {}))
         self.cfg = EngineConfig(**engine_cfg)
@@ -132,8 +150,13 @@ class CoordinatorShard:
         self.frozen = {u.name for u in self.spec.units if u.frozen}
         self.clips = self.opt_cfg.max_grad_norm > 0
         self.gpu_norm = num_workers == 1  # the lone worker's engine takes the norm on its GPU, as one engine does
-        layout = ArenaLayout.build(self.spec, self.plan, shard, self.cfg.dtype, self.cfg.grad_torch_dtype, num_local)
+        layout = ArenaLayout.build(self.spec, self.plan, shard, self.cfg.dtype, self.cfg.grad_torch_dtype, num_local,
+                                   ring)
         self.arena = NodeArena.create(layout, self.cfg.host_memory_limit_gb)
+        # Where the workers' pieces of each gradient start and end (the first worker's lands whole; with no
+        # further workers, so does every gradient).
+        self.pieces = {u.name: dict(layout.pieces(u.numel) if num_local > 1 else [(0, u.numel)])
+                       for u in self.spec.trainable_units}
         # The configured limit is checked per node against the whole plan by the driver (check_plan).
         self.store = HostStore(self.spec, None, False, 0, None, units=self.owned, master=self.arena.master())
         self.optimizers = {name: UnitOptimizer(self.store, self.spec.unit(name), self.opt_cfg) for name in self.trained}
@@ -301,7 +324,7 @@ class CoordinatorShard:
         with self._cond:
             gen = self.gen
             done = set(gen.norms.get(step, {})) if step not in gen.ended else set(self.trained)
-            local = {u: sorted(got) for (s, u), got in gen.local.items() if s == step}
+            local = {u: landing.ranks_in() for (s, u), landing in gen.local.items() if s == step}
             return {u: local.get(u, []) for u in self.trained if u not in done} | local
 
     def ping(self) -> str:
@@ -316,22 +339,29 @@ class CoordinatorShard:
 
     # ------------------------------------------------------------------ workers' calls
 
-    def put_grad(self, generation: int, step: int, rank: int, unit: str, where: int | None) -> None:
+    def put_grad(self, generation: int, step: int, rank: int, unit: str, where: int | None,
+                 piece: int | None = None) -> None:
         """Local worker `rank`'s gradient of `unit` has landed: in the unit's slot (`where` SLOT), at element
         `where` of its ring, or nowhere (None): its rows did not use the unit (a vision unit, no image).
+        `piece`: the start of the piece of the gradient it reports (a ring's, `ArenaLayout.pieces`); None: all.
 
-        Returns once it has been summed, so the worker may then reuse that part of its ring.
+        Returns once what it reports has been summed, so the worker may then reuse that part of its ring.
         """
         with self._cond:
             if self._stale(generation):
                 return
             gen = self.gen
-            summed = gen.summed.setdefault((step, unit), threading.Event())
-            got = gen.local.setdefault((step, unit), {})
-            got[rank % self.num_local] = where
-            if len(got) == self.num_local:
-                del gen.local[(step, unit)]
-                self._on_local_sum(gen, step, unit, got)
+            landing = gen.local.get((step, unit))
+            if landing is None:
+                ends = self.pieces[unit]
+                landing = gen.local[(step, unit)] = _Landing({lo: {} for lo in ends}, ends, len(ends))
+                gen.summed.setdefault((step, unit), threading.Event())
+            summed = gen.summed.setdefault((step, unit) if piece is None else (step, unit, piece), threading.Event())
+            for lo in landing.ends if piece is None else [piece]:
+                got = landing.got[lo]
+                got[rank % self.num_local] = where
+                if len(got) == self.num_local:
+                    self._on_piece(gen, step, unit, lo, landing)
         summed.wait()
         self._raise_if_failed()
 
@@ -399,20 +429,46 @@ class CoordinatorShard:
 
     # ------------------------------------------------------------------ sums
 
-    def _landed(self, unit: str, rank: int, where: int) -> torch.Tensor:
-        """Where local worker `rank`'s gradient of `unit` landed."""
+    def _landed(self, unit: str, rank: int, where: int, lo: int, hi: int) -> torch.Tensor:
+        """Where local worker `rank`'s elements [lo, hi) of `unit`'s gradient landed."""
         if where == SLOT:
-            return self.arena.grad(unit)
-        return self.arena.ring(rank)[where : where + self.slots.numels[unit]]
+            return self.arena.grad(unit)[lo:hi]
+        return self.arena.ring(rank)[where : where + hi - lo]
 
-    def _on_local_sum(self, gen: _Generation, step: int, unit: str, got: dict[int, int | None]) -> None:
-        """Every local worker's gradient of `unit` is in (lock held): sum and send on, or add as this node's part."""
-        parts = [self._landed(unit, r, got[r]) for r in sorted(got) if got[r] is not None]  # None: rows did not use it
+    def _on_piece(self, gen: _Generation, step: int, unit: str, lo: int, landing: _Landing) -> None:
+        """Every local worker's piece at `lo` of `unit` is in (lock held): a lone worker's gradient is its node's
+        sum as it lies; several workers' pieces are summed into the slot on the reduce thread."""
+        if self.num_local == 1:
+            del gen.local[(step, unit)]
+            self._on_local_sum(gen, step, unit, landing.got[lo][0] is not None, None)
+        else:
+            self._reducer.submit(self._guarded, gen, (step, unit, lo), self._sum_piece, lo, landing)
+
+    def _sum_piece(self, gen: _Generation, step: int, unit: str, lo: int, landing: _Landing) -> None:
+        """Sum the local workers' piece at `lo` of `unit` into the slot, in rank order; the last piece's sum
+        hands the node's sum on."""
+        got, hi = landing.got[lo], landing.ends[lo]
+        parts = [self._landed(unit, r, got[r], lo, hi) for r in sorted(got) if got[r] is not None]
+        norm_sq = sum_in_order(parts, self.arena.grad(unit)[lo:hi]) if parts else None
+        with self._cond:
+            if norm_sq is not None:
+                landing.norm_sq += norm_sq
+                landing.used = True
+            landing.left -= 1
+            if landing.left == 0 and gen.local.pop((step, unit), None) is landing:
+                self._on_local_sum(gen, step, unit, landing.used, landing.norm_sq.float())
+
+    def _on_local_sum(self, gen: _Generation, step: int, unit: str, used: bool, norm_sq: torch.Tensor | None) -> None:
+        """The node's sum of `unit` is in its slot, `used` by some worker's rows (lock held): add it as this node's
+        part, or send it on to the unit's owner. `norm_sq`: the sum's, where several local workers made it."""
+        parts = [self.arena.grad(unit)] if used else []  # none: no worker's rows used the unit
+        if norm_sq is not None and used:
+            gen.local_norms[(step, unit)] = norm_sq
         owner = self.plan.owner(unit)
         if owner == self.shard:
             self._add_contribution(gen, step, unit, self.shard, parts)
         else:
-            self._reducer.submit(self._guarded, gen, step, unit, self._forward_partial, owner, parts)
+            self._reducer.submit(self._guarded, gen, (step, unit), self._forward_partial, owner, parts)
 
     def _add_contribution(self, gen: _Generation, step: int, unit: str, node: int, parts: list[torch.Tensor]) -> None:
         """A node's contribution to an owned unit (lock held); the last one starts the sum."""
@@ -424,13 +480,14 @@ class CoordinatorShard:
         del gen.remote[(step, unit)]
         # Node order, each node's workers in rank order: the sum never depends on arrival order.
         ordered = [t for n in range(self.num_shards) for t in got[n]]
-        self._reducer.submit(self._guarded, gen, step, unit, self._sum_owned, ordered)
+        self._reducer.submit(self._guarded, gen, (step, unit), self._sum_owned, ordered)
 
-    def _guarded(self, gen: _Generation, step: int, unit: str, fn: Callable, *args) -> None:
-        """Run one sum on the reduce thread; whatever happens, the workers waiting on it wake."""
+    def _guarded(self, gen: _Generation, key: tuple, fn: Callable, *args) -> None:
+        """Run one sum on the reduce thread; whatever happens, the workers waiting on it (`key`: (step, unit), or
+        (step, unit, piece start)) wake."""
         t0 = time.perf_counter()
         try:
-            fn(gen, step, unit, *args)
+            fn(gen, *key[:2], *args)
             self.seconds["sum"] += time.perf_counter() - t0
         except BaseException as e:
             with self._cond:
@@ -439,33 +496,34 @@ class CoordinatorShard:
             self.arena.set_state(FAILED)
         finally:
             with self._cond:
-                event = gen.summed.pop((step, unit), None)
+                event = gen.summed.pop(key, None)
             if event is not None:
                 event.set()
 
-    def _sum_into_slot(self, unit: str, parts: list[torch.Tensor]) -> torch.Tensor | None:
-        """Sum `parts` into the unit's slot; returns the sum's norm² (None where the lone worker's GPU has it)."""
-        slot = self.arena.grad(unit)
-        if len(parts) == 1 and parts[0].data_ptr() == slot.data_ptr():  # one worker's gradient, landed in place
-            return None if self.gpu_norm else sum_in_order(parts, None)
-        return sum_in_order(parts, slot)
-
     def _forward_partial(self, gen: _Generation, step: int, unit: str, owner: int, parts: list[torch.Tensor]) -> None:
-        ref = None
-        if parts:
-            self._sum_into_slot(unit, parts)
-            ref = ray.put(to_numpy(self.arena.grad(unit)))  # the one copy of this node's gradient that crosses the network
+        """This node's sum of a unit another shard owns (in its slot; `parts` empty: unused) goes to the owner."""
+        gen.local_norms.pop((step, unit), None)  # the owner takes the norm of the nodes' sum
+        # The one copy of this node's gradient that crosses the network.
+        ref = ray.put(to_numpy(self.arena.grad(unit))) if parts else None
         call = self.peers[owner].put_partial.remote(gen.number, step, self.shard, unit, [ref])
         with self._cond:
             gen.forwarded.setdefault(step, []).append(call)
 
     def _sum_owned(self, gen: _Generation, step: int, unit: str, parts: list[torch.Tensor]) -> None:
+        """Every node's sum of an owned unit is in (`parts`, node order; this node's is its slot)."""
+        local_norm = gen.local_norms.pop((step, unit), None)
         if not parts:  # no worker's rows used the unit (a vision unit in a step without images): like torch with a
             self._to_optimizer(gen, step, unit, None, torch.zeros(()))  # None `.grad`, the unit and its count stay
             return
-        norm_sq = self._sum_into_slot(unit, parts)
+        slot = self.arena.grad(unit)
+        if len(parts) > 1:  # several nodes: theirs added to this one's, in node order
+            norm_sq = sum_in_order(parts, slot)
+        elif parts[0].data_ptr() == slot.data_ptr():  # this node's workers' alone, already summed in the slot
+            norm_sq = local_norm if local_norm is not None else None if self.gpu_norm else sum_in_order(parts, None)
+        else:  # one other node's alone
+            norm_sq = sum_in_order(parts, slot)
         del parts  # other nodes' objects can be freed now
-        self._to_optimizer(gen, step, unit, self.arena.grad(unit), norm_sq)
+        self._to_optimizer(gen, step, unit, slot, norm_sq)
 
     def _to_optimizer(self, gen: _Generation, step: int, unit: str, grad: torch.Tensor | None,
                       norm_sq: torch.Tensor | None) -> None:

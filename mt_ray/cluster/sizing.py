@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from mt_ray.cluster.arena import ArenaLayout
+from mt_ray.cluster.arena import ArenaLayout, ring_numel
 from mt_ray.cluster.partition import ShardPlan, state_cost
 from mt_ray.cluster.shard import PUBLISH_THREADS
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
@@ -66,9 +66,10 @@ class ClusterSizing:
 
 
 def size_cluster(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, num_workers: int,
-                 num_nodes: int, grad_reduce: str = "host") -> ClusterSizing:
+                 num_nodes: int, grad_reduce: str = "host", ring_mb: float | None = None) -> ClusterSizing:
     """The plan of `num_workers` workers spread over `num_nodes` nodes, one coordinator shard each (`grad_reduce`
-    nccl: the node's GPUs sum gradients between them, so only one lands, and no worker has a ring)."""
+    nccl: the node's GPUs sum gradients between them, so only one lands, and no worker has a ring; `ring_mb`:
+    `cluster.grad_ring_mb`)."""
     plan = ShardPlan.build(spec, num_nodes)
     per_node = num_workers // num_nodes
     w, g = cfg.dtype.itemsize, cfg.grad_torch_dtype.itemsize
@@ -77,7 +78,8 @@ def size_cluster(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, num_w
     part = plan.parts[node]
     shard = sum(u.numel for u in part)
     shard_trained = sum(u.numel for u in part if not u.frozen)
-    layout = ArenaLayout.build(spec, plan, node, cfg.dtype, cfg.grad_torch_dtype, landers(per_node, grad_reduce))
+    layout = ArenaLayout.build(spec, plan, node, cfg.dtype, cfg.grad_torch_dtype, landers(per_node, grad_reduce),
+                               ring_numel(spec, cfg.grad_torch_dtype, ring_mb))
     rings = layout.num_rings * layout.ring_bytes
     largest = max(u.numel for u in spec.units)
     # Several nodes: partial sums going out and coming in, and updated units cast for the other nodes.

@@ -62,10 +62,11 @@ class ArenaWeights:
 class LandingBuffers:
     """The engine's `GradBuffers` surface over the arena: where each gradient's device->host copy lands.
 
-    The node's first worker lands every gradient in the unit's slot, where the shard adds the
+    The node's first worker lands every gradient whole in the unit's slot, where the shard adds the
     others' to it (a lone worker's is used as it is). Each further worker lands in a ring of its
-    own, handed out first in, first out, and freed as the shard acknowledges each sum; a full ring
-    holds the engine's thread until then.
+    own, in pieces of at most half the ring (`ArenaLayout.pieces`), handed out first in, first out,
+    and freed as the shard acknowledges each piece's sum; a full ring holds the engine's thread
+    until then.
     """
 
     def __init__(self, arena: NodeArena, local_rank: int, numels: dict[str, int], ring: bool, timeout_s: float):
@@ -74,34 +75,40 @@ class LandingBuffers:
         self.ring = arena.ring(local_rank) if ring else None
         self.timeout_s = timeout_s
         self._cond = threading.Condition()
-        self._live: deque[list] = deque()  # [unit, lo, hi, freed], oldest first
-        self._where: dict[str, int] = {}
+        self._live: deque[list] = deque()  # [(unit, piece start), ring lo, ring hi, freed], oldest first
+        self._landed: dict[str, deque[tuple[int, int]]] = {}  # unit -> (piece start, where), not yet handed on
 
-    def acquire(self, unit: str) -> torch.Tensor:
-        if self.ring is None:
-            self._where[unit] = SLOT
-            return self.arena.grad(unit)
+    def pieces(self, unit: str) -> list[tuple[int, int]]:
         n = self.numels[unit]
+        return [(0, n)] if self.ring is None else self.arena.layout.pieces(n)
+
+    def acquire(self, unit: str, lo: int, hi: int) -> torch.Tensor:
+        if self.ring is None:
+            self._landed.setdefault(unit, deque()).append((lo, SLOT))
+            return self.arena.grad(unit)
+        n = hi - lo
         with self._cond:
             if not self._cond.wait_for(lambda: self._fit(n) is not None, timeout=self.timeout_s):
                 raise ClusterError(f"no room for {unit}'s gradient within cluster.step_timeout_s={self.timeout_s:g} s: "
                                    "the coordinator shard has not summed this worker's last gradients")
-            lo = self._fit(n)
-            self._live.append([unit, lo, lo + n, False])
-            self._where[unit] = lo
-        return self.ring[lo : lo + n]
+            at = self._fit(n)
+            self._live.append([(unit, lo), at, at + n, False])
+        self._landed.setdefault(unit, deque()).append((lo, at))
+        return self.ring[at : at + n]
 
-    def where(self, unit: str) -> int:
-        """Where `unit`'s gradient landed, as the shard's `put_grad` takes it."""
-        return self._where[unit]
+    def next_landed(self, unit: str) -> tuple[int | None, int]:
+        """The oldest piece of `unit` acquired and not yet handed on: (its start in the unit, None for the slot's
+        whole gradient; where it landed, as the shard's `put_grad` takes it)."""
+        lo, where = self._landed[unit].popleft()
+        return (None if where == SLOT else lo), where
 
-    def release(self, unit: str) -> None:
-        """The shard has summed `unit`'s gradient: its part of the ring may be reused."""
+    def release(self, unit: str, lo: int | None) -> None:
+        """The shard has summed the piece of `unit` starting at `lo`: its part of the ring may be reused."""
         if self.ring is None:
             return
         with self._cond:
             for entry in self._live:
-                if entry[0] == unit and not entry[3]:
+                if entry[0] == (unit, lo) and not entry[3]:
                     entry[3] = True
                     break
             while self._live and self._live[0][3]:
@@ -112,6 +119,7 @@ class LandingBuffers:
         """A new generation: nothing of the last one is waiting to be summed."""
         with self._cond:
             self._live.clear()
+            self._landed.clear()
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -155,7 +163,8 @@ class ArenaGrads:
     def submit(self, unit: str, grad: torch.Tensor | None, landed: torch.cuda.Event | None, lr: float) -> None:
         """`grad` None: this worker's rows did not use the unit (a vision unit, no image); the shard is told so."""
         self._raise_if_failed()
-        self._ship.put((self.step, unit, grad is not None, landed))
+        piece, where = self.landing.next_landed(unit) if grad is not None else (None, None)
+        self._ship.put((self.step, unit, piece, where, landed))
 
     def end_step(self, norm_sq: torch.Tensor, ready: torch.cuda.Event | None, lr: float) -> None:
         """Kept: with one worker in the run its GPU's norm is the global one (the shards' clip uses it)."""
@@ -189,11 +198,11 @@ class ArenaGrads:
     def _ship_loop(self) -> None:
         while (item := self._ship.get()) is not None:
             try:
-                step, unit, used, landed = item
+                step, unit, piece, where, landed = item
                 if landed is not None:
-                    landed.synchronize()  # the device->host copy of this gradient has finished
-                where = self.landing.where(unit) if used else None
-                self._acks.put((unit, used, self.shard.put_grad.remote(self.generation, step, self.rank, unit, where)))
+                    landed.synchronize()  # the device->host copy of this gradient (piece) has finished
+                call = self.shard.put_grad.remote(self.generation, step, self.rank, unit, where, piece)
+                self._acks.put((unit, piece, where is not None, call))
             except BaseException as e:  # surfaced to the engine thread by submit/flush
                 self._error = e
             finally:
@@ -201,11 +210,11 @@ class ArenaGrads:
 
     def _ack_loop(self) -> None:
         while True:
-            unit, used, ref = self._acks.get()
+            unit, piece, used, ref = self._acks.get()
             try:
                 ray.get(ref, timeout=self.timeout_s)  # the shard has summed it
                 if used:
-                    self.landing.release(unit)
+                    self.landing.release(unit, piece)
             except GetTimeoutError:
                 self._error = ClusterError(f"the coordinator shard did not sum {unit}'s gradient of worker {self.rank} "
                                            f"within cluster.step_timeout_s={self.timeout_s:g} s")
@@ -219,15 +228,15 @@ class EngineWorker:
     """A Ray actor running the engine's forward/backward on its part of each global batch."""
 
     def __init__(self, rank: int, model, engine_cfg: dict, opt_cfg: dict, total_steps: int, shard, local_shard: int,
-                 num_shards: int, num_local: int, arena: ArenaHandle, generation: int, start_step: int,
+                 num_shards: int, num_local: int, ring: int, arena: ArenaHandle, generation: int, start_step: int,
                  timeout_s: float, freeze: dict[str, bool] | None = None):
         """Weights and gradients go through `arena`, the node of `local_shard` (`shard`, one of `num_shards`,
-        with `num_local` workers landing gradients in it). `freeze`: the `discover` options the driver's spec
-        was found with."""
+        with `num_local` workers landing gradients in it, rings of `ring` elements). `freeze`: the `discover`
+        options the driver's spec was found with."""
         spec = discover(model, **(freeze or {}))
         cfg = EngineConfig(**engine_cfg)
         layout = ArenaLayout.build(spec, ShardPlan.build(spec, num_shards), local_shard, cfg.dtype,
-                                   cfg.grad_torch_dtype, num_local)
+                                   cfg.grad_torch_dtype, num_local, ring)
         self.rank = rank
         self.arena = NodeArena.attach(layout, arena)
         # Page-locked once (a mapping registers 13x faster than pinned memory allocates): every upload and

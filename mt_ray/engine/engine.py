@@ -669,13 +669,14 @@ class StreamingEngine:
         self._norm_sq += torch.linalg.vector_norm(acc).square()
         grad = acc.to(self.grad_dtype)
         done_on_compute = self.streams.record(self.streams.compute)
-        host = self.grad_buffers.acquire(unit)
-        with self.streams.on(self.streams.d2h):
-            self.streams.wait(self.streams.d2h, done_on_compute)  # gradient fully computed
-            host.copy_(grad, non_blocking=True)
-            landed = self.streams.record(self.streams.d2h)
-        self.outbox.add(grad, landed)  # keeps it alive until the copy has read it
-        self.worker.submit(unit, host, landed, self._lr)
+        for lo, hi in self.grad_buffers.pieces(unit):  # each piece is handed on as it lands
+            host = self.grad_buffers.acquire(unit, lo, hi)
+            with self.streams.on(self.streams.d2h):
+                self.streams.wait(self.streams.d2h, done_on_compute)  # gradient fully computed
+                host.copy_(grad[lo:hi], non_blocking=True)
+                landed = self.streams.record(self.streams.d2h)
+            self.worker.submit(unit, host, landed, self._lr)
+        self.outbox.add(grad, landed)  # keeps it alive until the last copy has read it
 
 
 def _cap_device_memory(device: torch.device, limit_gb: float) -> None:

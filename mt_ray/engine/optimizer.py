@@ -50,8 +50,9 @@ def deepspeed_available() -> bool:
 
 
 # Optimizer state is split into chunks of at most this many elements, so a compute-dtype
-# gradient is upcast through a small scratch buffer rather than a copy of the whole unit.
-CHUNK_NUMEL = 1 << 26
+# gradient is upcast through a small scratch buffer (64 MiB) rather than a copy of the whole unit.
+# Fused AdamW over 16M elements takes ~15 ms on the host, so the per-chunk call is noise.
+CHUNK_NUMEL = 1 << 24
 
 
 class UnitOptimizer:

@@ -189,7 +189,13 @@ class GradBuffers:
                 unregister_pinned(buf)
             self.pin = False
 
-    def acquire(self, unit: str) -> torch.Tensor:
+    def pieces(self, unit: str) -> list[tuple[int, int]]:
+        """The element ranges `unit`'s gradient lands in, one `acquire` each: here the whole of it at once
+        (a trainer's buffers may take a large gradient in pieces)."""
+        return [(0, self.numels[unit])]
+
+    def acquire(self, unit: str, lo: int, hi: int) -> torch.Tensor:
+        """The host buffer elements [lo, hi) of `unit`'s gradient land in (one of `pieces(unit)`)."""
         if self.per_unit:
             return self._views[unit]
         i = self._free.get()  # back-pressure: blocks the CPU while the optimizer drains slabs

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from mt_ray.cluster.arena import ABSENT, STOPPED, ArenaLayout, NodeArena, ring_numel
+from mt_ray.cluster.arena import ABSENT, SLOT, STOPPED, ArenaLayout, NodeArena, ring_numel
 from mt_ray.cluster.errors import ClusterError, StaleGenerationError
 from mt_ray.cluster.partition import ShardPlan
 from mt_ray.errors import InsufficientMemoryError
@@ -32,7 +32,7 @@ def test_a_worker_maps_the_arena_the_shard_made_and_sees_its_writes():
     assert torch.equal(worker.weights(owned[0]), shard.master()[: layout.numels[owned[0]]])
     shard.set_version(owned[0], 3)
     assert worker.version(owned[0]) == 3 and worker.version(layout.units[0]) == ABSENT
-    assert worker.ring(1).numel() == ring_numel(discover(tiny_config("llama")))
+    assert worker.ring(1).numel() == ring_numel(discover(tiny_config("llama")), torch.bfloat16)
     with pytest.raises(IndexError, match="local worker 0 has no ring"):
         worker.ring(0)  # the first worker lands in the slots
 
@@ -64,20 +64,47 @@ def test_a_ring_hands_out_gradients_first_in_first_out_and_waits_when_full():
 
     arena = arena_of(workers=2)
     size = arena.layout.ring_numel
-    numels = {"a": size // 2, "b": size // 2, "c": size // 3, "d": size}
+    numels = {"a": size // 2, "b": size // 2, "c": size // 3, "d": size // 2}
     ring = LandingBuffers(arena, 1, numels, ring=True, timeout_s=0.2)
-    a, b = ring.acquire("a"), ring.acquire("b")
-    assert (ring.where("a"), ring.where("b")) == (0, size // 2) and a.data_ptr() != b.data_ptr()
+    a, b = ring.acquire("a", 0, size // 2), ring.acquire("b", 0, size // 2)
+    assert (ring.next_landed("a"), ring.next_landed("b")) == ((0, 0), (0, size // 2)) and a.data_ptr() != b.data_ptr()
     with pytest.raises(ClusterError, match="no room for c's gradient"):
-        ring.acquire("c")  # full until the shard has summed the oldest
-    ring.release("a")
-    ring.acquire("c")
-    assert ring.where("c") == 0  # wrapped to the freed start
-    ring.release("b")
-    ring.release("c")
-    ring.acquire("d")  # the whole ring, once it is empty
-    assert ring.where("d") == 0
-    # A lone worker on the node lands in the unit's slot itself.
-    slots = LandingBuffers(arena, 0, numels, ring=False, timeout_s=1)
+        ring.acquire("c", 0, size // 3)  # full until the shard has summed the oldest
+    ring.release("a", 0)
+    ring.acquire("c", 0, size // 3)
+    assert ring.next_landed("c") == (0, 0)  # wrapped to the freed start
+    ring.release("b", 0)
+    ring.release("c", 0)
+    ring.acquire("d", 0, size // 2)
+    assert ring.next_landed("d") == (0, 0)  # back at the start of an empty ring
+    # A lone worker on the node lands in the unit's slot itself, whole.
     unit = next(iter(arena.layout.grad_offsets))
-    assert slots.acquire(unit).data_ptr() == arena.grad(unit).data_ptr()
+    n = arena.layout.numels[unit]
+    slots = LandingBuffers(arena, 0, {unit: n}, ring=False, timeout_s=1)
+    assert slots.pieces(unit) == [(0, n)]
+    assert slots.acquire(unit, 0, n).data_ptr() == arena.grad(unit).data_ptr()
+    assert slots.next_landed(unit) == (None, SLOT)
+
+
+def test_a_gradient_larger_than_half_the_ring_lands_in_pieces_that_cover_it():
+    from mt_ray.cluster.worker import LandingBuffers
+
+    spec = discover(tiny_config("llama"))
+    largest = max(u.numel for u in spec.trainable_units)
+    third = -(-largest // 3)
+    ring = ring_numel(spec, torch.float32, cap_mb=2 * third * 4 / 2**20)  # two thirds of the largest unit
+    assert ring == 2 * third
+    layout = ArenaLayout.build(spec, ShardPlan.build(spec, 1), 0, torch.float32, torch.float32, 2, ring)
+    pieces = layout.pieces(largest)
+    assert len(pieces) == 3 and pieces[0][0] == 0 and pieces[-1][1] == largest
+    assert all(hi - lo <= ring // 2 and hi == nxt for (lo, hi), (nxt, _) in zip(pieces, pieces[1:] + [(largest, 0)], strict=True))
+    landing = LandingBuffers(NodeArena.create(layout), 1, {"big": largest}, ring=True, timeout_s=0.2)
+    assert landing.pieces("big") == pieces
+    # The engine lands each piece as the last is summed: two fit at once, the third waits for the first's sum.
+    for lo, hi in pieces[:2]:
+        landing.acquire("big", lo, hi)
+    with pytest.raises(ClusterError, match="no room for big's gradient"):
+        landing.acquire("big", *pieces[2])
+    landing.release("big", pieces[0][0])
+    landing.acquire("big", *pieces[2])
+    assert [landing.next_landed("big")[0] for _ in pieces] == [lo for lo, _ in pieces]

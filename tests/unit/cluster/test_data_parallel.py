@@ -107,12 +107,14 @@ def test_sharding_keeps_every_row_and_the_global_token_count():
         shard_batch(batch[:1], 7)
 
 
-@pytest.mark.parametrize("grad_reduce", ["host", "nccl"])
-def test_two_workers_match_one_engine(local_ray, grad_reduce):
-    """host: each worker's gradient lands in the node's arena and the shard adds them; nccl (gloo on CPU
-    workers): the workers sum each gradient between them and one lands."""
+@pytest.mark.parametrize("cluster", [ClusterConfig(), ClusterConfig(grad_ring_mb=0.004), ClusterConfig(grad_reduce="nccl")],
+                         ids=["host", "host-pieces", "nccl"])
+def test_two_workers_match_one_engine(local_ray, cluster):
+    """host: each worker's gradient lands in the node's arena and the shard adds them; host-pieces: a ring of
+    4 KiB, so the second worker's gradients land in 2 KiB pieces, each summed as both workers' are in; nccl
+    (gloo on CPU workers): the workers sum each gradient between them and one lands."""
     ref_losses, ref_state, ref_eval = single_engine()
-    result, state = data_parallel(cluster=ClusterConfig(grad_reduce=grad_reduce))
+    result, state = data_parallel(cluster=cluster)
     assert result.losses == pytest.approx(ref_losses, rel=1e-5)
     # Evaluation splits the rows across the workers too: the same summed loss and token counts.
     assert result.evaluated.loss_sum.item() == pytest.approx(ref_eval.loss_sum.item(), rel=1e-5)

@@ -143,7 +143,7 @@ def test_a_shard_leaves_an_unused_projector_and_its_snapshot_keeps_adam_counts(l
 
     spec = discover(str(folder))
     threads = torch.get_num_threads()  # the shard sets the process's count, as it does in its actor
-    shard = CoordinatorShard(spec.config, ENGINE.model_dump(), OPT.model_dump(), 4, 0, 1, 1, 1, 2, freeze_options(spec))
+    shard = CoordinatorShard(spec.config, ENGINE.model_dump(), OPT.model_dump(), 4, 0, 1, 1, 1, 2, 0, freeze_options(spec))
     try:
         shard.set_peers([shard])
         shard.load_pretrained(str(folder))

@@ -1,4 +1,5 @@
-"""A Ray the driver starts frees deleted objects at once, not in Ray's default one-second batches.
+"""A Ray the driver starts frees deleted objects at once, not in Ray's default one-second batches,
+and keeps no idle worker per CPU.
 
 A data-parallel step's object-store traffic is sized for the objects alive at once; objects kept
 for up to a second after their last reference went would spill the store (store_settings.py).
@@ -8,6 +9,7 @@ import re
 import time
 
 import numpy as np
+import psutil
 import pytest
 
 from mt_ray.cluster import ClusterConfig
@@ -45,3 +47,22 @@ def test_the_driver_starts_ray_that_frees_deleted_objects_at_once():
     finally:
         ray.shutdown()
     assert max(waits) < 0.5, waits
+
+
+def _idle_workers() -> int:
+    """Ray's idle Python workers on this machine (each names its process `ray::IDLE`)."""
+    return sum(1 for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith("ray::IDLE"))
+
+
+def test_the_driver_starts_ray_without_an_idle_worker_per_cpu():
+    from mt_ray.cluster.driver import init_ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    before = _idle_workers()
+    assert init_ray(ClusterConfig(num_cpus=4), 100 << 20)
+    try:
+        time.sleep(2.0)  # Ray's default starts an idle worker per CPU (at most the cores) as the driver connects
+        assert _idle_workers() == before
+    finally:
+        ray.shutdown()
