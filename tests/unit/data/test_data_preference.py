@@ -76,7 +76,8 @@ def test_config_refuses_what_a_stage_cannot_run() -> None:
     with pytest.raises(ConfigError, match="pref.loss: 'dpop' is not a loss stage dpo runs; use one of sigmoid, ipo, "
                                           "hinge, orpo, simpo"):
         load_run_config(None, ["training.stage=dpo", "pref.loss=dpop"])
-    with pytest.raises(ConfigError, match="training.stage dpo runs on a single engine"):
+    with pytest.raises(ConfigError, match="training.stage dpo does not run on the Ray cluster .*; run it on the "
+                                          "single engine with `mt-ray train` and cluster.num_workers: 1"):
         load_run_config(None, ["training.stage=dpo", "cluster.num_workers=2"])
     with pytest.raises(ConfigError, match="pref.loss: 'ipo' is not a loss stage kto runs; use one of sigmoid"):
         load_run_config(None, ["training.stage=kto", "pref.loss=ipo"])
