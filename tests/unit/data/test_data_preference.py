@@ -57,6 +57,30 @@ def test_alpaca_ranking_and_bad_rows(tokenizer, tmp_path: Path) -> None:
     assert loader.stats()["bad_rows"] == {"pairs": 1}
 
 
+def test_sharegpt_ranking_and_kto_bad_rows_are_named_or_skipped(tokenizer, tmp_path: Path) -> None:
+    prompt = [{"from": "human", "value": "hi"}]
+    pairs = [{"conversations": prompt, "chosen": {"from": "gpt", "value": "hello"},
+              "rejected": {"from": "gpt", "value": "go away"}} for _ in range(4)]
+    del pairs[1]["chosen"]
+    feedback = [{"conversations": [*prompt, {"from": "gpt", "value": "hello"}], "label": i % 2 == 0} for i in range(4)]
+    feedback[2]["label"] = "yes"
+    write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    write_jsonl(tmp_path / "feedback.jsonl", feedback)
+    registry = write_registry(tmp_path, {
+        "pairs": {"file_name": "pairs.jsonl", "ranking": True, "formatting": "sharegpt",
+                  "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"}},
+        "feedback": {"file_name": "feedback.jsonl", "formatting": "sharegpt",
+                     "columns": {"messages": "conversations", "kto_tag": "label"}}})
+    for name, stage, problem in (("pairs", "dpo", r"pairs.jsonl row 2: no 'chosen' column"),
+                                 ("feedback", "kto", r"feedback.jsonl row 3: column 'label' \(the KTO tag\) must "
+                                                     "be true or false, got str 'yes'")):
+        with pytest.raises(DatasetError, match=f"dataset '{name}': .*{problem}"):
+            next(build_dataloader(config(registry, [name], shuffle=False), tokenizer, 4, stage=stage))
+        loader = build_dataloader(config(registry, [name], on_bad_row="skip"), tokenizer, 1, stage=stage)
+        next(loader)
+        assert loader.stats()["bad_rows"] == {name: 1}
+
+
 def test_kto_sequences_travel_with_their_kl_twin(tokenizer, llamafactory_dir: Path) -> None:
     batch = next(build_dataloader(config(llamafactory_dir, ["kto_en_demo"], packing=False), tokenizer, 4,
                                   stage="kto"))
