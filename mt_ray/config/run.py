@@ -164,9 +164,6 @@ class RunConfig(_Section):
     def _preference_stage_fits(self) -> RunConfig:
         stage = self.training.stage
         check_stage(stage, self.pref)
-        if self.pref.reference == "precompute" and stage == "kto":
-            raise ValueError("pref.reference: precompute: KTO's KL twins pair each example with its neighbour's "
-                             "response, which the data order changes; use pref.reference: stream")
         if self.cluster.num_workers > 1:
             check_cluster_stage(stage)
         return self

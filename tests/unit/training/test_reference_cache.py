@@ -10,7 +10,6 @@ import torch
 
 from mt_ray.config.run import load_run_config
 from mt_ray.data.assets import demo_registry_path
-from mt_ray.errors import ConfigError
 from mt_ray.training.reference_cache import CACHE_DIR
 from mt_ray.training.trainer import Trainer
 
@@ -18,13 +17,19 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # a tiny model: intra-op thr
 
 
 def small_registry(folder: Path) -> Path:
-    """dpo_en_demo's first 12 pairs: the precompute pass walks every pair, so fewer pairs keep it short."""
+    """dpo_en_demo's first 12 pairs (the precompute pass walks every pair, so fewer pairs keep it short), and the
+    same as 12 KTO rows (each pair's chosen response desirable, its rejected one not)."""
     registry = json.loads(demo_registry_path().read_text())
     rows = json.loads((demo_registry_path().parent / registry["dpo_en_demo"]["file_name"]).read_text())[:12]
+    feedback = [{"conversations": [*r["conversations"], r[k]], "tag": k == "chosen"}
+                for r in rows[:6] for k in ("chosen", "rejected")]
     folder.mkdir()
     (folder / "pairs.json").write_text(json.dumps(rows))
-    (folder / "dataset_info.json").write_text(json.dumps({"pairs": {**registry["dpo_en_demo"],
-                                                                    "file_name": "pairs.json"}}))
+    (folder / "feedback.json").write_text(json.dumps(feedback))
+    (folder / "dataset_info.json").write_text(json.dumps({
+        "pairs": {**registry["dpo_en_demo"], "file_name": "pairs.json"},
+        "feedback": {"file_name": "feedback.json", "formatting": "sharegpt",
+                     "columns": {"messages": "conversations", "kto_tag": "tag"}}}))
     return folder
 
 
@@ -72,6 +77,19 @@ def test_precompute_trains_as_the_stream_and_its_cache_is_reused(tmp_path):
     assert json.loads(cached[0].read_text())["key"]["template"] != "another"
 
 
-def test_kto_refuses_precompute():
-    with pytest.raises(ConfigError, match="pref.reference: precompute: KTO"):
-        load_run_config(None, ["training.stage=kto", "pref.reference=precompute", "data.datasets=[kto_en_demo]"])
+def test_kto_precompute_covers_the_twins_of_every_step(tmp_path):
+    kto = ("training.stage=kto", "data.datasets=[feedback]", "training.micro_batch_size=2",
+           "training.grad_accum_steps=1", "training.steps=10")
+    _, stream, stream_losses, stream_weights = train(tmp_path, "stream", *kto)
+    first, pre, pre_losses, pre_weights = train(tmp_path, "pre1", "pref.reference=precompute", *kto)
+    assert first.reference_logps.computed and first.engine.pref.reference is None
+    # 8 training rows, 2 a step: three epochs, each shuffled its own way, so each pairs other twins (a pass over
+    # the first epoch's windows would see two of them: packing windows of 8 rows end an epoch only once it is over)
+    assert pre_losses == pytest.approx(stream_losses, rel=1e-5) and len(pre_losses) == 10
+    assert pre["eval_loss"] == pytest.approx(stream["eval_loss"], rel=1e-5)
+    for k, v in stream_weights.items():
+        torch.testing.assert_close(pre_weights[k], v, rtol=1e-5, atol=1e-6)
+    again, *_ = train(tmp_path, "pre2", "pref.reference=precompute", *kto)
+    assert not again.reference_logps.computed
+    more, *_ = train(tmp_path, "pre3", "pref.reference=precompute", *kto, "training.steps=11")
+    assert more.reference_logps.computed  # more steps are more twins: another key
