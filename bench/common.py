@@ -67,6 +67,25 @@ def packed_micro_batches(vocab: int, batch: int, micro: int, seq: int, doc_token
     return [{k: b[k] for k in ("input_ids", "labels", "position_ids")} for b in batches]
 
 
+def pair_micro_batches(vocab: int, batch: int, micro: int, seq: int, seed: int = 0) -> list[dict]:
+    """Preference rows as the data loader packs a pair (`mt_ray.data.packing.collate`): each row one pair, its
+    chosen and rejected sequences half a row each, a prompt of a quarter row then a response of a quarter."""
+    from mt_ray.data.schema import ROLE_CHOSEN, ROLE_REJECTED
+
+    g = torch.Generator().manual_seed(seed)
+    quarter = seq // 4
+
+    def ids() -> list[int]:
+        return torch.randint(3, vocab, (quarter,), generator=g).tolist()
+
+    def pair() -> list[TokenizedExample]:
+        prompt = ids()
+        return [TokenizedExample(tuple(prompt + response), (IGNORE_INDEX,) * quarter + tuple(response), role=role,
+                                 prompt_len=quarter) for response, role in ((ids(), ROLE_CHOSEN), (ids(), ROLE_REJECTED))]
+
+    return [collate([pair() for _ in range(micro)], seq, pad_id=0) for _ in range(batch // micro)]
+
+
 def metrics(args, cfg, n_params: int, step_s: float, system: str) -> dict:
     """Throughput of one system: model TFLOPS = 6 x params x tokens / step time (MegaTrain's formula).
     Attention spans a document: the whole row, or `args.packed_docs` tokens where rows are packed."""
@@ -127,13 +146,23 @@ class HostMemorySampler:
 
 class Timer:
     def __enter__(self):
-        torch.cuda.synchronize()
+        _sync()
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
-        torch.cuda.synchronize()
+        _sync()
         self.seconds = time.perf_counter() - self.t0
+
+
+def _sync() -> None:
+    """Wait for the GPU's queued work (nothing to wait for in a CPU smoke run)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def print_table(rows: list[dict], cols: list[str]) -> None:

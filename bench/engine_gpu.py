@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (  # noqa: E402
     OPT,
     Timer,
+    device_name,
     metrics,
     packed_micro_batches,
     peak_rss_bytes,
@@ -43,20 +44,22 @@ from bench.common import (  # noqa: E402
     write_json,
 )
 from mt_ray.engine import EngineConfig, StreamingEngine  # noqa: E402
-from mt_ray.engine.sizing import device_bytes, predicted_step_seconds  # noqa: E402
+from mt_ray.engine.preference import PreferenceConfig  # noqa: E402
+from mt_ray.engine.sizing import SFT, Stage, device_bytes, predicted_step_seconds  # noqa: E402
 from mt_ray.errors import InsufficientMemoryError  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
 
 
-def build_engine(args, cfg) -> tuple[StreamingEngine, float]:
-    """A randomly initialised engine on the GPU with the run's options; (engine, set-up seconds)."""
+def build_engine(args, cfg, stage: str = "sft", pref: PreferenceConfig | None = None) -> tuple[StreamingEngine, float]:
+    """A randomly initialised engine on the GPU (`--device`) with the run's options and training `stage`; (engine,
+    set-up seconds)."""
     spec = discover(cfg)
-    ecfg = EngineConfig(device="cuda", compute_dtype="bf16", schedule=args.schedule, checkpoint_every=args.k,
+    ecfg = EngineConfig(device=args.device, compute_dtype="bf16", schedule=args.schedule, checkpoint_every=args.k,
                         stream_master=args.stream_master, grad_dtype=args.grad_dtype, loss_chunk_tokens=args.loss_chunk,
                         kernels=args.kernels, attn_implementation=args.attn)
     opt = OPT.model_copy(update={"max_grad_norm": args.clip})
     t0 = time.perf_counter()
-    engine = StreamingEngine(spec, ecfg, opt, total_steps=(args.warmup + args.steps) * 16 + 4)
+    engine = StreamingEngine(spec, ecfg, opt, total_steps=(args.warmup + args.steps) * 16 + 4, stage=stage, pref=pref)
     engine.load_random(seed=0)
     return engine, time.perf_counter() - t0
 
@@ -67,15 +70,19 @@ def micro_batches(args, cfg) -> list[dict]:
     return random_micro_batches(cfg.vocab_size, args.batch, args.micro, args.seq)
 
 
-def measure(engine: StreamingEngine, args, cfg, profile: bool = False) -> dict:
-    """Warm-up and timed steps of `engine` on the run's batches; one result row."""
+def measure(engine: StreamingEngine, args, cfg, profile: bool = False, mbs: list[dict] | None = None,
+            stage: Stage = SFT) -> dict:
+    """Warm-up and timed steps of `engine` on `mbs` (default: the run's SFT batches); one result row, with the
+    calculator's figures for `stage`."""
     spec, ecfg = engine.spec, engine.cfg
-    mbs = micro_batches(args, cfg)
+    mbs = mbs or micro_batches(args, cfg)
+    cuda = engine.device.type == "cuda"
     losses = []
     for _ in range(args.warmup):
         losses.append(engine.train_step(mbs).loss)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     busy0 = engine.worker.busy_seconds
     # Steady state: the clock starts while the optimizer still finishes the warm-up step
     # (which the first timed step must wait for) and stops when the last step's GPU work
@@ -86,17 +93,18 @@ def measure(engine: StreamingEngine, args, cfg, profile: bool = False) -> dict:
     engine.synchronize()
     step_s = t.seconds / args.steps
     opt_s = (engine.worker.busy_seconds - busy0) / args.steps
-    peak_gpu = torch.cuda.max_memory_allocated() / 2**30
+    peak_gpu = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     split = profile_steps(engine, mbs) if profile else {}
     row = metrics(args, cfg, spec.num_params, step_s, "mt-ray")
     kept = engine.kept.last_count  # `auto` as resolved, for the calculator's figures
     ecfg = ecfg.model_copy(update={"keep_activations": kept})
-    predicted = device_bytes(spec, ecfg, args.micro, args.seq, args.batch)["total"] / 2**30
+    predicted = device_bytes(spec, ecfg, args.micro, args.seq, args.batch, stage=stage)["total"] / 2**30
     row.update(split, keep_activations=engine.cfg.keep_activations, kept_graphs=kept,
                optimizer_s=opt_s, losses=[float(x) for x in losses], packed_docs=args.packed_docs,
                attn=args.attn, attn_used=spec.config._attn_implementation,
                host_bytes_per_param=peak_rss_bytes() / spec.num_params, peak_gpu_gib=peak_gpu,
-               calc_gpu_gib=predicted, calc_step_s=predicted_step_seconds(spec, ecfg, args.seq, args.batch, micro_batch=args.micro))
+               calc_gpu_gib=predicted, calc_step_s=predicted_step_seconds(spec, ecfg, args.seq, args.batch, stage=stage,
+                                                                          micro_batch=args.micro))
     return row
 
 
@@ -120,7 +128,7 @@ def run_keeps(args, cfg, out: str | None) -> list[dict]:
                 break
             finally:
                 if out:
-                    write_json(out, {"args": vars(args), "device": torch.cuda.get_device_name(), "rows": rows})
+                    write_json(out, {"args": vars(args), "device": device_name(), "rows": rows})
     finally:
         engine.close()
     return rows
@@ -142,7 +150,7 @@ def run_variants(args, cfg, out: str) -> list[dict]:
                              "status": f"out of GPU memory: {e}"[:160]})
                 break
             finally:
-                write_json(out, {"args": vars(args), "device": torch.cuda.get_device_name(), "rows": rows})
+                write_json(out, {"args": vars(args), "device": device_name(), "rows": rows})
             print(f"{entry} ({rows[-1]['attn_used']}): {rows[-1]['model_tflops']:.0f} TFLOPS, "
                   f"{rows[-1]['peak_gpu_gib']:.1f} GiB", flush=True)
     finally:
@@ -228,6 +236,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="profile one extra step for the time split")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (a tiny --shape)")
 
 
 def main() -> None:
@@ -244,7 +253,7 @@ def main() -> None:
             "peak_gpu_gib", "calc_gpu_gib", "host_bytes_per_param", "h2d_busy_s", "compute_busy_s", "d2h_busy_s", "optimizer_s",
             "gpu_idle_frac", "gpu_step_s", "calc_step_s"]
     print_table(rows, cols)
-    write_json(args.out, {"args": vars(args), "device": torch.cuda.get_device_name(), "rows": rows})
+    write_json(args.out, {"args": vars(args), "device": device_name(), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mt_ray.errors import ConfigError
+
 
 class ClusterConfig(BaseModel):
     """How the data-parallel trainer places its actors and survives a lost worker."""
@@ -76,3 +78,12 @@ class ClusterConfig(BaseModel):
         if v != "auto" and v <= 0:
             raise ValueError("must be 'auto' or a positive number of seconds")
         return v
+
+
+def check_cluster_stage(stage: str) -> None:
+    """Refuse a `training.stage` the cluster cannot train. Its workers' engines run SFT only: a preference loss
+    is a mean over the global batch's pairs (a worker scales by loss tokens), and its reference weights would
+    need a frozen copy in every node's arena."""
+    if stage != "sft":
+        raise ConfigError(f"training.stage {stage} does not run on the Ray cluster (cluster.num_workers > 1 trains "
+                          "sft only); run it on the single engine with `mt-ray train` and cluster.num_workers: 1")

@@ -34,7 +34,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mt_ray.cluster.arena import ring_numel
-from mt_ray.cluster.config import ClusterConfig
+from mt_ray.cluster.config import ClusterConfig, check_cluster_stage
 from mt_ray.cluster.errors import ClusterError, ClusterLostError, StepTimeoutError
 from mt_ray.cluster.partition import ShardPlan
 from mt_ray.cluster.shard import CoordinatorShard
@@ -168,12 +168,14 @@ class DataParallelTrainer:
 
     It trains like a `StreamingEngine` (`train_step`, `save_checkpoint`, `export`, ...), so the
     `Trainer` drives either. `after_launch(step, trainer)` runs right after a step's work is
-    handed to the workers (a seam for tests and fault injection).
+    handed to the workers (a seam for tests and fault injection). `stage` is the run's `training.stage`:
+    anything but `sft` is refused.
     """
 
     def __init__(self, model, engine_cfg: EngineConfig, opt_cfg: OptimizerConfig, num_workers: int,
                  total_steps: int, cluster: ClusterConfig | None = None, weights: int | str | dict = 0,
-                 after_launch: Callable[[int, DataParallelTrainer], None] | None = None):
+                 after_launch: Callable[[int, DataParallelTrainer], None] | None = None, stage: str = "sft"):
+        check_cluster_stage(stage)  # before any state, Ray or actor is built
         self.spec = model if isinstance(model, ModelSpec) else discover(model)
         self.model = self.spec.config  # what the actors rediscover the spec from, with these options
         self.freeze = freeze_options(self.spec)

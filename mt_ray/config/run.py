@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mt_ray.cluster.config import ClusterConfig
+from mt_ray.cluster.config import ClusterConfig, check_cluster_stage
 from mt_ray.data import DataConfig
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.preference import PreferenceConfig, check_stage
@@ -164,12 +164,8 @@ class RunConfig(_Section):
     def _preference_stage_fits(self) -> RunConfig:
         stage = self.training.stage
         check_stage(stage, self.pref)
-        if self.pref.reference == "precompute" and stage == "kto":
-            raise ValueError("pref.reference: precompute: KTO's KL twins pair each example with its neighbour's "
-                             "response, which the data order changes; use pref.reference: stream")
-        if stage != "sft" and self.cluster.num_workers > 1:
-            raise ValueError(f"cluster.num_workers: training.stage {stage} runs on a single engine for now (its data-"
-                             "parallel path is not built yet); use cluster.num_workers=1")
+        if self.cluster.num_workers > 1:
+            check_cluster_stage(stage)
         return self
 
     @model_validator(mode="after")

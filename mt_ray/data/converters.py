@@ -12,6 +12,12 @@ Preference rows (LLaMA-Factory's ranking and KTO entries): a ranking row's conve
 prompt-side turn and its ``chosen`` and ``rejected`` columns hold the two responses (sharegpt: turn
 objects with a response-side role; alpaca: strings), giving a ``PairExample``; a KTO row is an SFT
 row whose ``kto_tag`` column is true or false, giving a ``FeedbackExample``.
+
+LLaMA-Factory v1's rows (``formatting: v1``, see registry.py) are read as its trainers read them: a pair's
+prompt is every message before the last (masked whatever its ``loss_weight``), its response the last message,
+scored when that message's ``loss_weight`` is above 0; an SFT row trains each assistant message of weight 1.
+What v1 can say but mt-ray cannot train exactly is refused by name: other assistant weights, chosen and
+rejected prompts that differ, content that is not text or tool calls.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ def convert_row(entry: DatasetEntry, raw: RawRow) -> Example:
     try:
         if raw.data is None:
             raise _RowProblem(raw.error or "unreadable row")
+        if entry.formatting == "v1":
+            return _convert_v1(entry.columns, raw.data, entry.kind == "ranking")
         if entry.formatting == "text":
             return TextExample(text=_required_str(raw.data, entry.columns.prompt, allow_empty=False))
         if entry.kind == "ranking":
@@ -91,6 +99,75 @@ def _convert_pair(entry: DatasetEntry, data: dict[str, Any]) -> PairExample:
     responses = [_sharegpt_message(data[c], tags, len(prompt)) for c in (cols.chosen, cols.rejected)]
     return PairExample(prompt=prompt, chosen=responses[0], rejected=responses[1], system=system,
                        tools=_tools(data, cols.tools))
+
+
+def _convert_v1(cols: Columns, data: dict[str, Any], pair: bool) -> ChatExample | PairExample:
+    """A LLaMA-Factory v1 row: ``messages`` (SFT), or ``chosen_messages`` and ``rejected_messages`` (a pair)."""
+    tools = _tools(data, cols.tools)
+    if not pair:
+        system, messages, weights = _v1_conversation(data.get(cols.messages), cols.messages)
+        for i, (m, w) in enumerate(zip(messages, weights, strict=True)):
+            if m.role in RESPONSE_ROLES and w != 1.0:
+                raise _RowProblem(f"'{cols.messages}' message {i}: loss_weight {w:g} on an assistant message; mt-ray "
+                                  "trains every assistant message at weight 1")
+        return ChatExample(messages=messages, system=system, tools=tools)
+    missing = [c for c in (cols.chosen, cols.rejected) if data.get(c) is None]
+    if missing:
+        raise _RowProblem(f"no {' or '.join(repr(c) for c in missing)} column: a ranking row needs a chosen and a "
+                          "rejected conversation")
+    (system, chosen, c_w), (r_system, rejected, r_w) = (_v1_conversation(data[c], c)
+                                                        for c in (cols.chosen, cols.rejected))
+    if (system, chosen[:-1]) != (r_system, rejected[:-1]):
+        raise _RowProblem(f"'{cols.chosen}' and '{cols.rejected}' differ before their last message; a pair shares "
+                          "its prompt")
+    if len(chosen) < 2 or min(c_w[-1], r_w[-1]) <= 0:
+        raise _RowProblem("a pair's conversations need a prompt and a last assistant message of loss_weight above 0")
+    return PairExample(prompt=chosen[:-1], chosen=chosen[-1], rejected=rejected[-1], system=system, tools=tools)
+
+
+def _v1_conversation(turns: Any, column: str) -> tuple[str | None, tuple[Message, ...], tuple[float, ...]]:
+    """The system prompt (a first system message), the messages and their loss weights (v1's defaults: 1 for
+    assistant messages, 0 for the others); roles alternate as in sharegpt, ending on a response."""
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, dict) for t in turns):
+        raise _RowProblem(f"column '{column}' must be a non-empty list of message objects")
+    system = _v1_text(_v1_parts(turns[0], column, 0), column, 0) if turns[0].get("role") == "system" else None
+    turns = turns[1:] if system is not None else turns
+    messages, weights = [], []
+    for i, turn in enumerate(turns):
+        role = _V1_ROLES.get(turn.get("role"))
+        expected = PROMPT_ROLES if i % 2 == 0 else RESPONSE_ROLES
+        if role not in expected:
+            raise _RowProblem(f"'{column}' message {i}: role {turn.get('role')!r} where {list(expected)} belongs")
+        parts = _v1_parts(turn, column, i)
+        if role == "assistant" and all(p["type"] == "tool_call" for p in parts):
+            role = "function_call"
+            text = json.dumps([call for p in parts for call in parse_function_call(p["value"])], ensure_ascii=False)
+        else:
+            text = _v1_text(parts, column, i)
+        messages.append(Message(role, text))
+        weights.append(float(turn.get("loss_weight", 1.0 if role in RESPONSE_ROLES else 0.0)))
+    if not messages or messages[-1].role not in RESPONSE_ROLES:
+        raise _RowProblem(f"column '{column}' must end on an assistant message")
+    return system, tuple(messages), tuple(weights)
+
+
+_V1_ROLES: dict[Any, Role] = {"user": "user", "tool": "observation", "assistant": "assistant"}
+
+
+def _v1_parts(turn: dict[str, Any], column: str, index: int) -> list[dict[str, Any]]:
+    parts = turn.get("content")
+    if not isinstance(parts, list) or not parts or not all(isinstance(p, dict) and isinstance(p.get("value"), str)
+                                                           for p in parts):
+        raise _RowProblem(f"'{column}' message {index}: content must be a non-empty list of {{type, value}} parts")
+    return parts
+
+
+def _v1_text(parts: list[dict[str, Any]], column: str, index: int) -> str:
+    kinds = sorted({p.get("type") for p in parts} - {"text"})
+    if kinds:
+        raise _RowProblem(f"'{column}' message {index}: content of type {kinds} is not supported (text, and "
+                          "assistant messages of tool calls only)")
+    return "".join(p["value"] for p in parts)
 
 
 def _kto_tag(column: str | None, data: dict[str, Any]) -> bool:

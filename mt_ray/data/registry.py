@@ -17,6 +17,11 @@ Preference entries are read as LLaMA-Factory reads them too: ``ranking: true`` w
 entry's ``kind`` says which stage it fits. Hub, script and cloud entries cannot load offline and
 raise ``DatasetError``; so do video and audio entries. A hub entry that also names a ``file_name``
 uses the local copy.
+
+A dataset named by a local file or folder path instead of an entry is read in LLaMA-Factory v1's standard
+format, as its ``--dataset path`` reads one (``llamafactory.v1``'s ``SFTSample`` and ``DPOSample``): rows of
+``messages``, or of ``chosen_messages`` and ``rejected_messages`` (a ranking dataset), each a list of
+``{role, content: [{type, value}], loss_weight}``; its first row says which.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from mt_ray.data.readers import iter_rows
 from mt_ray.errors import DatasetError
 
-Formatting = Literal["alpaca", "sharegpt", "text"]
+Formatting = Literal["alpaca", "sharegpt", "text", "v1"]
 Kind = Literal["sft", "ranking", "kto"]
 STAGE_OF_KIND: dict[str, str] = {"sft": "sft", "ranking": "dpo", "kto": "kto"}
 """The ``training.stage`` each kind of entry trains under (LLaMA-Factory's stage names)."""
@@ -108,10 +114,13 @@ class Registry:
 
     def resolve(self, name: str) -> DatasetEntry:
         """Turn entry ``name`` into a ``DatasetEntry``, or say why it cannot be used."""
+        if name not in self.entries and Path(name).exists():
+            return v1_entry(name)
         if name not in self.entries:
             close = difflib.get_close_matches(name, list(self.entries), n=3)
             hint = f" Did you mean {', '.join(close)}?" if close else ""
-            raise DatasetError(f"dataset '{name}' is not in {self.folder / REGISTRY_FILE}.{hint}")
+            raise DatasetError(f"dataset '{name}' is not in {self.folder / REGISTRY_FILE} and is no local file "
+                               f"(LLaMA-Factory v1's format).{hint}")
         info = self.entries[name]
         _check_supported(name, info)
         path = self.folder / info["file_name"]
@@ -122,6 +131,29 @@ class Registry:
         formatting = _formatting(name, info, columns, kind)
         return DatasetEntry(name=name, path=path, formatting=formatting, columns=columns, tags=_tags(info),
                             media_dir=self.folder, kind=kind)
+
+
+V1_COLUMNS = Columns(prompt=None, query=None, response=None, messages="messages", tools="tools",
+                     chosen="chosen_messages", rejected="rejected_messages")
+"""The keys of LLaMA-Factory v1's standard rows (``SFTSample``, ``DPOSample``)."""
+
+
+def v1_entry(name: str) -> DatasetEntry:
+    """A local file or folder in LLaMA-Factory v1's standard format: a ranking dataset when its first row holds
+    ``chosen_messages`` or ``rejected_messages`` (v1's ``DPOSample``), an SFT one when it holds ``messages``."""
+    path = Path(name)
+    first = next((row for row in iter_rows(path) if row.data is not None), None)
+    keys = set(first.data) if first else set()
+    if {V1_COLUMNS.chosen, V1_COLUMNS.rejected} & keys:
+        kind: Kind = "ranking"
+    elif V1_COLUMNS.messages in keys:
+        kind = "sft"
+    else:
+        where = f"{first.file} row {first.row}" if first else "it holds no readable row, so it"
+        raise DatasetError(f"dataset '{name}': {where} is not in LLaMA-Factory v1's format (a 'messages' list, or "
+                           "'chosen_messages' and 'rejected_messages'); register it in a dataset_info.json instead")
+    return DatasetEntry(name=name, path=path, formatting="v1", columns=V1_COLUMNS, tags=Tags(), media_dir=path.parent,
+                        kind=kind)
 
 
 def load_registry(path: str | Path) -> Registry:

@@ -124,7 +124,7 @@ class StreamingEngine:
     `grad_sink` and `weight_source` (given together) replace the local optimizer thread and
     host store, for a trainer that keeps the weights elsewhere (mt_ray.cluster); the engine
     then allocates no master weights or moments of its own. `stage` `dpo` or `kto` trains on
-    preference rows with the `pref` loss (a single engine only, for now).
+    preference rows with the `pref` loss (a single engine only: mt_ray.cluster refuses it).
     """
 
     def __init__(self, spec: ModelSpec, cfg: EngineConfig, opt_cfg: OptimizerConfig, total_steps: int,

@@ -65,7 +65,8 @@ class PreferenceConfig(BaseModel):
     reference: Literal["stream", "precompute"] = "stream"
     """Where the reference's log-probs come from: `stream`: a forward-only pass of the frozen starting weights
     (held in host memory in the compute dtype), streamed through the same layer loop as the policy's step;
-    `precompute`: once per dataset before training, cached on disk."""
+    `precompute`: once per dataset before training (KTO: over the run's own batches, whose KL twins follow the
+    data order), cached on disk."""
 
 
 def check_stage(stage: str, cfg: PreferenceConfig) -> None:

@@ -10,8 +10,14 @@ holds no reference weights: `ReferenceLogps.attach` gives each batch its `ref_lo
 The cache is one JSON file under the run's storage root, `reference_logps/<digest>.json`, named by the digest of
 its key (the model and its starting weights, the compute dtype, the datasets' files, `data.max_seq_len` and
 `data.template`) and holding the key itself: a run with the same key (a restart, or another run of the same
-model and data) reads it; any change of the key computes and writes another. KTO is refused at load: its KL
-twins pair each example with its neighbour's response, which the data order changes.
+model and data) reads it; any change of the key computes and writes another.
+
+KTO: a pair's sequences are the same in every epoch, but a KL twin (an example's prompt with the previous
+example's response) follows the data order, which each epoch's shuffle and each packing window change. So a
+KTO pass walks the run's own batches, `training.steps` of them, as a fresh loader of the same seed yields them
+(a resume continues inside them), and its key adds what decides that order: the whole `data` section, the
+seed, the rows per step and the step count. It costs a reference forward over every trained token, as
+`stream` does, but training holds no reference weights.
 """
 
 from __future__ import annotations
@@ -75,8 +81,9 @@ def cache_key(cfg: RunConfig) -> dict[str, Any]:
     weights = initial_weights(cfg)
     data = cfg.data
     names = list(data.datasets) + list(data.eval_datasets or [])
-    entries = resolve_entries(data, names, cfg.training.stage)
-    return {
+    t = cfg.training
+    entries = resolve_entries(data, names, t.stage)
+    key = {
         "model": cfg.model.model_dump(mode="json"),
         "weights": weights if isinstance(weights, int) else _files_fingerprint(Path(weights), "*.safetensors"),
         "compute_dtype": cfg.engine.compute_dtype,
@@ -85,6 +92,10 @@ def cache_key(cfg: RunConfig) -> dict[str, Any]:
         "max_seq_len": data.max_seq_len,
         "template": data.template,
     }
+    if t.stage == "kto":  # its KL twins follow the data order: the batches of this run
+        key["order"] = {"data": data.model_dump(mode="json"), "seed": t.seed, "steps": t.steps,
+                        "rows_per_step": t.micro_batch_size * t.grad_accum_steps}
+    return key
 
 
 def _files_fingerprint(path: Path, pattern: str) -> list[list]:
@@ -113,15 +124,22 @@ def load_or_compute(cfg: RunConfig, files: RunFiles, engine, tokenizer, held_out
 def compute_reference_logps(cfg: RunConfig, engine, tokenizer, held_out,
                             eval_batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """One forward-only pass of `engine`'s weights over every training sequence (a fresh loader, to the end of its
-    first epoch's last window) and the eval split; each sequence's log-prob sum by its key."""
+    first epoch's last window; KTO: the run's `training.steps` batches) and the eval split; each sequence's
+    log-prob sum by its key."""
     t = cfg.training
     data = cfg.data.model_copy(update={"seed": t.seed})
     loader = build_dataloader(data, tokenizer, t.micro_batch_size, t.grad_accum_steps, held_out=held_out,
                               stage=t.stage)
     logps: dict[str, float] = {}
+
+    def walked(steps: int) -> bool:
+        return steps >= t.steps if t.stage == "kto" else loader.epoch >= 1 and loader.window_used_up
+
     with engine.pref.collecting() as sums:
-        while not (loader.epoch >= 1 and loader.window_used_up):
+        steps = 0
+        while not walked(steps):
             _record(engine, split_micro_batches(next(loader), t.micro_batch_size), sums, logps)
+            steps += 1
         for i in range(0, len(eval_batches), t.grad_accum_steps):
             _record(engine, eval_batches[i:i + t.grad_accum_steps], sums, logps)
     return logps

@@ -9,6 +9,7 @@ pytest.importorskip("ray")
 
 from mt_ray.cluster import ClusterConfig, ClusterError, DataParallelTrainer, count_loss_tokens, shard_batch  # noqa: E402
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine  # noqa: E402
+from mt_ray.errors import ConfigError  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
 from tests.tiny_models import checkpoint_config, tiny_batches, tiny_config  # noqa: E402
 
@@ -165,9 +166,15 @@ def test_unclipped_step_left_half_applied_without_a_snapshot_restarts_from_a_che
         data_parallel(opt, cluster=ClusterConfig(snapshot_every=0), after_launch=kill_worker_once_units_are_updated)
 
 
-def test_a_cluster_that_cannot_place_the_run_is_refused_naming_the_key(local_ray):
-    from mt_ray.errors import ConfigError
+@pytest.mark.parametrize("stage", ["dpo", "kto"])
+def test_a_preference_stage_is_refused_before_anything_is_built(stage):
+    # No model, config or Ray: the refusal comes first, so nothing else is looked at.
+    with pytest.raises(ConfigError, match=f"^training.stage {stage} does not run on the Ray cluster .* run it on the "
+                                          "single engine with `mt-ray train`"):
+        DataParallelTrainer(None, None, None, num_workers=2, total_steps=1, stage=stage)
 
+
+def test_a_cluster_that_cannot_place_the_run_is_refused_naming_the_key(local_ray):
     with pytest.raises(ConfigError, match=r"cluster.num_workers=3 cannot spread evenly over cluster.num_nodes=2"):
         DataParallelTrainer(tiny_config("llama"), ENGINE, OPT, num_workers=3, total_steps=1,
                             cluster=ClusterConfig(num_nodes=2))

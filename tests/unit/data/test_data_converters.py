@@ -9,7 +9,7 @@ import pytest
 
 from mt_ray.data.converters import convert_row
 from mt_ray.data.readers import RawRow
-from mt_ray.data.registry import Columns, DatasetEntry, Tags
+from mt_ray.data.registry import V1_COLUMNS, Columns, DatasetEntry, Tags
 from mt_ray.data.schema import ChatExample, Message, TextExample
 from mt_ray.errors import DatasetError
 
@@ -22,6 +22,7 @@ OPENAI_TAGS = Tags(role_tag="role", content_tag="content", user_tag="user", assi
 OPENAI = DatasetEntry("oa", FILE, "sharegpt", Columns(messages="messages"), OPENAI_TAGS)
 TEXT = DatasetEntry("txt", FILE, "text", Columns(prompt="text", query=None, response=None), Tags())
 CALL = json.dumps({"name": "multiply", "arguments": {"a": 2, "b": 3}})
+V1 = DatasetEntry("v1", FILE, "v1", V1_COLUMNS, Tags())
 
 
 def convert(entry: DatasetEntry, data: dict | None, row: int = 7):
@@ -96,3 +97,20 @@ def test_malformed_rows_name_dataset_file_and_row(entry: DatasetEntry, data: dic
     with pytest.raises(DatasetError, match=message) as e:
         convert(entry, data, row=42)
     assert str(e.value).startswith(f"dataset '{entry.name}': {FILE} row 42: ")
+
+
+def v1_message(role: str, *parts: tuple[str, str], **extra) -> dict:
+    return {"role": role, "content": [{"type": t, "value": v} for t, v in parts], **extra}
+
+
+def test_llamafactory_v1_tool_calls_and_results() -> None:
+    messages = [v1_message("system", ("text", "Be brief."), loss_weight=0.0), v1_message("user", ("text", "2*3?")),
+                v1_message("assistant", ("tool_call", CALL)), v1_message("tool", ("text", "6")),
+                v1_message("assistant", ("text", "Six"), ("text", "."), loss_weight=1.0)]
+    ex = convert(V1, {"messages": messages, "tools": json.dumps([{"name": "m"}])})
+    call = Message("function_call", json.dumps([json.loads(CALL)]))
+    assert ex == ChatExample(messages=(Message("user", "2*3?"), call, Message("observation", "6"),
+                                       Message("assistant", "Six.")), system="Be brief.", tools=({"name": "m"},))
+    with pytest.raises(DatasetError, match=r"train.jsonl row 7: 'messages' message 1: content of type "
+                                           r"\['reasoning'\] is not supported"):
+        convert(V1, {"messages": [v1_message("user", ("text", "q")), v1_message("assistant", ("reasoning", "r"))]})

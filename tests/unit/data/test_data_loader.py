@@ -206,10 +206,17 @@ def test_every_llamafactory_local_entry_loads_or_says_why(tokenizer, llamafactor
             with pytest.raises(DatasetError, match=f"dataset '{name}' is .* trains under training.stage: {stage}, "
                                                    "not sft$"):
                 build_dataloader(config, tokenizer, 2)
+            other = {"dpo": "kto", "kto": "dpo"}[stage]
+            with pytest.raises(DatasetError, match=f"dataset '{name}' is .* training.stage: {stage}, not {other}$"):
+                build_dataloader(config, tokenizer, 2, stage=other)
             batch = next(build_dataloader(config, tokenizer, 2, 2, stage=stage))
             assert batch["input_ids"].shape == (4, 256) and batch["seq_role"].shape[0] == 4
             preference.append(name)
             continue
+        for other in ("dpo", "kto"):  # an SFT dataset under a preference stage: one line naming the stage it fits
+            with pytest.raises(DatasetError, match=f"dataset '{name}' is an SFT dataset, which trains under "
+                                                   f"training.stage: sft, not {other}$"):
+                build_dataloader(config, tokenizer, 2, stage=other)
         loader = build_dataloader(config, tokenizer, 2, 2)
         for batch in take(loader, 2):
             assert batch["input_ids"].shape == (4, 256) and count_valid_tokens(batch) > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,30 @@ def test_alpaca_ranking_and_bad_rows(tokenizer, tmp_path: Path) -> None:
     assert loader.stats()["bad_rows"] == {"pairs": 1}
 
 
+def test_sharegpt_ranking_and_kto_bad_rows_are_named_or_skipped(tokenizer, tmp_path: Path) -> None:
+    prompt = [{"from": "human", "value": "hi"}]
+    pairs = [{"conversations": prompt, "chosen": {"from": "gpt", "value": "hello"},
+              "rejected": {"from": "gpt", "value": "go away"}} for _ in range(4)]
+    del pairs[1]["chosen"]
+    feedback = [{"conversations": [*prompt, {"from": "gpt", "value": "hello"}], "label": i % 2 == 0} for i in range(4)]
+    feedback[2]["label"] = "yes"
+    write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    write_jsonl(tmp_path / "feedback.jsonl", feedback)
+    registry = write_registry(tmp_path, {
+        "pairs": {"file_name": "pairs.jsonl", "ranking": True, "formatting": "sharegpt",
+                  "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"}},
+        "feedback": {"file_name": "feedback.jsonl", "formatting": "sharegpt",
+                     "columns": {"messages": "conversations", "kto_tag": "label"}}})
+    for name, stage, problem in (("pairs", "dpo", r"pairs.jsonl row 2: no 'chosen' column"),
+                                 ("feedback", "kto", r"feedback.jsonl row 3: column 'label' \(the KTO tag\) must "
+                                                     "be true or false, got str 'yes'")):
+        with pytest.raises(DatasetError, match=f"dataset '{name}': .*{problem}"):
+            next(build_dataloader(config(registry, [name], shuffle=False), tokenizer, 4, stage=stage))
+        loader = build_dataloader(config(registry, [name], on_bad_row="skip"), tokenizer, 1, stage=stage)
+        next(loader)
+        assert loader.stats()["bad_rows"] == {name: 1}
+
+
 def test_kto_sequences_travel_with_their_kl_twin(tokenizer, llamafactory_dir: Path) -> None:
     batch = next(build_dataloader(config(llamafactory_dir, ["kto_en_demo"], packing=False), tokenizer, 4,
                                   stage="kto"))
@@ -76,7 +101,59 @@ def test_config_refuses_what_a_stage_cannot_run() -> None:
     with pytest.raises(ConfigError, match="pref.loss: 'dpop' is not a loss stage dpo runs; use one of sigmoid, ipo, "
                                           "hinge, orpo, simpo"):
         load_run_config(None, ["training.stage=dpo", "pref.loss=dpop"])
-    with pytest.raises(ConfigError, match="training.stage dpo runs on a single engine"):
+    with pytest.raises(ConfigError, match="training.stage dpo does not run on the Ray cluster .*; run it on the "
+                                          "single engine with `mt-ray train` and cluster.num_workers: 1"):
         load_run_config(None, ["training.stage=dpo", "cluster.num_workers=2"])
     with pytest.raises(ConfigError, match="pref.loss: 'ipo' is not a loss stage kto runs; use one of sigmoid"):
         load_run_config(None, ["training.stage=kto", "pref.loss=ipo"])
+
+
+def v1_text(message: dict) -> str:
+    return "".join(part["value"] for part in message["content"])
+
+
+def test_llamafactory_v1_pairs_are_read_as_they_are(tokenizer, llamafactory_dir: Path) -> None:
+    path = llamafactory_dir / "v1_dpo_demo.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    loader = build_dataloader(config(None, [str(path)], max_seq_len=4096, packing=False, shuffle=False), tokenizer,
+                              1, stage="dpo")
+    for row in rows:  # unshuffled and unpacked: one pair a row, in file order
+        batch = next(loader)
+        assert batch["seq_role"][0, :2].tolist() == [ROLE_CHOSEN, ROLE_REJECTED]
+        (c_ids, c_labels), (r_ids, r_labels) = segments(batch, 0)
+        prompt = c_labels.index(next(t for t in c_labels if t != IGNORE_INDEX))
+        assert c_ids[:prompt] == r_ids[:prompt] and r_labels[:prompt] == [IGNORE_INDEX] * prompt  # one prompt, masked
+        shown = tokenizer.decode(c_ids[:prompt])
+        assert all(v1_text(m) in shown for m in row["chosen_messages"][:-1])  # system and user turns, untrained
+        for labels, messages in ((c_labels, "chosen_messages"), (r_labels, "rejected_messages")):
+            trained = tokenizer.decode([t for t in labels if t != IGNORE_INDEX])
+            assert trained == v1_text(row[messages][-1]) + "<|im_end|>"  # the last message alone carries loss
+
+
+def test_llamafactory_v1_stages_and_bad_rows(tokenizer, llamafactory_dir: Path, tmp_path: Path) -> None:
+    pair, sft = llamafactory_dir / "v1_dpo_demo.jsonl", llamafactory_dir / "v1_sft_demo.jsonl"
+    assert next(build_dataloader(config(None, [str(sft)]), tokenizer, 2))["input_ids"].shape == (2, 128)
+    with pytest.raises(DatasetError, match=f"dataset '{pair}' is a preference .* training.stage: dpo, not sft$"):
+        build_dataloader(config(None, [str(pair)]), tokenizer, 1)
+    with pytest.raises(DatasetError, match=f"dataset '{sft}' is an SFT dataset, .* training.stage: sft, not dpo$"):
+        build_dataloader(config(None, [str(sft)]), tokenizer, 1, stage="dpo")
+
+    good = json.loads(pair.read_text().splitlines()[0])
+    other_prompt = json.loads(json.dumps(good))
+    other_prompt["rejected_messages"][-2]["content"][0]["value"] += " Another question."
+    bad = write_jsonl(tmp_path / "pairs.jsonl", [good, {"chosen_messages": good["chosen_messages"]}, other_prompt,
+                                                 good])
+    with pytest.raises(DatasetError, match=r"pairs.jsonl row 2: no 'rejected_messages' column"):
+        next(build_dataloader(config(None, [str(bad)], shuffle=False), tokenizer, 2, stage="dpo"))
+    loader = build_dataloader(config(None, [str(bad)], on_bad_row="skip"), tokenizer, 1, stage="dpo")
+    assert next(loader)["seq_role"][0, :2].tolist() == [ROLE_CHOSEN, ROLE_REJECTED]
+    assert loader.stats()["bad_rows"] == {str(bad): 2}
+    with pytest.raises(DatasetError, match=r"row 1: 'chosen_messages' and 'rejected_messages' differ before"):
+        next(build_dataloader(config(None, [str(write_jsonl(tmp_path / "p.jsonl", [other_prompt]))]), tokenizer, 1,
+                              stage="dpo"))
+
+    unweighted = json.loads(sft.read_text().splitlines()[0])
+    unweighted["messages"][1]["loss_weight"] = 0.0
+    with pytest.raises(DatasetError, match=r"s.jsonl row 1: 'messages' message 1: loss_weight 0 on an assistant "
+                                           "message; mt-ray trains every assistant message at weight 1"):
+        next(build_dataloader(config(None, [str(write_jsonl(tmp_path / "s.jsonl", [unweighted]))]), tokenizer, 1))

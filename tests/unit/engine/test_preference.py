@@ -224,7 +224,12 @@ def test_reference_free_losses_hold_no_reference():
 # ---------------------------------------------------------------------------------------------- KTO
 
 
-def trl_kto(policy, ref, examples, beta, w_d, w_u):
+KTO_METRICS = ["rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl"]
+
+
+def trl_kto(policy, ref, examples, beta, w_d, w_u, precompute: bool = False):
+    """TRL's KTO loss and step; with `precompute`, the reference's log-probs of each example and its KL
+    completion computed first (`compute_ref_log_probs`, as its precompute pass does) and read from the batch."""
     from datasets import Dataset
     from trl import KTOConfig, KTOTrainer
 
@@ -236,13 +241,18 @@ def trl_kto(policy, ref, examples, beta, w_d, w_u):
                                {"prompt": "ho", "completion": " no", "label": False}])
     trainer = KTOTrainer(model=policy, ref_model=ref, args=args, train_dataset=dummy,
                          processing_class=load_tiny_tokenizer())
+    if precompute:
+        # What precompute_ref_log_probs=True sets, after init: its own pass at init would run the dummy's text
+        # through a model whose vocabulary is smaller than the tokenizer's.
+        trainer.precompute_ref_logps = True
+        ref_logps, ref_kl_logps = trainer.compute_ref_log_probs(ref, trainer.data_collator(examples))
+        examples = [{**ex, "ref_logps": r.item(), "ref_KL_logps": k.item()}
+                    for ex, r, k in zip(examples, ref_logps, ref_kl_logps, strict=True)]
     return trl_loss_and_step(trainer, policy, examples)
 
 
-@pytest.mark.parametrize("layout", ["stream-packed", "stream-unpacked", "resident-packed"])
-def test_kto_equals_trl(layout):
-    engine_kw, packed = LAYOUTS[layout]
-    cfg, policy, ref = models()
+def kto_examples(packed: bool) -> tuple[list[dict], list[dict]]:
+    """Four KTO examples as TRL takes them, each with its KL completion, and as the engine's micro-batches."""
     pairs = make_pairs(seed=2)
     labels = [True, False, True, True]
     examples = [{"prompt_ids": p["prompt_ids"], "completion_ids": p["chosen_ids"], "label": lab}
@@ -251,9 +261,38 @@ def test_kto_equals_trl(layout):
         ex["KL_completion_ids"] = examples[i - 1]["completion_ids"]
     groups = [[sequence(ex["prompt_ids"], ex["completion_ids"], ROLE_DESIRABLE if ex["label"] else ROLE_UNDESIRABLE),
                sequence(ex["prompt_ids"], ex["KL_completion_ids"], ROLE_KL)] for ex in examples]
-    mbs = [collate([[s for g in groups for s in g]], None, 0)] if packed else [collate(groups, None, 0)]
+    return examples, [collate([[s for g in groups for s in g]], None, 0)] if packed else [collate(groups, None, 0)]
+
+
+@pytest.mark.parametrize("layout", ["stream-packed", "stream-unpacked", "resident-packed"])
+def test_kto_equals_trl(layout):
+    engine_kw, packed = LAYOUTS[layout]
+    cfg, policy, ref = models()
+    examples, mbs = kto_examples(packed)
     pref = PreferenceConfig(beta=0.5, kto_chosen_weight=1.0, kto_rejected_weight=1.5)
     ours = engine_step(cfg, policy, ref, mbs, "kto", pref, engine_kw)
     theirs = trl_kto(policy, ref, examples, 0.5, 1.0, 1.5)
-    assert_same(ours, theirs, ["rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
-                               "logps/rejected", "kl"])
+    assert_same(ours, theirs, KTO_METRICS)
+
+
+@pytest.mark.parametrize("layout", ["stream-packed", "stream-unpacked"])
+def test_kto_with_a_precomputed_reference_equals_trl(layout):
+    """`pref.reference: precompute` as the run does it: the engine's `evaluate` collects each sequence's sum under
+    the reference's weights (KL twins included), then the policy's step reads them from the batch (`ref_logps`)."""
+    engine_kw, packed = LAYOUTS[layout]
+    cfg, policy, ref = models()
+    examples, mbs = kto_examples(packed)
+    pref = PreferenceConfig(beta=0.5, kto_chosen_weight=1.0, kto_rejected_weight=1.5, reference="precompute")
+    engine = StreamingEngine(discover(cfg), EngineConfig(device="cpu", compute_dtype="fp32", **engine_kw), OPT,
+                             total_steps=1, stage="kto", pref=pref)
+    try:
+        assert engine.pref.reference is None  # no reference weights held
+        engine.load_state_dict(ref.state_dict())
+        with engine.pref.collecting() as sums:
+            engine.evaluate(mbs)
+        mbs = [{**mb, "ref_logps": s.reshape(mb["seq_role"].shape)} for mb, s in zip(mbs, sums, strict=True)]
+    finally:
+        engine.close()
+    ours = engine_step(cfg, policy, None, mbs, "kto", pref, engine_kw)
+    theirs = trl_kto(policy, ref, examples, 0.5, 1.0, 1.5, precompute=True)
+    assert_same(ours, theirs, KTO_METRICS)
