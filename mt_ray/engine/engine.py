@@ -384,6 +384,12 @@ class StreamingEngine:
         self.synchronize()
         return self.store.state_dict()
 
+    def streamed_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights the layer loop uploads, by Hugging Face name, after all pending updates (views of the host
+        copy in the compute dtype, or of the fp32 master where none is kept): what a rollout copy loads."""
+        self.synchronize()
+        return {k: v for unit in self.spec.units for k, v in self.store.named_views(unit, self.store.streamed_buffer).items()}
+
     def close(self) -> None:
         if self.router_loss is not None:
             self.router_loss.close()
