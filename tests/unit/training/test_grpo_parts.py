@@ -117,3 +117,20 @@ def test_completion_rows_mask_truncated_ones_but_count_them():
     assert batch["labels"][0].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 5, 6, 2, IGNORE_INDEX, IGNORE_INDEX]
     assert (batch["labels"][1] == IGNORE_INDEX).all()
     assert batch["seq_role"][:, 0].tolist() == [6, 6] and batch["advantages"].tolist() == [[0.5, 0.0], [-0.5, 0.0]]
+
+
+def test_a_grpo_step_without_advantages_is_refused():
+    from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine
+    from mt_ray.models.discovery import discover
+    from tests.tiny_models import tiny_config
+
+    rollout = Rollout([[3, 4]], [[5, 6, 2]], [False])
+    (batch,) = completion_batches(rollout, torch.zeros(1), mask_truncated=False, micro_batch_size=1, pad_id=1)
+    del batch["advantages"]
+    engine = StreamingEngine(discover(tiny_config("llama")), EngineConfig(device="cpu", compute_dtype="fp32"),
+                             OptimizerConfig(), total_steps=1, stage="grpo", grpo=GrpoConfig(num_generations=2))
+    try:
+        with pytest.raises(ValueError, match="a GRPO step needs each batch's advantages"):
+            engine.train_step([batch])
+    finally:
+        engine.close()
