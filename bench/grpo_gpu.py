@@ -45,7 +45,7 @@ def run_config(args):
         f"grpo.max_completion_length={args.new_tokens}", "grpo.max_prompt_length=64",
         "grpo.rewards=[{name: format}, {name: 'jobs.rewards:digits'}]", f"engine.device={args.device}",
         f"engine.checkpoint_every={args.k}", f"engine.stream_master={args.stream_master}",
-        f"engine.kernels={args.kernels}",
+        f"engine.kernels={args.kernels}", f"engine.grad_dtype={args.grad_dtype}",
     ])
 
 
@@ -93,6 +93,8 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4, help="checkpoint every K layers")
     p.add_argument("--stream-master", action="store_true", help="stream the fp32 master (no bf16 host copy)")
     p.add_argument("--kernels", default="torch", choices=["torch", "liger"])
+    p.add_argument("--grad-dtype", default="compute", choices=["fp32", "compute"],
+                   help="host gradient buffers (compute: bf16 on a GPU, as the other benchmarks' lean setting)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--out", default="bench/results/grpo_gpu.json")
