@@ -112,7 +112,7 @@ def _calc(args) -> int:
         engine = run.engine.model_copy(update={"device": "cpu", "compute_dtype": dtype})
     spec = _spec(args, run)
     opt = run.optimizer if run else None
-    stage = Stage.of(run.training.stage, run.pref) if run else SFT  # a preference stage's reference and head
+    stage = Stage.of(run.training.stage, run.pref, run.grpo) if run else SFT  # a preference stage's reference and head
     if args.max_seq:
         rec = longest_context(spec, gpu, host, args.global_batch, cfg=engine, opt=opt, machine=machine, stage=stage)
     else:

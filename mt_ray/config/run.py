@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from mt_ray.cluster.config import ClusterConfig, check_cluster_stage
 from mt_ray.data import DataConfig
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
+from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.preference import PreferenceConfig, check_stage
 from mt_ray.errors import ConfigError
 from mt_ray.tracking import CheckpointConfig, TrackingConfig
@@ -69,9 +70,10 @@ class ModelConfig(_Section):
 class TrainingConfig(_Section):
     """Loop length, batch shape and outputs."""
 
-    stage: Literal["sft", "dpo", "kto"] = "sft"
+    stage: Literal["sft", "dpo", "kto", "grpo"] = "sft"
     """What to train, as LLaMA-Factory names its stages: `sft` (supervised, on SFT and text datasets), `dpo`
-    (preference pairs of ranking datasets, with `pref.loss`), `kto` (KTO on datasets with a kto_tag)."""
+    (preference pairs of ranking datasets, with `pref.loss`), `kto` (KTO on datasets with a kto_tag); or `grpo`
+    (RL on completions sampled from the prompts of SFT datasets, scored by `grpo.rewards`)."""
     steps: int = Field(60, ge=1)
     """Optimizer steps to run."""
     micro_batch_size: int = Field(4, ge=1)
@@ -134,6 +136,7 @@ class RunConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     cluster: ClusterRunConfig = Field(default_factory=ClusterRunConfig)
     pref: PreferenceConfig = Field(default_factory=PreferenceConfig)
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -166,6 +169,22 @@ class RunConfig(_Section):
         check_stage(stage, self.pref)
         if self.cluster.num_workers > 1:
             check_cluster_stage(stage)
+        return self
+
+    @model_validator(mode="after")
+    def _grpo_steps_hold_whole_groups(self) -> RunConfig:
+        """A GRPO step's completions (micro_batch_size x grad_accum_steps, as TRL's generation batch) are whole
+        groups of G; it has no held-out evaluation yet."""
+        t, g = self.training, self.grpo.num_generations
+        if t.stage != "grpo":
+            return self
+        if (t.micro_batch_size * t.grad_accum_steps) % g:
+            raise ValueError(f"training.micro_batch_size: a GRPO step samples micro_batch_size x grad_accum_steps = "
+                             f"{t.micro_batch_size * t.grad_accum_steps} completions, which must be whole groups of "
+                             f"grpo.num_generations ({g}); make it a multiple of {g}")
+        if self.data.has_eval_split:
+            raise ValueError("data.val_size: training.stage grpo has no held-out evaluation yet; unset data.val_size "
+                             "and data.eval_datasets")
         return self
 
     @model_validator(mode="after")

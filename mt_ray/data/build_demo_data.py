@@ -111,6 +111,13 @@ def write_images(out_dir: Path) -> None:
         os.replace(tmp, out_dir / f"{name}.png")
 
 
+def math_prompt_row(rng: random.Random) -> dict[str, object]:
+    """A GRPO prompt with its exact answer in a column of its own (passed to the reward functions)."""
+    a, b = rng.randint(1, 50), rng.randint(1, 50)
+    op = rng.choice("+-")
+    return {"instruction": f"What is {a} {op} {b}? End with #### and the number.", "answer": a + b if op == "+" else a - b}
+
+
 def registry() -> dict[str, dict[str, object]]:
     """The demo registry, in LLaMA-Factory's ``dataset_info.json`` format."""
     return {
@@ -126,6 +133,8 @@ def registry() -> dict[str, dict[str, object]]:
             "columns": {"messages": "messages", "images": "images"},
             "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"},
         },
+        # GRPO prompts: alpaca rows without a response; their `answer` column goes to the reward functions.
+        "demo_math_prompts": {"file_name": "demo_math_prompts.json"},
         # LLaMA-Factory's own ranking demo (data/dpo_en_demo.json, Apache-2.0), copied unchanged, with its entry.
         "dpo_en_demo": {
             "file_name": "dpo_en_demo.json",
@@ -144,9 +153,9 @@ def _write(path: Path, text: str) -> None:
 
 
 def build(out_dir: Path = DEMO_DIR, seed: int = 0, n_alpaca: int = 400, n_sharegpt: int = 300,
-          n_mllm: int = 120) -> None:
+          n_mllm: int = 120, n_math: int = 200) -> None:
     """Write ``demo_alpaca.json``, ``demo_sharegpt.jsonl``, ``demo_mllm.json`` with its images under ``mllm/``,
-    and ``dataset_info.json`` to ``out_dir``."""
+    ``demo_math_prompts.json`` (GRPO prompts) and ``dataset_info.json`` to ``out_dir``."""
     rng = random.Random(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     alpaca = [alpaca_row(rng) for _ in range(n_alpaca)]
@@ -156,6 +165,8 @@ def build(out_dir: Path = DEMO_DIR, seed: int = 0, n_alpaca: int = 400, n_shareg
     mllm_rng = random.Random(f"mllm/{seed}")  # its own stream: the text demos stay as they were
     _write(out_dir / "demo_mllm.json", json.dumps([mllm_row(mllm_rng) for _ in range(n_mllm)], indent=1) + "\n")
     write_images(out_dir / "mllm")
+    math_rng = random.Random(f"math/{seed}")  # its own stream too
+    _write(out_dir / "demo_math_prompts.json", json.dumps([math_prompt_row(math_rng) for _ in range(n_math)], indent=1) + "\n")
     for name in VENDORED if out_dir.resolve() != DEMO_DIR else ():
         _write(out_dir / name, (DEMO_DIR / name).read_text(encoding="utf-8"))
     _write(out_dir / "dataset_info.json", json.dumps(registry(), indent=2) + "\n")

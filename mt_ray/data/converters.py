@@ -68,6 +68,38 @@ def convert_row(entry: DatasetEntry, raw: RawRow) -> Example:
         raise DatasetError(f"dataset '{entry.name}': {raw.file} row {raw.row}: {e}") from None
 
 
+def convert_prompt(entry: DatasetEntry, raw: RawRow) -> tuple[ChatExample, dict[str, Any]]:
+    """A GRPO prompt: the row's conversation up to its last prompt-side turn (a final response, where the row has
+    one, is left out), and the row's other columns (`answer`, ...) for the reward functions."""
+    try:
+        if raw.data is None:
+            raise _RowProblem(raw.error or "unreadable row")
+        if entry.kind != "sft" or entry.formatting == "text" or entry.columns.images:
+            raise _RowProblem("a GRPO prompt comes from a text-only alpaca or sharegpt SFT row")
+        cols, data = entry.columns, raw.data
+        if entry.formatting == "alpaca":
+            prompt = ChatExample(messages=_alpaca_prompt(cols, data), system=_optional_str(data, cols.system))
+        else:
+            prompt = _sharegpt_prompt(cols, entry.tags, data)
+    except _RowProblem as e:
+        raise DatasetError(f"dataset '{entry.name}': {raw.file} row {raw.row}: {e}") from None
+    used = {c for c in vars(cols).values() if c}
+    return prompt, {k: v for k, v in data.items() if k not in used}
+
+
+def _sharegpt_prompt(cols: Columns, tags: Tags, data: dict[str, Any]) -> ChatExample:
+    turns = data.get(cols.messages)
+    if not isinstance(turns, list) or not turns:
+        raise _RowProblem(f"column '{cols.messages}' must be a non-empty list of turns")
+    system, turns = _leading_system(tags, turns, _optional_str(data, cols.system))
+    messages = [_sharegpt_message(turn, tags, i) for i, turn in enumerate(turns)]
+    while messages and messages[-1].role in RESPONSE_ROLES:
+        messages.pop()
+    if not messages:
+        raise _RowProblem("conversation has no prompt-side turn to sample a response to")
+    return ChatExample(messages=tuple(messages), system=system, tools=_tools(data, cols.tools))
+
+
 def _convert_chat(entry: DatasetEntry, raw: RawRow) -> ChatExample:
     if entry.formatting == "alpaca":
         example = _convert_alpaca(entry.columns, raw.data)

@@ -91,8 +91,9 @@ Example = ChatExample | TextExample | PairExample | FeedbackExample
 
 # What each tokenized sequence is to the loss (``TokenizedExample.role``): an SFT sequence, the chosen or
 # rejected sequence of a pair, a desirable or undesirable KTO sequence, or a KTO sequence's mismatched
-# twin (its prompt with another example's response), whose log-probs estimate KTO's KL term.
-ROLE_SFT, ROLE_CHOSEN, ROLE_REJECTED, ROLE_DESIRABLE, ROLE_UNDESIRABLE, ROLE_KL = range(6)
+# twin (its prompt with another example's response), whose log-probs estimate KTO's KL term; or a
+# completion sampled for GRPO (its prompt, then the sampled tokens as labels).
+ROLE_SFT, ROLE_CHOSEN, ROLE_REJECTED, ROLE_DESIRABLE, ROLE_UNDESIRABLE, ROLE_KL, ROLE_COMPLETION = range(7)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,9 @@ class MicroBatch:
     image_features: Any = None  # what get_image_features returned for `images` (set by the vision stage)
     feature_grads: list[torch.Tensor | None] | None = None  # their gradient (set by the embedding's backward)
     seqs: Sequences | None = None  # preference rows: where each chosen, rejected or KTO sequence is
-    ref_logps: torch.Tensor | None = None  # [S] the reference's log-prob sum of each sequence (preference stages)
+    ref_logps: torch.Tensor | None = None  # [S] the reference's log-prob sum of each sequence; GRPO: [N] per token
+    advantages: torch.Tensor | None = None  # [S] GRPO: each sequence slot's advantage (0 where no completion)
+    old_logps: torch.Tensor | None = None  # [N] GRPO: the sampling policy's log-prob of each loss token
 
     @property
     def positions(self) -> torch.Tensor:
@@ -51,7 +53,9 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
 
     `batch["images"]`, where present, holds each row's images (a list per row of the processor's
     tensors for one image); they are concatenated in token order. Preference rows carry `seq_role` (and
-    `segment_ids`; with a precomputed reference, `ref_logps`), from which each sequence is indexed. `rope_positions(input_ids,
+    `segment_ids`; with a precomputed reference, `ref_logps`), from which each sequence is indexed; GRPO rows
+    add `advantages` [B, W] and, when a rollout is trained on more than once, `old_logps` (each loss token's,
+    in loss-token order, as `evaluate` collected them). `rope_positions(input_ids,
     position_ids, image_grid_thw)` gives a model with multi-dimensional rotary positions its
     [4, B, T] positions (host tensors).
     """
@@ -74,7 +78,9 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
     rope = rope_positions(input_ids, position_ids, (images or {}).get("image_grid_thw")) if rope_positions else None
     seqs = sequences_of(batch["seq_role"], batch["segment_ids"], index, lambda t: _to(t, device, pin)) \
         if "seq_role" in batch else None
-    ref = batch.get("ref_logps")
+    ref, advantages, old = batch.get("ref_logps"), batch.get("advantages"), batch.get("old_logps")
+    if old is not None and old.numel() != index.numel():
+        raise ValueError(f"old_logps holds {old.numel()} log-probs for {index.numel()} loss tokens")
     return MicroBatch(
         input_ids_BT=_to(input_ids, device, pin),
         position_ids_BT=_to(position_ids.contiguous(), device, pin),
@@ -87,6 +93,8 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
         rope_position_ids=_to(rope, device, pin) if rope is not None else None,
         seqs=seqs,
         ref_logps=_to(ref.reshape(-1).float(), device, pin) if ref is not None else None,
+        advantages=_to(advantages.reshape(-1).float(), device, pin) if advantages is not None else None,
+        old_logps=_to(old.reshape(-1).float(), device, pin) if old is not None else None,
     )
 
 
@@ -99,6 +107,8 @@ def _collate_images(rows: list[list[dict[str, torch.Tensor]]] | None) -> dict[st
 
 
 def _to(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    if t.device.type != "cpu":
+        return t.to(device)  # already on a device (log-probs an evaluation collected there)
     # Small pinned staging lets the upload run asynchronously with the previous step's work.
     if pin:
         t = t.pin_memory()

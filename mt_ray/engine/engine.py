@@ -40,7 +40,8 @@ default) have no moments and send no gradient.
 
 A preference stage (`stage: dpo | kto`, see preference.py and reference.py) streams the reference's
 units through the same loop, each block's after the policy's, and replaces the head's token loss with
-per-sequence log-probs fed to the preference loss; the backward is unchanged.
+per-sequence log-probs fed to the preference loss; the backward is unchanged. GRPO (`stage: grpo`,
+grpo.py) is the same head with a per-token loss, and a reference only where its β is above 0.
 
 Tensor shape key: B batch, T tokens, D hidden, N selected tokens, V vocabulary.
 """
@@ -58,6 +59,7 @@ import torch
 from mt_ray.engine.activations import build_activation_store, streamed_step_plan
 from mt_ray.engine.batch import MicroBatch, prepare_micro_batch
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
+from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.host_store import HostStore
 from mt_ray.engine.kept_blocks import KeptBlocks
 from mt_ray.engine.optimizer import UnitOptimizer, counts_behind, lr_at, restore_counts
@@ -124,12 +126,14 @@ class StreamingEngine:
     `grad_sink` and `weight_source` (given together) replace the local optimizer thread and
     host store, for a trainer that keeps the weights elsewhere (mt_ray.cluster); the engine
     then allocates no master weights or moments of its own. `stage` `dpo` or `kto` trains on
-    preference rows with the `pref` loss (a single engine only: mt_ray.cluster refuses it).
+    preference rows with the `pref` loss, `grpo` on sampled completions with the `grpo` loss (a single
+    engine only: mt_ray.cluster refuses both).
     """
 
     def __init__(self, spec: ModelSpec, cfg: EngineConfig, opt_cfg: OptimizerConfig, total_steps: int,
                  grad_sink: GradSink | None = None, weight_source: WeightSource | None = None,
-                 grad_buffers: GradBuffers | None = None, stage: str = "sft", pref: PreferenceConfig | None = None):
+                 grad_buffers: GradBuffers | None = None, stage: str = "sft", pref: PreferenceConfig | None = None,
+                 grpo: GrpoConfig | None = None):
         """`grad_buffers`: where gradients land on the host, given by a trainer whose buffers are shared memory
         (mt_ray.cluster); by default the engine allocates its own pinned ones."""
         if (grad_sink is None) != (weight_source is None):
@@ -171,7 +175,7 @@ class StreamingEngine:
         self.streams = StreamSet(self.device)
         depth = cfg.prefetch_units or cfg.checkpoint_every
         source, wait = (self.store, self.worker.wait_updated) if local else (weight_source, weight_source.wait_updated)
-        self.pref = build_preference(self, stage, pref or PreferenceConfig(), pin) if stage != "sft" else None
+        self.pref = build_preference(self, stage, pref or PreferenceConfig(), grpo, pin) if stage != "sft" else None
         self._streams_reference = self.pref is not None and self.pref.streams_reference
         if self._streams_reference:
             source = WithReference(source, self.pref.reference, wait)
@@ -208,7 +212,7 @@ class StreamingEngine:
         n_loss = sum(mb.num_loss_tokens for mb in mbs)
         n_norm = n_loss if loss_normaliser is None else loss_normaliser
         if self.pref is not None and self.pref.start(mbs) == 0:
-            raise ValueError("this step holds no preference pair or KTO example")
+            raise ValueError("this step holds no preference pair, KTO example or GRPO completion")
         if n_norm == 0:
             raise ValueError("this step has no token that carries loss (every label is -100)")
         lr = lr_at(self.step_idx, self.opt_cfg, self.total_steps)
@@ -379,6 +383,12 @@ class StreamingEngine:
         """fp32 master weights by Hugging Face name, after all pending updates."""
         self.synchronize()
         return self.store.state_dict()
+
+    def streamed_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights the layer loop uploads, by Hugging Face name, after all pending updates (views of the host
+        copy in the compute dtype, or of the fp32 master where none is kept): what a rollout copy loads."""
+        self.synchronize()
+        return {k: v for unit in self.spec.units for k, v in self.store.named_views(unit, self.store.streamed_buffer).items()}
 
     def close(self) -> None:
         if self.router_loss is not None:

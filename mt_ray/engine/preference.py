@@ -36,9 +36,9 @@ from pydantic import BaseModel, ConfigDict, Field
 PAIR_LOSSES = ("sigmoid", "ipo", "hinge", "orpo", "simpo")
 KTO_LOSSES = ("sigmoid",)
 REFERENCE_FREE = ("orpo", "simpo")
-STAGES = ("sft", "dpo", "kto")
+STAGES = ("sft", "dpo", "kto", "grpo")
 # Sequence roles, as the data pipeline numbers them (mt_ray.data.schema.ROLE_*).
-CHOSEN, REJECTED, DESIRABLE, UNDESIRABLE, KL = 1, 2, 3, 4, 5
+CHOSEN, REJECTED, DESIRABLE, UNDESIRABLE, KL, COMPLETION = 1, 2, 3, 4, 5, 6
 
 
 class PreferenceConfig(BaseModel):
@@ -86,7 +86,7 @@ class Sequences:
     chosen: torch.Tensor  # pair k's chosen and rejected sequence (DPO), or the desirable ones (KTO)
     rejected: torch.Tensor
     kl: torch.Tensor  # KTO's KL twins
-    counts: dict[str, int]  # pairs, chosen_tokens, desirable, undesirable, kl_batches
+    counts: dict[str, int]  # pairs, chosen_tokens, desirable, undesirable, kl_batches, completions, loss_tokens
 
 
 def sequences_of(seq_role: torch.Tensor, segment_ids: torch.Tensor, loss_index: torch.Tensor,
@@ -108,7 +108,8 @@ def sequences_of(seq_role: torch.Tensor, segment_ids: torch.Tensor, loss_index: 
     good = where(CHOSEN, DESIRABLE)
     counts = {"pairs": int((roles == CHOSEN).sum()), "chosen_tokens": int(tokens[good].sum()),
               "desirable": int((roles == DESIRABLE).sum()), "undesirable": int((roles == UNDESIRABLE).sum()),
-              "kl_batches": int(kl.numel() > 0)}
+              "kl_batches": int(kl.numel() > 0), "completions": int((roles == COMPLETION).sum()),
+              "loss_tokens": int(loss_index.numel())}
     return Sequences(to_device(index), B * W, to_device(tokens.float()), to_device(chosen), to_device(rejected),
                      to_device(kl), counts)
 
@@ -123,6 +124,15 @@ class Objective:
         self.needs_reference = stage == "kto" or cfg.loss not in REFERENCE_FREE
         self.average = stage == "dpo" and cfg.loss in REFERENCE_FREE  # ORPO, SimPO: mean token log-probs
         self.nll_weight = cfg.ftx + (1.0 if stage == "dpo" and cfg.loss == "orpo" else 0.0)
+        self.temperature = 1.0
+
+    def reference_of(self, logp_N: torch.Tensor, mb) -> torch.Tensor:
+        """What the reference contributes: each sequence's log-prob sum [S]."""
+        return _sequence_sums(logp_N, mb.seqs)
+
+    def token_loss(self, logp_N: torch.Tensor, mb, norm: dict[str, int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`loss` of the micro-batch's sequence sums, from its token log-probs (so its gradient reaches each token)."""
+        return self.loss(_sequence_sums(logp_N, mb.seqs), mb.ref_logps, mb.seqs.tokens, mb.seqs, norm)
 
     def examples(self, counts: dict[str, int]) -> int:
         """What the step's loss is a mean over: pairs, or KTO examples."""
@@ -203,6 +213,10 @@ class Objective:
             out["nll_loss"] = sums["nll"] / max(1, counts["chosen_tokens"])
             out["loss"] = out["loss"] + self.nll_weight * out["nll_loss"]
         return out
+
+
+def _sequence_sums(logp_N: torch.Tensor, seqs: Sequences) -> torch.Tensor:
+    return torch.zeros(seqs.num, dtype=logp_N.dtype, device=logp_N.device).index_add(0, seqs.index, logp_N)
 
 
 def add_sums(total: dict[str, torch.Tensor], part: dict[str, torch.Tensor]) -> None:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from mt_ray.engine.batch import MicroBatch
+from mt_ray.engine.grpo import GroupObjective, GrpoConfig
 from mt_ray.engine.host_store import StoreLayout
 from mt_ray.engine.pinning import host_empty, unregister_pinned
 from mt_ray.engine.preference import Objective, PreferenceConfig, add_counts, add_sums
@@ -88,11 +89,11 @@ class WithReference:
             self.policy.release(unit, copied)
 
 
-def build_preference(engine, stage: str, cfg: PreferenceConfig, pin: bool) -> PreferenceSteps:
-    """The preference stage of `engine`, with a reference to stream unless its loss is reference-free or the
-    reference's log-probs are precomputed."""
-    objective = Objective(stage, cfg)
-    streamed = cfg.reference == "stream" and objective.needs_reference
+def build_preference(engine, stage: str, cfg: PreferenceConfig, grpo: GrpoConfig | None, pin: bool) -> PreferenceSteps:
+    """The preference (or GRPO) stage of `engine`, with a reference to stream unless its loss needs none or
+    the reference's log-probs are precomputed."""
+    objective = GroupObjective(grpo or GrpoConfig()) if stage == "grpo" else Objective(stage, cfg)
+    streamed = objective.needs_reference and (stage == "grpo" or cfg.reference == "stream")
     return PreferenceSteps(engine, objective, ReferenceWeights(engine.store.layout, engine.dtype, pin) if streamed else None)
 
 
@@ -153,17 +154,21 @@ class PreferenceSteps:
         return self.reference is not None
 
     def start(self, mbs: list[MicroBatch]) -> int:
-        """Begin a step or an evaluation over `mbs`; returns what its loss is a mean over (pairs, or KTO examples)."""
+        """Begin a step or an evaluation over `mbs`; returns what its loss is a mean over (pairs, KTO examples or
+        GRPO completions)."""
         for mb in mbs:
             if mb.seqs is None:
-                raise ValueError("a preference stage needs batches with seq_role (the preference data pipeline's "
-                                 "rows); this micro-batch has none")
+                raise ValueError("a preference or GRPO stage needs batches with seq_role (the preference data "
+                                 "pipeline's rows, or GRPO's completions); this micro-batch has none")
+            if isinstance(self.objective, GroupObjective) and mb.advantages is None:
+                raise ValueError("a GRPO step needs each batch's advantages (one per sequence slot)")
             if (self.objective.needs_reference and not self.streams_reference and mb.ref_logps is None
                     and self.collected is None):
                 raise ValueError("pref.reference: precompute needs each batch's ref_logps")
         self.norm = {}
         for mb in mbs:
             self.norm = add_counts(self.norm, mb.seqs.counts)
+        self.norm["micro_batches"] = len(mbs)
         self.sums = {}
         self.slot = len(self.e._blocks()) + 1
         return self.objective.examples(self.norm)
@@ -196,8 +201,8 @@ class PreferenceSteps:
         """Each micro-batch's reference log-prob sums, from the reference's last hidden state."""
         head, weights = self.e.templates["head"], self.e._bind_head(False, REF)
         for j, mb in enumerate(mbs):
-            mb.ref_logps = sequence_logps(head, weights, self.e.activations.get((self.slot, j)), mb,
-                                          self.e.cfg.loss_chunk_tokens)
+            mb.ref_logps = self.objective.reference_of(self._logps(head, weights, self.e.activations.get((self.slot, j)),
+                                                                   mb), mb)
 
     def resident_reference(self, mb: MicroBatch, weights: dict[int, Weights]) -> None:
         """The resident schedule: one micro-batch through the whole reference (its units kept on the device)."""
@@ -207,8 +212,8 @@ class PreferenceSteps:
                 if i not in weights:
                     weights[i] = self.e.layer_templates[i].bind(self.e._weights(f"{REF}layers.{i}"))
                 x = self.e._layer(i, weights[i], x, ctx)[0]
-            mb.ref_logps = sequence_logps(self.e.templates["head"], self.e._bind_head(False, REF), x, mb,
-                                          self.e.cfg.loss_chunk_tokens)
+            mb.ref_logps = self.objective.reference_of(
+                self._logps(self.e.templates["head"], self.e._bind_head(False, REF), x, mb), mb)
 
     # ------------------------------------------------------------------ the policy's head
 
@@ -217,46 +222,53 @@ class PreferenceSteps:
         """One micro-batch's share of the preference loss; its head-weight gradients go into `grad_sums`.
         Returns the gradient of its selected hidden states and the loss share.
 
-        A forward without a graph gives each sequence's log-prob sum; the loss then says what each sum's
-        gradient is (dL/ds), and the chunked forward and backward weights each token's log-prob by it.
+        A forward without a graph gives each token's log-prob; the loss then says what each one's gradient is
+        (dL/dp: a preference loss's through its sequence's sum), and the chunked forward and backward weights
+        each token's log-prob by it.
         """
-        chunk = self.e.cfg.loss_chunk_tokens
-        s_S = _sums(head, weights, sel_ND, mb, chunk).requires_grad_()
+        chunk, temperature = self.e.cfg.loss_chunk_tokens, self.objective.temperature
+        logp_N = token_logps(head, weights, sel_ND, mb, chunk, temperature).requires_grad_()
         with torch.enable_grad():
-            loss, sums = self.objective.loss(s_S, mb.ref_logps, mb.seqs.tokens, mb.seqs, self.norm)
-            (coef_S,) = torch.autograd.grad(loss, [s_S])
+            loss, sums = self.objective.token_loss(logp_N, mb, self.norm)
+            (coef_N,) = torch.autograd.grad(loss, [logp_N])
         add_sums(self.sums, sums)
-        coef_N = coef_S.index_select(0, mb.seqs.index)
         g_sel = torch.empty_like(sel_ND)
         for s in range(0, mb.num_loss_tokens, chunk):
             x = sel_ND[s : s + chunk].detach().requires_grad_()
             with torch.enable_grad():
-                logp_N = -F.cross_entropy(head(weights, x).float(), mb.loss_target[s : s + chunk], reduction="none")
+                logits_NV = _scaled(head(weights, x).float(), temperature)
+                logp_N = -F.cross_entropy(logits_NV, mb.loss_target[s : s + chunk], reduction="none")
                 g = torch.autograd.grad((logp_N * coef_N[s : s + chunk]).sum(), [x, *leaves])
             g_sel[s : s + chunk] = g[0]
             torch._foreach_add_(grad_sums, [t.reshape(-1) for t in g[1:]])
         return g_sel, loss.detach()
 
     def eval_head(self, head: UnitTemplate, weights: Weights, h_BTD: torch.Tensor, mb: MicroBatch) -> None:
-        """One micro-batch's metric sums under the current weights (no graph)."""
-        s_S = sequence_logps(head, weights, h_BTD, mb, self.e.cfg.loss_chunk_tokens)
+        """One micro-batch's metric sums under the current weights (no graph); while `collecting`, what the
+        objective keeps of its log-probs instead (a preference loss: each sequence's sum; GRPO: each token's)."""
+        logp_N = self._logps(head, weights, h_BTD, mb)
         if self.collected is not None:
-            self.collected.append(s_S)
+            self.collected.append(self.objective.reference_of(logp_N, mb))
             return
-        add_sums(self.sums, self.objective.loss(s_S, mb.ref_logps, mb.seqs.tokens, mb.seqs, self.norm)[1])
+        add_sums(self.sums, self.objective.token_loss(logp_N, mb, self.norm)[1])
+
+    def _logps(self, head: UnitTemplate, weights: Weights, h_BTD: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """Each loss token's log-prob from the final hidden states `h_BTD` (no graph)."""
+        sel_ND = h_BTD.reshape(-1, h_BTD.shape[-1]).index_select(0, mb.loss_index)
+        return token_logps(head, weights, sel_ND, mb, self.e.cfg.loss_chunk_tokens, self.objective.temperature)
 
 
-def sequence_logps(head: UnitTemplate, weights: Weights, h_BTD: torch.Tensor, mb: MicroBatch,
-                   chunk: int) -> torch.Tensor:
-    """Each sequence's summed log-prob of its loss tokens, from its final hidden states (no graph)."""
-    return _sums(head, weights, h_BTD.reshape(-1, h_BTD.shape[-1]).index_select(0, mb.loss_index), mb, chunk)
-
-
-def _sums(head: UnitTemplate, weights: Weights, sel_ND: torch.Tensor, mb: MicroBatch, chunk: int) -> torch.Tensor:
-    s_S = torch.zeros(mb.seqs.num, dtype=torch.float32, device=sel_ND.device)
+def token_logps(head: UnitTemplate, weights: Weights, sel_ND: torch.Tensor, mb: MicroBatch, chunk: int,
+                temperature: float = 1.0) -> torch.Tensor:
+    """Each selected token's log-prob of its target under logits / temperature, in chunks (no graph) [N]."""
+    logp_N = torch.empty(mb.num_loss_tokens, dtype=torch.float32, device=sel_ND.device)
     with torch.no_grad():
         for s in range(0, mb.num_loss_tokens, chunk):
-            logits_NV = head(weights, sel_ND[s : s + chunk]).float()
-            logp_N = -F.cross_entropy(logits_NV, mb.loss_target[s : s + chunk], reduction="none")
-            s_S.index_add_(0, mb.seqs.index[s : s + chunk], logp_N)
-    return s_S
+            logits_NV = _scaled(head(weights, sel_ND[s : s + chunk]).float(), temperature)
+            logp_N[s : s + chunk] = -F.cross_entropy(logits_NV, mb.loss_target[s : s + chunk], reduction="none")
+    return logp_N
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits / temperature, as TRL's GRPO log-probs are taken (left as they are at 1: no extra rounding)."""
+    return logits if temperature == 1.0 else logits / temperature

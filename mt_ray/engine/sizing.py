@@ -23,6 +23,7 @@ import torch
 
 from mt_ray.engine.activations import host_placement_device_hiddens
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
+from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.host_store import plan_layout
 from mt_ray.engine.preference import Objective, PreferenceConfig
 from mt_ray.models.chunking import token_wise
@@ -56,10 +57,12 @@ class Stage:
     reference: bool = False
 
     @classmethod
-    def of(cls, stage: str, pref: PreferenceConfig | None = None) -> Stage:
-        """The stage of `training.stage` with its `pref` section."""
+    def of(cls, stage: str, pref: PreferenceConfig | None = None, grpo: GrpoConfig | None = None) -> Stage:
+        """The stage of `training.stage` with its `pref` (or `grpo`) section; GRPO streams a reference where β > 0."""
         if stage == "sft":
             return cls()
+        if stage == "grpo":
+            return cls(True, (grpo or GrpoConfig()).beta != 0.0)
         pref = pref or PreferenceConfig()
         return cls(True, pref.reference == "stream" and Objective(stage, pref).needs_reference)
 

@@ -67,7 +67,8 @@ def build_backend(cfg: RunConfig, spec: ModelSpec) -> TrainingBackend:
 
         return DataParallelTrainer(spec, cfg.engine, cfg.optimizer, cfg.cluster.num_workers, steps,
                                    cluster=cfg.cluster, weights=weights, stage=cfg.training.stage)
-    engine = StreamingEngine(spec, cfg.engine, cfg.optimizer, total_steps=steps, stage=cfg.training.stage, pref=cfg.pref)
+    engine = StreamingEngine(spec, cfg.engine, cfg.optimizer, total_steps=steps, stage=cfg.training.stage, pref=cfg.pref,
+                             grpo=cfg.grpo)
     if isinstance(weights, int):
         engine.load_random(seed=weights)
     else:

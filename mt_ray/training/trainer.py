@@ -26,11 +26,15 @@ from mt_ray.tracking.run_files import open_run_files
 from mt_ray.training.auto_fit import apply_auto_fit, refuse_what_cannot_fit
 from mt_ray.training.backend import TrainingBackend, build_backend
 from mt_ray.training.callbacks import Callback, ResumePoint
+from mt_ray.training.grpo.steps import GrpoSteps
 from mt_ray.training.model_source import load_image_encoder, load_model_and_tokenizer
 from mt_ray.training.reference_cache import ReferenceLogps, load_or_compute
 from mt_ray.training.run_dir import EXPORT_DIR, RunDir
 
 log = logging.getLogger(__name__)
+
+# The last logged value of these (TRL's names) goes into a preference or GRPO run's summary.
+STAGE_METRICS = ("reward", "frac_reward", "logps/", "completions/", "kl", "clip_ratio/", "rollout/")
 
 
 class Trainer:
@@ -66,14 +70,19 @@ class Trainer:
         images = load_image_encoder(cfg, self.spec)
         data = cfg.data.model_copy(update={"seed": t.seed})
         held_out = self._held_out = plan_split(data)  # drawn once: the loader skips exactly the rows the eval set scores
+        self.reference_logps: ReferenceLogps | None = None  # pref.reference: precompute, read or computed in `fit`
+        if t.stage == "grpo":  # completions sampled from the policy, from the datasets' prompts (no held-out split)
+            self.objective, self.eval_batches = None, []
+            self.engine: TrainingBackend = build_backend(cfg, self.spec)
+            self.loader = GrpoSteps(cfg, self.engine, self.spec, self.tokenizer)
+            return
         # Its worker thread tokenizes and decodes images ahead of the steps, off the engine's thread.
         self.loader = BackgroundLoader(build_dataloader(data, self.tokenizer, t.micro_batch_size, t.grad_accum_steps,
                                                         held_out=held_out, images=images, stage=t.stage))
         self.eval_batches = build_eval_batches(data, self.tokenizer, t.micro_batch_size, held_out=held_out,
                                                images=images, stage=t.stage)
         self.objective = Objective(t.stage, cfg.pref) if t.stage != "sft" else None
-        self.engine: TrainingBackend = build_backend(cfg, self.spec)
-        self.reference_logps: ReferenceLogps | None = None  # pref.reference: precompute, read or computed in `fit`
+        self.engine = build_backend(cfg, self.spec)
 
     @property
     def step(self) -> int:
@@ -98,17 +107,15 @@ class Trainer:
         window_start, window_tokens = time.perf_counter(), 0
         try:
             while self.step < t.steps:
-                batch = next(self.loader)
-                if self.reference_logps is not None:
-                    batch = self.reference_logps.attach(batch)
-                result = self.engine.train_step(split_micro_batches(batch, t.micro_batch_size))
+                result = self.engine.train_step(self._next_micro_batches())
                 window_tokens += result.num_tokens
                 bar.update(1)
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     elapsed = time.perf_counter() - window_start
                     metrics = self._metrics(result, window_tokens / elapsed)
                     self._show(bar, loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
-                               **({"acc": f"{metrics['rewards/accuracies']:.2f}"} if "rewards/accuracies" in metrics else {}))
+                               **({"acc": f"{metrics['rewards/accuracies']:.2f}"} if "rewards/accuracies" in metrics else {}),
+                               **({"reward": f"{metrics['reward']:.3f}"} if "reward" in metrics else {}))
                     for cb in self.callbacks:
                         cb.on_log(self, self.step, metrics)
                     window_start, window_tokens = time.perf_counter(), 0
@@ -127,6 +134,15 @@ class Trainer:
             cb.on_train_end(self, summary)
         self.run.write_summary(summary)  # last: a run with a summary is complete
         return summary
+
+    def _next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
+        """The step's micro-batches: GRPO's rollout (its own micro-batches), else the loader's batch, split."""
+        if self.cfg.training.stage == "grpo":
+            return next(self.loader)
+        batch = next(self.loader)
+        if self.reference_logps is not None:
+            batch = self.reference_logps.attach(batch)
+        return split_micro_batches(batch, self.cfg.training.micro_batch_size)
 
     def request_stop(self, reason: str) -> None:
         """End the run after this step (a sweep's scheduler cut it short): summary, checkpoint and tracking as
@@ -205,6 +221,8 @@ class Trainer:
         for name, value in (result.metrics or {}).items():  # a preference stage's rewards and log-probs
             if name != "loss":
                 metrics[name] = value.item()
+        if isinstance(self.loader, GrpoSteps):  # the rollout's rewards, lengths and times (host numbers)
+            metrics.update(self.loader.metrics)
         self.history.append({"step": self.step, **metrics})
         return metrics
 
@@ -224,8 +242,8 @@ class Trainer:
         if self.eval_history:
             last = self.eval_history[-1]
             summary.update({k: v for k, v in last.items() if k != "step"})
-        if self.objective is not None and self.history:
-            summary.update({k: v for k, v in self.history[-1].items() if k.startswith(("rewards/", "logps/"))})
+        if self.cfg.training.stage != "sft" and self.history:  # TRL's names: rewards, log-probs, completions, kl
+            summary.update({k: v for k, v in self.history[-1].items() if k.startswith(STAGE_METRICS)})
         if self.cfg.training.export and self.stop_reason is None:
             extra = {"extra_files": processor_files(self.cfg.model.path)} if self.spec.vision is not None else {}
             self.engine.export(self.run.staging / EXPORT_DIR, self.tokenizer, **extra)

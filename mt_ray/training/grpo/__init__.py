@@ -1,0 +1,1 @@
+"""GRPO (`training.stage: grpo`): prompts, rollouts, rewards and the steps that train on them."""

@@ -1,0 +1,139 @@
+"""Rollouts: completions sampled with transformers' `generate` from a device copy of the policy, and the
+engine's micro-batches built from them.
+
+The copy (`PolicyCopy`) is the model's Hugging Face module in the engine's compute dtype, on the
+engine's device, built once and refreshed from the host master weights after each update; the
+refresh is timed (`rollout/refresh_s`). A copy that does not fit the device beside the step is refused
+by name: generation that streams the layers as training does is not built yet.
+
+A completion is its prompt's tokens followed by the sampled ones, cut after the first end-of-sequence
+token; one cut at `max_completion_length` (no end token) is truncated. In the engine's rows each is one
+sequence (`ROLE_COMPLETION`) whose labels are its sampled tokens (none where `mask_truncated_completions`
+drops a truncated one), with its advantage beside it.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from mt_ray.data.packing import collate
+from mt_ray.data.schema import IGNORE_INDEX, ROLE_COMPLETION, TokenizedExample
+from mt_ray.engine.grpo import GrpoConfig
+from mt_ray.errors import InsufficientMemoryError
+
+GIB = 2**30
+
+
+@dataclass
+class Rollout:
+    """One rollout batch: per completion (prompts repeated G times, in groups), its prompt and sampled tokens."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    truncated: list[bool]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(c) for c in self.completion_ids]
+
+
+def cut_completions(sampled: Sequence[Sequence[int]], eos_ids: set[int], pad_id: int) -> tuple[list[list[int]], list[bool]]:
+    """Each sampled row up to and including its first end token (what follows is padding), and whether it
+    has none (truncated)."""
+    out, truncated = [], []
+    for row in sampled:
+        row = list(row)
+        end = next((i for i, t in enumerate(row) if t in eos_ids), None)
+        out.append(row[: end + 1] if end is not None else row)
+        truncated.append(end is None)
+    return out, truncated
+
+
+def completion_batches(rollout: Rollout, advantages: torch.Tensor, mask_truncated: bool, micro_batch_size: int,
+                       pad_id: int) -> list[dict]:
+    """The engine's micro-batches: a row per completion, `micro_batch_size` rows each, in rollout order, with
+    `advantages` [B, W] beside each row's sequence."""
+    examples = []
+    for prompt, completion, cut in zip(rollout.prompt_ids, rollout.completion_ids, rollout.truncated, strict=True):
+        labels = [IGNORE_INDEX] * len(completion) if cut and mask_truncated else completion
+        examples.append(TokenizedExample(input_ids=tuple(prompt + completion),
+                                         labels=(IGNORE_INDEX,) * len(prompt) + tuple(labels),
+                                         role=ROLE_COMPLETION, prompt_len=len(prompt)))
+    batches = []
+    for start in range(0, len(examples), micro_batch_size):
+        part = examples[start : start + micro_batch_size]
+        batch = collate([[e] for e in part], None, pad_id)
+        adv = torch.zeros(batch["seq_role"].shape)
+        adv[:, 0] = advantages[start : start + len(part)]
+        batches.append({**batch, "advantages": adv})
+    return batches
+
+
+class PolicyCopy:
+    """The policy as a transformers module on the engine's device, for `generate`, refreshed from the master."""
+
+    def __init__(self, config: PretrainedConfig, device: torch.device, dtype: torch.dtype, num_params: int,
+                 kv_cache_bytes: int):
+        _refuse_what_cannot_fit(device, num_params * dtype.itemsize, kv_cache_bytes)
+        config = copy.deepcopy(config)
+        config._attn_implementation = "sdpa"  # the engine's own backend may be one only its layer loop knows
+        with torch.device(device):
+            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        self.model.eval()
+        self.device = device
+
+    @torch.no_grad()
+    def refresh(self, state: dict[str, torch.Tensor]) -> float:
+        """Copy the master weights (Hugging Face names) in; returns the seconds it took, the copy landed."""
+        start = time.perf_counter()
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        tied = set(getattr(self.model, "_tied_weights_keys", None) or {})
+        if unexpected or set(missing) - tied:
+            raise ValueError(f"the rollout copy does not match the policy: missing {missing}, unexpected {unexpected}")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the refresh's time is the copy's, landed
+        return time.perf_counter() - start
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], cfg: GrpoConfig, eos_ids: set[int], pad_id: int,
+                 seed: int) -> Rollout:
+        """G completions of each prompt (`prompt_ids` one per prompt), sampled as `cfg` says, in groups of G."""
+        width = max(len(p) for p in prompt_ids)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=self.device)
+        torch.manual_seed(seed)  # what the sampler draws follows the run's seed and step
+        out = self.model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p,
+            top_k=0, max_new_tokens=cfg.max_completion_length, num_return_sequences=cfg.num_generations,
+            eos_token_id=sorted(eos_ids), pad_token_id=pad_id,
+        )
+        sampled = out[:, width:].tolist()  # waits for the device: the rewards need the text
+        completions, truncated = cut_completions(sampled, eos_ids, pad_id)
+        prompts = [p for p in prompt_ids for _ in range(cfg.num_generations)]
+        return Rollout(prompts, completions, truncated)
+
+
+def kv_cache_bytes(config: PretrainedConfig, rows: int, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of the key/value cache `generate` fills for `rows` sequences of `tokens`."""
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return 2 * text.num_hidden_layers * rows * tokens * kv_heads * head_dim * dtype.itemsize
+
+
+def _refuse_what_cannot_fit(device: torch.device, weight_bytes: int, cache_bytes: int) -> None:
+    if device.type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    if weight_bytes + cache_bytes > free:
+        raise InsufficientMemoryError(
+            f"grpo rollouts: the policy's copy for generation ({weight_bytes / GIB:.1f} GiB) and its key/value cache "
+            f"({cache_bytes / GIB:.1f} GiB) do not fit the GPU's free {free / GIB:.1f} GiB; generation that streams "
+            "the layers is not built yet: use fewer prompts per step, a shorter grpo.max_completion_length, or a "
+            "larger GPU")

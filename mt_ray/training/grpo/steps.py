@@ -1,0 +1,106 @@
+"""GRPO's step source: what the trainer draws instead of an SFT loader's batches.
+
+Every `num_iterations` steps it makes a rollout batch, as TRL's generation batch (one step's completions:
+micro_batch_size x grad_accum_steps, so prompts = that / G): refresh the device copy from the master
+weights (all updates so far landed), sample G completions per prompt, score them, turn rewards into
+advantages, and build the engine's micro-batches; above one iteration, the policy's log-probs of the
+sampled tokens are kept first (`attach_old_logps`). The steps in between train on the same batch.
+Each rollout's metrics (TRL's names, plus the refresh's and generation's times) ride along to the logs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from mt_ray.config.run import RunConfig
+from mt_ray.data.loader import pad_token_id
+from mt_ray.models.discovery import ModelSpec
+from mt_ray.training.grpo.old_logps import attach_old_logps
+from mt_ray.training.grpo.prompts import PromptStream, read_prompts
+from mt_ray.training.grpo.rewards import advantages_and_metrics, load_rewards
+from mt_ray.training.grpo.rollout import PolicyCopy, Rollout, completion_batches, kv_cache_bytes
+
+
+class GrpoSteps:
+    """Each step's micro-batches (`next`), its rollout's metrics (`metrics`), and the prompt position (state)."""
+
+    def __init__(self, cfg: RunConfig, engine, spec: ModelSpec, tokenizer: PreTrainedTokenizerBase):
+        self.cfg, self.g = cfg, cfg.grpo
+        self.engine = engine
+        self.tokenizer = tokenizer
+        t = cfg.training
+        self.completions = t.micro_batch_size * t.grad_accum_steps
+        self.stream = PromptStream(read_prompts(cfg.data, tokenizer, self.g.max_prompt_length), t.seed)
+        self.rewards = load_rewards(self.g.rewards)  # a missing library or function is refused before the copy
+        cache = kv_cache_bytes(spec.config, self.completions, self.g.max_prompt_length + self.g.max_completion_length,
+                               engine.dtype)
+        self.copy = PolicyCopy(spec.config, engine.device, engine.dtype, spec.num_params, cache)
+        self.pad_id = pad_token_id(tokenizer)
+        self.eos_ids = {tokenizer.eos_token_id, *_generation_eos(self.copy.model)}
+        self.batches: list[dict] | None = None
+        self.metrics: dict[str, float] = {}
+        self._step = 0
+
+    def __next__(self) -> list[dict]:
+        if self._step % self.g.num_iterations == 0 or self.batches is None:
+            self._rollout()
+        self._step += 1
+        return self.batches
+
+    def _rollout(self) -> None:
+        g = self.g
+        refresh_s = self.copy.refresh(self.engine.streamed_state_dict())  # waits for every update so far
+        prompts = self.stream.take(self.completions // g.num_generations)
+        start = time.perf_counter()
+        rollout = self.copy.generate([p.ids for p in prompts], g, self.eos_ids, self.pad_id,
+                                     seed=self.cfg.training.seed * 1_000_003 + self._step)
+        generate_s = time.perf_counter() - start
+        texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        grouped = [p for p in prompts for _ in range(g.num_generations)]
+        columns = {k: [p.columns.get(k) for p in grouped] for k in grouped[0].columns}
+        per_func = self.rewards.score([p.text for p in grouped], texts, columns)
+        advantages, metrics = advantages_and_metrics(per_func, self.rewards, g.num_generations, g.scale_rewards)
+        self.batches = completion_batches(rollout, advantages, g.mask_truncated_completions,
+                                          self.cfg.training.micro_batch_size, self.pad_id)
+        if g.num_iterations > 1:
+            attach_old_logps(self.engine, self.batches)
+        new_tokens = sum(rollout.lengths)
+        self.metrics = {**metrics, **completion_metrics(rollout), "rollout/refresh_s": refresh_s,
+                        "rollout/generate_s": generate_s, "rollout/tokens_per_s": new_tokens / max(generate_s, 1e-9)}
+
+    def stats(self) -> dict[str, Any]:
+        s = self.stream.state_dict()
+        return {"prompts": s["drawn"], "cut_prompts": s["cut"], "epochs": s["epoch"]}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"prompts": self.stream.state_dict(), "step": self._step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint: the next step makes a new rollout from the prompts after the saved ones."""
+        self.stream.load_state_dict(state["prompts"])
+        self._step = state["step"]
+        self.batches = None
+
+    def close(self) -> None:
+        self.copy = None
+
+
+def completion_metrics(rollout: Rollout) -> dict[str, float]:
+    """TRL's completions/* metrics: lengths of all completions, of those that ended, and the share truncated."""
+    lengths = torch.tensor(rollout.lengths, dtype=torch.float32)
+    truncated = torch.tensor(rollout.truncated)
+    ended = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
+    return {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.float().mean().item(),
+            "completions/mean_terminated_length": ended.mean().item(),
+            "completions/min_terminated_length": ended.min().item(),
+            "completions/max_terminated_length": ended.max().item()}
+
+
+def _generation_eos(model) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
