@@ -414,7 +414,8 @@ def _find_layers(base: nn.Module, config: PretrainedConfig) -> str:
     return lists[0]
 
 
-def _split_body(base: nn.Module, embed: nn.Module, layers_attr: str, model_type: str) -> tuple[str | None, list[str]]:
+def _split_body(base: nn.Module, embed: nn.Module, layers_attr: str,
+                model_type: str) -> tuple[str | None, tuple[str, ...]]:
     """The body's final norm (None where it has none) and the parameterised children it runs before its layers.
 
     Which side of the layers a child runs on is read from the body's forward: where it is first named
@@ -428,7 +429,7 @@ def _split_body(base: nn.Module, embed: nn.Module, layers_attr: str, model_type:
     before = [n for n in rest if layers_at is not None and (_named_at(source, n) or len(source)) < layers_at]
     after = [n for n in rest if n not in before]
     if len(after) == 1 and _is_norm(getattr(base, after[0])):
-        return after[0], before
+        return after[0], tuple(before)
     if after:
         raise ModelNotSupportedError(
             f"'{model_type}' has parameterised modules beside its embedding, decoder layers and one final norm "
@@ -436,7 +437,7 @@ def _split_body(base: nn.Module, embed: nn.Module, layers_attr: str, model_type:
             "after the layers), which mt-ray does not stream; this family cannot be trained yet"
         )
     norms = [name for name, c in base.named_children() if _is_norm(c) and name not in before]
-    return (norms[0] if len(norms) == 1 else None), before
+    return (norms[0] if len(norms) == 1 else None), tuple(before)
 
 
 def _named_at(source: str, attr: str) -> int | None:
