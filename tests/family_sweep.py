@@ -204,14 +204,16 @@ def save_tiny(model_type: str, folder: Path) -> None:
     model.save_pretrained(folder)
 
 
-def sweep_case(model_type: str, folder: Path) -> Outcome:
-    """Build, save, train and compare one model type (see the module docstring)."""
+def sweep_case(model_type: str, folder: Path, device: str = "cpu", tolerances: dict | None = None,
+               **engine_kw) -> Outcome:
+    """Build, save, train and compare one model type (see the module docstring), on `device` with the engine's
+    default settings bar `engine_kw`; `tolerances` are `_difference`'s (tests/gpu/test_families_cuda.py's)."""
     try:
         save_tiny(model_type, folder)
     except Exception as e:  # noqa: BLE001 - anything transformers raises building its own model
         return Outcome(model_type, "skipped", f"transformers cannot build it tiny: {_short(e)}")
     try:
-        engine = StreamingEngine(discover(str(folder)), EngineConfig(device="cpu"), OPT, total_steps=1)
+        engine = StreamingEngine(discover(str(folder)), EngineConfig(device=device, **engine_kw), OPT, total_steps=1)
     except (ModelNotSupportedError, ConfigError) as e:
         named = {model_type, json.loads((folder / "config.json").read_text())["model_type"]}  # GPT-SW3 saves 'gpt2'
         if not any(f"'{n}'" in str(e) for n in named):
@@ -222,7 +224,7 @@ def sweep_case(model_type: str, folder: Path) -> Outcome:
     try:
         docs = documents()
         try:
-            ref_loss, before, ref_state = reference_step(folder, docs)
+            ref_loss, before, ref_state = reference_step(folder, docs, device)
         except Exception as e:  # noqa: BLE001
             return Outcome(model_type, "skipped", f"transformers' eager model cannot train it on the CPU: {_short(e)}")
         engine.load_pretrained(folder)
@@ -232,7 +234,7 @@ def sweep_case(model_type: str, folder: Path) -> Outcome:
         return Outcome(model_type, "error", _trace(e))
     finally:
         engine.close()
-    problem = _difference(state, before, ref_state, result.loss.item(), ref_loss)
+    problem = _difference(state, before, ref_state, result.loss.item(), ref_loss, **(tolerances or {}))
     if problem is None:
         notes = [ALONE] if engine.context.isolate_documents else []
         notes += [] if shifts_labels(getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])) else [UNSHIFTED]
