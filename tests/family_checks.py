@@ -3,9 +3,12 @@ tests/unit/engine/test_families.py (CPU) and tests/gpu/test_families_cuda.py (CU
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.loss.loss_utils import ForCausalLMLoss
 
 from mt_ray.data.packing import collate
 from mt_ray.data.schema import TokenizedExample
@@ -63,13 +66,27 @@ def eager_reference(folder, device: str = "cpu") -> torch.nn.Module:
 
 
 def reference_step(folder, docs: list[TokenizedExample], device: str = "cpu"):
-    """transformers' eager model, one step over each document alone: (loss, weights before, weights after)."""
+    """transformers' eager model, one step over each document alone: (loss, weights before, weights after).
+
+    A causal-LM class whose forward computes its own unshifted cross-entropy (BART's, Pegasus', Whisper's decoders:
+    each logit scored against its own position's label) is scored on next-token prediction, transformers'
+    `ForCausalLMLoss` of its logits, which is what mt-ray trains every causal LM on."""
     ref = eager_reference(folder, device)
     before = {k: v.detach().cpu().clone() for k, v in ref.state_dict().items()}
     alone = [{"input_ids": torch.tensor([d.input_ids], device=device), "labels": torch.tensor([d.labels], device=device)}
              for d in docs]
-    [loss] = reference_train(ref, [alone], OPT)
+    if shifts_labels(type(ref)):
+        [loss] = reference_train(ref, [alone], OPT)
+    else:
+        vocab = ref.config.get_text_config().vocab_size
+        [loss] = reference_train(ref, [alone], OPT, lambda out, mb, n: ForCausalLMLoss(
+            out.logits, mb["labels"], vocab, num_items_in_batch=n))
     return loss, before, {k: v.detach().cpu() for k, v in ref.state_dict().items()}
+
+
+def shifts_labels(causal_lm: type) -> bool:
+    """Whether the class's forward scores its logits with transformers' (shifted) causal-LM loss."""
+    return "self.loss_function" in inspect.getsource(causal_lm.forward)
 
 
 def assert_same_step(state, before, ref_state, loss, ref_loss, rel=1e-5, rtol=1e-4, atol=3e-7):

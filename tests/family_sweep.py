@@ -29,8 +29,11 @@ from transformers.models.auto.modeling_auto import (
 from mt_ray.engine import EngineConfig, StreamingEngine
 from mt_ray.errors import ConfigError, ModelNotSupportedError
 from mt_ray.models.discovery import discover
-from tests.family_checks import OPT, documents, packed_micro_batch, reference_step
+from tests.family_checks import OPT, documents, packed_micro_batch, reference_step, shifts_labels
 
+# What a matched outcome's reason notes (a mark each in the README's table).
+ALONE = "documents run alone"
+UNSHIFTED = "its own forward's loss is unshifted: scored on next-token prediction"
 SWEEP_VOCAB = 128  # documents draw ids below 96 (tests.tiny_models.VOCAB): special and image ids sit above
 LAYERS = 2
 
@@ -201,14 +204,16 @@ def save_tiny(model_type: str, folder: Path) -> None:
     model.save_pretrained(folder)
 
 
-def sweep_case(model_type: str, folder: Path) -> Outcome:
-    """Build, save, train and compare one model type (see the module docstring)."""
+def sweep_case(model_type: str, folder: Path, device: str = "cpu", tolerances: dict | None = None,
+               **engine_kw) -> Outcome:
+    """Build, save, train and compare one model type (see the module docstring), on `device` with the engine's
+    default settings bar `engine_kw`; `tolerances` are `_difference`'s (tests/gpu/test_families_cuda.py's)."""
     try:
         save_tiny(model_type, folder)
     except Exception as e:  # noqa: BLE001 - anything transformers raises building its own model
         return Outcome(model_type, "skipped", f"transformers cannot build it tiny: {_short(e)}")
     try:
-        engine = StreamingEngine(discover(str(folder)), EngineConfig(device="cpu"), OPT, total_steps=1)
+        engine = StreamingEngine(discover(str(folder)), EngineConfig(device=device, **engine_kw), OPT, total_steps=1)
     except (ModelNotSupportedError, ConfigError) as e:
         named = {model_type, json.loads((folder / "config.json").read_text())["model_type"]}  # GPT-SW3 saves 'gpt2'
         if not any(f"'{n}'" in str(e) for n in named):
@@ -219,7 +224,7 @@ def sweep_case(model_type: str, folder: Path) -> Outcome:
     try:
         docs = documents()
         try:
-            ref_loss, before, ref_state = reference_step(folder, docs)
+            ref_loss, before, ref_state = reference_step(folder, docs, device)
         except Exception as e:  # noqa: BLE001
             return Outcome(model_type, "skipped", f"transformers' eager model cannot train it on the CPU: {_short(e)}")
         engine.load_pretrained(folder)
@@ -229,9 +234,11 @@ def sweep_case(model_type: str, folder: Path) -> Outcome:
         return Outcome(model_type, "error", _trace(e))
     finally:
         engine.close()
-    problem = _difference(state, before, ref_state, result.loss.item(), ref_loss)
+    problem = _difference(state, before, ref_state, result.loss.item(), ref_loss, **(tolerances or {}))
     if problem is None:
-        return Outcome(model_type, "matched", "documents run alone" if engine.context.isolate_documents else "")
+        notes = [ALONE] if engine.context.isolate_documents else []
+        notes += [] if shifts_labels(getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])) else [UNSHIFTED]
+        return Outcome(model_type, "matched", "; ".join(notes))
     if _eager_and_sdpa_disagree(folder, docs):
         return Outcome(model_type, "skipped", "transformers' own eager and SDPA attention compute different losses "
                        "for it (no reference to train against)")
@@ -317,15 +324,20 @@ def families_table(mappings: dict[str, dict[str, Outcome]]) -> str:
         def by(status: str, outcomes: dict[str, Outcome] = outcomes) -> list[str]:
             return sorted(t for t, o in outcomes.items() if o.status == status)
 
-        alone = {t for t, o in outcomes.items() if o.status == "matched" and o.reason}
-        matched = ", ".join(f"`{t}`" + ("*" if t in alone else "") for t in by("matched"))
+        matched = ", ".join(f"`{t}`" + _marks(outcomes[t]) for t in by("matched"))
         lines += ["", f"**{mapping}** (`{summary_line(outcomes)}`)", "",
-                  f"Trained at parity ({len(by('matched'))}; * each document of a packed row runs alone): {matched}.",
+                  f"Trained at parity ({len(by('matched'))}; * each document of a packed row runs alone; † its "
+                  "causal-LM class's own loss does not shift the labels, so it is checked on next-token prediction, "
+                  f"transformers' `ForCausalLMLoss` of its logits): {matched}.",
                   "", "| refused `model_type` | why |", "|---|---|"]
         lines += [f"| `{t}` | {short_reason(outcomes[t])} |" for t in by("refused")]
         lines += ["", "| skipped `model_type` | reason outside mt-ray |", "|---|---|"]
         lines += [f"| `{t}` | {short_reason(outcomes[t])} |" for t in by("skipped")]
     return "\n".join([*lines, README_END])
+
+
+def _marks(outcome: Outcome) -> str:
+    return ("*" if ALONE in outcome.reason else "") + ("†" if UNSHIFTED in outcome.reason else "")
 
 
 def readme_table(readme: Path) -> str:

@@ -194,7 +194,11 @@ class StreamingEngine:
         self.vision = VisionStage(spec, self.templates, self.device, self._weights, self._add_grad) if spec.vision else None
         kinds = [self.templates[k].module for k in spec.layer_kinds]
         self.router_loss = RouterLoss(spec, kinds) if RouterLoss.wanted(spec) else None
-        self._embed_shape = next(p.shape for p in spec.unit("embed").params if p.local_name == "weight")
+        # Where the embedding matrix lies in the embed unit's flat buffer (pre-layer modules' weights follow it).
+        embed_params = spec.unit("embed").params
+        at = next(i for i, p in enumerate(embed_params) if p.local_name == "weight")
+        self._embed_shape = embed_params[at].shape
+        self._embed_at = slice(sum(p.numel for p in embed_params[:at]), sum(p.numel for p in embed_params[:at + 1]))
         # Reused every step: with clipping, step t+1 cannot finish its forward before the worker
         # has read step t's norm (layer updates wait for it), so it is never overwritten early.
         self._norm_sq_host = torch.zeros((), dtype=torch.float32, pin_memory=pin)
@@ -447,7 +451,7 @@ class StreamingEngine:
         """A micro-batch's embedded input and its layers' context (no graph)."""
         with torch.no_grad():
             h0 = self.templates["embed"](weights, mb.input_ids_BT)
-            return self.context(h0, mb.input_ids_BT, mb.positions, mb.documents, mb.images, mb.image_features)
+            return self.context(h0, mb.input_ids_BT, mb.positions, mb.documents, mb.images, mb.image_features, weights)
 
     def _forward(self, mbs: list[MicroBatch], aux_weights: list[float] | None = None):
         """Park every micro-batch's embedding, then run each block over every micro-batch in turn without a
@@ -532,7 +536,7 @@ class StreamingEngine:
         """The head's weights (`prefix` REF: the reference's), with the embedding matrix as `lm_head.weight` when tied."""
         weights = self.templates["head"].bind(self._weights(prefix + "head"), requires_grad=requires_grad)
         if self.spec.tied:
-            emb = self._weights(prefix + "embed").view(self._embed_shape).detach()
+            emb = self._weights(prefix + "embed")[self._embed_at].view(self._embed_shape).detach()
             weights["lm_head.weight"] = emb.requires_grad_() if requires_grad else emb
         return weights
 
@@ -547,7 +551,7 @@ class StreamingEngine:
         if self.spec.tied:
             leaves.append(weights["lm_head.weight"])
             # The tied embedding's head gradient waits on the device for the embedding's own part.
-            sums.append(self._grad_sum("embed", weights["lm_head.weight"].numel()))
+            sums.append(self._grad_sum("embed", self.spec.unit("embed").numel)[self._embed_at])
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         chunk = self.cfg.loss_chunk_tokens
         for j, (h_BTD, mb) in enumerate(zip(hiddens, mbs, strict=True)):
@@ -568,7 +572,9 @@ class StreamingEngine:
                     loss_sum += loss.detach()
             on_grad(j, torch.zeros_like(h_ND).index_copy_(0, mb.loss_index, g_sel).view_as(h_BTD))
         if final:
-            self._send_grad("head", self._grad_sums.pop("head"))
+            head_sum = self._grad_sums.pop("head")
+            if not self.spec.unit("head").frozen:  # an empty head (tied, no final norm) has nothing to send
+                self._send_grad("head", head_sum)
         return loss_sum
 
     def _eval_head(self, hiddens: Iterable[torch.Tensor], mbs: list[MicroBatch]) -> torch.Tensor:
@@ -648,7 +654,7 @@ class StreamingEngine:
             features, feature_leaves_ = feature_leaves(mb.image_features) if mb.images is not None else (None, [])
             with torch.enable_grad():
                 h0, ctx = self.context(embed(weights, mb.input_ids_BT), mb.input_ids_BT, mb.positions,
-                                       mb.documents, mb.images, features)
+                                       mb.documents, mb.images, features, weights)
                 added, added_grads = ctx.injected_grads(done)
                 gs = torch.autograd.grad([h0, *added], [*leaves, *feature_leaves_], [g, *added_grads],
                                          allow_unused=bool(feature_leaves_))

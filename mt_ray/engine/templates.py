@@ -16,8 +16,8 @@ from torch import nn
 from torch.func import functional_call
 from transformers.modeling_outputs import MoeModelOutputWithPast
 
-from mt_ray.models.context import shallow_copy, with_submodule
-from mt_ray.models.discovery import ModelSpec, ParamInfo, meta_free_buffers_to
+from mt_ray.models.context import with_submodule
+from mt_ray.models.discovery import ModelSpec, ParamInfo, embed_module, meta_free_buffers_to, shallow_copy
 
 Weights = dict[str, torch.Tensor]
 
@@ -84,7 +84,7 @@ class HeadModule(nn.Module):
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.norm = getattr(spec.base, spec.norm_attr)
+        self.norm = getattr(spec.base, spec.norm_attr) if spec.norm_attr is not None else nn.Identity()
         self.lm_head = spec.skeleton.get_output_embeddings()
         # An image-text model's forward calls its composite body, which embeds and scatters images itself.
         body = spec.vision.outer if spec.vision is not None else spec.base
@@ -107,11 +107,10 @@ class HeadModule(nn.Module):
 def build_templates(spec: ModelSpec, device: torch.device) -> dict[str, UnitTemplate]:
     """One template per unit kind: 'embed', 'head', each distinct decoder-layer kind and vision-block kind
     (the vision stage makes the templates of `vision.embed` and `vision.projector` itself)."""
-    embed = spec.skeleton.get_input_embeddings()
     head = HeadModule(spec)
     # A tied head binds only the norm from its own unit; the engine adds the embedding matrix.
     templates = {
-        "embed": UnitTemplate(embed, spec.unit("embed").params, device),
+        "embed": UnitTemplate(embed_module(spec), spec.unit("embed").params, device),
         "head": UnitTemplate(head, spec.unit("head").params, device),
     }
     kinds = {**spec.layer_kinds, **(spec.vision.block_kinds if spec.vision is not None else {})}

@@ -41,9 +41,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from mt_ray.errors import ModelNotSupportedError
-from mt_ray.models.discovery import ModelSpec, meta_free_buffers_to
+from mt_ray.models.discovery import ModelSpec, embed_module, meta_free_buffers_to, shallow_copy
 from mt_ray.models.packing_probe import packed_differs
 from mt_ray.models.varlen import takes_document_bounds
 
@@ -123,8 +124,8 @@ class LayerContext:
 
 
 def layer_hidden(out: Any) -> torch.Tensor:
-    """Decoder layers return a tensor in most transformers 5 families and a tuple in others."""
-    return out[0] if isinstance(out, tuple) else out
+    """Decoder layers return a tensor in most transformers 5 families, a tuple in others (a list in OpenAI GPT's)."""
+    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 class _StandIn(nn.Module):
@@ -152,6 +153,29 @@ class _EmbeddingFeed(_StandIn):
 
     def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.pending
+
+
+class _PreLayer(_StandIn):
+    """Stands in for a module the body runs before its first layer (GPT-2's `wpe`, BLOOM's embedding norm): runs
+    it with the embed unit's weights (`weights`, by the names under `attr.`), so gradients reach them through h0."""
+
+    def __init__(self, original: nn.Module, attr: str, model_type: str, log: dict, device: torch.device):
+        super().__init__(meta_free_buffers_to(original, device))
+        self.attr, self.model_type, self.log = attr, model_type, log
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.log:  # a layer has run: the engine would not replay this module there
+            raise ModelNotSupportedError(
+                f"'{self.model_type}': its body runs `{self.attr}` after its first decoder layer, where mt-ray "
+                "streams it with the embedding; this family cannot be trained yet")
+        if not self.weights:
+            raise RuntimeError(f"`{self.attr}` runs before the first layer: the embed unit's weights must be given")
+        return functional_call(self._original, self.weights, args, kwargs, tie_weights=False)
+
+    def bind(self, weights: dict[str, torch.Tensor]) -> None:
+        prefix = f"{self.attr}."
+        self.weights = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
 
 
 class _ImageFeatures:
@@ -238,9 +262,13 @@ class LayerContextBuilder:
         self.feed = _EmbeddingFeed(embed)
         self.body._modules[next(n for n, c in body.named_children() if c is embed)] = self.feed
         self.body._modules[spec.layers_attr] = stubs
-        norm = getattr(body, spec.norm_attr)
-        if any(True for _ in norm.parameters()):  # a parameterless norm (NanoChat's, also run before the layers) stays
-            self.body._modules[spec.norm_attr] = nn.Identity()
+        self.pre_layer = [_PreLayer(getattr(body, a), a, spec.config.model_type, self.log, device)
+                          for a in spec.embed_attrs]
+        self.body._modules.update({p.attr: p for p in self.pre_layer})
+        norm = getattr(body, spec.norm_attr) if spec.norm_attr is not None else None
+        if norm is not None and any(True for _ in norm.parameters()):  # a parameterless norm (NanoChat's, also run
+            self.body._modules[spec.norm_attr] = nn.Identity()          # before the layers) stays
+        self.probe_weights = _probe_weights(spec, device)
         self.vision = spec.vision
         self.images = _ImageFeatures()
         self.injected: tuple[torch.Tensor, list[torch.Tensor]] | None = None
@@ -267,16 +295,19 @@ class LayerContextBuilder:
 
     def __call__(self, embeds_BTD: torch.Tensor, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
                  documents: Documents, images: dict[str, torch.Tensor] | None = None,
-                 features: Any = None) -> tuple[torch.Tensor, LayerContext]:
+                 features: Any = None, embed_weights: dict[str, torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, LayerContext]:
         """The hidden state that enters layer 0 and the layers' context.
 
-        `embeds_BTD` is the input embedding's output; `documents` says where the micro-batch's
-        documents lie (`prepare_micro_batch` builds it). An image-text model takes [4, B, T] positions
+        `embeds_BTD` is the input embedding's output, `embed_weights` the embed unit's bound weights (read by the
+        modules the body runs before its first layer, `ModelSpec.embed_attrs`); `documents` says where the
+        micro-batch's documents lie (`prepare_micro_batch` builds it). An image-text model takes [4, B, T] positions
         (`rope_positions`) where it has multi-dimensional rotary positions, the micro-batch's image
         inputs (`pixel_values`, `image_grid_thw`, ...) and `features`, what `get_image_features` returns.
         """
+        weights = embed_weights or {}
         if not self.isolate_documents:
-            h0, per_layer = self._record(embeds_BTD, input_ids_BT, position_ids_BT, images, features)
+            h0, per_layer = self._record(weights, embeds_BTD, input_ids_BT, position_ids_BT, images, features)
             if self.bounds_not_masks:  # one set of bounds for every layer: the body built no mask
                 per_layer = [{**kw, **documents.flash_kwargs()} for kw in per_layer]
             return h0, LayerContext(whole=per_layer, injection=self._take_injection())
@@ -284,7 +315,7 @@ class LayerContextBuilder:
         flat = embeds_BTD.reshape(1, B * T, D), input_ids_BT.reshape(1, B * T), position_ids_BT.reshape(1, B * T)
         h0s, per_document = [], []
         for s, e in documents.spans:
-            h0, per_layer = self._record(*(t[:, s:e] for t in flat))
+            h0, per_layer = self._record(weights, *(t[:, s:e] for t in flat))
             h0s.append(h0)
             per_document.append(((s, e), per_layer))
         return torch.cat(h0s, dim=1).view(B, T, -1), LayerContext(documents=per_document)
@@ -316,13 +347,13 @@ class LayerContextBuilder:
             for stub in unknown:
                 stub.arity = arity
             try:
-                self._record(*row)
+                self._record(self.probe_weights, *row)
                 return
             except _HiddenChanged:
                 continue
             except ModelNotSupportedError:
                 return  # a refusal the probe repeats
-            except (TypeError, ValueError, IndexError):
+            except (TypeError, ValueError, IndexError, RuntimeError):  # RuntimeError: a tensor taken for a tuple
                 continue
 
     def _packed_rows_exact(self, spec: ModelSpec, device: torch.device) -> bool:
@@ -330,8 +361,8 @@ class LayerContextBuilder:
         rope_axes = 4 if self.vision is not None and self.vision.rope_index else 0
         hidden = spec.skeleton.get_input_embeddings().weight.shape[-1]
         try:
-            differs = packed_differs(lambda *row: self._record(*row)[1], spec.config, hidden, device, rope_axes,
-                                     masks=not self.bounds_not_masks)
+            differs = packed_differs(lambda *row: self._record(self.probe_weights, *row), spec.config, hidden, device,
+                                     rope_axes, masks=not self.bounds_not_masks, learned_positions=bool(self.pre_layer))
         except ModelNotSupportedError:
             raise
         except (TypeError, ValueError) as e:  # the body cannot run around the stand-ins
@@ -371,13 +402,15 @@ class LayerContextBuilder:
                 image += runs
         return torch.cat([position_ids_BT[None], rope_3BT])
 
-    def _record(self, embeds: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                images: dict[str, torch.Tensor] | None = None,
+    def _record(self, weights: dict[str, torch.Tensor], embeds: torch.Tensor, input_ids: torch.Tensor,
+                position_ids: torch.Tensor, images: dict[str, torch.Tensor] | None = None,
                 features: Any = None) -> tuple[torch.Tensor, list[LayerKwargs]]:
         self.log.clear()
         self.injected = None
         self.feed.pending = embeds
         self.images.pending = features
+        for pre in self.pre_layer:
+            pre.bind(weights)
         extra = dict(images or {})
         if self.token_types:
             extra["token_type_ids"] = (input_ids == self.vision.image_token_id).long()
@@ -385,6 +418,8 @@ class LayerContextBuilder:
             self.body(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
         finally:
             self.feed.pending = self.images.pending = None
+            for pre in self.pre_layer:
+                pre.weights = {}
         if len(self.log) != self.num_layers:
             raise RuntimeError(f"body called {len(self.log)} of {self.num_layers} layers")
         # The stubs hand their input on (in a tuple where the annotation says so, which some bodies pass on as
@@ -410,6 +445,17 @@ class LayerContextBuilder:
                 kw["use_cache"] = False
         self.log.clear()
         return h0, per_layer
+
+
+def _probe_weights(spec: ModelSpec, device: torch.device) -> dict[str, torch.Tensor]:
+    """Weights for the pre-layer modules while probing: random, so that a position they add shows (saved buffers
+    are the skeleton's own, real ones)."""
+    g = torch.Generator().manual_seed(0)
+    module = embed_module(spec)
+    saved = module.state_dict(keep_vars=True)
+    return {p.local_name: (torch.randn(p.shape, generator=g) if saved[p.local_name].is_meta
+                           else saved[p.local_name]).to(device)
+            for p in spec.unit("embed").params if p.local_name.split(".")[0] in spec.embed_attrs}
 
 
 def _holds_handed(value: Any) -> bool:
@@ -440,14 +486,4 @@ def with_submodule(root: nn.Module, path: str, module: nn.Module) -> nn.Module:
     head, _, rest = path.partition(".")
     clone = shallow_copy(root)
     clone._modules[head] = with_submodule(root._modules[head], rest, module) if rest else module
-    return clone
-
-
-def shallow_copy(module: nn.Module) -> nn.Module:
-    """A new module object sharing `module`'s attributes and children, whose children can be swapped."""
-    clone = module.__class__.__new__(module.__class__)
-    clone.__dict__ = dict(module.__dict__)
-    clone._modules = dict(module._modules)
-    clone._parameters = dict(module._parameters)
-    clone._buffers = dict(module._buffers)
     return clone

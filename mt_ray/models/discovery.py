@@ -10,10 +10,14 @@ image-text model adds its vision tower and projector (`vision.py`) as units of t
 
 from __future__ import annotations
 
+import ast
 import copy
+import inspect
 import json
+import re
+import textwrap
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 
 import torch
@@ -91,7 +95,8 @@ class ModelSpec:
     skeleton: nn.Module
     base: nn.Module
     layers_attr: str
-    norm_attr: str
+    norm_attr: str | None
+    """The body's final norm, the head unit's first module (None: the body has none, as BART's decoder)."""
     tied: bool
     units: list[UnitSpec] = field(default_factory=list)
     layer_kinds: dict[str, nn.Module] = field(default_factory=dict)
@@ -100,6 +105,9 @@ class ModelSpec:
     convolutions, Mamba): the documents of a packed row must run through them one at a time."""
     vision: VisionSpec | None = None
     """An image-text model's tower and projector (their units are named `vision.*`); None for a text model."""
+    embed_attrs: tuple[str, ...] = ()
+    """The body's children it runs on the embedding's output before the first layer (GPT-2's learned positions,
+    BLOOM's embedding norm): their parameters are the embed unit's, under `<child>.` names."""
 
     @property
     def num_layers(self) -> int:
@@ -209,29 +217,56 @@ def discover(model: str | PretrainedConfig | dict, freeze_vision_tower: bool = T
     head = skeleton.get_output_embeddings()
     base = _find_base(skeleton, embed)
     layers_attr = _find_layers(base, config)
-    norm_attr = _find_final_norm(base, embed, layers_attr, config.model_type)
+    norm_attr, embed_attrs = _split_body(base, embed, layers_attr, config.model_type)
     if head is None or not isinstance(head, nn.Linear):
         raise ModelNotSupportedError(f"'{config.model_type}' has no linear LM head; it is not a causal LM")
-    tied = head.weight is embed.weight or bool(getattr(config, "tie_word_embeddings", False))
-    vision = find_vision(skeleton, config, base) if is_vision_config(config) else None
-    _reject_unknown_parameters(skeleton, base, embed, head, layers_attr, norm_attr, vision)
-
     names = {id(m): n for n, m in skeleton.named_modules()}
+    tied = _head_tied(skeleton, embed, head, names)
+    vision = find_vision(skeleton, config, base) if is_vision_config(config) else None
+    body_parts = [getattr(base, a) for a in (layers_attr, norm_attr, *embed_attrs) if a is not None]
+    _reject_unknown_parameters(skeleton, [embed, head, *body_parts], vision)
+
     layers = getattr(base, layers_attr)
     _reject_weights_tied_between_layers(skeleton, head, names)
     layer_kinds: dict[str, nn.Module] = {}
     units = _vision_units(vision, freeze_vision_tower, freeze_multi_modal_projector) if vision else []
-    units.append(UnitSpec("embed", _params(embed, names[id(embed)]), "embed"))
+    embed_params = _params(embed, names[id(embed)])
+    for attr in embed_attrs:
+        child = getattr(base, attr)
+        embed_params += _params(child, names[id(child)], prefix=f"{attr}.")
+    units.append(UnitSpec("embed", _decayed_first(embed_params), "embed"))
     kinds = _kinds(layers, layer_kinds)
     units += [UnitSpec(f"layers.{i}", _params(layer, names[id(layer)]), kinds[i]) for i, layer in enumerate(layers)]
-    norm = getattr(base, norm_attr)
-    head_params = _params(norm, names[id(norm)], prefix="norm.")
+    norm = getattr(base, norm_attr) if norm_attr is not None else None
+    head_params = _params(norm, names[id(norm)], prefix="norm.") if norm is not None else []
     # A tied head's matrix is the embedding's; anything else it has (CTRL's bias) is the head unit's own.
     head_params += [p for p in _params(head, names[id(head)], prefix="lm_head.")
                     if not (tied and p.local_name == "lm_head.weight")]
-    units.append(UnitSpec("head", _decayed_first(head_params), "head"))
+    # A tied head after a body without a final norm (BART's decoder) has no weights of its own: nothing to train.
+    units.append(UnitSpec("head", _decayed_first(head_params), "head", frozen=not head_params))
     isolate = _carries_sequence_state(skeleton, layers)
-    return ModelSpec(config, skeleton, base, layers_attr, norm_attr, tied, units, layer_kinds, isolate, vision)
+    return ModelSpec(config, skeleton, base, layers_attr, norm_attr, tied, units, layer_kinds, isolate, vision,
+                     embed_attrs)
+
+
+def embed_module(spec: ModelSpec) -> nn.Module:
+    """The embed unit's module: the input embedding, with the body's pre-layer children (`embed_attrs`) attached
+    under their names, so that the unit's local names (`weight`, `wpe.weight`, ...) bind to it."""
+    embed = spec.skeleton.get_input_embeddings()
+    if not spec.embed_attrs:
+        return embed
+    module = shallow_copy(embed)
+    module._modules.update({a: getattr(spec.base, a) for a in spec.embed_attrs})
+    return module
+
+
+def _head_tied(skeleton: nn.Module, embed: nn.Module, head: nn.Module, names: dict[int, str]) -> bool:
+    """Whether transformers ties the LM head to the embedding: its own tie list decides where it has one (BigBird-
+    Pegasus' decoder says `tie_word_embeddings` yet keeps its head apart, and saves it); else the config's flag."""
+    tied_keys = getattr(skeleton, "all_tied_weights_keys", None)
+    if head.weight is embed.weight or tied_keys is None:
+        return head.weight is embed.weight or bool(getattr(skeleton.config, "tie_word_embeddings", False))
+    return f"{names[id(head)]}.weight" in tied_keys
 
 
 def _kinds(layers: nn.ModuleList, kind_modules: dict[str, nn.Module], prefix: str = "") -> list[str]:
@@ -276,8 +311,11 @@ def _params(module: nn.Module, path: str, prefix: str = "") -> list[ParamInfo]:
 
     A parameter the family declares with `requires_grad=False` (ERNIE-4.5-MoE's routing-correction bias) is a
     frozen entry too, as is one of a module whose forward runs under `torch.no_grad` (DeepSeek-V3.2's sparse-attention
-    indexer): transformers never computes their gradient and torch's optimizer skips them."""
+    indexer) or that is reached only with an encoder's hidden states (the cross-attention of BART's decoder layers,
+    which a causal LM never has): transformers never computes their gradient and torch's optimizer skips them."""
     no_grad = {id(p) for m in module.modules() if _runs_without_grad(m) for p in m.parameters()}
+    no_grad |= {id(p) for m in module.modules() for a in _reached_with_encoder_only(type(m))
+                if isinstance(getattr(m, a, None), nn.Module) for p in getattr(m, a).parameters()}
     infos = [
         ParamInfo(f"{path}.{n}" if path else n, prefix + n, tuple(p.shape),
                   trainable=p.requires_grad and id(p) not in no_grad)
@@ -296,6 +334,42 @@ def _runs_without_grad(module: nn.Module) -> bool:
     its parameters. The decorator keeps the context's factory in its wrapper's closure."""
     cells = getattr(type(module).forward, "__closure__", None) or ()
     return any(isinstance(getattr(_cell(c), "__self__", None), (torch.no_grad, torch.inference_mode)) for c in cells)
+
+
+@cache
+def _reached_with_encoder_only(cls: type) -> frozenset[str]:
+    """The attributes `cls.forward` names only under `if encoder_hidden_states is not None:` (a decoder layer's
+    cross-attention and its norm): a causal LM, which has no encoder, never runs them."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):  # a builtin or generated forward: nothing to read
+        return frozenset()
+    named: dict[bool, set[str]] = {True: set(), False: set()}
+
+    def visit(node: ast.AST, guarded: bool) -> None:
+        if isinstance(node, ast.If) and _needs_encoder(node.test):
+            visit(node.test, guarded)
+            for child in node.body:
+                visit(child, True)
+            for child in node.orelse:
+                visit(child, guarded)
+            return
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            named[guarded].add(node.attr)
+        for child in ast.iter_child_nodes(node):
+            visit(child, guarded)
+
+    visit(tree, False)
+    return frozenset(named[True] - named[False])
+
+
+def _needs_encoder(test: ast.expr) -> bool:
+    """`encoder_hidden_states is not None`, alone or as one term of an `and`."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return any(_needs_encoder(v) for v in test.values)
+    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "encoder_hidden_states"
+            and len(test.ops) == 1 and isinstance(test.ops[0], ast.IsNot)
+            and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None)
 
 
 def _cell(cell) -> object:
@@ -340,32 +414,36 @@ def _find_layers(base: nn.Module, config: PretrainedConfig) -> str:
     return lists[0]
 
 
-def _find_final_norm(base: nn.Module, embed: nn.Module, layers_attr: str, model_type: str) -> str:
-    """The final norm: the one parameterised direct child of the body beside embedding and layer list,
-    or, where it has no parameters (OLMo's), the one parameterless child that is a norm.
+def _split_body(base: nn.Module, embed: nn.Module, layers_attr: str,
+                model_type: str) -> tuple[str | None, tuple[str, ...]]:
+    """The body's final norm (None where it has none) and the parameterised children it runs before its layers.
 
-    Any other parameterised child (learned or sinusoidal position embeddings, an embedding norm,
-    a hyper-connection head) computes between the units the engine streams: refuse the family."""
-    rest = {
-        name: c for name, c in base.named_children()
-        if c is not embed and name != layers_attr and any(True for _ in c.parameters())
-    }
-    if len(rest) == 1 and _is_norm(next(iter(rest.values()))):
-        return next(iter(rest))
-    if not rest:
-        norms = [name for name, c in base.named_children() if _is_norm(c)]
-        if len(norms) == 1:
-            return norms[0]
-    if not rest:
+    Which side of the layers a child runs on is read from the body's forward: where it is first named
+    (`self.wpe`) against where the layer list is. Those before join the embed unit (the layer context checks
+    that they run before the first layer); after the layers, only one norm is streamed (the head unit's).
+    Anything else there (a hyper-connection head, a projection) computes between the units: refuse the family."""
+    rest = [name for name, c in base.named_children()
+            if c is not embed and name != layers_attr and any(True for _ in c.parameters())]
+    source = inspect.getsource(type(base).forward)
+    layers_at = _named_at(source, layers_attr)
+    before = [n for n in rest if layers_at is not None and (_named_at(source, n) or len(source)) < layers_at]
+    after = [n for n in rest if n not in before]
+    if len(after) == 1 and _is_norm(getattr(base, after[0])):
+        return after[0], tuple(before)
+    if after:
         raise ModelNotSupportedError(
-            f"'{model_type}' has no final norm between its decoder layers and the LM head ({type(base).__name__}), "
-            "where mt-ray's head unit starts; this family cannot be trained yet"
+            f"'{model_type}' has parameterised modules beside its embedding, decoder layers and one final norm "
+            f"({type(base).__name__}: {sorted(after)}; a head before the LM head, per-layer inputs or a projection "
+            "after the layers), which mt-ray does not stream; this family cannot be trained yet"
         )
-    raise ModelNotSupportedError(
-        f"'{model_type}' has parameterised modules beside its embedding, decoder layers and one final norm "
-        f"({type(base).__name__}: {sorted(rest)}; learned position embeddings, an embedding "
-        "norm or a head before the LM head), which mt-ray does not stream; this family cannot be trained yet"
-    )
+    norms = [name for name, c in base.named_children() if _is_norm(c) and name not in before]
+    return (norms[0] if len(norms) == 1 else None), tuple(before)
+
+
+def _named_at(source: str, attr: str) -> int | None:
+    """Where `source` first names `self.<attr>` (None where it never does)."""
+    found = re.search(rf"self\.{re.escape(attr)}\b", source)
+    return found.start() if found else None
 
 
 def _reject_weights_tied_between_layers(skeleton: nn.Module, head: nn.Module, names: dict[int, str]) -> None:
@@ -386,13 +464,9 @@ def _is_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower() and not isinstance(module, nn.Embedding)
 
 
-def _reject_unknown_parameters(
-    skeleton: nn.Module, base: nn.Module, embed: nn.Module, head: nn.Module, layers_attr: str, norm_attr: str,
-    vision: VisionSpec | None = None,
-) -> None:
-    """Parameters outside the units would silently never train, and saved buffers outside them would
-    never load: refuse such a model instead."""
-    owners = [embed, head, getattr(base, layers_attr), getattr(base, norm_attr)]
+def _reject_unknown_parameters(skeleton: nn.Module, owners: list[nn.Module], vision: VisionSpec | None = None) -> None:
+    """Parameters outside the units' modules (`owners`) would silently never train, and saved buffers outside
+    them would never load: refuse such a model instead."""
     if vision is not None:
         owners += [vision.outer.get_submodule(p) for p in (vision.tower_path, *vision.projector_paths)]
     known = {id(t) for m in owners for t in (*m.parameters(), *m.buffers())}
@@ -425,3 +499,13 @@ def meta_free_buffers_to(module: nn.Module, device: torch.device) -> nn.Module:
             if buf is not None:
                 sub._buffers[name] = buf.to(device)
     return module
+
+
+def shallow_copy(module: nn.Module) -> nn.Module:
+    """A new module object sharing `module`'s attributes and children, whose children can be swapped."""
+    clone = module.__class__.__new__(module.__class__)
+    clone.__dict__ = dict(module.__dict__)
+    clone._modules = dict(module._modules)
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
+    return clone

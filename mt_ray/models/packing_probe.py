@@ -6,7 +6,8 @@ derives anything else from where a token sits in the row (Llama 4's chunked atte
 row rather than to each document) would let one document change another without a word. So, once per
 engine, the body is recorded on the row [A, B] and on B alone, and every layer's arguments for B are
 compared: B's rows of the attention mask (B's block equal, every key of A blocked) and B's slice of
-every per-token tensor. Any difference, and the documents of a packed row run through the layers one
+every per-token tensor, and so is the hidden state entering the first layer (GPT-2's learned positions, or a
+body that numbers the row rather than reading the position ids, as BART's decoder does). Any difference, and the documents of a packed row run through the layers one
 at a time, which is exactly what they compute unpacked.
 
 Document A is longer than any chunk or window the config names, so position thresholds show.
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-Recorder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], list[dict[str, Any]]]
+Recorder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[dict[str, Any]]]]
 
 _B = 3  # tokens of document B
 _MAX_A = 16384  # longest document A: a mask of the probe row stays a few hundred MB
@@ -29,24 +30,32 @@ _MAX_A = 16384  # longest document A: a mask of the probe row stays a few hundre
 _CACHE_ONLY = frozenset({"cache_position", "use_cache"})
 
 
-def probe_length(config: PretrainedConfig) -> int:
-    """Length of document A: past every chunk and window size in the (text) config."""
+def probe_length(config: PretrainedConfig, learned_positions: bool = False) -> int:
+    """Length of document A: past every chunk and window size in the (text) config, and, where the body looks
+    positions up in a learned table (`learned_positions`), within the table with B after it."""
     text = config.get_text_config()
     sizes = [v for k, v in vars(text).items()
              if isinstance(v, int) and not isinstance(v, bool) and ("chunk" in k or "window" in k)]
-    return min(max([2, *(s + 2 for s in sizes)]), _MAX_A)
+    longest = _MAX_A
+    if learned_positions and getattr(text, "max_position_embeddings", None):
+        longest = text.max_position_embeddings - _B
+    return max(2, min(max([2, *(s + 2 for s in sizes)]), longest))
 
 
 def packed_differs(record: Recorder, config: PretrainedConfig, hidden: int, device: torch.device,
-                   rope_axes: int, masks: bool) -> str | None:
+                   rope_axes: int, masks: bool, learned_positions: bool = False) -> str | None:
     """Where layer arguments of B packed after A differ from B's alone (None where none do).
 
-    `record(embeds, input_ids, position_ids)` returns each layer's recorded arguments; `rope_axes` > 0
+    `record(embeds, input_ids, position_ids)` returns the hidden state entering layer 0 and each layer's
+    recorded arguments; `rope_axes` > 0
     gives positions of that many rotary axes ([axes, 1, T]); `masks` is False where the backend keeps
-    documents apart from their bounds (no mask is built)."""
-    a = probe_length(config)
-    packed = _record_row(record, [a, _B], hidden, device, rope_axes)
-    alone = _record_row(record, [_B], hidden, device, rope_axes)
+    documents apart from their bounds (no mask is built); `learned_positions` keeps the probe row within a learned
+    position table."""
+    a = probe_length(config, learned_positions)
+    h0_packed, packed = _record_row(record, [a, _B], hidden, device, rope_axes)
+    h0_alone, alone = _record_row(record, [_B], hidden, device, rope_axes)
+    if not _same(h0_packed, h0_alone, a):
+        return "the hidden state entering layer 0"
     for i, (kp, ka) in enumerate(zip(packed, alone, strict=True)):
         for name in kp.keys() - _CACHE_ONLY:
             if name == "attention_mask":
@@ -59,7 +68,7 @@ def packed_differs(record: Recorder, config: PretrainedConfig, hidden: int, devi
 
 
 def _record_row(record: Recorder, lengths: list[int], hidden: int, device: torch.device,
-                rope_axes: int) -> list[dict[str, Any]]:
+                rope_axes: int) -> tuple[torch.Tensor, list[dict[str, Any]]]:
     T = sum(lengths)
     positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
     if rope_axes:

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mt_ray.models.conversion import SAFE_INDEX, SAFE_SINGLE, CheckpointReader, to_checkpoint_format
-from mt_ray.models.discovery import ModelSpec, UnitSpec
+from mt_ray.models.discovery import ModelSpec, UnitSpec, embed_module
 from mt_ray.models.vision import VISION_BLOCK_PREFIX, is_vision_unit
 
 UnitSink = Callable[[UnitSpec, dict[str, torch.Tensor]], None]
@@ -33,9 +33,9 @@ def unit_module(spec: ModelSpec, unit: UnitSpec) -> nn.Module:
     if is_vision_unit(unit.name):
         return _owners(spec.vision.outer, [p.local_name for p in unit.params])
     if unit.name == "embed":
-        return spec.skeleton.get_input_embeddings()
+        return embed_module(spec)
     if unit.name == "head":
-        parts = {"norm": getattr(spec.base, spec.norm_attr)}
+        parts = {"norm": getattr(spec.base, spec.norm_attr)} if spec.norm_attr is not None else {}
         if not spec.tied or any(p.local_name.startswith("lm_head.") for p in unit.params):  # a tied head's bias
             parts["lm_head"] = spec.skeleton.get_output_embeddings()
         return nn.ModuleDict(parts)

@@ -1,6 +1,8 @@
 """CUDA: every family trains from its own checkpoint on packed rows in the resident schedule and with
 Liger's kernels, as transformers' eager model does on each document alone (tests/unit/engine/test_families.py
-on the CPU, default settings). fp32 compute, so the comparison is of the arithmetic, not of bf16 rounding.
+on the CPU, default settings); and every model type the CPU sweep trains at parity (tests/family_sweep.py) does
+so on CUDA with the default settings (varlen attention, streamed schedule). fp32 compute, so the comparison is
+of the arithmetic, not of bf16 rounding.
 
 Runs only where a GPU is present (the lent device machine); CPU CI skips it.
 """
@@ -11,6 +13,7 @@ import importlib.util
 
 import pytest
 import torch
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from mt_ray.errors import ModelNotSupportedError
 from tests.family_checks import (
@@ -21,6 +24,7 @@ from tests.family_checks import (
     reference_step,
     save_checkpoint,
 )
+from tests.family_sweep import sweep_case
 from tests.tiny_models import CHECKPOINT_FAMILIES, checkpoint_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -41,6 +45,16 @@ def test_resident_schedule_trains_every_family_from_its_checkpoint(family, tmp_p
                                 schedule="resident")
     ref_loss, before, ref_state = reference_step(tmp_path, docs, device="cuda")
     assert_same_step(state, before, ref_state, result.loss.item(), ref_loss, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+def test_every_family_the_sweep_trains_trains_on_cuda(model_type, tmp_path):
+    """Refused and skipped types are the CPU sweep's business (tests/unit/engine/test_family_sweep.py)."""
+    outcome = sweep_case(model_type, tmp_path, device="cuda", tolerances=dict(rtol=1e-3, atol=1e-6),
+                         compute_dtype="fp32")
+    if outcome.status in ("refused", "skipped"):
+        pytest.skip(f"{outcome.status} (as on the CPU): {outcome.reason.splitlines()[0]}")
+    assert outcome.status == "matched", outcome.reason
 
 
 needs_liger = pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="needs liger-kernel")

@@ -5,10 +5,11 @@ import re
 
 import pytest
 import transformers
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.discovery import discover
+from tests.family_sweep import tiny_config as sweep_config
 from tests.tiny_models import checkpoint_config, tiny_config
 
 
@@ -95,3 +96,29 @@ def test_an_engines_attention_choice_stays_off_the_callers_config():
     finally:
         engine.close()
     assert cfg._attn_implementation == before != "eager"
+
+
+def _as_saved(model_type: str):
+    """The sweep's tiny config as its causal-LM class saves it (BART's as a decoder alone)."""
+    return AutoModelForCausalLM.from_config(sweep_config(model_type)).config
+
+
+def test_modules_run_before_the_first_layer_stream_with_the_embedding():
+    spec = discover(_as_saved("gpt2"))
+    assert spec.embed_attrs == ("wpe",) and spec.norm_attr == "ln_f"
+    assert [p.hf_name for p in spec.unit("embed").params] == ["transformer.wte.weight", "transformer.wpe.weight"]
+    assert [p.local_name for p in spec.unit("embed").params] == ["weight", "wpe.weight"]
+
+
+def test_a_decoders_cross_attention_travels_untrained_and_its_tied_head_without_norm_is_empty():
+    spec = discover(_as_saved("bart"))
+    assert spec.norm_attr is None and spec.tied and spec.unit("head").params == [] and spec.unit("head").frozen
+    layer = spec.unit("layers.0").params
+    assert {p.trainable for p in layer if ".encoder_attn" in p.hf_name} == {False}
+    assert {p.trainable for p in layer if ".self_attn." in p.hf_name} == {True}
+
+
+def test_a_head_transformers_keeps_apart_is_not_tied():
+    """BigBird-Pegasus' decoder says `tie_word_embeddings` but transformers ties nothing (and saves the head)."""
+    config = _as_saved("bigbird_pegasus")
+    assert config.tie_word_embeddings and not discover(config).tied

@@ -10,7 +10,15 @@ from transformers import AutoModelForCausalLM
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine
 from mt_ray.errors import CheckpointError
 from mt_ray.models.discovery import discover
-from tests.tiny_models import FAMILIES, checkpoint_config, reference_model, tiny_batches, tiny_config
+from tests.family_sweep import tiny_config as sweep_config
+from tests.tiny_models import (
+    CHECKPOINT_FAMILIES,
+    FAMILIES,
+    checkpoint_config,
+    reference_model,
+    tiny_batches,
+    tiny_config,
+)
 
 
 def make_engine(cfg, steps=2):
@@ -168,10 +176,12 @@ def test_quantized_checkpoints_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen2-tied", "qwen3_moe", "mixtral", "deepseek_v3",
-                                    "qwen3_next", "gpt_oss"])
+                                    "qwen3_next", "gpt_oss", "gpt2", "bart"])
 def test_export_reloads_with_identical_logits(tmp_path, family):
-    """The export holds what save_pretrained writes (experts one by one) and loads back to the same logits."""
-    cfg = tiny_config(family) if family in FAMILIES else checkpoint_config(family)
+    """The export holds what save_pretrained writes (experts one by one; GPT-2's learned positions, streamed with
+    the embedding; BART's decoder's untrained cross-attention) and loads back to the same logits."""
+    cfg = tiny_config(family) if family in FAMILIES else checkpoint_config(family) if family in CHECKPOINT_FAMILIES \
+        else AutoModelForCausalLM.from_config(sweep_config(family)).config  # as saved: BART's as a decoder alone
     engine = make_engine(cfg)
     try:
         engine.load_random(seed=3)
@@ -186,9 +196,10 @@ def test_export_reloads_with_identical_logits(tmp_path, family):
     twin.save_pretrained(tmp_path / "by_transformers")
     assert load_file(out / "model.safetensors").keys() == load_file(tmp_path / "by_transformers/model.safetensors").keys()
     model = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").float().eval()
+    embed = next(n for n, p in model.named_parameters() if p is model.get_input_embeddings().weight)
     for name, w in saved_state(model).items():
-        if "lm_head" in name and cfg.tie_word_embeddings:
-            name = "model.embed_tokens.weight"
+        if "lm_head" in name and name not in state:  # tied: the embedding
+            name = embed
         assert torch.equal(w, state[name]), name
     ids = tiny_batches(n_micro=1)[0]["input_ids"]
     with torch.no_grad():
