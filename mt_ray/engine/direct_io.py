@@ -20,6 +20,7 @@ import errno
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -64,6 +65,34 @@ def probe_direct_io(folder: str | Path) -> str | None:
     finally:
         path.unlink(missing_ok=True)
     return None
+
+
+def measure_disk(folder: str | Path, nbytes: int = 2 << 30) -> tuple[float, float]:
+    """Direct read and write GB/s of `folder`'s disk (written first, then read back), through the I/O the optimizer state would use, on a
+    temporary file of `nbytes` (unlinked at once, so nothing is left behind)."""
+    why = probe_direct_io(folder)
+    if why is not None:
+        raise OSError(f"{folder} refuses direct I/O ({why}): the optimizer state needs a folder that takes O_DIRECT")
+    path = Path(folder) / f".mt-ray-disk-probe-{uuid.uuid4().hex[:8]}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    io = build_file_io(direct=True)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        name = f"/proc/self/fd/{fd}"
+        path.unlink()
+        io.open(name, f"the disk probe in {folder}")
+        buf = aligned_empty(nbytes)
+        buf.fill_(1)  # touch every page before timing
+        seconds = []
+        for op in (io.write, io.read):
+            t0 = time.perf_counter()
+            op(name, buf, 0).wait()
+            seconds.append(time.perf_counter() - t0)
+    finally:
+        io.close()
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    return nbytes / seconds[1] / 1e9, nbytes / seconds[0] / 1e9
 
 
 class StateIOError(OSError):
