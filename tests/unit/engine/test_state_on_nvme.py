@@ -180,3 +180,11 @@ def test_config_refuses_what_nvme_cannot_run():
         EngineConfig(state_placement="nvme")
     with pytest.raises(ValueError, match="stream_master streams the fp32 master from RAM"):
         EngineConfig(state_placement="nvme", nvme_path="/tmp", stream_master=True)
+
+
+def test_the_cluster_refuses_state_on_nvme_by_name(tmp_path):
+    from mt_ray.cluster import DataParallelTrainer
+
+    cfg = EngineConfig(device="cpu", state_placement="nvme", nvme_path=str(tmp_path))
+    with pytest.raises(ConfigError, match="state_placement: nvme runs on a single engine for now"):
+        DataParallelTrainer(tiny_config("llama"), cfg, OPT, num_workers=2, total_steps=1)
