@@ -70,6 +70,8 @@ def probe_direct_io(folder: str | Path) -> str | None:
 def measure_disk(folder: str | Path, nbytes: int = 2 << 30) -> tuple[float, float]:
     """Direct read and write GB/s of `folder`'s disk (written first, then read back), through the I/O the optimizer state would use, on a
     temporary file of `nbytes` (unlinked at once, so nothing is left behind)."""
+    if not Path(folder).is_dir():
+        raise OSError(f"{folder} is not an existing folder (create it on the NVMe disk to measure)")
     why = probe_direct_io(folder)
     if why is not None:
         raise OSError(f"{folder} refuses direct I/O ({why}): the optimizer state needs a folder that takes O_DIRECT")
