@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
                       "(50: the H100 host's PCIe 5.0, measured; about 25 for PCIe 4.0 x16)")
     calc.add_argument("--gpu-tflops", type=float, default=500.0, help="bf16 decoder-layer throughput of the GPU "
                       "(500: measured on the H100)")
+    calc.add_argument("--nvme-gbps", type=float, help="direct read and write GB/s of an NVMe disk for optimizer "
+                      "state: lets the search move state there when the host cannot hold it")
+    calc.add_argument("--probe-disk", metavar="PATH", help="measure the direct read and write GB/s of the disk under "
+                      "PATH (writes and reads a 2 GiB scratch file) and plan optimizer state there as --nvme-gbps does")
     calc.add_argument("--image-tokens", type=int, default=0,
                       help="image-text models: image tokens per sample (part of --seq): the vision tower's share")
     calc.add_argument("--max-seq", action="store_true", help="the longest sequence that trains at --global-batch "
@@ -90,10 +94,11 @@ def _calc(args) -> int:
         recommend,
         render_recommendation,
     )
+    from mt_ray.engine.config import EngineConfig
     from mt_ray.engine.host_store import GIB, available_host_bytes
     from mt_ray.engine.sizing import SFT, Machine, Stage
 
-    for flag in ("seq", "global_batch", "gpu_mem_gb", "host_mem_gb", "h2d_gbps", "gpu_tflops"):
+    for flag in ("seq", "global_batch", "gpu_mem_gb", "host_mem_gb", "h2d_gbps", "gpu_tflops", "nvme_gbps"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
@@ -105,11 +110,14 @@ def _calc(args) -> int:
             run.training.micro_batch_size * run.training.grad_accum_steps if run else 128)
     gpu = args.gpu_mem_gb if args.gpu_mem_gb is not None else local_gpu_memory_gb()
     host = args.host_mem_gb if args.host_mem_gb is not None else available_host_bytes() / GIB
-    machine = Machine(layer_tflops=args.gpu_tflops, h2d_gbps=args.h2d_gbps)
-    engine = None
+    read, write = _disk_bandwidth(args)
+    machine = Machine(layer_tflops=args.gpu_tflops, h2d_gbps=args.h2d_gbps, nvme_read_gbps=read, nvme_write_gbps=write)
+    engine = EngineConfig(device="cpu", compute_dtype="bf16")
     if run:  # the config's engine, as it runs on a GPU (bf16 unless it names a dtype)
         dtype = "bf16" if run.engine.compute_dtype == "auto" else run.engine.compute_dtype
         engine = run.engine.model_copy(update={"device": "cpu", "compute_dtype": dtype})
+    if args.probe_disk:
+        engine = engine.model_copy(update={"nvme_path": args.probe_disk})
     spec = _spec(args, run)
     opt = run.optimizer if run else None
     stage = Stage.of(run.training.stage, run.pref, run.grpo) if run else SFT  # a preference stage's reference and head
@@ -131,6 +139,20 @@ def _calc(args) -> int:
 
         print(render_cluster(cluster))
     return 0 if rec["fits"] else 1
+
+
+def _disk_bandwidth(args) -> tuple[float | None, float | None]:
+    """(read, write) GB/s of the state disk: measured under --probe-disk, else --nvme-gbps both ways, else none."""
+    if args.probe_disk:
+        from mt_ray.engine.direct_io import measure_disk
+
+        try:
+            read, write = measure_disk(args.probe_disk)
+        except OSError as e:
+            raise ConfigError(f"--probe-disk {args.probe_disk}: {e}") from None
+        print(f"disk under {args.probe_disk}: direct read {read:.2f} GB/s, write {write:.2f} GB/s", flush=True)
+        return read, write
+    return args.nvme_gbps, args.nvme_gbps
 
 
 def _cluster_sizing(spec, args):

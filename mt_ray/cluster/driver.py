@@ -176,6 +176,9 @@ class DataParallelTrainer:
                  total_steps: int, cluster: ClusterConfig | None = None, weights: int | str | dict = 0,
                  after_launch: Callable[[int, DataParallelTrainer], None] | None = None, stage: str = "sft"):
         check_cluster_stage(stage)  # before any state, Ray or actor is built
+        if engine_cfg.state_placement != "host":  # the shards keep master and moments in the node's shared memory
+            raise ConfigError(f"engine.state_placement: {engine_cfg.state_placement} runs on a single engine for now; "
+                              "use cluster.num_workers: 1, or state_placement: host")
         self.spec = model if isinstance(model, ModelSpec) else discover(model)
         self.model = self.spec.config  # what the actors rediscover the spec from, with these options
         self.freeze = freeze_options(self.spec)

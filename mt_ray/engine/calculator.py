@@ -14,6 +14,7 @@ host) model size that would fit. The host keeps HOST_RESERVE_GIB for the process
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from mt_ray.engine.sizing import (
     Stage,
     activation_slab_bytes,
     device_bytes,
+    disk_bytes,
     host_bytes,
     kept_count,
     max_kept,
@@ -59,7 +61,9 @@ MLP_CHUNKS = (16384, 4096)
 LONGEST_SEQ = 1 << 22  # the longest context `longest_context` looks for (4M tokens)
 # Knobs the search sets, as EngineConfig fields, in the order the snippet lists them.
 SEARCHED = ("schedule", "checkpoint_every", "checkpoint_placement", "prefetch_units", "loss_chunk_tokens",
-            "mlp_chunk_tokens", "stream_master", "grad_dtype", "keep_activations")
+            "mlp_chunk_tokens", "stream_master", "grad_dtype", "keep_activations", "state_placement")
+# Where the optimizer state may go, in the order tried: a tier is taken only when none before it fits the host.
+PLACEMENTS = ("host", "nvme_moments", "nvme")
 
 
 @dataclass(frozen=True)
@@ -94,11 +98,20 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
     if stage.preference:
         out.update(reference="stream" if stage.reference else "none",
                    reference_host_gib=reference_host_bytes(spec, search.cfg, stage) / GIB)
+    if machine.has_nvme:
+        out.update(nvme_read_gbps=machine.nvme_read_gbps, nvme_write_gbps=machine.nvme_write_gbps)
     options = list(search.options(seq, global_batch))
-    best = _fastest([o for o in options if search.fits(o)])
+    fitting = [o for o in options if search.fits(o)]
+    # State moves to disk only where the host cannot hold it: each tier is taken only when none before it fits.
+    best = next((b for p in PLACEMENTS if (b := _fastest([o for o in fitting if o.cfg.state_placement == p]))), None)
     if best is None:
         return {**out, "fits": False, **search.why_not(options, seq, global_batch)}
     c = best.cfg
+    if c.state_placement != "host":
+        out.update(nvme_path=c.nvme_path, disk_gib=disk_bytes(spec, c) / GIB, placement_reason=(
+            f"the host cannot hold the optimizer state ({_gib(search.host_budget)} for it): "
+            + ("the moments go" if c.state_placement == "nvme_moments" else "master and moments go")
+            + f" to NVMe at {machine.nvme_read_gbps:.3g} GB/s read, {machine.nvme_write_gbps:.3g} GB/s write"))
     return {
         **out, "fits": True, **{k: getattr(c, k) for k in SEARCHED}, "prefetch_units": c.prefetch_units or
         c.checkpoint_every, "micro_batch_size": best.micro_batch, "grad_accum_steps": global_batch // best.micro_batch,
@@ -179,6 +192,7 @@ class _Search:
         chunks = _loss_chunks(self.cfg.loss_chunk_tokens, micro_tokens)
         precisions = list(dict.fromkeys([(self.cfg.stream_master, self.cfg.grad_dtype),
                                          *((s, g) for s in (False, True) for g in ("fp32", "compute"))]))
+        placements = PLACEMENTS if self.machine.has_nvme else ("host",)
         layouts = [("resident", self.cfg.checkpoint_every, "device", None)] if micro_tokens >= RESIDENT_MIN_MICRO_TOKENS else []
         layouts += [("stream", k, place, depth) for k in K_ORDER for place in ("device", "host")
                     for depth in dict.fromkeys((k, k // 2 or 1, 1))]
@@ -186,10 +200,13 @@ class _Search:
         for schedule, k, place, depth in layouts:
             for mlp_chunk in mlp_chunks:
                 for chunk in chunks:
-                    for stream_master, grad_dtype in precisions:
+                    for (stream_master, grad_dtype), placement in itertools.product(precisions, placements):
+                        if stream_master and placement == "nvme":  # the master on disk cannot be streamed
+                            continue
                         yield {"schedule": schedule, "checkpoint_every": k, "checkpoint_placement": place,
                                "prefetch_units": None if depth == k else depth, "loss_chunk_tokens": chunk,
-                               "mlp_chunk_tokens": mlp_chunk, "stream_master": stream_master, "grad_dtype": grad_dtype}
+                               "mlp_chunk_tokens": mlp_chunk, "stream_master": stream_master, "grad_dtype": grad_dtype,
+                               "state_placement": placement}
 
     def why_not(self, options: list[Option], seq: int, global_batch: int) -> dict:
         """The binding constraint, the reason in words, and the largest seq, global batch and model that fit."""
@@ -227,7 +244,8 @@ class _Search:
     def _host_reason(self, options: list[Option], lean: Option, seq: int, global_batch: int) -> str:
         c = lean.cfg
         slab = activation_slab_bytes(self.spec, c, seq * global_batch, self.stage)
-        text = (f"host: the leanest state (stream_master={c.stream_master}, grad_dtype={c.grad_dtype}, checkpoints on "
+        text = (f"host: the leanest state (state_placement={c.state_placement}, stream_master={c.stream_master}, "
+                f"grad_dtype={c.grad_dtype}, checkpoints on "
                 f"the {c.checkpoint_placement}: {(lean.host - slab) / self.spec.num_params:.1f} B/param) needs "
                 f"{_gib(lean.host)}, over {_gib(self.host_budget)} (with {HOST_RESERVE_GIB:g} GiB kept "
                 "for the process)")
@@ -235,6 +253,9 @@ class _Search:
             unclipped = self.opt.model_copy(update={"max_grad_norm": 0.0})
             least = min(host_bytes(self.spec, o.cfg, unclipped, seq, global_batch, self.stage) for o in options)
             text += f"; without clipping (optimizer.max_grad_norm: 0) no step holds its gradients: {_gib(least)}"
+        if not self.machine.has_nvme:
+            text += ("; optimizer state on an NVMe disk would need less (mt-ray calc --probe-disk PATH, or "
+                     "--nvme-gbps; engine.nvme_path for auto_fit)")
         return text
 
     def _any_fit(self, seq: int, global_batch: int) -> bool:
@@ -282,7 +303,8 @@ def _describe(o: Option) -> str:
     c = o.cfg
     if c.schedule == "resident":
         return f"resident, micro-batch {o.micro_batch}"
-    return (f"K={c.checkpoint_every}, checkpoints on the {c.checkpoint_placement}, prefetch "
+    state = f"state on {c.state_placement}, " if c.state_placement != "host" else ""
+    return (f"{state}K={c.checkpoint_every}, checkpoints on the {c.checkpoint_placement}, prefetch "
             f"{c.prefetch_units or c.checkpoint_every}, loss chunk {c.loss_chunk_tokens}, "
             f"MLP chunk {c.mlp_chunk_tokens or 'none'}, micro-batch {o.micro_batch}, "
             f"stream_master={c.stream_master}, grad_dtype={c.grad_dtype}")
@@ -302,6 +324,8 @@ def config_snippet(rec: dict, model: dict | None = None) -> str:
     sections["data"] = {"max_seq_len": rec["seq"]}
     sections["training"] = {"micro_batch_size": rec["micro_batch_size"], "grad_accum_steps": rec["grad_accum_steps"]}
     sections["engine"] = {k: rec[k] for k in SEARCHED}
+    if rec["state_placement"] != "host":
+        sections["engine"]["nvme_path"] = rec.get("nvme_path") or "/path/on/nvme"
     return yaml.safe_dump(sections, sort_keys=False)
 
 

@@ -103,6 +103,26 @@ class EngineConfig(_Strict):
         "(global batch and seq kept) that fit this GPU and host fastest, log the choices, and stop with the "
         "calculator's reason when nothing fits."
     )
+    state_placement: Literal["host", "nvme", "nvme_moments"] = Field(
+        "host",
+        description="Where the fp32 master weights and Adam moments live. 'host': in RAM (12 B/param beside the "
+        "streamed copy). 'nvme': both in files under nvme_path; RAM keeps the compute-dtype copy the GPU streams "
+        "from and a window of state chunks, read ahead with direct I/O and written back as each unit updates, "
+        "overlapping the backward. 'nvme_moments': the master stays in RAM, only the moments go to disk.",
+    )
+    nvme_path: str | None = Field(
+        None, description="An existing, writable folder on a local NVMe disk for state_placement nvme or "
+        "nvme_moments; it needs room for the state (12 or 8 B/param), reserved at start."
+    )
+    nvme_io: Literal["direct", "auto"] = Field(
+        "direct", description="'direct': the state files bypass the page cache (O_DIRECT), and a folder whose "
+        "filesystem refuses that is refused. 'auto': fall back to buffered I/O there, with a warning (the page "
+        "cache then holds what was moved out of RAM)."
+    )
+    nvme_window: int = Field(
+        4, ge=2, description="State chunks (16 M parameters each: 192 MB with the master, 128 MB without) held in "
+        "page-locked host memory at once: the one being updated, those read ahead and those being written back."
+    )
     optimizer_threads: int | None = Field(
         None, ge=1, description="CPU threads for the optimizer; default: all cores but one (kept for launching GPU work)."
     )
@@ -126,6 +146,16 @@ class EngineConfig(_Strict):
         if self.checkpoint_placement == "host" and self.schedule == "resident":
             raise ValueError("checkpoint_placement: host applies to schedule: stream (the resident schedule keeps "
                              "no checkpoints); use checkpoint_placement: device, or schedule: stream")
+        return self
+
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self) -> EngineConfig:
+        if self.state_placement != "host" and not self.nvme_path:
+            raise ValueError(f"state_placement: {self.state_placement} needs engine.nvme_path, a folder on an NVMe "
+                             "disk for the optimizer state; set it, or use state_placement: host")
+        if self.state_placement == "nvme" and self.stream_master:
+            raise ValueError("stream_master streams the fp32 master from RAM, but state_placement: nvme keeps it on "
+                             "disk; use stream_master: false, or state_placement: nvme_moments")
         return self
 
     @property

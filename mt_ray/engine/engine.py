@@ -60,7 +60,7 @@ from mt_ray.engine.activations import build_activation_store, streamed_step_plan
 from mt_ray.engine.batch import MicroBatch, prepare_micro_batch
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.grpo import GrpoConfig
-from mt_ray.engine.host_store import HostStore
+from mt_ray.engine.host_store import HostStore, state_placement
 from mt_ray.engine.kept_blocks import KeptBlocks
 from mt_ray.engine.optimizer import UnitOptimizer, counts_behind, lr_at, restore_counts
 from mt_ray.engine.optimizer_worker import OptimizerWorker
@@ -71,6 +71,7 @@ from mt_ray.engine.sizing import grad_buffer_bytes, grad_buffers_per_unit
 from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
 from mt_ray.engine.transfer import GradBuffers, Outbox, StreamSet, WeightStreamer
 from mt_ray.engine.vision_stage import VisionStage, feature_leaves
+from mt_ray.errors import ConfigError
 from mt_ray.models.attention import resolve_attention
 from mt_ray.models.chunking import apply_token_chunks
 from mt_ray.models.context import LayerContext, LayerContextBuilder
@@ -155,14 +156,24 @@ class StreamingEngine:
         # Before any state is sized or allocated: a family the layer context refuses is refused by name first.
         self.context = LayerContextBuilder(spec, self.device)
         pin = self.device.type == "cuda"
-        copy_dtype = None if cfg.stream_master or self.dtype == torch.float32 else self.dtype
+        # The master on disk cannot be streamed: the copy stays, even in fp32.
+        copy_dtype = None if (cfg.stream_master or self.dtype == torch.float32) and cfg.state_placement != "nvme" \
+            else self.dtype
         self.grad_dtype = grad_dtype = cfg.grad_torch_dtype
         numels = {u.name: u.numel for u in spec.trainable_units}  # frozen units send no gradient
         local = grad_sink is None
         # An outside sink ships each gradient on at once and frees its slab: a few slabs suffice.
         per_unit = local and grad_buffers_per_unit(cfg, opt_cfg)
         grad_bytes = grad_buffer_bytes(numels, grad_dtype, per_unit, cfg.grad_slabs)
-        self.store = HostStore(spec, copy_dtype, pin, grad_bytes, cfg.host_memory_limit_gb) if local else None
+        if not local and cfg.state_placement != "host":
+            raise ConfigError(f"engine.state_placement: {cfg.state_placement} runs on a single engine for now (the "
+                              "data-parallel shards keep their state in shared memory); use cluster.num_workers: 1, "
+                              "or state_placement: host")
+        if stage != "sft" and cfg.state_placement == "nvme":
+            raise ConfigError(f"stage {stage} snapshots the master as its reference, which state_placement: nvme keeps "
+                              "on disk; use state_placement: nvme_moments or host")
+        self.store = HostStore(spec, copy_dtype, pin, grad_bytes, cfg.host_memory_limit_gb,
+                               placement=state_placement(cfg)) if local else None
         # Set by a data-parallel worker that sums gradients between GPUs (`cluster.grad_reduce: nccl`): a
         # collective every engine calls in the same unit order, returning the sum where this engine ships it.
         self.reduce_grad: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None
@@ -344,12 +355,16 @@ class StreamingEngine:
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Everything a checkpoint needs: the flat fp32 master/moment buffers and the step.
 
-        The tensors are the live buffers (no copies); call between steps.
+        The tensors are the live buffers (no copies); call between steps. State on NVMe has no such buffers:
+        `save_checkpoint` writes it from its files by range.
         """
         self.synchronize()
+        return self.store.flat_state(), self._checkpoint_meta()
+
+    def _checkpoint_meta(self) -> dict:
         meta = {"step": self.step_idx, "layout": self.store.layout.describe()}
         behind = counts_behind(self.optimizers, self.step_idx)
-        return self.store.flat_state(), {**meta, "adam_counts": behind} if behind else meta
+        return {**meta, "adam_counts": behind} if behind else meta
 
     def checkpoint_buffers(self) -> dict[str, torch.Tensor]:
         """The live buffers a checkpoint is read into in place, so a resume holds the state once."""
@@ -360,20 +375,45 @@ class StreamingEngine:
         self.synchronize()
         self.store.layout.check_matches(meta["layout"])
         self.store.load_flat_state(tensors)
+        self._restore_step(meta)
+
+    def _restore_step(self, meta: dict) -> None:
         restore_counts(self.optimizers, meta["step"], meta.get("adam_counts", {}))
         self.step_idx = meta["step"]
         self.worker.reset_versions(self.step_idx)
 
     def save_checkpoint(self, manager, step: int, extra_meta: dict) -> str:
-        """Write the state through `manager` (a `CheckpointManager`); returns the checkpoint's URI."""
-        tensors, meta = self.checkpoint_state()
-        return manager.save(step, tensors, {**meta, **extra_meta})
+        """Write the state through `manager` (a `CheckpointManager`); returns the checkpoint's URI. State on
+        NVMe is read from its files a block at a time as the shards are written."""
+        if not self.store.placement.on_disk:
+            tensors, meta = self.checkpoint_state()
+            return manager.save(step, tensors, {**meta, **extra_meta})
+        self.synchronize()
+        self.store.settle()
+        return manager.save_ranges(step, self.store.flat_ranges(), {**self._checkpoint_meta(), **extra_meta})
 
     def restore_checkpoint(self, manager, uri: str | None = None) -> dict:
-        """Read a checkpoint (`uri`, or the newest that verifies) into the live buffers; returns its meta."""
-        tensors, meta = manager.load(uri, out=self.checkpoint_buffers())
-        self.load_checkpoint_state(tensors, meta)
+        """Read a checkpoint (`uri`, or the newest that verifies) into the live state; returns its meta. State on
+        NVMe is written into its files one stored piece (at most `shard_bytes`) at a time."""
+        if not self.store.placement.on_disk:
+            tensors, meta = manager.load(uri, out=self.checkpoint_buffers())
+            self.load_checkpoint_state(tensors, meta)
+            return meta
+        self.synchronize()
+        self.store.settle()
+        meta = manager.load_with(self._read_into_files, uri)
+        self._restore_step(meta)
         return meta
+
+    def _read_into_files(self, stored) -> dict:
+        """Copy a stored checkpoint (`StoredCheckpoint`) into the state files, piece by piece."""
+        self.store.layout.check_matches(stored.manifest.meta["layout"])
+        for name in self.store.flat_parts():
+            for piece in stored.manifest.tensors[name].pieces:
+                buf = torch.empty(piece.numel, dtype=torch.float32)
+                stored.read_range(name, piece.start, piece.start + piece.numel, buf)
+                self.store.access_flat(name, piece.start, buf, write=True)
+        return stored.manifest.meta
 
     def memory_metrics(self) -> dict[str, float]:
         """Peak device memory (CUDA only) and peak host bytes per parameter, for the run's metrics."""

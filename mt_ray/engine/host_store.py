@@ -1,4 +1,4 @@
-"""Host-memory home of the whole training state.
+"""Host-memory home of the training state, and the seam to the state kept on NVMe.
 
 Every unit (embedding, each decoder layer, final norm + head) owns one contiguous slice of
 four big host buffers: the fp32 master weights, the fp32 Adam moments m and v, and the copy
@@ -6,6 +6,12 @@ that is streamed to the device (in the compute dtype, or no copy at all when the
 is streamed and cast on the device). A frozen unit (a frozen vision tower) has no slice of
 the moments: it is never updated. One allocation per buffer keeps pinning cheap: a single
 `cudaHostRegister` call covers the whole streamed buffer.
+
+Under `engine.state_placement: nvme` the master and moments live in files instead (state_files.py)
+and host memory keeps the streamed copy and a window of chunk slots; `nvme_moments` keeps the
+master here and only the moments on disk. The optimizer reaches a chunk's master and moments only
+through the store's state tier (`chunk`, then `chunk_updated`): views here (`HostTier`), or a slot
+read from disk and written back (`FileTier`).
 """
 
 from __future__ import annotations
@@ -13,11 +19,23 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import psutil
 import torch
 
+from mt_ray.engine.config import EngineConfig
+from mt_ray.engine.direct_io import build_file_io, probe_direct_io
 from mt_ray.engine.pinning import register_pinned, unregister_pinned
+from mt_ray.engine.state_files import (
+    FILE_CHUNK_NUMEL,
+    ChunkState,
+    FilePlan,
+    FileTier,
+    check_state_path,
+    plan_files,
+    window_bytes,
+)
 from mt_ray.errors import CheckpointError, InsufficientMemoryError
 from mt_ray.models.discovery import ModelSpec, UnitSpec
 
@@ -70,6 +88,53 @@ def plan_layout(spec: ModelSpec, copy_dtype: torch.dtype | None, units: list[Uni
     return StoreLayout(offsets, numels, total, copy_dtype, moment_offsets, moment_total)
 
 
+# Elements per optimizer chunk when the state is in host memory: a compute-dtype gradient is upcast
+# through a scratch buffer of this size (64 MiB) rather than a copy of the whole unit. Fused AdamW
+# over 16M elements takes ~15 ms on the host, so the per-chunk call is noise.
+CHUNK_NUMEL = 1 << 24
+
+
+@dataclass(frozen=True)
+class StatePlacement:
+    """Where the fp32 master and the Adam moments live (`engine.state_placement` and its settings)."""
+
+    where: str = "host"  # host | nvme | nvme_moments
+    path: str | None = None
+    require_direct: bool = True
+    window: int = 4
+    file_chunk_numel: ClassVar[int] = FILE_CHUNK_NUMEL  # a class attribute, so tests can cut tiny units into chunks
+
+    @property
+    def on_disk(self) -> bool:
+        return self.where != "host"
+
+    @property
+    def master_on_disk(self) -> bool:
+        return self.where == "nvme"
+
+    @property
+    def chunk_numel(self) -> int:
+        return self.file_chunk_numel if self.on_disk else CHUNK_NUMEL
+
+
+HOST = StatePlacement()
+
+
+def state_placement(cfg: EngineConfig) -> StatePlacement:
+    """The placement `cfg` asks for."""
+    return StatePlacement(cfg.state_placement, cfg.nvme_path, cfg.nvme_io == "direct", cfg.nvme_window)
+
+
+def state_host_bytes(layout: StoreLayout, placement: StatePlacement, plan: FilePlan | None) -> int:
+    """Host bytes of the store: everything under host placement; else the streamed copy, the master where it
+    stays in RAM (`nvme_moments`) and the window of slots."""
+    if not placement.on_disk:
+        return layout.nbytes
+    copy = torch.empty((), dtype=layout.copy_dtype).element_size() if layout.copy_dtype else 0
+    master = 0 if placement.master_on_disk else 4
+    return (copy + master) * layout.total + window_bytes(plan, placement.window)
+
+
 def available_host_bytes(limit_gb: float | None = None) -> int:
     """Host memory this process may still use: the configured limit, else cgroup, else MemAvailable.
 
@@ -94,35 +159,58 @@ def _cgroup_headroom() -> int | None:
 
 
 class HostStore:
-    """fp32 master, fp32 Adam moments and the streamed copy of every unit (or of `units` only), in host memory."""
+    """The streamed copy of every unit (or of `units` only) in host memory, and the fp32 master and Adam moments
+    behind the state tier (`placement`: host memory, or files on NVMe)."""
+
+    # Seams for tests: how a state folder is probed for direct I/O, and the file I/O built for it.
+    probe_direct = staticmethod(probe_direct_io)
+    build_io = staticmethod(build_file_io)
 
     def __init__(self, spec: ModelSpec, copy_dtype: torch.dtype | None, pin: bool, extra_bytes: int = 0,
                  host_memory_limit_gb: float | None = None, units: list[UnitSpec] | None = None,
-                 master: torch.Tensor | None = None):
+                 master: torch.Tensor | None = None, placement: StatePlacement = HOST):
         """`master`: an fp32 buffer of the units' size to hold the master weights in (a data-parallel node's
         shared memory, which its workers stream from) instead of one of this store's own."""
         self.spec = spec
         self.units = spec.units if units is None else units
+        self.placement = placement
+        self.chunk_numel = placement.chunk_numel
+        if placement.master_on_disk and copy_dtype is None:
+            raise ValueError("with the master on disk the store needs a streamed copy (copy_dtype)")
         self.layout = plan_layout(spec, copy_dtype, self.units)
-        need = self.layout.nbytes + extra_bytes - (0 if master is None else master.nbytes)
-        have = available_host_bytes(host_memory_limit_gb)
-        if need > have:
-            raise InsufficientMemoryError(
-                f"training state needs {need / GIB:.1f} GiB of host RAM ({self.layout.bytes_per_param:.0f} B/param "
-                f"x {self.layout.total / 1e9:.2f} B params + {extra_bytes / GIB:.1f} GiB buffers) but only "
-                f"{have / GIB:.1f} GiB is available. Use engine.stream_master=true (drops the compute-dtype copy), "
-                "a smaller model, or a host with more memory (engine.host_memory_limit_gb overrides detection)."
-            )
+        plan = plan_files(self.units, placement.master_on_disk, self.chunk_numel) if placement.on_disk else None
+        self._check_host_memory(state_host_bytes(self.layout, placement, plan) + extra_bytes
+                                - (0 if master is None else master.nbytes), extra_bytes, host_memory_limit_gb)
+        # The folder is checked (exists, writable, room, direct I/O) before any state is allocated.
+        direct = check_state_path(placement.path, plan.disk_bytes, placement.require_direct,
+                                  self.probe_direct) if plan else False
         n = self.layout.total
-        self.master = torch.empty(n, dtype=torch.float32) if master is None else master
-        if self.master.shape != (n,) or self.master.dtype != torch.float32:
+        self.master = None if placement.master_on_disk else torch.empty(n, dtype=torch.float32) if master is None else master
+        if self.master is not None and (self.master.shape != (n,) or self.master.dtype != torch.float32):
             raise ValueError(f"the master buffer must be {n} fp32 elements, not {tuple(self.master.shape)} {self.master.dtype}")
-        self.exp_avg = torch.zeros(self.layout.moment_total, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros(self.layout.moment_total, dtype=torch.float32)
+        moments = 0 if placement.on_disk else self.layout.moment_total
+        self.exp_avg = torch.zeros(moments, dtype=torch.float32)
+        self.exp_avg_sq = torch.zeros(moments, dtype=torch.float32)
         self.copy = torch.empty(n, dtype=copy_dtype) if copy_dtype is not None else None
         self._registered: list[torch.Tensor] = []
         if pin:
             self._register(self.streamed_buffer)
+        if plan is None:
+            self.state: HostTier | FileTier = HostTier(self.layout, self.master, self.exp_avg, self.exp_avg_sq)
+        else:
+            host_master = None if self.master is None else {u.name: self.master_of(u.name) for u in self.units}
+            self.state = FileTier(plan, placement.path, self.build_io(direct), placement.window, pin, host_master)
+
+    def _check_host_memory(self, need: int, extra_bytes: int, limit_gb: float | None) -> None:
+        have = available_host_bytes(limit_gb)
+        if need > have:
+            raise InsufficientMemoryError(
+                f"training state needs {need / GIB:.1f} GiB of host RAM ({(need - extra_bytes) / max(1, self.layout.total):.1f}"
+                f" B/param x {self.layout.total / 1e9:.2f} B params + {extra_bytes / GIB:.1f} GiB buffers) but only "
+                f"{have / GIB:.1f} GiB is available. Use engine.stream_master=true (drops the compute-dtype copy), "
+                "engine.state_placement: nvme (master and moments on an NVMe disk; nvme_moments: the moments only), "
+                "a smaller model, or a host with more memory (engine.host_memory_limit_gb overrides detection)."
+            )
 
     @property
     def streamed_buffer(self) -> torch.Tensor:
@@ -137,9 +225,25 @@ class HostStore:
         return self._slice(self.master, unit)
 
     def moments_of(self, unit: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A unit's Adam moments in host memory (host placement only)."""
         off = self.layout.moment_offsets[unit]  # KeyError for a frozen unit: it has no moments
         n = self.layout.numels[unit]
         return self.exp_avg[off : off + n], self.exp_avg_sq[off : off + n]
+
+    def chunk(self, unit: str, lo: int, hi: int) -> ChunkState:
+        """Elements [lo, hi) of a unit's master and moments (one of `state_files.chunk_bounds`), the caller's to
+        update until `chunk_updated`."""
+        return self.state.acquire(unit, lo, hi)
+
+    def chunk_updated(self, unit: str, lo: int, hi: int, state: ChunkState) -> None:
+        """Re-derive the chunk's streamed copy from its updated master and hand the chunk back to the tier."""
+        if self.copy is not None:
+            self._slice(self.copy, unit)[lo:hi].copy_(state.master)
+        self.state.release(unit, lo)
+
+    def expect_updates(self, units: list[str]) -> None:
+        """The order the optimizer updates units in (a file-backed tier reads ahead in it)."""
+        self.state.expect(units)
 
     def streamed_of(self, unit: str) -> torch.Tensor:
         return self._slice(self.streamed_buffer, unit)
@@ -148,13 +252,13 @@ class HostStore:
         """Nothing to do: the streamed buffer lives as long as the store (WeightSource surface)."""
 
     def refresh_copy(self, unit: str) -> None:
-        """Re-derive the compute-dtype copy of a unit from its just-updated master."""
+        """Re-derive the compute-dtype copy of a unit from its master (in host memory)."""
         if self.copy is not None:
             self._slice(self.copy, unit).copy_(self.master_of(unit))
 
-    def named_views(self, unit: UnitSpec, buf: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """Hugging Face parameter name -> shaped view of this unit's slice of `buf` (master by default)."""
-        flat = self._slice(self.master if buf is None else buf, unit.name)
+    def named_views(self, unit: UnitSpec, flat: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Hugging Face parameter name -> shaped view of the unit's flat weights `flat` (its master by default)."""
+        flat = self.master_of(unit.name) if flat is None else flat
         views, off = {}, 0
         for p in unit.params:
             views[p.hf_name] = flat[off : off + p.numel].view(p.shape)
@@ -162,14 +266,17 @@ class HostStore:
         return views
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """All fp32 master weights by Hugging Face name (views, no copies)."""
+        """All fp32 master weights by Hugging Face name (views, no copies; read from disk when the master is there)."""
         out: dict[str, torch.Tensor] = {}
         for unit in self.units:
-            out.update(self.named_views(unit))
+            out.update(self.named_views(unit, self._master_from_disk(unit) if self.master is None else None))
         return out
 
     def flat_state(self) -> dict[str, torch.Tensor]:
         """The fp32 buffers a checkpoint holds: master and both moments (the live buffers, no copies)."""
+        if self.placement.on_disk:
+            raise CheckpointError("the optimizer state is on disk (engine.state_placement): a checkpoint is written "
+                                  "from its files by range (StreamingEngine.save_checkpoint), never gathered here")
         return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
     def load_flat_state(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -179,6 +286,32 @@ class HostStore:
         if self.copy is not None:
             self.copy.copy_(self.master)
 
+    def flat_parts(self) -> dict[str, tuple[int, list[tuple[str, int, int]]]]:
+        """Each flat checkpoint tensor (`flat_state`'s names): its length, and the units' [start, end) in it."""
+        lay = self.layout
+        master = [(u, lay.offsets[u], lay.offsets[u] + lay.numels[u]) for u in lay.offsets]
+        moments = [(u, off, off + lay.numels[u]) for u, off in lay.moment_offsets.items()]
+        return {"master": (lay.total, master), "exp_avg": (lay.moment_total, moments),
+                "exp_avg_sq": (lay.moment_total, moments)}
+
+    def access_flat(self, name: str, lo: int, buf: torch.Tensor, write: bool) -> None:
+        """Elements [lo, lo + len) of the flat checkpoint tensor `name`, read into `buf` or (with `write`) written
+        from it, wherever each unit's part lives; a write of the master refreshes the streamed copy. Safe from
+        several threads at once, between steps and after `settle`."""
+        hi = lo + buf.numel()
+        for unit, start, end in self.flat_parts()[name][1]:
+            a, b = max(lo, start), min(hi, end)
+            if a >= b:
+                continue
+            part = buf[a - lo : b - lo]
+            if not self.placement.on_disk or (name == "master" and self.master is not None):
+                target = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}[name][a:b]
+                target.copy_(part) if write else part.copy_(target)
+            else:
+                self.state.access_flat(name, unit, a - start, part, write)
+            if write and name == "master" and self.copy is not None:
+                self.copy[a:b].copy_(part)
+
     @torch.no_grad()
     def load_named(self, unit: UnitSpec, tensors: dict[str, torch.Tensor]) -> None:
         """Copy one unit's weights (by Hugging Face name) into the master and the streamed copy.
@@ -186,16 +319,37 @@ class HostStore:
         Without autograd: copying a parameter into a view would make the master a node of
         its graph, keeping every source tensor (a freshly initialised model on the GPU) alive.
         """
+        if self.master is None:
+            self.settle()
+            flat = torch.cat([tensors[p.hf_name].detach().reshape(-1).to("cpu", torch.float32) for p in unit.params])
+            self.access_flat("master", self.layout.offsets[unit.name], flat, write=True)
+            return
         views = self.named_views(unit)
         for name, view in views.items():
             view.copy_(tensors[name])
         self.refresh_copy(unit.name)
+
+    def settle(self) -> None:
+        """Finish the state tier's writes and drop its reads ahead, so the state can be read or written by range
+        (between steps, after the optimizer has caught up)."""
+        self.state.flush()
+
+    def flat_ranges(self) -> dict[str, FlatRange]:
+        """Each flat checkpoint tensor read by range (`CheckpointManager.save_ranges`); call `settle` first."""
+        return {name: FlatRange(self, name, numel) for name, (numel, _) in self.flat_parts().items()}
+
+    def _master_from_disk(self, unit: UnitSpec) -> torch.Tensor:
+        self.settle()
+        flat = torch.empty(unit.numel, dtype=torch.float32)
+        self.access_flat("master", self.layout.offsets[unit.name], flat, write=False)
+        return flat
 
     def _register(self, buf: torch.Tensor) -> None:
         # Page-lock the streamed buffer once: host->device copies from pageable memory run ~10x slower.
         self._registered.append(register_pinned(buf))
 
     def close(self) -> None:
+        self.state.close()
         for buf in self._registered:
             unregister_pinned(buf)
         self._registered.clear()
@@ -203,6 +357,46 @@ class HostStore:
     def rss_bytes_per_param(self) -> float:
         """Peak resident memory of this process divided by the parameter count (what users pay)."""
         return peak_rss_bytes() / self.layout.total
+
+
+@dataclass(frozen=True)
+class FlatRange:
+    """One of a store's flat checkpoint tensors, read by range: what `CheckpointManager.save_ranges` writes from."""
+
+    store: HostStore
+    name: str
+    numel: int
+    dtype: torch.dtype = torch.float32
+
+    def read(self, lo: int, dest: torch.Tensor) -> None:
+        self.store.access_flat(self.name, lo, dest, write=False)
+
+
+class HostTier:
+    """The state tier of host placement: a chunk is a view of the flat buffers, updated in place."""
+
+    def __init__(self, layout: StoreLayout, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor):
+        self.layout, self.master, self.exp_avg, self.exp_avg_sq = layout, master, exp_avg, exp_avg_sq
+
+    def acquire(self, unit: str, lo: int, hi: int) -> ChunkState:
+        off = self.layout.offsets[unit]
+        m_off = self.layout.moment_offsets.get(unit)  # None for a frozen unit: it has no moments
+        if m_off is None:
+            return ChunkState(self.master[off + lo : off + hi], None, None)
+        return ChunkState(self.master[off + lo : off + hi], self.exp_avg[m_off + lo : m_off + hi],
+                          self.exp_avg_sq[m_off + lo : m_off + hi])
+
+    def release(self, unit: str, lo: int) -> None:
+        """Nothing to write back: the update was in place."""
+
+    def expect(self, units: list[str]) -> None:
+        """Nothing to read ahead."""
+
+    def flush(self) -> None:
+        """No I/O in flight."""
+
+    def close(self) -> None:
+        """The buffers belong to the store."""
 
 
 def peak_rss_bytes() -> int:

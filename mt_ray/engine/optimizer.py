@@ -1,8 +1,10 @@
 """AdamW over the host store's flat unit buffers, and the learning-rate schedule.
 
-Each unit gets one optimizer over two flat parameters (its decayed and non-decayed slices),
-whose Adam moments *are* the store's m and v slices, so the optimizer allocates nothing and a
-checkpoint of the store is a checkpoint of the optimizer.
+Each unit gets one optimizer over its chunks (`state_files.chunk_bounds`: the decayed and
+non-decayed slices, cut to the store's chunk size), whose parameters and Adam moments are bound,
+chunk by chunk as it steps, to the store's state (`HostStore.chunk`: views of its buffers, or a
+slot read from NVMe), so the optimizer allocates nothing and a checkpoint of the store is a
+checkpoint of the optimizer. It keeps only the step counts.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from torch import nn
 
 from mt_ray.engine.config import OptimizerConfig
 from mt_ray.engine.host_store import HostStore
+from mt_ray.engine.state_files import chunk_bounds
 from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import UnitSpec
 
@@ -49,57 +52,46 @@ def deepspeed_available() -> bool:
     return True
 
 
-# Optimizer state is split into chunks of at most this many elements, so a compute-dtype
-# gradient is upcast through a small scratch buffer (64 MiB) rather than a copy of the whole unit.
-# Fused AdamW over 16M elements takes ~15 ms on the host, so the per-chunk call is noise.
-CHUNK_NUMEL = 1 << 24
-
-
 class UnitOptimizer:
-    """AdamW for one unit, stepping in place on the store's master/moment slices, chunk by chunk."""
+    """AdamW for one unit, stepping in place on the store's master/moment chunks, one chunk at a time."""
 
-    def __init__(self, store: HostStore, unit: UnitSpec, cfg: OptimizerConfig, chunk_numel: int = CHUNK_NUMEL):
-        master = store.master_of(unit.name)
-        m, v = store.moments_of(unit.name)
-        n_decay = sum(p.numel for p in unit.params if p.decays)
+    def __init__(self, store: HostStore, unit: UnitSpec, cfg: OptimizerConfig, chunk_numel: int | None = None):
+        """`chunk_numel`: elements per chunk, by default the store's (a file-backed store's chunks are its records)."""
+        self.store = store
         self.unit = unit.name
         self.use_ds = cfg.impl == "deepspeed"
         if self.use_ds and not deepspeed_available():
             raise ConfigError("optimizer.impl: deepspeed needs DeepSpeed's CPUAdam, which does not import or build "
                               "here; pip install deepspeed (with a C++ toolchain), or use impl: torch")
-        groups = []
-        for lo, hi, wd in ((0, n_decay, cfg.weight_decay), (n_decay, unit.numel, 0.0)):
-            for c_lo in range(lo, hi, chunk_numel):
-                c_hi = min(hi, c_lo + chunk_numel)
-                p = nn.Parameter(master[c_lo:c_hi], requires_grad=False)
-                groups.append({"params": [p], "weight_decay": wd, "bounds": (c_lo, c_hi)})
+        groups = [{"params": [nn.Parameter(torch.empty(0), requires_grad=False)],  # bound to the state per step
+                   "weight_decay": cfg.weight_decay if decays else 0.0, "bounds": (lo, hi)}
+                  for lo, hi, decays in chunk_bounds(unit, chunk_numel or store.chunk_numel)]
         self.opt = _build(groups, cfg, self.use_ds)
         for g in self.opt.param_groups:
-            lo, hi = g["bounds"]
-            self.opt.state[g["params"][0]] = {
-                "step": 0 if self.use_ds else torch.tensor(0.0),
-                "exp_avg": m[lo:hi],
-                "exp_avg_sq": v[lo:hi],
-            }
+            self.opt.state[g["params"][0]] = {"step": 0 if self.use_ds else torch.tensor(0.0)}
 
     def step(self, grad: torch.Tensor, lr: float, clip_coef: float = 1.0, scratch: torch.Tensor | None = None,
              read_only: bool = False) -> None:
         """One AdamW update from the unit's flat gradient, scaled by `clip_coef`.
 
         Chunks are stepped one at a time (torch skips parameters without a gradient), each
-        reading its slice of `grad`; a compute-dtype gradient is upcast through `scratch`
-        (fp32, at least CHUNK_NUMEL elements or the unit's size), and so is a `read_only` one
-        (fused AdamW writes the unscaled gradient back).
+        bound to its state from the store and handed back to it after, and each reading its slice
+        of `grad`; a compute-dtype gradient is upcast through `scratch` (fp32, at least the
+        chunk's size), and so is a `read_only` one (fused AdamW writes the unscaled gradient back).
         """
         for g in self.opt.param_groups:
             lo, hi = g["bounds"]
             g["lr"] = lr
             p = g["params"][0]
-            chunk = grad[lo:hi]
-            p.grad = chunk if chunk.dtype == torch.float32 and not read_only else scratch[: hi - lo].copy_(chunk)
+            chunk = self.store.chunk(self.unit, lo, hi)
+            p.data = chunk.master
+            self.opt.state[p].update(exp_avg=chunk.exp_avg, exp_avg_sq=chunk.exp_avg_sq)
+            part = grad[lo:hi]
+            p.grad = part if part.dtype == torch.float32 and not read_only else scratch[: hi - lo].copy_(part)
             self._apply_clip(p.grad, clip_coef)
             self.opt.step()
             p.grad = None
+            self.store.chunk_updated(self.unit, lo, hi, chunk)
 
     def _apply_clip(self, grad: torch.Tensor, coef: float) -> None:
         if self.use_ds:

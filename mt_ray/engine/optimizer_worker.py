@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mt_ray.engine.host_store import HostStore
-from mt_ray.engine.optimizer import CHUNK_NUMEL, UnitOptimizer
+from mt_ray.engine.host_store import CHUNK_NUMEL, HostStore
+from mt_ray.engine.optimizer import UnitOptimizer
 from mt_ray.engine.transfer import GradBuffers
 
 
@@ -66,6 +66,9 @@ class OptimizerWorker:
         self.last_clip_coef = 1.0
         self._scratch: torch.Tensor | None = None  # fp32 upcast buffer for compute-dtype gradients
         self.busy_seconds = 0.0  # CPU time spent updating, for the benchmark's time split
+        # Without clipping units update as their gradients land (the backward's order), with it in forward order:
+        # a store whose state is on disk reads ahead in that order.
+        store.expect_updates(list(unit_order) if self.clips else list(reversed(unit_order)))
         self._thread = threading.Thread(target=self._run, name="mt-ray-optimizer", daemon=True)
         self._thread.start()
 
@@ -144,8 +147,7 @@ class OptimizerWorker:
         t0 = time.perf_counter()
         if (g.grad.dtype != torch.float32 or self.grads_read_only) and self._scratch is None:
             self._scratch = torch.empty(min(CHUNK_NUMEL, max(self.buffers.numels.values())))
-        self.optimizers[g.unit].step(g.grad, g.lr, coef, self._scratch, self.grads_read_only)
-        self.store.refresh_copy(g.unit)
+        self.optimizers[g.unit].step(g.grad, g.lr, coef, self._scratch, self.grads_read_only)  # refreshes the copy
         self.buffers.release(g.unit)
         self.busy_seconds += time.perf_counter() - t0
         self._advance(g.unit)

@@ -24,8 +24,9 @@ import torch
 from mt_ray.engine.activations import host_placement_device_hiddens
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.grpo import GrpoConfig
-from mt_ray.engine.host_store import plan_layout
+from mt_ray.engine.host_store import plan_layout, state_host_bytes, state_placement
 from mt_ray.engine.preference import Objective, PreferenceConfig
+from mt_ray.engine.state_files import FilePlan, plan_files
 from mt_ray.models.chunking import token_wise
 from mt_ray.models.discovery import ModelSpec
 from mt_ray.models.vision import VISION_PROJECTOR, is_vision_unit
@@ -40,6 +41,18 @@ class Machine:
     layer_tflops: float = 500.0  # bf16 decoder-layer fwd+bwd throughput
     h2d_gbps: float = 50.0  # the host link, each direction (pinned copies run at 48-55 GB/s either way)
     adam_gparams_per_s: float = 3.0
+    # Direct read and write bandwidth of the disk under engine.nvme_path (`mt-ray calc --probe-disk`); None: no
+    # disk to hold optimizer state, so the search keeps it in host memory.
+    nvme_read_gbps: float | None = None
+    nvme_write_gbps: float | None = None
+
+    @property
+    def has_nvme(self) -> bool:
+        return self.nvme_read_gbps is not None and self.nvme_write_gbps is not None
+
+    def disk_seconds(self, nbytes: int) -> float:
+        """Reading and writing back `nbytes` of state (one drive: reads and writes share it)."""
+        return nbytes / (self.nvme_read_gbps * 1e9) + nbytes / (self.nvme_write_gbps * 1e9) if nbytes else 0.0
 
 
 @dataclass(frozen=True)
@@ -91,12 +104,25 @@ def host_bytes(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, seq: in
                stage: Stage = SFT) -> int:
     """Exactly what the engine allocates in host memory for state, gradient buffers, a streamed reference and
     (with `checkpoint_placement: host`) the slab a step of `global_batch` x `seq` tokens parks hidden states in."""
-    dtype = cfg.dtype
-    copy = None if cfg.stream_master or dtype == torch.float32 else dtype
+    dtype, placement = cfg.dtype, state_placement(cfg)
+    copy = None if (cfg.stream_master or dtype == torch.float32) and not placement.master_on_disk else dtype
     numels = {u.name: u.numel for u in spec.trainable_units}  # frozen units send no gradient
     per_unit = grad_buffers_per_unit(cfg, opt)
-    state = plan_layout(spec, copy).nbytes + grad_buffer_bytes(numels, cfg.grad_torch_dtype, per_unit, cfg.grad_slabs)
+    state = state_host_bytes(plan_layout(spec, copy), placement, state_files_plan(spec, cfg))
+    state += grad_buffer_bytes(numels, cfg.grad_torch_dtype, per_unit, cfg.grad_slabs)
     return state + reference_host_bytes(spec, cfg, stage) + activation_slab_bytes(spec, cfg, seq * global_batch, stage)
+
+
+def state_files_plan(spec: ModelSpec, cfg: EngineConfig) -> FilePlan | None:
+    """The state files of `cfg.state_placement` (None in host memory): their size on disk and slots in RAM."""
+    placement = state_placement(cfg)
+    return plan_files(spec.units, placement.master_on_disk, placement.chunk_numel) if placement.on_disk else None
+
+
+def disk_bytes(spec: ModelSpec, cfg: EngineConfig) -> int:
+    """Bytes of optimizer state on disk: each is read and written once a step."""
+    plan = state_files_plan(spec, cfg)
+    return plan.disk_bytes if plan else 0
 
 
 def reference_host_bytes(spec: ModelSpec, cfg: EngineConfig, stage: Stage) -> int:
@@ -394,7 +420,8 @@ def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_
     Gradients cross back once; hidden states parked in host memory cross both ways (per token,
     each block's checkpoint and the gradient flowing back). An image-text model's tokens compute with the
     language model alone; its vision tower adds `VisionSizes.flops` for `image_tokens` per sample.
-    Causal attention over each sequence adds its FLOPs (recomputed too when streaming), and
+    State on NVMe (`state_placement`) crosses the disk both ways once a step at the machine's measured direct
+    I/O bandwidth, overlapped like the updates. Causal attention over each sequence adds its FLOPs (recomputed too when streaming), and
     `mlp_chunk_tokens` one more forward of the layers' token-wise parts (2·N_chunked·T).
     A preference head runs the LM head forward once more (2·N_head·T); a streamed reference runs forward
     (2·N·T and its attention) and crosses the link once a step in the compute dtype. Each kept block graph
@@ -430,12 +457,17 @@ def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_
         h2d += (3 * blocks + 2) * hidden  # forward and backward fetches of checkpoints and gradients
         d2h += (2 * blocks + 2) * hidden
     link = max(h2d, d2h) / (machine.h2d_gbps * 1e9)
-    exposed_opt = (n if resident else spec.unit("embed").numel) / (machine.adam_gparams_per_s * 1e9)
+    exposed = n if resident else spec.unit("embed").numel
+    exposed_opt = exposed / (machine.adam_gparams_per_s * 1e9)
+    # State on disk is read and written once a step, overlapped with compute as the updates are; the exposed
+    # updates wait for their own share of it.
+    disk = machine.disk_seconds(disk_bytes(spec, cfg)) if cfg.state_placement != "host" else 0.0
+    exposed_opt += disk * exposed / n
     # A block's first micro-batch waits for the K - depth uploads not yet in flight, each pass.
     layer_upload = max(u.numel for u in spec.layer_units) * weight_size / (machine.h2d_gbps * 1e9)
     depth = cfg.prefetch_units or cfg.checkpoint_every
     stall = 0.0 if resident else 2 * blocks * max(0, cfg.checkpoint_every - depth) * layer_upload
-    return max(compute, link) + exposed_opt + stall
+    return max(compute, link, disk) + exposed_opt + stall
 
 
 def describe_model(spec: ModelSpec) -> str:

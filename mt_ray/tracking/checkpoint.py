@@ -35,12 +35,15 @@ from mt_ray.tracking.ckpt_format import (
     FileRecord,
     Manifest,
     Piece,
+    RangeReader,
+    RangeShard,
     ShardSource,
     TensorRecord,
     check_meta,
     check_out_buffer,
     empty_tensor,
     parse_step,
+    plan_range_shards,
     plan_shards,
     read_shard_into,
     step_dir_name,
@@ -201,6 +204,12 @@ class CheckpointManager:
         shards, records = plan_shards(tensors, self.config.shard_bytes)
         return self.save_with(step, records, meta, lambda writer: self._write_shards(writer, shards))
 
+    def save_ranges(self, step: int, sources: dict[str, RangeReader], meta: dict) -> str:
+        """``save`` of tensors kept elsewhere (an engine's optimizer state on NVMe), each read by range a block at
+        a time as its shards are written: the checkpoint never holds a tensor in memory."""
+        shards, records = plan_range_shards(sources, self.config.shard_bytes)
+        return self.save_with(step, records, meta, lambda writer: self._write_shards(writer, shards))
+
     def save_with(self, step: int, records: dict[str, TensorRecord], meta: dict,
                   write: Callable[[CheckpointWriter], dict[str, FileRecord]]) -> str:
         """``save`` where ``write`` stores the pieces ``records`` lists (e.g. each from the process
@@ -278,7 +287,7 @@ class CheckpointManager:
                 problems.append(str(e))
         raise CheckpointError(f"no valid checkpoint under {self.storage.root_uri}: " + "; ".join(problems))
 
-    def _write_shards(self, writer: CheckpointWriter, shards: list[ShardSource]) -> dict[str, FileRecord]:
+    def _write_shards(self, writer: CheckpointWriter, shards: list[ShardSource | RangeShard]) -> dict[str, FileRecord]:
         with ThreadPoolExecutor(self.config.io_workers, thread_name_prefix="ckpt-write") as pool:
             records = list(pool.map(writer.write_file, shards))
         return {shard.file: record for shard, record in zip(shards, records, strict=True)}

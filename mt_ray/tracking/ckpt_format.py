@@ -24,7 +24,7 @@ import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -135,15 +135,7 @@ class ShardSource:
     flat: torch.Tensor  # 1-D contiguous view of the piece's elements
 
     def header(self) -> bytes:
-        nbytes = self.flat.numel() * self.flat.element_size()
-        entries = {
-            "__metadata__": {"format": "pt", "tensor": self.name, "start": str(self.start)},
-            self.name: {"dtype": _ST_DTYPES[self.flat.dtype], "shape": [self.flat.numel()],
-                        "data_offsets": [0, nbytes]},
-        }
-        body = json.dumps(entries, separators=(",", ":")).encode()
-        body += b" " * (-len(body) % 8)  # safetensors pads so the data starts 8-byte aligned
-        return struct.pack("<Q", len(body)) + body
+        return _shard_header(self.name, self.start, self.flat.dtype, self.flat.numel())
 
     def blocks(self) -> Iterator[memoryview]:
         """The file's bytes in order: header, then the piece's memory in ``BLOCK_BYTES`` slices."""
@@ -151,6 +143,59 @@ class ShardSource:
         data = _bytes_view(self.flat)
         for pos in range(0, len(data), BLOCK_BYTES):
             yield data[pos:pos + BLOCK_BYTES]
+
+
+class RangeReader(Protocol):
+    """A flat tensor kept elsewhere (e.g. in files), read by range into a caller's buffer."""
+
+    dtype: torch.dtype
+    numel: int
+
+    def read(self, lo: int, dest: torch.Tensor) -> None:
+        """Elements [lo, lo + dest.numel()) into the 1-D `dest`."""
+
+
+@dataclass(frozen=True)
+class RangeShard:
+    """One shard whose piece is read from a `RangeReader` BLOCK_BYTES at a time into one reused buffer, so
+    writing it holds a block of the tensor in memory, never the piece (same file as a `ShardSource`'s)."""
+
+    file: str
+    name: str
+    start: int
+    numel: int
+    source: RangeReader
+
+    def header(self) -> bytes:
+        return _shard_header(self.name, self.start, self.source.dtype, self.numel)
+
+    def blocks(self) -> Iterator[memoryview]:
+        """The header, then the piece block by block (each block is consumed before the next is read into it)."""
+        yield memoryview(self.header())
+        per_block = max(1, BLOCK_BYTES // self.source.dtype.itemsize)
+        buf = torch.empty(min(per_block, self.numel), dtype=self.source.dtype)
+        for pos in range(0, self.numel, per_block):
+            part = buf[: min(per_block, self.numel - pos)]
+            self.source.read(self.start + pos, part)
+            yield _bytes_view(part)
+
+
+def plan_range_shards(sources: dict[str, RangeReader],
+                      shard_bytes: int) -> tuple[list[RangeShard], dict[str, TensorRecord]]:
+    """`plan_shards` for tensors read by range."""
+    records = {name: plan_pieces(name, src.dtype, [src.numel], shard_bytes) for name, src in sources.items()}
+    shards = [RangeShard(p.file, name, p.start, p.numel, sources[name]) for name, r in records.items() for p in r.pieces]
+    return shards, records
+
+
+def _shard_header(name: str, start: int, dtype: torch.dtype, numel: int) -> bytes:
+    entries = {
+        "__metadata__": {"format": "pt", "tensor": name, "start": str(start)},
+        name: {"dtype": _ST_DTYPES[dtype], "shape": [numel], "data_offsets": [0, numel * dtype.itemsize]},
+    }
+    body = json.dumps(entries, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)  # safetensors pads so the data starts 8-byte aligned
+    return struct.pack("<Q", len(body)) + body
 
 
 def plan_shards(tensors: dict[str, torch.Tensor],

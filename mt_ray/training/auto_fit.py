@@ -17,12 +17,15 @@ import logging
 
 from mt_ray.config.run import RunConfig
 from mt_ray.engine.calculator import GPU_HEADROOM, SEARCHED, local_gpu_memory_gb, recommend
+from mt_ray.engine.config import EngineConfig
+from mt_ray.engine.direct_io import measure_disk
 from mt_ray.engine.host_store import GIB, available_host_bytes
-from mt_ray.engine.sizing import device_bytes
+from mt_ray.engine.sizing import Machine, device_bytes
 from mt_ray.errors import ConfigError, InsufficientMemoryError
 from mt_ray.models.discovery import ModelSpec
 
 log = logging.getLogger(__name__)
+PROBE_BYTES = 1 << 30  # the disk probe's scratch file: long enough to read a drive's sustained speed
 
 
 def apply_auto_fit(cfg: RunConfig, spec: ModelSpec) -> RunConfig:
@@ -35,7 +38,8 @@ def apply_auto_fit(cfg: RunConfig, spec: ModelSpec) -> RunConfig:
     gpu_gb = _gpu_memory_gb(cfg)
     host_gb = available_host_bytes(engine.host_memory_limit_gb) / GIB
     global_batch = t.micro_batch_size * t.grad_accum_steps
-    rec = recommend(spec, cfg.data.max_seq_len, global_batch, gpu_gb, host_gb, cfg=engine, opt=cfg.optimizer)
+    rec = recommend(spec, cfg.data.max_seq_len, global_batch, gpu_gb, host_gb, cfg=engine, opt=cfg.optimizer,
+                    machine=_machine(engine))
     if not rec["fits"]:
         raise InsufficientMemoryError(f"engine.auto_fit: nothing fits a {gpu_gb:.3g} GiB GPU and {host_gb:.3g} GiB of "
                                       f"host memory. {rec['reason']}")
@@ -51,10 +55,25 @@ def apply_auto_fit(cfg: RunConfig, spec: ModelSpec) -> RunConfig:
                          f"training.micro_batch_size={rec['micro_batch_size']}",
                          f"training.grad_accum_steps={rec['grad_accum_steps']}"])
     message = (f"auto_fit for a {gpu_gb:.3g} GiB GPU and {host_gb:.3g} GiB of host memory: {choices} (predicted "
-               f"{rec['device_gib']:.3g} GiB GPU, {rec['host_gib']:.3g} GiB host, {rec['predicted_step_s']:.3g} s/step)")
+               f"{rec['device_gib']:.3g} GiB GPU, {rec['host_gib']:.3g} GiB host, {rec['predicted_step_s']:.3g} s/step)"
+               + (f"; {rec['placement_reason']}" if "placement_reason" in rec else ""))
     print(message, flush=True)  # on the console, as the trainer says where it resumes from
     log.info(message)
     return fitted
+
+
+def _machine(engine: EngineConfig) -> Machine:
+    """The default machine, with the disk under `engine.nvme_path` measured when one is set (the search may then
+    move optimizer state there, only if the host cannot hold it)."""
+    if not engine.nvme_path:
+        return Machine()
+    try:
+        read, write = measure_disk(engine.nvme_path, PROBE_BYTES)
+    except OSError as e:
+        raise ConfigError(f"engine.nvme_path {engine.nvme_path}: {e}; point it at an existing, writable folder on an "
+                          "NVMe disk") from None
+    log.info("engine.nvme_path %s: direct read %.2f GB/s, write %.2f GB/s", engine.nvme_path, read, write)
+    return Machine(nvme_read_gbps=read, nvme_write_gbps=write)
 
 
 def refuse_what_cannot_fit(cfg: RunConfig, spec: ModelSpec) -> None:
@@ -67,7 +86,8 @@ def refuse_what_cannot_fit(cfg: RunConfig, spec: ModelSpec) -> None:
     gpu_gb = _gpu_memory_gb(cfg)
     host_gb = available_host_bytes(engine.host_memory_limit_gb) / GIB
     global_batch = t.micro_batch_size * t.grad_accum_steps
-    rec = recommend(spec, cfg.data.max_seq_len, global_batch, gpu_gb, host_gb, cfg=engine, opt=cfg.optimizer)
+    rec = recommend(spec, cfg.data.max_seq_len, global_batch, gpu_gb, host_gb, cfg=engine, opt=cfg.optimizer,
+                    machine=_machine(engine))
     if not rec["fits"]:
         raise InsufficientMemoryError(
             f"data.max_seq_len {cfg.data.max_seq_len} x {global_batch} sequences a step cannot train on a {gpu_gb:.3g} "

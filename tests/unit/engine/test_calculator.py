@@ -159,3 +159,16 @@ def test_calc_takes_the_shape_of_the_step_from_a_config(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert (out["seq"], out["global_batch"]) == (2048, 24)
     assert "preset: qwen2.5-7b" in out["config"] and "max_seq_len: 2048" in out["config"]
+
+
+def test_state_moves_to_nvme_only_when_the_host_cannot_hold_it():
+    """7B on a 10 GiB card: 64 GiB of RAM holds nothing with the state in RAM; with a 3 GB/s disk the moments go
+    there and the step pays for the disk traffic. A host that holds the state keeps it, disk or not."""
+    spec = discover(preset_config("qwen2.5-7b"))
+    disk = Machine(nvme_read_gbps=3.0, nvme_write_gbps=3.0)
+    assert not recommend(spec, 1024, 64, 10, 64)["fits"]
+    home = recommend(spec, 1024, 64, 10, 64, machine=disk)
+    assert home["fits"] and home["state_placement"] == "nvme_moments" and "cannot hold" in home["placement_reason"]
+    assert home["predicted_step_s"] > 2 * home["disk_gib"] * 2**30 / 3e9 * 0.99
+    big = recommend(spec, 1024, 64, 10, 256, machine=disk)
+    assert big["fits"] and big["state_placement"] == "host"
