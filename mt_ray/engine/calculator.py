@@ -199,14 +199,14 @@ class _Search:
         mlp_chunks = [None, *(c for c in MLP_CHUNKS if seq >= 2 * c)]
         for schedule, k, place, depth in layouts:
             for mlp_chunk in mlp_chunks:
-                for chunk in chunks:
-                    for (stream_master, grad_dtype), placement in itertools.product(precisions, placements):
-                        if stream_master and placement == "nvme":  # the master on disk cannot be streamed
-                            continue
-                        yield {"schedule": schedule, "checkpoint_every": k, "checkpoint_placement": place,
-                               "prefetch_units": None if depth == k else depth, "loss_chunk_tokens": chunk,
-                               "mlp_chunk_tokens": mlp_chunk, "stream_master": stream_master, "grad_dtype": grad_dtype,
-                               "state_placement": placement}
+                # The precision before the loss chunk: fp32 gradients where they fit, at any chunk size.
+                for (stream_master, grad_dtype), placement, chunk in itertools.product(precisions, placements, chunks):
+                    if stream_master and placement == "nvme":  # the master on disk cannot be streamed
+                        continue
+                    yield {"schedule": schedule, "checkpoint_every": k, "checkpoint_placement": place,
+                           "prefetch_units": None if depth == k else depth, "loss_chunk_tokens": chunk,
+                           "mlp_chunk_tokens": mlp_chunk, "stream_master": stream_master, "grad_dtype": grad_dtype,
+                           "state_placement": placement}
 
     def why_not(self, options: list[Option], seq: int, global_batch: int) -> dict:
         """The binding constraint, the reason in words, and the largest seq, global batch and model that fit."""

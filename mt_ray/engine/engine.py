@@ -751,13 +751,25 @@ def _chunk_loss(head: UnitTemplate, weights: Weights, x_ND: torch.Tensor, target
 
 def _accumulate(acc: torch.Tensor | None, grads, frozen_numel: int = 0) -> torch.Tensor:
     """Sum a unit's parameter gradients into one flat fp32 buffer (micro-batches add up here);
-    the unit's frozen tail gets zeros, so the optimizer leaves it unchanged."""
-    flat = torch.cat([g.reshape(-1) for g in grads]).float()
-    if frozen_numel:
-        flat = torch.nn.functional.pad(flat, (0, frozen_numel))
-    if acc is None:
-        return flat
-    return acc.add_(flat)
+    the unit's frozen tail gets zeros, so the optimizer leaves it unchanged.
+
+    Each gradient is upcast as it is copied or added into its slice: no concatenated or upcast copy
+    of the whole unit beside the sum (at the embedding's backward, 3 GiB less at 7B). The sum is
+    the same to the bit: each element is upcast exactly and added once, in the same order.
+    """
+    first = acc is None
+    if first:
+        acc = torch.empty(sum(g.numel() for g in grads) + frozen_numel, dtype=torch.float32, device=grads[0].device)
+        acc[acc.numel() - frozen_numel:].zero_()
+    lo = 0
+    for g in grads:
+        part = acc[lo : lo + g.numel()]
+        if first:
+            part.copy_(g.reshape(-1))
+        else:
+            part.add_(g.reshape(-1))
+        lo += g.numel()
+    return acc
 
 
 __all__ = ["EvalResult", "StreamingEngine", "StepResult", "UnitTemplate", "Weights"]

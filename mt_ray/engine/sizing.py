@@ -311,15 +311,18 @@ def _text_device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq
     }
     last = sum(parts.values())
     common = _outbox_bytes(spec, cfg) + parts["tied_embedding_grad"]
-    # The loss: one chunk of logits and the untied head's fp32 sum, the LM head in place of a layer.
-    head = (last - parts["recompute"] - parts["layer_backward"] - k * layer * 4 + _loss_chunk_bytes(spec, cfg, mb_tokens)
-            + (0 if spec.tied else lm_head * 4) + (lm_head - layer) * size)
+    # The loss: the LM head alone in flight (its fp32 staging with stream_master; measured on the H100 at the 7B
+    # shape under a 16 GiB cap, bench/consumer_caps.py --profile, no layer is), the parked hidden states, one
+    # chunk of the loss and the untied head's fp32 sum.
+    head = (lm_head * size + (layer * 4 if cfg.stream_master else 0) + parts["parked_hiddens"] + common
+            + _loss_chunk_bytes(spec, cfg, mb_tokens) + (0 if spec.tied else lm_head * 4))
     # The reference's head, before the policy's: its hidden states wait for it on the device, every micro-batch's.
     head += tokens * d * size if stage.reference and not host else 0
     # The first block's backward has the embedding in flight instead of `depth` layers.
     first = last + (embed - depth * layer) * size - (parked_last - parked_first) * d * size
-    # The embedding's backward: its weights, autograd's dense gradient, their flat copy and its fp32 cast.
-    embed_bwd = ((hold - 1) * layer * size + embed * (3 * size + (4 if size < 4 else 0))
+    # The embedding's backward: its weights, autograd's dense gradient and its fp32 sum (the tied head's, which
+    # `common` holds, where tied), each gradient upcast into the sum in place.
+    embed_bwd = ((hold - 1) * layer * size + 2 * embed * size + (0 if spec.tied else embed * 4)
                  + (parked_first + mb_tokens) * d * size + common)
     parts["head_or_embed_extra"] = max(0, head - last, first - last, embed_bwd - last)
     # Kept block graphs all live from the forward to the head; counted on top of every phase (they drain
