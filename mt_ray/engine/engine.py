@@ -432,7 +432,8 @@ class StreamingEngine:
         """The weights the layer loop uploads, by Hugging Face name, after all pending updates (views of the host
         copy in the compute dtype, or of the fp32 master where none is kept): what a rollout copy loads."""
         self.synchronize()
-        return {k: v for unit in self.spec.units for k, v in self.store.named_views(unit, self.store.streamed_buffer).items()}
+        return {k: v for unit in self.spec.units
+                for k, v in self.store.named_views(unit, self.store.streamed_of(unit.name)).items()}
 
     def close(self) -> None:
         if self.router_loss is not None:

@@ -54,7 +54,7 @@ class ReferenceWeights:
     def load_named(self, store, state: dict[str, torch.Tensor]) -> None:
         """Another reference than the starting weights, by Hugging Face name (`store` knows each unit's slice)."""
         for unit in store.units:
-            for name, view in store.named_views(unit, self.buf).items():
+            for name, view in store.named_views(unit, self.streamed_of(unit.name)).items():
                 view.copy_(state[name])
 
     def streamed_of(self, unit: str) -> torch.Tensor:
