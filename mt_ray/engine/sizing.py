@@ -155,10 +155,8 @@ def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2, kernels: s
     """
     c = spec.text_config
     d = c.hidden_size
-    head_dim = getattr(c, "head_dim", None) or d // c.num_attention_heads
-    q = c.num_attention_heads * head_dim
-    kv = c.num_key_value_heads * head_dim
-    inter = getattr(c, "intermediate_size", 4 * d)
+    q, kv = _attention_widths(c)
+    inter = getattr(c, "intermediate_size", None) or 4 * d
     attn = (d + 3 * q + 4 * kv + d) * dtype_bytes  # qkv, rotary temporaries, attention out, o_proj in
     if chunked:
         return attn + 2 * d * dtype_bytes
@@ -168,6 +166,14 @@ def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2, kernels: s
     norms = 2 * d * (4 + 4 + dtype_bytes) if dtype_bytes < 4 else 2 * d * 4
     mlp = (d + 4 * inter) * dtype_bytes  # gate, up, act(gate), act*up
     return norms + attn + mlp
+
+
+def _attention_widths(c) -> tuple[int, int]:
+    """Query and key/value widths of a layer's attention; a family without grouped keys (GPT-2, OPT, BART...) has
+    as many key/value heads as query heads, and one without attention heads (xLSTM) counts its heads as one."""
+    heads = getattr(c, "num_attention_heads", None) or getattr(c, "num_heads", None) or 1
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return heads * head_dim, (getattr(c, "num_key_value_heads", None) or heads) * head_dim
 
 
 def layer_backward_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> int:
@@ -182,11 +188,10 @@ def layer_backward_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> 
     """
     c, size = spec.text_config, cfg.dtype.itemsize
     d = c.hidden_size
-    inter = getattr(c, "intermediate_size", 4 * d)
+    inter = getattr(c, "intermediate_size", None) or 4 * d
     if not _chunked(cfg, mb_tokens):
         return mb_tokens * inter * size * (1 if cfg.kernels == "liger" else 2)
-    head_dim = getattr(c, "head_dim", None) or d // c.num_attention_heads
-    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    q, kv = _attention_widths(c)
     attention = mb_tokens * ((q + 2 * kv + 2 * d) * size + 4 * q)
     return max(attention, cfg.mlp_chunk_tokens * inter * size * (4 + 2))
 

@@ -167,3 +167,17 @@ def test_host_checkpoints_keep_device_memory_flat_as_the_step_grows():
     # rotary tables: under 512 B per token, a hidden state is 1 KiB) grow.
     assert peaks["host", 16] - peaks["host", 4] <= 12 * 64 * 512
     assert predicted["host", 16] == predicted["host", 4]
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "opt", "xlstm", "falcon_mamba", "bloom", "persimmon"])
+def test_the_device_model_sizes_families_without_grouped_keys_or_attention_heads(model_type):
+    """`keep_activations: auto` sizes every block on CUDA: families whose configs name no key/value heads (GPT-2,
+    OPT, ...) or no attention heads at all (xLSTM) are sized too (on the H100 31 matched families failed here)."""
+    from tests.family_sweep import tiny_config as family_config
+
+    spec = discover(family_config(model_type))
+    for mlp_chunk in (None, 16):
+        cfg = EngineConfig(device="cpu", compute_dtype="bf16", checkpoint_every=1, mlp_chunk_tokens=mlp_chunk,
+                           keep_activations=1)
+        parts = device_bytes(spec, cfg, 2, 64, 4)
+        assert parts["recompute"] > 0 and parts["kept_activations"] > 0
