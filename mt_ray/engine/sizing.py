@@ -171,9 +171,18 @@ def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2, kernels: s
 def _attention_widths(c) -> tuple[int, int]:
     """Query and key/value widths of a layer's attention; a family without grouped keys (GPT-2, OPT, BART...) has
     as many key/value heads as query heads, and one without attention heads (xLSTM) counts its heads as one."""
-    heads = getattr(c, "num_attention_heads", None) or getattr(c, "num_heads", None) or 1
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    return heads * head_dim, (getattr(c, "num_key_value_heads", None) or heads) * head_dim
+    heads = _widest(c, "num_attention_heads") or _widest(c, "num_heads") or 1
+    head_dim = _widest(c, "head_dim") or c.hidden_size // heads
+    return heads * head_dim, (_widest(c, "num_key_value_heads") or heads) * head_dim
+
+
+def _widest(c, key: str) -> int | None:
+    """`c.key`, or its largest value over the layers where it varies by layer (Gemma 4's per-layer configs,
+    whose global read raises), or None."""
+    try:
+        return getattr(c, key, None)
+    except Exception:  # transformers refuses a global read of a per-layer attribute
+        return max(getattr(layer, key) for layer in c.per_layer_config)
 
 
 def layer_backward_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> int:

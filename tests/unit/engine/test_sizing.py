@@ -169,10 +169,12 @@ def test_host_checkpoints_keep_device_memory_flat_as_the_step_grows():
     assert predicted["host", 16] == predicted["host", 4]
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "opt", "xlstm", "falcon_mamba", "bloom", "persimmon"])
+@pytest.mark.parametrize("model_type", ["gpt2", "opt", "xlstm", "falcon_mamba", "bloom", "persimmon",
+                                        "gemma4_unified_text"])
 def test_the_device_model_sizes_families_without_grouped_keys_or_attention_heads(model_type):
     """`keep_activations: auto` sizes every block on CUDA: families whose configs name no key/value heads (GPT-2,
-    OPT, ...) or no attention heads at all (xLSTM) are sized too (on the H100 31 matched families failed here)."""
+    OPT, ...), no attention heads at all (xLSTM), or a head size per layer (Gemma 4) are sized too (on the H100 31
+    matched families failed here)."""
     from tests.family_sweep import tiny_config as family_config
 
     spec = discover(family_config(model_type))
