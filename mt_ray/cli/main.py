@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. training.steps=10")
 
     sweep = sub.add_parser("sweep", help="Ray Tune sweep of a run config, judged on held-out eval loss (ASHA)")
-    from jobs.sweep import add_sweep_arguments
+    from mt_ray.cli.sweep_command import add_sweep_arguments
 
     add_sweep_arguments(sweep)
 
@@ -73,14 +73,14 @@ def _train(args) -> int:
     if args.help_config:
         print(describe_config())
         return 0
-    from jobs.train import run
+    from mt_ray.training.launch import run
 
     run(load_run_config(args.config, args.overrides))
     return 0
 
 
 def _sweep(args) -> int:
-    from jobs.sweep import report, sweep
+    from mt_ray.cli.sweep_command import report, sweep
 
     print(report(sweep(args)))
     return 0

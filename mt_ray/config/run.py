@@ -21,7 +21,7 @@ from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.preference import PreferenceConfig, check_stage
 from mt_ray.errors import ConfigError
 from mt_ray.tracking import CheckpointConfig, TrackingConfig
-from mt_ray.tracking.checkpoint import check_storage_uri
+from mt_ray.tracking.ckpt_config import check_storage_uri
 
 RUN_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}"
 

@@ -48,7 +48,7 @@ from mt_ray.tracking.ckpt_format import (
 )
 
 if TYPE_CHECKING:
-    from mt_ray.tracking.checkpoint import CheckpointConfig
+    from mt_ray.tracking.ckpt_config import CheckpointConfig
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from mt_ray.tracking.checkpoint import CheckpointConfig
+    from mt_ray.tracking.ckpt_config import CheckpointConfig
 
 
 class RunFiles(Protocol):

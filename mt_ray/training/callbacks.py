@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from mt_ray.training.trainer import Trainer
+
+class Trainer(Protocol):
+    """What a callback may read of the trainer that calls it (`mt_ray.training.trainer.Trainer` is one); a
+    protocol, so this module needs nothing of the trainer's and the two do not import each other."""
+
+    cfg: Any  # the run's RunConfig, after auto-fit
+    run: Any  # its RunDir
+    engine: Any  # the TrainingBackend
+    loader: Any
+    callbacks: list[Callback]
+    history: list[dict[str, float]]
+    eval_history: list[dict[str, float]]
+    resumed_from: ResumePoint | None
+    step: int
+
+    def request_stop(self, reason: str) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Ray Tune sweeps of ordinary runs, judged on held-out eval loss and cut short by ASHA.
 
-Each trial is `jobs.train`'s run of the base config with the trial's sampled keys set: the same
+Each trial is `mt_ray.training.launch`'s run of the base config with the trial's sampled keys set: the same
 data pipeline, checkpoints and MLflow logging as `mt-ray train`, as an MLflow child run of the
 sweep's run. It reports to Tune at every evaluation (`training.eval_every`); ASHA compares trials
 there and stops the worse ones, which then end like any run (summary, checkpoint, MLflow run).
@@ -99,7 +99,7 @@ def run_trial(sampled: dict[str, Any], plan: TrialPlan) -> None:
     """
     from ray import tune
 
-    from jobs.train import run
+    from mt_ray.training.launch import run
 
     summary = run(plan.trial_config(sampled, tune.get_context().get_trial_id()), extra_callbacks=[TuneReportCallback()])
     if "stopped_early" not in summary:

@@ -1,9 +1,9 @@
 """The preference demo: `mt-ray train --config jobs/configs/dpo_demo.yaml` trains the built-in tiny model on
 LLaMA-Factory's dpo_en_demo on the CPU, and its reward accuracy on the training pairs rises above chance."""
 
-from jobs.train import run
 from mt_ray.config.run import load_run_config
 from mt_ray.training.callbacks import Callback
+from mt_ray.training.launch import run
 
 
 class Record(Callback):

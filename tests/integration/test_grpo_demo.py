@@ -1,9 +1,9 @@
 """The GRPO demo: `mt-ray train --config jobs/configs/grpo_demo.yaml` samples, scores and trains the built-in
 tiny model on the CPU, its mean reward rises on its own logged metrics, and its summary carries TRL's names."""
 
-from jobs.train import run
 from mt_ray.config.run import load_run_config
 from mt_ray.training.callbacks import Callback
+from mt_ray.training.launch import run
 
 
 class Record(Callback):

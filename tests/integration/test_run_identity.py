@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-import jobs.train
+import mt_ray.training.launch as launch
 from jobs.train import main
 from mt_ray.tracking import CheckpointConfig, CheckpointManager
 from tests.conftest import StopAt
@@ -44,11 +44,11 @@ def test_two_configs_with_default_settings_are_two_runs_that_share_no_checkpoint
 
 
 def test_a_rerun_resumes_its_own_run_and_says_so(tmp_path, monkeypatch, capsys):
-    build = jobs.train.build_callbacks
-    monkeypatch.setattr(jobs.train, "build_callbacks", lambda cfg, run: [*build(cfg, run), StopAt(3)])
+    build = launch.build_callbacks
+    monkeypatch.setattr(launch, "build_callbacks", lambda cfg, run: [*build(cfg, run), StopAt(3)])
     with pytest.raises(KeyboardInterrupt):
         main([*FAST, "training.run_name=r"])
-    monkeypatch.setattr(jobs.train, "build_callbacks", build)
+    monkeypatch.setattr(launch, "build_callbacks", build)
     capsys.readouterr()
 
     assert main([*FAST, "training.run_name=r"]) == 0

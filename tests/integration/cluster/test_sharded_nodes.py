@@ -61,7 +61,7 @@ def test_state_too_large_for_one_node_trains_sharded_like_one_engine(three_node_
 
 
 def test_a_killed_shard_restarts_from_the_sharded_checkpoint_bit_identically(three_node_ray, tmp_path, monkeypatch):
-    import jobs.train
+    import mt_ray.training.launch as launch
     from mt_ray.training.callbacks import Callback
     from tests.integration.cluster.test_train_data_parallel import assert_close_weights, train
 
@@ -74,10 +74,10 @@ def test_a_killed_shard_restarts_from_the_sharded_checkpoint_bit_identically(thr
                 three_node_ray.kill(trainer.engine.shards[1], no_restart=True)
 
     sharded = ("cluster.num_nodes=3", "cluster.cpus_per_worker=1")
-    build = jobs.train.build_callbacks
-    monkeypatch.setattr(jobs.train, "build_callbacks", lambda cfg, run: [*build(cfg, run), KillShard()])
+    build = launch.build_callbacks
+    monkeypatch.setattr(launch, "build_callbacks", lambda cfg, run: [*build(cfg, run), KillShard()])
     _, history, weights, _ = train(tmp_path, "lost", 3, *sharded)
-    monkeypatch.setattr(jobs.train, "build_callbacks", build)
+    monkeypatch.setattr(launch, "build_callbacks", build)
     _, clean_history, clean_weights, _ = train(tmp_path, "clean", 3, *sharded)
     assert fired == [3]
     assert [h["loss"] for h in history] == [h["loss"] for h in clean_history]

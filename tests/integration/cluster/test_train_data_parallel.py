@@ -93,7 +93,7 @@ def test_lost_shard_restarts_the_job_from_its_checkpoint(local_ray, tmp_path, mo
     its checkpoint is written (the checkpoint fails; no checkpoint yet, so the job starts over)."""
     import ray
 
-    import jobs.train
+    import mt_ray.training.launch as launch
     from mt_ray.training.callbacks import Callback
 
     kill_at = 3 if when == "mid-step" else 2
@@ -105,11 +105,11 @@ def test_lost_shard_restarts_the_job_from_its_checkpoint(local_ray, tmp_path, mo
                 fired.append(step)
                 ray.kill(trainer.engine.shards[0], no_restart=True)
 
-    build = jobs.train.build_callbacks
+    build = launch.build_callbacks
     if when == "mid-step":
-        monkeypatch.setattr(jobs.train, "build_callbacks", lambda cfg, run: [*build(cfg, run), KillShard()])
+        monkeypatch.setattr(launch, "build_callbacks", lambda cfg, run: [*build(cfg, run), KillShard()])
     else:
-        monkeypatch.setattr(jobs.train, "build_callbacks", lambda cfg, run: [KillShard(), *build(cfg, run)])
+        monkeypatch.setattr(launch, "build_callbacks", lambda cfg, run: [KillShard(), *build(cfg, run)])
     _, history, weights, _ = train(tmp_path, "lost", 2)
 
     assert fired == [kill_at]

@@ -13,8 +13,8 @@ import boto3
 import pytest
 from mlflow import MlflowClient
 
-from jobs.train import run
 from mt_ray.config.run import load_run_config
+from mt_ray.training.launch import run
 from tests.integration.infra.compose import ROOT, load_compose
 from tests.integration.infra.mt_ray_env import only_env, use_only_env
 from tests.integration.infra.stack import Stack, command_of, env_of

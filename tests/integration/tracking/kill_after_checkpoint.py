@@ -13,9 +13,9 @@ import os
 import signal
 import sys
 
-from jobs.train import run
 from mt_ray.config.run import load_run_config
 from mt_ray.training import Callback
+from mt_ray.training.launch import run
 
 
 class SigkillAfterCheckpoint(Callback):

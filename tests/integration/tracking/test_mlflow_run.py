@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-import jobs.train
+import mt_ray.training.launch as launch
 from jobs.train import main
 from tests.conftest import StopAt
 
@@ -21,8 +21,8 @@ def test_an_interrupted_run_resumes_its_mlflow_run_and_logs_a_model_that_generat
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
-    build = jobs.train.build_callbacks
-    monkeypatch.setattr(jobs.train, "build_callbacks", lambda cfg, run: [*build(cfg, run), StopAt(3)])
+    build = launch.build_callbacks
+    monkeypatch.setattr(launch, "build_callbacks", lambda cfg, run: [*build(cfg, run), StopAt(3)])
     with pytest.raises(KeyboardInterrupt):
         main(ARGS)
     client = MlflowClient(f"sqlite:///{tmp_path}/runs/mlflow.db")
@@ -30,7 +30,7 @@ def test_an_interrupted_run_resumes_its_mlflow_run_and_logs_a_model_that_generat
     [interrupted] = client.search_runs([experiment.experiment_id])
     assert interrupted.info.status == "KILLED" and interrupted.info.run_name == "r"
 
-    monkeypatch.setattr(jobs.train, "build_callbacks", build)
+    monkeypatch.setattr(launch, "build_callbacks", build)
     assert main(ARGS) == 0
     assert "resuming run r from" in capsys.readouterr().out
     [run] = client.search_runs([experiment.experiment_id])

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from jobs.train import build_callbacks
 from mt_ray.config.run import load_run_config
 from mt_ray.errors import ConfigError
 from mt_ray.training import Trainer
+from mt_ray.training.launch import build_callbacks
 from mt_ray.training.run_dir import RunDir
 
 
