@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -182,3 +185,19 @@ def _fmt(v) -> str:
 def write_json(path: str | Path, payload: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2, default=str))
+
+
+def row_in_child(script: str, argv: list[str], failed: dict, timeout_s: float | None = None,
+                 env: dict[str, str] | None = None) -> dict:
+    """The row `script` writes to `--row-out` when run with `argv` in a fresh Python process (its own CUDA
+    context, allocator and host memory, all returned when it exits); where it writes none, `failed` with the
+    reason as `error`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        try:
+            done = subprocess.run([sys.executable, script, *argv, "--row-out", str(out)], env=env, check=False,
+                                  timeout=timeout_s)
+            failure = f"the run's process exited with {done.returncode}"
+        except subprocess.TimeoutExpired:
+            failure = f"the run's process took over {timeout_s:g} s and was stopped"
+        return json.loads(out.read_text()) if out.exists() else {**failed, "error": failure}

@@ -23,16 +23,14 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import OPT, print_table, shape_config, write_json  # noqa: E402
+from bench.common import OPT, print_table, row_in_child, shape_config, write_json  # noqa: E402
 from bench.engine_gpu import measure  # noqa: E402
 from bench.memory_profile import replay  # noqa: E402
 from mt_ray.engine import EngineConfig, StreamingEngine  # noqa: E402
@@ -103,15 +101,7 @@ def run_in_child(argv: list[str], cap: float) -> dict:
     """`run_cap` in a fresh process (own CUDA context, allocator and host memory); its row."""
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF",
                                                                    "expandable_segments:True")}
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "row.json"
-        child = [sys.executable, __file__, *argv, "--cap", str(cap), "--row-out", str(out)]
-        try:
-            done = subprocess.run(child, env=env, check=False, timeout=CAP_TIMEOUT_S)
-            failure = f"the run's process exited with {done.returncode}"
-        except subprocess.TimeoutExpired:
-            failure = f"the run's process took over {CAP_TIMEOUT_S} s and was stopped"
-        return json.loads(out.read_text()) if out.exists() else {"cap_gib": cap, "trained": False, "error": failure}
+    return row_in_child(__file__, [*argv, "--cap", str(cap)], {"cap_gib": cap, "trained": False}, CAP_TIMEOUT_S, env)
 
 
 def parse_args(argv: list[str] | None):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from bench.common import (  # noqa: E402
     packed_micro_batches,
     pair_micro_batches,
     print_table,
+    row_in_child,
     shape_config,
     write_json,
 )
@@ -38,7 +38,6 @@ from bench.engine_gpu import add_run_args, build_engine, measure  # noqa: E402
 from mt_ray.engine.preference import PreferenceConfig  # noqa: E402
 from mt_ray.engine.sizing import Stage, attention_flops  # noqa: E402
 
-ROW_MARK = "DPO_GPU_ROW "  # the line of a row's process that carries its result
 STAGES = ("sft", "dpo")
 
 
@@ -71,33 +70,25 @@ def reference_flops(row: dict, cfg, args) -> dict:
             "tflops_with_attn": row["tflops_with_attn"] + (ref_flops + ref_attn) / row["step_s"] / 1e12}
 
 
-def run_in_process(stage: str, argv: list[str]) -> dict:
-    """`stage`'s row in a fresh Python process (its host memory returned when it exits); a failed row says why."""
-    done = subprocess.run([sys.executable, __file__, *argv, "--row", stage], capture_output=True, text=True)
-    sys.stderr.write(done.stderr[-4000:])
-    for line in done.stdout.splitlines():
-        if line.startswith(ROW_MARK):
-            return json.loads(line.removeprefix(ROW_MARK))
-    return {"system": "mt-ray", "stage": stage, "status": f"exit {done.returncode}: {done.stderr[-300:]}"}
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p)
     p.add_argument("--loss", default="sigmoid", help="pref.loss of the DPO row")
-    p.add_argument("--row", choices=STAGES, help="run only this row, in this process, and print it (what main runs)")
+    p.add_argument("--row", choices=STAGES, help=argparse.SUPPRESS)  # one row, in a child process
+    p.add_argument("--row-out", help=argparse.SUPPRESS)
     p.add_argument("--out", default="bench/results/dpo_gpu.json")
     args = p.parse_args()
     if args.row:
-        print(ROW_MARK + json.dumps(run_row(args), default=str), flush=True)
+        Path(args.row_out).write_text(json.dumps(run_row(args), default=str))
         return
     rows = []
     for stage in STAGES:
-        rows.append(run_in_process(stage, sys.argv[1:]))
+        # Each row in a fresh process: its host memory is returned before the next builds its own.
+        rows.append(row_in_child(__file__, [*sys.argv[1:], "--row", stage], {"system": "mt-ray", "stage": stage}))
         write_json(args.out, {"args": vars(args), "device": device_name(), "rows": rows})  # as each finishes
     cols = ["stage", "shape", "params_b", "batch", "seq", "step_s", "tokens_per_s", "model_tflops", "model_tflops_6nt",
             "tflops_with_attn", "peak_gpu_gib", "calc_gpu_gib", "host_bytes_per_param", "optimizer_s", "calc_step_s",
-            "setup_s", "status"]
+            "setup_s", "error"]
     print_table(rows, cols)
 
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +30,7 @@ from bench.common import (  # noqa: E402,E501
     peak_rss_bytes,
     print_table,
     random_micro_batches,
+    row_in_child,
     shape_config,
     write_json,
 )
@@ -94,15 +93,7 @@ def run_one(args, placement: str) -> dict:
 
 def run_in_child(argv: list[str], placement: str) -> dict:
     """`run_one` in a fresh process, so each run's peak RSS is its own."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "row.json"
-        cmd = [sys.executable, __file__, *argv, "--placement-run", placement, "--row-out", str(out)]
-        try:
-            done = subprocess.run(cmd, check=False, timeout=RUN_TIMEOUT_S)
-            failure = f"the run's process exited with {done.returncode}"
-        except subprocess.TimeoutExpired:
-            failure = f"the run took over {RUN_TIMEOUT_S} s"
-        return json.loads(out.read_text()) if out.exists() else {"placement": placement, "error": failure}
+    return row_in_child(__file__, [*argv, "--placement-run", placement], {"placement": placement}, RUN_TIMEOUT_S)
 
 
 def parse_args(argv: list[str]):

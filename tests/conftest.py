@@ -15,6 +15,28 @@ ROOT = Path(__file__).resolve().parents[1]
 PRELOAD = {"preload_python_modules": ["mt_ray.cluster.worker"], **SYSTEM_CONFIG}
 
 
+class RecordLogs(Callback):
+    """Keeps every metrics dict the run logs, in order."""
+
+    def __init__(self):
+        self.logged: list[dict[str, float]] = []
+
+    def on_log(self, trainer, step, metrics):
+        self.logged.append(metrics)
+
+
+def train_demo(config: str, tmp_path: Path, steps: int = 40) -> tuple[list[dict[str, float]], dict]:
+    """A demo config's run on the CPU, logging every 2 steps into `tmp_path`, untracked: its logs and summary."""
+    from mt_ray.config.run import load_run_config
+    from mt_ray.training.launch import run
+
+    cfg = load_run_config(config, [f"training.steps={steps}", "training.log_every=2", f"training.storage={tmp_path}",
+                                   "engine.device=cpu", "tracking.enabled=false"])
+    record = RecordLogs()
+    summary = run(cfg, [record])
+    return record.logged, summary
+
+
 class StopAt(Callback):
     """Interrupts the run after `step`, as Ctrl-C (or a crash) would."""
 

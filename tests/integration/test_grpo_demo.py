@@ -1,26 +1,12 @@
 """The GRPO demo: `mt-ray train --config jobs/configs/grpo_demo.yaml` samples, scores and trains the built-in
 tiny model on the CPU, its mean reward rises on its own logged metrics, and its summary carries TRL's names."""
 
-from mt_ray.config.run import load_run_config
-from mt_ray.training.callbacks import Callback
-from mt_ray.training.launch import run
-
-
-class Record(Callback):
-    def __init__(self):
-        self.logged = []
-
-    def on_log(self, trainer, step, metrics):
-        self.logged.append(metrics)
+from tests.conftest import train_demo
 
 
 def test_grpo_demo_trains_and_its_reward_rises(tmp_path):
-    cfg = load_run_config("jobs/configs/grpo_demo.yaml", ["training.steps=40", "training.log_every=2",
-                                                          f"training.storage={tmp_path}", "engine.device=cpu",
-                                                          "tracking.enabled=false"])
-    record = Record()
-    summary = run(cfg, [record])
-    rewards = [m["reward"] for m in record.logged]
+    logged, summary = train_demo("jobs/configs/grpo_demo.yaml", tmp_path)
+    rewards = [m["reward"] for m in logged]
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1  # the share of digits the model writes
     assert {"reward_std", "frac_reward_zero_std", "rewards/digits/mean", "rewards/accuracy/mean",
             "rewards/format/std", "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean",

@@ -40,6 +40,18 @@ def final(e: StreamingEngine) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in e.state_dict().items()}
 
 
+def checkpoints(tmp_path) -> CheckpointManager:
+    """Checkpoints in small shards, so a restore into the state files takes several pieces."""
+    return CheckpointManager(CheckpointConfig(uri=str(tmp_path / "ckpt"), shard_bytes=4096))
+
+
+def state_folder(tmp_path):
+    """The NVMe state's folder, beside the checkpoints rather than holding them."""
+    state = tmp_path / "state"
+    state.mkdir()
+    return state
+
+
 @pytest.mark.parametrize("clip", [1.0, 0.0])
 @pytest.mark.parametrize("placement", ["nvme", "nvme_moments"])
 def test_state_on_disk_trains_bit_identically_to_host(tmp_path, placement, clip):
@@ -79,9 +91,8 @@ def test_buffered_fallback_trains_identically(tmp_path, monkeypatch):
 def test_checkpoint_from_the_state_files_resumes_exactly(tmp_path):
     """Saved by range from the files (the host format: a host-placement engine resumes it too), loaded back into
     the files of a fresh engine, training continues bit for bit."""
-    ckpt = CheckpointManager(CheckpointConfig(uri=str(tmp_path / "ckpt"), shard_bytes=4096))
-    state = tmp_path / "state"
-    state.mkdir()
+    ckpt = checkpoints(tmp_path)
+    state = state_folder(tmp_path)
     a = engine("nvme", state)
     a.load_random(seed=1)
     losses = train(a, range(2))
@@ -98,7 +109,7 @@ def test_checkpoint_from_the_state_files_resumes_exactly(tmp_path):
 
 
 def test_host_checkpoint_resumes_on_nvme(tmp_path):
-    ckpt = CheckpointManager(CheckpointConfig(uri=str(tmp_path / "ckpt"), shard_bytes=4096))
+    ckpt = checkpoints(tmp_path)
     a = engine("host", tmp_path)
     a.load_random(seed=1)
     train(a, range(2))
@@ -127,9 +138,8 @@ def _no_space():
 
 
 def test_a_disk_that_fails_mid_run_stops_it_and_the_last_checkpoint_stays_valid(tmp_path, monkeypatch):
-    ckpt = CheckpointManager(CheckpointConfig(uri=str(tmp_path / "ckpt"), shard_bytes=4096))
-    state = tmp_path / "state"
-    state.mkdir()
+    ckpt = checkpoints(tmp_path)
+    state = state_folder(tmp_path)
     good = engine("host", tmp_path)
     good.load_random(seed=1)
     expected = train(good, range(3))

@@ -9,16 +9,8 @@ from transformers import AutoModelForCausalLM
 from mt_ray.config.run import load_run_config
 from mt_ray.data.assets import load_tiny_tokenizer, tiny_tokenizer_path
 from mt_ray.training import Trainer
-from mt_ray.training.callbacks import Callback
+from tests.conftest import RecordLogs
 from tests.tiny_models import checkpoint_config
-
-
-class Recorder(Callback):
-    def __init__(self):
-        self.logged: list[dict[str, float]] = []
-
-    def on_log(self, trainer, step, metrics):
-        self.logged.append(metrics)
 
 
 def test_router_aux_loss_is_logged(tmp_path):
@@ -30,7 +22,7 @@ def test_router_aux_loss_is_logged(tmp_path):
         f"model.path={tmp_path / 'moe'}", f"model.tokenizer={tiny_tokenizer_path()}", "training.steps=2",
         "training.micro_batch_size=2", "training.log_every=1", "data.max_seq_len=64", "engine.device=cpu",
         "training.export=false", f"training.storage={tmp_path}", "training.run_name=moe"])
-    recorder = Recorder()
+    recorder = RecordLogs()
     trainer = Trainer(cfg, [recorder])
     try:
         trainer.fit()
