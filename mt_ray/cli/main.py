@@ -128,7 +128,7 @@ def _calc(args) -> int:
                         image_tokens=args.image_tokens, stage=stage)
     model = run.model.model_dump(exclude_defaults=True) if run else {"path": args.path} if args.path else {
         "preset": args.preset or "tiny"}
-    cluster = _cluster_sizing(spec, args) if args.workers is not None or args.nodes > 1 else None
+    cluster = _cluster_sizing(spec, args, stage) if args.workers is not None or args.nodes > 1 else None
     if args.json:
         print(json.dumps({**rec, "config": config_snippet(rec, model) if rec["fits"] else None,
                           **({"cluster": cluster.as_dict()} if cluster else {})}, indent=2))
@@ -155,8 +155,9 @@ def _disk_bandwidth(args) -> tuple[float | None, float | None]:
     return args.nvme_gbps, args.nvme_gbps
 
 
-def _cluster_sizing(spec, args):
-    """Per-node host memory, object store and network of a data-parallel run of the recommended engine."""
+def _cluster_sizing(spec, args, stage):
+    """Per-node host memory, object store and network of a data-parallel run of the recommended engine (a
+    preference stage's reference once per node)."""
     from mt_ray.cluster.sizing import size_cluster
     from mt_ray.engine.config import EngineConfig, OptimizerConfig
 
@@ -164,7 +165,7 @@ def _cluster_sizing(spec, args):
     if args.workers % args.nodes:
         raise ConfigError(f"--workers {args.workers} cannot spread evenly over --nodes {args.nodes}")
     cfg = EngineConfig(device="cpu", compute_dtype="bf16", grad_dtype="compute")
-    return size_cluster(spec, cfg, OptimizerConfig(), args.workers, args.nodes)
+    return size_cluster(spec, cfg, OptimizerConfig(), args.workers, args.nodes, reference=stage.reference)
 
 
 def _export(args) -> int:

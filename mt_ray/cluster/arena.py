@@ -19,9 +19,12 @@ Nothing model-sized is copied or put per step:
   lands its device->host copy straight in the slot (a lone worker's is then used as it is);
   each further worker lands in a ring of its own (a fixed size, at most RING_CAP_MB), in pieces
   of at most half the ring, and the shard adds each piece, in rank order, into the slot's range.
+- **reference.** A preference stage's frozen starting weights (`training.stage: dpo | kto` with a loss
+  that needs them), every unit in the compute dtype, written by the shard as it loads the weights:
+  held once per node however many workers stream from it, never versioned (nothing updates them).
 
 Layout (byte offsets, each region 4 KiB-aligned, computed alike by the shard and its workers):
-header words (generation, state, one version per unit), weights, gradient slots, rings.
+header words (generation, state, one version per unit), weights, reference, gradient slots, rings.
 """
 
 from __future__ import annotations
@@ -76,6 +79,8 @@ class ArenaLayout:
     numels: dict[str, int]
     master_offset: int  # the shard's own units, contiguous, fp32: its HostStore master
     master_numel: int
+    ref_offsets: dict[str, int]  # a preference stage's reference, each unit in the compute dtype (empty: none)
+    ref_dtype: torch.dtype
     grad_offsets: dict[str, int]
     grad_dtype: torch.dtype
     ring_offset: int
@@ -85,9 +90,9 @@ class ArenaLayout:
 
     @classmethod
     def build(cls, spec: ModelSpec, plan: ShardPlan, shard: int, dtype: torch.dtype, grad_dtype: torch.dtype,
-              num_local: int, ring: int | None = None) -> ArenaLayout:
-        """The layout of shard `shard`'s node: `num_local` workers, the compute `dtype` for other shards' units,
-        rings of `ring` elements (default `ring_numel`'s)."""
+              num_local: int, ring: int | None = None, reference: bool = False) -> ArenaLayout:
+        """The layout of shard `shard`'s node: `num_local` workers, the compute `dtype` for other shards' units
+        (and the `reference`, when the stage streams one), rings of `ring` elements (default `ring_numel`'s)."""
         owned = {u.name for u in plan.units_of(shard)}
         off = _align(8 * (_HEADER + len(spec.units)))
         weight_offsets, weight_dtypes, master_offset = {}, {}, None
@@ -100,6 +105,10 @@ class ArenaLayout:
             if u.name not in owned:
                 off = _align(off)
         off = _align(off)
+        ref_offsets = {}
+        for u in spec.units if reference else ():
+            ref_offsets[u.name] = off
+            off = _align(off + u.numel * dtype.itemsize)
         grad_offsets = {}
         for u in spec.trainable_units:
             grad_offsets[u.name] = off
@@ -109,7 +118,15 @@ class ArenaLayout:
         return cls(tuple(u.name for u in spec.units), weight_offsets, weight_dtypes,
                    {u.name: u.numel for u in spec.units}, master_offset or 0, sum(u.numel for u in spec.units
                                                                                   if u.name in owned),
-                   grad_offsets, grad_dtype, off, ring, rings, off + rings * _align(ring * grad_dtype.itemsize))
+                   ref_offsets, dtype, grad_offsets, grad_dtype, off, ring, rings, off + rings * _align(ring * grad_dtype.itemsize))
+
+    @property
+    def reference_bytes(self) -> int:
+        """Bytes of the reference region (0 where the stage streams none)."""
+        if not self.ref_offsets:
+            return 0
+        last = self.units[-1]
+        return _align(self.ref_offsets[last] + self.numels[last] * self.ref_dtype.itemsize) - self.ref_offsets[self.units[0]]
 
     @property
     def ring_bytes(self) -> int:
@@ -150,7 +167,8 @@ class NodeArena:
         if layout.nbytes > free:
             raise InsufficientMemoryError(
                 f"the node's shared-memory arena needs {layout.nbytes / GIB:.1f} GiB (fp32 state's master, the "
-                f"gradients, {layout.num_rings} worker rings) but only {free / GIB:.1f} GiB is free; spread the "
+                f"gradients, {layout.num_rings} worker rings, a reference of {layout.reference_bytes / GIB:.1f} GiB) "
+                f"but only {free / GIB:.1f} GiB is free; spread the "
                 "state over more nodes (cluster.num_nodes), run fewer workers per node, or use a larger host")
         fd = os.memfd_create("mt-ray-arena", os.MFD_CLOEXEC)
         os.ftruncate(fd, layout.nbytes)
@@ -186,6 +204,11 @@ class NodeArena:
     def master(self) -> torch.Tensor:
         """The shard's own units' fp32 weights, contiguous: its HostStore's master buffer."""
         return self._view(self.layout.master_offset, self.layout.master_numel, torch.float32)
+
+    def reference(self, unit: str) -> torch.Tensor:
+        """The unit's reference weights (a preference stage's frozen starting weights), in the compute dtype."""
+        lay = self.layout
+        return self._view(lay.ref_offsets[unit], lay.numels[unit], lay.ref_dtype)
 
     def grad(self, unit: str) -> torch.Tensor:
         """The unit's gradient slot (where the node's first worker lands it, and where a sum goes)."""

@@ -81,9 +81,9 @@ class ClusterConfig(BaseModel):
 
 
 def check_cluster_stage(stage: str) -> None:
-    """Refuse a `training.stage` the cluster cannot train. Its workers' engines run SFT only: a preference loss
-    is a mean over the global batch's pairs (a worker scales by loss tokens), and its reference weights would
-    need a frozen copy in every node's arena."""
-    if stage != "sft":
+    """Refuse a `training.stage` the cluster cannot train. Its workers' engines run SFT and the preference stages
+    (dpo, kto); grpo samples its completions on one engine's device copy of the policy."""
+    if stage not in ("sft", "dpo", "kto"):
         raise ConfigError(f"training.stage {stage} does not run on the Ray cluster (cluster.num_workers > 1 trains "
-                          "sft only); run it on the single engine with `mt-ray train` and cluster.num_workers: 1")
+                          "sft, dpo and kto); run it on the single engine with `mt-ray train` and "
+                          "cluster.num_workers: 1")

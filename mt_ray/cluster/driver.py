@@ -4,7 +4,11 @@ Each global batch (a list of micro-batches) is split across the workers; every w
 its loss by the global loss-token count, so the shards' sum of their gradients is the gradient
 one engine would compute on the whole batch. An image-text batch splits as its rows do: each
 row's images are its own (`images`, one list per row), and everything else the engine derives
-from a row (rotary positions, image-token masks) is computed from that row alone. Workers sit in a placement group, the same number
+from a row (rotary positions, image-token masks) is computed from that row alone. A preference
+stage's pair shares one row (chosen and rejected, packed or not), so no split cuts a pair; every
+worker normalises by the global batch's pair (or KTO example) count, and the driver adds the
+workers' metric sums before dividing by it. KTO's KL estimate is a mean over a whole micro-batch's
+twins, so its micro-batches go whole to the workers. Workers sit in a placement group, the same number
 on each node beside that node's coordinator shard (mt_ray.cluster.shard), which sums their
 gradients and owns one contiguous part of the fp32 state.
 
@@ -42,12 +46,13 @@ from mt_ray.cluster.sizing import GIB, ClusterSizing, landers, size_cluster
 from mt_ray.cluster.store_settings import SYSTEM_CONFIG
 from mt_ray.cluster.wire import from_numpy, to_numpy
 from mt_ray.cluster.worker import EngineWorker
-from mt_ray.engine.batch import IGNORE_INDEX
+from mt_ray.engine.batch import IGNORE_INDEX, preference_counts
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.engine import EvalResult, StepResult
 from mt_ray.engine.host_store import plan_layout
 from mt_ray.engine.optimizer import lr_at
-from mt_ray.engine.sizing import Machine, predicted_step_seconds
+from mt_ray.engine.preference import Objective, PreferenceConfig, add_sums
+from mt_ray.engine.sizing import Machine, Stage, predicted_step_seconds
 from mt_ray.errors import ConfigError, InsufficientMemoryError
 from mt_ray.models.discovery import ModelSpec, discover
 from mt_ray.models.vision import VISION_EMBED, VISION_PROJECTOR
@@ -94,20 +99,23 @@ def count_loss_tokens(batch: Batch) -> int:
     return sum(int((mb.get("labels", mb["input_ids"])[:, 1:] != IGNORE_INDEX).sum()) for mb in batch)
 
 
-def shard_batch(batch: Batch, num_workers: int) -> list[Batch]:
-    """Split a global batch: whole micro-batches when they divide evenly, else rows of each.
+def shard_batch(batch: Batch, num_workers: int, whole: bool = False) -> list[Batch]:
+    """Split a global batch: whole micro-batches when they divide evenly, else rows of each. `whole`: whole
+    micro-batches always, as evenly as they go (a loss that depends on the whole micro-batch: KTO's KL estimate).
 
     Every piece is a copy: a view (of the loader's step batch, say) would ship its whole storage.
     """
     m = len(batch)
-    if m % num_workers == 0:
-        per = m // num_workers
-        return [[_rows_of(mb, 0, _rows([mb])) for mb in batch[r * per : (r + 1) * per]] for r in range(num_workers)]
+    if m % num_workers == 0 or whole:
+        if m < num_workers:
+            raise ClusterError(f"a global batch of {m} micro-batches cannot feed {num_workers} workers whole (stage "
+                               "kto's KL estimate is over each whole micro-batch); raise training.grad_accum_steps "
+                               "to at least cluster.num_workers")
+        bounds = _even_bounds(m, num_workers)
+        return [[_rows_of(mb, 0, _rows([mb])) for mb in batch[bounds[r] : bounds[r + 1]]] for r in range(num_workers)]
     shards: list[Batch] = [[] for _ in range(num_workers)]
     for mb in batch:
-        rows = _rows([mb])
-        # torch.tensor_split's cut: the first rows % num_workers pieces have one row more.
-        bounds = [r * (rows // num_workers) + min(r, rows % num_workers) for r in range(num_workers + 1)]
+        bounds = _even_bounds(_rows([mb]), num_workers)
         for r in range(num_workers):
             if bounds[r + 1] > bounds[r]:
                 shards[r].append(_rows_of(mb, bounds[r], bounds[r + 1]))
@@ -168,14 +176,19 @@ class DataParallelTrainer:
 
     It trains like a `StreamingEngine` (`train_step`, `save_checkpoint`, `export`, ...), so the
     `Trainer` drives either. `after_launch(step, trainer)` runs right after a step's work is
-    handed to the workers (a seam for tests and fault injection). `stage` is the run's `training.stage`:
-    anything but `sft` is refused.
+    handed to the workers (a seam for tests and fault injection). `stage` is the run's `training.stage`
+    (`check_cluster_stage` says which run here), with its `pref` section; the reference a preference
+    stage streams is the starting weights, kept in each node's arena.
     """
 
     def __init__(self, model, engine_cfg: EngineConfig, opt_cfg: OptimizerConfig, num_workers: int,
                  total_steps: int, cluster: ClusterConfig | None = None, weights: int | str | dict = 0,
-                 after_launch: Callable[[int, DataParallelTrainer], None] | None = None, stage: str = "sft"):
+                 after_launch: Callable[[int, DataParallelTrainer], None] | None = None, stage: str = "sft",
+                 pref: PreferenceConfig | None = None):
         check_cluster_stage(stage)  # before any state, Ray or actor is built
+        self.stage, self.pref = stage, pref or PreferenceConfig()
+        self.objective = Objective(stage, self.pref) if stage != "sft" else None
+        self.reference = Stage.of(stage, self.pref).reference  # each node's arena keeps the reference
         if engine_cfg.state_placement != "host":  # the shards keep master and moments in the node's shared memory
             raise ConfigError(f"engine.state_placement: {engine_cfg.state_placement} runs on a single engine for now; "
                               "use cluster.num_workers: 1, or state_placement: host")
@@ -202,7 +215,7 @@ class DataParallelTrainer:
                               "cluster.grad_reduce: host")
         self.landers = landers(self.workers_per_node, self.cluster.grad_reduce)
         self.sizing = size_cluster(self.spec, engine_cfg, opt_cfg, num_workers, nodes, self.cluster.grad_reduce,
-                                   self.cluster.grad_ring_mb)
+                                   self.cluster.grad_ring_mb, self.reference)
         check_plan(self.sizing, engine_cfg, num_workers)
         self._started_ray = init_ray(self.cluster, self.sizing.object_store_bytes)
         self.gpus_per_worker = self._resolve_gpus_per_worker()
@@ -278,7 +291,8 @@ class DataParallelTrainer:
         shards = [cls.options(num_cpus=self.cluster.coordinator_cpus, max_restarts=0,
                               max_concurrency=16 + 2 * self.num_workers + 4 * self.workers_per_node + 4 * n, **self._on_node(s)).remote(
             self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps, s, n,
-            self.landers, self.num_workers, self.cluster.snapshot_every, self.ring, self.freeze) for s in range(n)]
+            self.landers, self.num_workers, self.cluster.snapshot_every, self.ring, self.freeze, self.reference)
+            for s in range(n)]
         self._ask_shards([s.set_peers.remote(shards) for s in shards])
         if isinstance(weights, int):
             calls = [s.load_random.remote(weights) for s in shards]
@@ -301,7 +315,8 @@ class DataParallelTrainer:
                                      max_restarts=0, **self._on_node(node)).remote(
                 r, self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps,
                 self.shards[node], node, self.cluster.num_nodes, self.landers, self.ring, self.arenas[node],
-                self.generation, start_step, self.cluster.placement_timeout_s, self.freeze)
+                self.generation, start_step, self.cluster.placement_timeout_s, self.freeze, self.stage,
+                self.pref.model_dump())
         return workers
 
     @property
@@ -363,10 +378,11 @@ class DataParallelTrainer:
         return result
 
     def _run_step(self, step: int, batch: Batch) -> StepResult:
-        shards = shard_batch(batch, self.num_workers)
+        shards = shard_batch(batch, self.num_workers, whole=self.stage == "kto")
         n_global = count_loss_tokens(batch)
+        counts = preference_counts(batch) if self.objective is not None else None
         timeout = self._step_timeout(batch)
-        self._inflight = [w.train_step.remote(step, s, n_global, timeout)
+        self._inflight = [w.train_step.remote(step, s, n_global, timeout, counts)
                           for w, s in zip(self.workers, shards, strict=True)]
         norms = [s.local_norm_sq.remote(self.generation, step) for s in self.shards]
         if self.after_launch is not None:
@@ -380,9 +396,10 @@ class DataParallelTrainer:
         self._ask_shards([s.apply_norm.remote(step, norm_sq) for s in self.shards])
         loss = sum(o["loss"] for o in outs)  # each worker's loss is its share of the global mean
         aux = None if outs[0]["aux_loss"] is None else torch.tensor(sum(o["aux_loss"] for o in outs), dtype=torch.float64)
+        metrics = None if counts is None else self.objective.metrics(_summed(o["pref_sums"] for o in outs), counts)
         return StepResult(torch.tensor(loss, dtype=torch.float64), torch.tensor(norm_sq, dtype=torch.float32).sqrt(),
                           lr_at(step, self.opt_cfg, self.total_steps), sum(o["num_tokens"] for o in outs), n_global,
-                          aux)
+                          aux, metrics)
 
     def _step_timeout(self, batch: Batch) -> float:
         """`cluster.step_timeout_s`, or with `auto` STEP_TIMEOUT_FACTOR x the calculator's estimate of this step on
@@ -413,13 +430,27 @@ class DataParallelTrainer:
         return ray.get(self._inflight)
 
     def evaluate(self, micro_batches: Batch) -> EvalResult:
-        """Held-out loss of `micro_batches` split across the workers, forward only (no gradient, no update)."""
-        parts = shard_batch(micro_batches, min(self.num_workers, _rows(micro_batches)))
+        """Held-out loss of `micro_batches` split across the workers, forward only (no gradient, no update); a
+        preference stage's metric sums added over the workers, with the whole batch's counts."""
+        whole = self.stage == "kto"
+        parts = shard_batch(micro_batches, min(self.num_workers, len(micro_batches) if whole else _rows(micro_batches)),
+                            whole)
         timeout = self._step_timeout(micro_batches)
         outs = ray.get([w.evaluate.remote(p, timeout) for w, p in zip(self.workers, parts, strict=False)],
                        timeout=timeout)  # fewer rows than workers: some idle
+        pref = (None, None) if self.objective is None else (_summed(o["pref_sums"] for o in outs),
+                                                             preference_counts(micro_batches))
         return EvalResult(torch.tensor(sum(o["loss_sum"] for o in outs), dtype=torch.float64),
-                          sum(o["num_loss_tokens"] for o in outs), sum(o["num_tokens"] for o in outs))
+                          sum(o["num_loss_tokens"] for o in outs), sum(o["num_tokens"] for o in outs), *pref)
+
+    def sequence_logps(self, micro_batches: Batch) -> list[torch.Tensor]:
+        """Each micro-batch's sequence log-prob sums under the current weights (`StreamingEngine.sequence_logps`),
+        whole micro-batches on each worker (nothing here is normalised over the batch)."""
+        parts = shard_batch(micro_batches, min(self.num_workers, len(micro_batches)), whole=True)
+        timeout = self._step_timeout(micro_batches)
+        outs = ray.get([w.sequence_logps.remote(p, timeout) for w, p in zip(self.workers, parts, strict=False)],
+                       timeout=timeout)
+        return [s for out in outs for s in out]  # rank order is micro-batch order
 
     def _forget(self) -> None:
         """Drop batches no recovery can need: those before the snapshot before last."""
@@ -594,6 +625,19 @@ def freeze_options(spec: ModelSpec) -> dict[str, bool]:
         return {}
     return {"freeze_vision_tower": spec.unit(VISION_EMBED).frozen,
             "freeze_multi_modal_projector": spec.unit(VISION_PROJECTOR).frozen}
+
+
+def _summed(parts: Iterable[dict[str, float]]) -> dict[str, torch.Tensor]:
+    """The workers' preference metric sums added up, key by key (in rank order)."""
+    total: dict[str, torch.Tensor] = {}
+    for part in parts:
+        add_sums(total, {k: torch.tensor(v, dtype=torch.float64) for k, v in part.items()})
+    return total
+
+
+def _even_bounds(n: int, parts: int) -> list[int]:
+    """torch.tensor_split's cut of `n` items into `parts`: the first n % parts pieces have one item more."""
+    return [r * (n // parts) + min(r, n % parts) for r in range(parts + 1)]
 
 
 def _rows(batch: Batch) -> int:

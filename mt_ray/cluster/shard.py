@@ -14,6 +14,9 @@ stream and whose gradient slots and rings they land their gradients in. It plays
   arena. Each update bumps the unit's version word there, which is all a local worker waits
   for; with several nodes the owner also sends the unit's compute-dtype weights to the other
   nodes' shards, which copy them into their arenas.
+- **reference keeper.** A preference stage that streams a reference gets it in the arena: every
+  unit's starting weights, written in the compute dtype as they are loaded (each shard reads the
+  whole checkpoint or initialisation anyway), once per node; a checkpoint restores the policy only.
 A frozen unit (an image-text model's vision tower, by default) is never updated: it is present
 at every version. A vision unit that no worker's rows used in a step (no image anywhere in the
 batch) arrives as None from every worker: like torch with a None gradient, it is left as it
@@ -130,9 +133,10 @@ class CoordinatorShard:
 
     def __init__(self, model, engine_cfg: dict, opt_cfg: dict, total_steps: int, shard: int, num_shards: int,
                  num_local: int, num_workers: int, snapshot_every: int, ring: int,
-                 freeze: dict[str, bool] | None = None):
+                 freeze: dict[str, bool] | None = None, reference: bool = False):
         """`ring`: elements of each further local worker's gradient ring. `freeze`: the `discover` options the
-        driver's spec was found with (an image-text model's freeze flags)."""
+        driver's spec was found with (an image-text model's freeze flags). `reference`: the stage streams a
+        reference, which the arena keeps."""
         self.node_memory = NodeMemoryPeak()  # before anything of the run is allocated here
         self.spec = discover(model, **(freeze or {}))
         self.cfg = EngineConfig(**engine_cfg)
@@ -151,7 +155,7 @@ class CoordinatorShard:
         self.clips = self.opt_cfg.max_grad_norm > 0
         self.gpu_norm = num_workers == 1  # the lone worker's engine takes the norm on its GPU, as one engine does
         layout = ArenaLayout.build(self.spec, self.plan, shard, self.cfg.dtype, self.cfg.grad_torch_dtype, num_local,
-                                   ring)
+                                   ring, reference)
         self.arena = NodeArena.create(layout, self.cfg.host_memory_limit_gb)
         # Where the workers' pieces of each gradient start and end (the first worker's lands whole; with no
         # further workers, so does every gradient).
@@ -198,12 +202,17 @@ class CoordinatorShard:
         load_safetensors(self.spec, folder, self._load_owned)
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        for unit in self.owned:
-            self.store.load_named(unit, {k: from_numpy(a, torch.float32) for k, a in state.items()})
+        tensors = {k: from_numpy(a, torch.float32) for k, a in state.items()}
+        for unit in self.spec.units:
+            self._load_owned(unit, tensors)
 
     def _load_owned(self, unit, tensors: dict[str, torch.Tensor]) -> None:
+        """An owned unit's weights into the master; every unit's into the reference, where the arena keeps one."""
         if unit.name in self.owned_names:
             self.store.load_named(unit, tensors)
+        if self.arena.layout.ref_offsets:  # cast as the single engine's snapshot of its fp32 master casts it
+            for name, view in self.store.named_views(unit, self.arena.reference(unit.name)).items():
+                view.copy_(tensors[name].detach().to(torch.float32))
 
     # The readers below run between steps, once `wait_updated` has returned: nothing is updating.
 

@@ -2,8 +2,8 @@
 
 Per node (the most loaded one): its coordinator shard's fp32 state (12 B/param of its part; 4 for
 a frozen unit, which has no moments), whose master is part of the node's shared-memory arena;
-the rest of the arena (other nodes' units in the compute dtype, a gradient slot per trained unit,
-and a gradient ring for each worker after the node's first); each worker's own process; and an
+the rest of the arena (other nodes' units in the compute dtype, a preference stage's reference in
+it, a gradient slot per trained unit, and a gradient ring for each worker after the node's first); each worker's own process; and an
 object store that carries only batches and, with several nodes, unit-sized transfers between them.
 The worker count adds only its rings and processes: `per_worker_bytes`, named, and nothing model-sized.
 """
@@ -39,6 +39,7 @@ class ClusterSizing:
     shard_params: int
     state_bytes: int
     arena_bytes: int  # beside the master, which `state_bytes` counts
+    reference_bytes: int  # of `arena_bytes`: a preference stage's reference (compute dtype), once per node
     rings: int  # one for each worker after the node's first, which lands in the slots (none with grad_reduce nccl)
     ring_bytes: int
     worker_process_bytes: int
@@ -66,10 +67,11 @@ class ClusterSizing:
 
 
 def size_cluster(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, num_workers: int,
-                 num_nodes: int, grad_reduce: str = "host", ring_mb: float | None = None) -> ClusterSizing:
+                 num_nodes: int, grad_reduce: str = "host", ring_mb: float | None = None,
+                 reference: bool = False) -> ClusterSizing:
     """The plan of `num_workers` workers spread over `num_nodes` nodes, one coordinator shard each (`grad_reduce`
     nccl: the node's GPUs sum gradients between them, so only one lands, and no worker has a ring; `ring_mb`:
-    `cluster.grad_ring_mb`)."""
+    `cluster.grad_ring_mb`; `reference`: the stage streams a reference, `Stage.reference`)."""
     plan = ShardPlan.build(spec, num_nodes)
     per_node = num_workers // num_nodes
     w, g = cfg.dtype.itemsize, cfg.grad_torch_dtype.itemsize
@@ -79,7 +81,7 @@ def size_cluster(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, num_w
     shard = sum(u.numel for u in part)
     shard_trained = sum(u.numel for u in part if not u.frozen)
     layout = ArenaLayout.build(spec, plan, node, cfg.dtype, cfg.grad_torch_dtype, landers(per_node, grad_reduce),
-                               ring_numel(spec, cfg.grad_torch_dtype, ring_mb))
+                               ring_numel(spec, cfg.grad_torch_dtype, ring_mb), reference)
     rings = layout.num_rings * layout.ring_bytes
     largest = max(u.numel for u in spec.units)
     # Several nodes: partial sums going out and coming in, and updated units cast for the other nodes.
@@ -89,6 +91,7 @@ def size_cluster(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, num_w
     return ClusterSizing(
         num_nodes=num_nodes, workers_per_node=per_node, params=spec.num_params, shard_params=shard,
         state_bytes=sum(state_cost(u) for u in part), arena_bytes=layout.nbytes - 4 * layout.master_numel - rings,
+        reference_bytes=layout.reference_bytes,
         rings=layout.num_rings, ring_bytes=layout.ring_bytes, worker_process_bytes=WORKER_PROCESS_BYTES,
         object_store_bytes=int(transit * STORE_SLACK) + STORE_BASE_BYTES,
         network_out_bytes_per_step=(remote * g + shard_trained * w * (num_nodes - 1)) if num_nodes > 1 else 0,
@@ -107,7 +110,9 @@ def render_cluster(sizing: ClusterSizing) -> str:
     rows = [
         ("nodes x workers per node", f"{s.num_nodes} x {s.workers_per_node}"),
         ("shard state (fp32 master, m, v)", f"{s.state_bytes / GIB:.1f} GiB"),
-        ("shared arena beside the master", f"{s.arena_bytes / GIB:.1f} GiB (gradients, other nodes' weights)"),
+        ("shared arena beside the master", f"{s.arena_bytes / GIB:.1f} GiB (gradients, other nodes' weights"
+                                           + (f", reference {s.reference_bytes / GIB:.1f} GiB)" if s.reference_bytes
+                                              else ")")),
         ("per worker (ring + process)", f"{s.per_worker_bytes / GIB:.2f} GiB"),
         ("object store", f"{s.object_store_bytes / GIB:.2f} GiB"),
         ("shard process, Ray's daemons", f"{NODE_BASE_BYTES / GIB:.1f} GiB"),

@@ -4,8 +4,9 @@ The engine is the ordinary single-device `StreamingEngine` with its seams filled
 streams each unit straight from the arena (the owning shard's fp32 master, cast on the GPU as
 the single engine's `stream_master` does), once the unit's version word says the previous step's
 update is in; `LandingBuffers` are where its gradients land (the arena's slots, or this worker's
-ring there); `ArenaGrads` tells the node's coordinator shard where each landed. The worker holds
-no weights, no gradients and no optimizer state of its own, and nothing it does per step copies
+ring there); `ArenaGrads` tells the node's coordinator shard where each landed. A preference
+stage's reference streams from the arena too (`ArenaReference`). The worker holds no weights, no
+gradients and no optimizer state of its own, and nothing it does per step copies
 or puts anything model-sized. Every wait that is not the GPU's own work (a device->host copy,
 the shard's acknowledgement) runs on a helper thread, never on the thread that launches GPU work.
 """
@@ -33,6 +34,8 @@ from mt_ray.cluster.partition import ShardPlan
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.engine import StreamingEngine
 from mt_ray.engine.pinning import register_pinned, unregister_pinned
+from mt_ray.engine.preference import PreferenceConfig
+from mt_ray.engine.sizing import Stage
 from mt_ray.models.discovery import discover
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,19 @@ class ArenaWeights:
 
     def release(self, unit: str, copied: torch.cuda.Event | None) -> None:
         """Nothing to drop: the arena outlives the step (the shard updates a unit only after every upload of it)."""
+
+
+class ArenaReference:
+    """ReferenceSource: a preference stage's frozen reference, held once in the node's arena for all its workers."""
+
+    def __init__(self, arena: NodeArena):
+        self.arena = arena
+
+    def streamed_of(self, unit: str) -> torch.Tensor:
+        return self.arena.reference(unit)
+
+    def close(self) -> None:
+        """Nothing to free: the arena belongs to the node's shard."""
 
 
 class LandingBuffers:
@@ -229,14 +245,18 @@ class EngineWorker:
 
     def __init__(self, rank: int, model, engine_cfg: dict, opt_cfg: dict, total_steps: int, shard, local_shard: int,
                  num_shards: int, num_local: int, ring: int, arena: ArenaHandle, generation: int, start_step: int,
-                 timeout_s: float, freeze: dict[str, bool] | None = None):
+                 timeout_s: float, freeze: dict[str, bool] | None = None, stage: str = "sft",
+                 pref: dict | None = None):
         """Weights and gradients go through `arena`, the node of `local_shard` (`shard`, one of `num_shards`,
         with `num_local` workers landing gradients in it, rings of `ring` elements). `freeze`: the `discover`
-        options the driver's spec was found with."""
+        options the driver's spec was found with. `stage` and `pref`: the run's preference stage (its reference,
+        where it streams one, is the arena's)."""
         spec = discover(model, **(freeze or {}))
         cfg = EngineConfig(**engine_cfg)
+        pref_cfg = PreferenceConfig(**(pref or {}))
+        reference = Stage.of(stage, pref_cfg).reference
         layout = ArenaLayout.build(spec, ShardPlan.build(spec, num_shards), local_shard, cfg.dtype,
-                                   cfg.grad_torch_dtype, num_local, ring)
+                                   cfg.grad_torch_dtype, num_local, ring, reference)
         self.rank = rank
         self.arena = NodeArena.attach(layout, arena)
         # Page-locked once (a mapping registers 13x faster than pinned memory allocates): every upload and
@@ -249,13 +269,15 @@ class EngineWorker:
         self.grads = ArenaGrads(shard, rank, generation, self.weights, self.landing,
                                 [u.name for u in spec.units], timeout_s)
         self.engine = StreamingEngine(spec, cfg, OptimizerConfig(**opt_cfg), total_steps, grad_sink=self.grads,
-                                      weight_source=self.weights, grad_buffers=self.landing)
+                                      weight_source=self.weights, grad_buffers=self.landing, stage=stage,
+                                      pref=pref_cfg, reference=ArenaReference(self.arena) if reference else None)
         self.engine.step_idx = start_step  # weight versions and the LR schedule follow the shards
 
     def train_step(self, step: int, micro_batches: list[dict[str, torch.Tensor]], loss_normaliser: int,
-                   timeout_s: float) -> dict:
-        """This worker's part of global step `step`; its loss is its share of the global mean. Every wait in it
-        (for weights, for room in the ring, for a sum) ends with an error after `timeout_s`.
+                   timeout_s: float, pref_counts: dict[str, int] | None = None) -> dict:
+        """This worker's part of global step `step`; its loss is its share of the global mean (a preference
+        stage's: normalised by the global batch's `pref_counts`, its metric sums returned for the driver to add).
+        Every wait in it (for weights, for room in the ring, for a sum) ends with an error after `timeout_s`.
 
         Returns once every gradient of the step is summed by this node's shard, so a worker lost
         after answering has lost nothing the step needs.
@@ -264,19 +286,30 @@ class EngineWorker:
             raise ClusterError(f"worker {self.rank} is at step {self.engine.step_idx}, asked for step {step}")
         self._bound_waits(timeout_s)
         self.grads.step = step
-        result = self.engine.train_step(micro_batches, loss_normaliser=loss_normaliser)
+        result = self.engine.train_step(micro_batches, loss_normaliser=loss_normaliser, pref_counts=pref_counts)
         loss = float(result.loss)  # waits for this worker's backward on the device
         self.grads.flush()
         # The router loss's share, weighted by this worker's loss tokens over the global count like the loss.
         aux = None if result.aux_loss is None else float(result.aux_loss)
-        return {"loss": loss, "num_tokens": result.num_tokens, "aux_loss": aux, "norm_sq": self.grads.norm_sq()}
+        return {"loss": loss, "num_tokens": result.num_tokens, "aux_loss": aux, "norm_sq": self.grads.norm_sq(),
+                "pref_sums": self._pref_sums()}
 
     def evaluate(self, micro_batches: list[dict[str, torch.Tensor]], timeout_s: float) -> dict:
-        """Summed loss of this worker's part of an evaluation batch under the current weights (forward only)."""
+        """Summed loss of this worker's part of an evaluation batch under the current weights (forward only),
+        and a preference stage's metric sums."""
         self._bound_waits(timeout_s)
         result = self.engine.evaluate(micro_batches)
         return {"loss_sum": float(result.loss_sum), "num_loss_tokens": result.num_loss_tokens,
-                "num_tokens": result.num_tokens}
+                "num_tokens": result.num_tokens, "pref_sums": self._pref_sums()}
+
+    def sequence_logps(self, micro_batches: list[dict[str, torch.Tensor]], timeout_s: float) -> list[torch.Tensor]:
+        """Each of this worker's micro-batches' sequence log-prob sums under the current weights (forward only)."""
+        self._bound_waits(timeout_s)
+        return [s.cpu() for s in self.engine.sequence_logps(micro_batches)]
+
+    def _pref_sums(self) -> dict[str, float] | None:
+        """The last step's (or evaluation's) preference metric sums over this worker's pairs or examples."""
+        return None if self.engine.pref is None else {k: float(v) for k, v in self.engine.pref.sums.items()}
 
     def _bound_waits(self, timeout_s: float) -> None:
         self.weights.timeout_s = self.landing.timeout_s = self.grads.timeout_s = timeout_s

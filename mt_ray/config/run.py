@@ -189,8 +189,13 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _workers_can_share_the_batch(self) -> RunConfig:
-        """Mirror `shard_batch`: whole micro-batches per worker, or every micro-batch cut into rows."""
+        """Mirror `shard_batch`: whole micro-batches per worker (always for kto), or every micro-batch cut into
+        rows."""
         n, t = self.cluster.num_workers, self.training
+        if t.stage == "kto" and t.grad_accum_steps < n:
+            raise ValueError(f"cluster.num_workers: stage kto estimates its KL term over each whole micro-batch, so "
+                             f"each of the {n} workers needs whole ones; use a training.grad_accum_steps of at least "
+                             f"{n}")
         if t.grad_accum_steps % n and n > t.micro_batch_size:
             raise ValueError(
                 f"cluster.num_workers: {n} workers cannot share a step of {t.grad_accum_steps} micro-batches of "

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mt_ray.engine.preference import Sequences, sequences_of
+from mt_ray.engine.preference import Sequences, add_counts, sequences_of
 from mt_ray.models.context import Documents, document_spans
 
 IGNORE_INDEX = -100
@@ -67,10 +67,7 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
     position_ids = batch.get("position_ids")
     if position_ids is None:
         position_ids = torch.arange(T).expand(B, T)
-    shifted = torch.full_like(labels, IGNORE_INDEX)
-    shifted[:, :-1] = labels[:, 1:]
-    flat = shifted.reshape(-1)
-    index = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+    flat, index = _loss_positions(labels)
     pin = device.type == "cuda"
     spans = document_spans(position_ids)
     cu_seq_lens = torch.tensor([s for s, _ in spans] + [B * T], dtype=torch.int32)
@@ -96,6 +93,26 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
         advantages=_to(advantages.reshape(-1).float(), device, pin) if advantages is not None else None,
         old_logps=_to(old.reshape(-1).float(), device, pin) if old is not None else None,
     )
+
+
+def preference_counts(micro_batches: list[dict[str, Any]]) -> dict[str, int]:
+    """What a preference step over `micro_batches` is normalised by (pairs, KTO examples, chosen tokens, ...), as
+    the engine counts them, from the host tensors: a data-parallel worker normalises its share by the global
+    batch's."""
+    counts: dict[str, int] = {}
+    for b in micro_batches:
+        index = _loss_positions(b.get("labels", b["input_ids"]))[1]
+        counts = add_counts(counts, sequences_of(b["seq_role"], b["segment_ids"], index, lambda t: t).counts)
+    counts["micro_batches"] = len(micro_batches)
+    return counts
+
+
+def _loss_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The labels shifted as transformers shifts them (token t predicts label t+1), flat, and where they carry loss."""
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    shifted[:, :-1] = labels[:, 1:]
+    flat = shifted.reshape(-1)
+    return flat, (flat != IGNORE_INDEX).nonzero().squeeze(1)
 
 
 def _collate_images(rows: list[list[dict[str, torch.Tensor]]] | None) -> dict[str, torch.Tensor] | None:

@@ -66,7 +66,7 @@ from mt_ray.engine.optimizer import UnitOptimizer, counts_behind, lr_at, restore
 from mt_ray.engine.optimizer_worker import OptimizerWorker
 from mt_ray.engine.preference import PreferenceConfig
 from mt_ray.engine.reference import REF, WithReference, build_preference, eval_mode, forward_plan
-from mt_ray.engine.seams import GradSink, WeightSource
+from mt_ray.engine.seams import GradSink, ReferenceSource, WeightSource
 from mt_ray.engine.sizing import grad_buffer_bytes, grad_buffers_per_unit
 from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
 from mt_ray.engine.transfer import GradBuffers, Outbox, StreamSet, WeightStreamer
@@ -127,19 +127,21 @@ class StreamingEngine:
     `grad_sink` and `weight_source` (given together) replace the local optimizer thread and
     host store, for a trainer that keeps the weights elsewhere (mt_ray.cluster); the engine
     then allocates no master weights or moments of its own. `stage` `dpo` or `kto` trains on
-    preference rows with the `pref` loss, `grpo` on sampled completions with the `grpo` loss (a single
-    engine only: mt_ray.cluster refuses both).
+    preference rows with the `pref` loss (such a trainer passes the `reference` it keeps), `grpo` on
+    sampled completions with the `grpo` loss (a single engine only: mt_ray.cluster refuses it).
     """
 
     def __init__(self, spec: ModelSpec, cfg: EngineConfig, opt_cfg: OptimizerConfig, total_steps: int,
                  grad_sink: GradSink | None = None, weight_source: WeightSource | None = None,
                  grad_buffers: GradBuffers | None = None, stage: str = "sft", pref: PreferenceConfig | None = None,
-                 grpo: GrpoConfig | None = None):
+                 grpo: GrpoConfig | None = None, reference: ReferenceSource | None = None):
         """`grad_buffers`: where gradients land on the host, given by a trainer whose buffers are shared memory
-        (mt_ray.cluster); by default the engine allocates its own pinned ones."""
+        (mt_ray.cluster); by default the engine allocates its own pinned ones. `reference`: a preference stage's
+        reference weights, given by a trainer that keeps them (with `weight_source`); by default a snapshot of
+        the loaded weights in host memory."""
         if (grad_sink is None) != (weight_source is None):
             raise ValueError("grad_sink and weight_source are given together or not at all")
-        if stage != "sft" and (grad_sink is not None or spec.vision is not None):
+        if stage != "sft" and ((grad_sink is not None and stage == "grpo") or spec.vision is not None):
             raise ValueError(f"stage {stage} runs on a single engine and a text model, for now")
         self.spec = spec
         self.cfg = cfg
@@ -186,7 +188,8 @@ class StreamingEngine:
         self.streams = StreamSet(self.device)
         depth = cfg.prefetch_units or cfg.checkpoint_every
         source, wait = (self.store, self.worker.wait_updated) if local else (weight_source, weight_source.wait_updated)
-        self.pref = build_preference(self, stage, pref or PreferenceConfig(), grpo, pin) if stage != "sft" else None
+        self.pref = build_preference(self, stage, pref or PreferenceConfig(), grpo, pin, reference) \
+            if stage != "sft" else None
         self._streams_reference = self.pref is not None and self.pref.streams_reference
         if self._streams_reference:
             source = WithReference(source, self.pref.reference, wait)
@@ -216,17 +219,19 @@ class StreamingEngine:
 
     # ------------------------------------------------------------------ public API
 
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], loss_normaliser: int | None = None) -> StepResult:
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], loss_normaliser: int | None = None,
+                   pref_counts: dict[str, int] | None = None) -> StepResult:
         """One optimizer step over `micro_batches` (the loss is normalised over all of them).
 
-        `loss_normaliser` replaces this step's own loss-token count: a data-parallel worker
-        passes the count over the whole global batch, so the workers' gradients sum to the
-        gradient of the global mean loss.
+        `loss_normaliser` replaces this step's own loss-token count, and `pref_counts` a preference
+        stage's own counts (pairs, KTO examples, chosen tokens: `preference_counts`): a data-parallel
+        worker passes those of the whole global batch, so the workers' gradients sum to the gradient
+        of the global mean loss, and their metric shares to its metrics.
         """
         mbs = self._prepare(micro_batches)
         n_loss = sum(mb.num_loss_tokens for mb in mbs)
         n_norm = n_loss if loss_normaliser is None else loss_normaliser
-        if self.pref is not None and self.pref.start(mbs) == 0:
+        if self.pref is not None and self.pref.start(mbs, pref_counts) == 0:
             raise ValueError("this step holds no preference pair, KTO example or GRPO completion")
         if n_norm == 0:
             raise ValueError("this step has no token that carries loss (every label is -100)")
@@ -306,6 +311,13 @@ class StreamingEngine:
         self._kept.clear()
         pref = (self.pref.sums, self.pref.norm) if self.pref is not None else (None, None)
         return EvalResult(loss_sum, sum(mb.num_loss_tokens for mb in mbs), sum(mb.num_tokens for mb in mbs), *pref)
+
+    def sequence_logps(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each micro-batch's sequence log-prob sums [S] under the current weights (an `evaluate` pass, forward
+        only): the starting weights' are what `pref.reference: precompute` caches."""
+        with self.pref.collecting() as sums:
+            self.evaluate(micro_batches)
+            return list(sums)
 
     def set_attention(self, requested: str) -> str:
         """Switch the attention backend between steps, resolved as `EngineConfig.attn_implementation` is at

@@ -32,7 +32,7 @@ from mt_ray.engine.grpo import GroupObjective, GrpoConfig
 from mt_ray.engine.host_store import StoreLayout
 from mt_ray.engine.pinning import host_empty, unregister_pinned
 from mt_ray.engine.preference import Objective, PreferenceConfig, add_counts, add_sums
-from mt_ray.engine.seams import WeightSource
+from mt_ray.engine.seams import ReferenceSource, WeightSource
 from mt_ray.engine.templates import UnitTemplate, Weights
 
 REF = "ref:"
@@ -70,7 +70,7 @@ class ReferenceWeights:
 class WithReference:
     """The policy's weight source with the reference's `ref:` units beside it; they never wait for the optimizer."""
 
-    def __init__(self, policy: WeightSource, reference: ReferenceWeights, policy_wait: Callable[[str, int], None]):
+    def __init__(self, policy: WeightSource, reference: ReferenceSource, policy_wait: Callable[[str, int], None]):
         self.policy = policy
         self.reference = reference
         self.policy_wait = policy_wait
@@ -89,12 +89,18 @@ class WithReference:
             self.policy.release(unit, copied)
 
 
-def build_preference(engine, stage: str, cfg: PreferenceConfig, grpo: GrpoConfig | None, pin: bool) -> PreferenceSteps:
+def build_preference(engine, stage: str, cfg: PreferenceConfig, grpo: GrpoConfig | None, pin: bool,
+                     given: ReferenceSource | None = None) -> PreferenceSteps:
     """The preference (or GRPO) stage of `engine`, with a reference to stream unless its loss needs none or
-    the reference's log-probs are precomputed."""
+    the reference's log-probs are precomputed: the `given` one (kept by a data-parallel trainer), else a
+    snapshot buffer of its own."""
     objective = GroupObjective(grpo or GrpoConfig()) if stage == "grpo" else Objective(stage, cfg)
     streamed = objective.needs_reference and (stage == "grpo" or cfg.reference == "stream")
-    return PreferenceSteps(engine, objective, ReferenceWeights(engine.store.layout, engine.dtype, pin) if streamed else None)
+    if given is not None and not streamed:
+        raise ValueError(f"stage {stage} with pref.loss {cfg.loss} and pref.reference {cfg.reference} streams no "
+                         "reference, but one was given")
+    reference = (given or ReferenceWeights(engine.store.layout, engine.dtype, pin)) if streamed else None
+    return PreferenceSteps(engine, objective, reference)
 
 
 def forward_plan(blocks: list[range], tied: bool, reference: bool) -> list[str]:
@@ -130,7 +136,7 @@ class PreferenceSteps:
     store); the engine calls it at the points where a step differs from SFT.
     """
 
-    def __init__(self, engine, objective: Objective, reference: ReferenceWeights | None):
+    def __init__(self, engine, objective: Objective, reference: ReferenceSource | None):
         self.e = engine
         self.objective = objective
         self.reference = reference
@@ -153,9 +159,10 @@ class PreferenceSteps:
     def streams_reference(self) -> bool:
         return self.reference is not None
 
-    def start(self, mbs: list[MicroBatch]) -> int:
+    def start(self, mbs: list[MicroBatch], counts: dict[str, int] | None = None) -> int:
         """Begin a step or an evaluation over `mbs`; returns what its loss is a mean over (pairs, KTO examples or
-        GRPO completions)."""
+        GRPO completions). `counts`: what the loss and metrics are normalised by, where not `mbs`' own (a
+        data-parallel worker's share of a global batch: the whole batch's `preference_counts`)."""
         for mb in mbs:
             if mb.seqs is None:
                 raise ValueError("a preference or GRPO stage needs batches with seq_role (the preference data "
@@ -165,10 +172,12 @@ class PreferenceSteps:
             if (self.objective.needs_reference and not self.streams_reference and mb.ref_logps is None
                     and self.collected is None):
                 raise ValueError("pref.reference: precompute needs each batch's ref_logps")
-        self.norm = {}
-        for mb in mbs:
-            self.norm = add_counts(self.norm, mb.seqs.counts)
-        self.norm["micro_batches"] = len(mbs)
+        if counts is None:
+            counts = {}
+            for mb in mbs:
+                counts = add_counts(counts, mb.seqs.counts)
+            counts["micro_batches"] = len(mbs)
+        self.norm = dict(counts)
         self.sums = {}
         self.slot = len(self.e._blocks()) + 1
         return self.objective.examples(self.norm)

@@ -1,4 +1,4 @@
-"""The two seams through which a trainer other than the local one plugs into the engine.
+"""The seams through which a trainer other than the local one plugs into the engine.
 
 By default the engine sends finished gradients to its own `OptimizerWorker` and streams
 weights from its own `HostStore`. A data-parallel trainer (mt_ray.cluster) passes objects with
@@ -42,3 +42,13 @@ class WeightSource(Protocol):
 
     def release(self, unit: str, copied: torch.cuda.Event | None) -> None:
         """The step will not read `unit` again once `copied` (its last upload; None on CPU) completes."""
+
+
+class ReferenceSource(Protocol):
+    """Where a preference stage reads its frozen reference's weights (the `ReferenceWeights` surface): a
+    data-parallel worker's are its node's, held once there for all its workers."""
+
+    def streamed_of(self, unit: str) -> torch.Tensor:
+        """The unit's flat host reference weights, in the compute dtype; never written during training."""
+
+    def close(self) -> None: ...

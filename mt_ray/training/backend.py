@@ -33,6 +33,9 @@ class TrainingBackend(Protocol):
     def evaluate(self, micro_batches: list[dict[str, torch.Tensor]]) -> EvalResult:
         """Summed loss of `micro_batches` under the current weights: forward only, nothing changes."""
 
+    def sequence_logps(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """A preference stage's sequence log-prob sums of each micro-batch under the current weights (forward only)."""
+
     def synchronize(self) -> None:
         """Wait until every update so far is in the master weights."""
 
@@ -66,7 +69,7 @@ def build_backend(cfg: RunConfig, spec: ModelSpec) -> TrainingBackend:
         from mt_ray.cluster import DataParallelTrainer  # Ray is needed only here
 
         return DataParallelTrainer(spec, cfg.engine, cfg.optimizer, cfg.cluster.num_workers, steps,
-                                   cluster=cfg.cluster, weights=weights, stage=cfg.training.stage)
+                                   cluster=cfg.cluster, weights=weights, stage=cfg.training.stage, pref=cfg.pref)
     engine_cfg = cfg.engine
     if cfg.training.stage == "grpo" and engine_cfg.keep_activations == "auto":
         # The rollout copy and its key/value cache share the GPU with the update, and the kept-block budget does not

@@ -2,7 +2,7 @@
 
 Before training (and before a resume restores the policy), the engine still holds the starting weights, which
 are the reference. `compute_reference_logps` runs them forward over every training and eval sequence with the
-engine's own `evaluate` (`PreferenceSteps.collecting`: no second layer loop) and keys each sequence's log-prob
+engine's own `evaluate` (`sequence_logps`: no second layer loop; on the cluster, its workers') and keys each sequence's log-prob
 sum by its tokens and labels: a sequence is its own document (positions restart, attention stays inside it), so
 its sum does not depend on the row it is packed in, and every later epoch's packing finds it. Training then
 holds no reference weights: `ReferenceLogps.attach` gives each batch its `ref_logps`.
@@ -135,20 +135,17 @@ def compute_reference_logps(cfg: RunConfig, engine, tokenizer, held_out,
     def walked(steps: int) -> bool:
         return steps >= t.steps if t.stage == "kto" else loader.epoch >= 1 and loader.window_used_up
 
-    with engine.pref.collecting() as sums:
-        steps = 0
-        while not walked(steps):
-            _record(engine, split_micro_batches(next(loader), t.micro_batch_size), sums, logps)
-            steps += 1
-        for i in range(0, len(eval_batches), t.grad_accum_steps):
-            _record(engine, eval_batches[i:i + t.grad_accum_steps], sums, logps)
+    steps = 0
+    while not walked(steps):
+        _record(engine, split_micro_batches(next(loader), t.micro_batch_size), logps)
+        steps += 1
+    for i in range(0, len(eval_batches), t.grad_accum_steps):
+        _record(engine, eval_batches[i:i + t.grad_accum_steps], logps)
     return logps
 
 
-def _record(engine, mbs: list[dict[str, torch.Tensor]], sums: list[torch.Tensor], logps: dict[str, float]) -> None:
-    engine.evaluate(mbs)
-    for mb, s_S in zip(mbs, sums, strict=True):
+def _record(engine, mbs: list[dict[str, torch.Tensor]], logps: dict[str, float]) -> None:
+    for mb, s_S in zip(mbs, engine.sequence_logps(mbs), strict=True):
         values = s_S.cpu().tolist()  # waits for the device: once per micro-batch, before training
         for index, key in sequence_keys(mb):
             logps[key] = values[index]
-    sums.clear()

@@ -101,9 +101,10 @@ def test_config_refuses_what_a_stage_cannot_run() -> None:
     with pytest.raises(ConfigError, match="pref.loss: 'dpop' is not a loss stage dpo runs; use one of sigmoid, ipo, "
                                           "hinge, orpo, simpo"):
         load_run_config(None, ["training.stage=dpo", "pref.loss=dpop"])
-    with pytest.raises(ConfigError, match="training.stage dpo does not run on the Ray cluster .*; run it on the "
-                                          "single engine with `mt-ray train` and cluster.num_workers: 1"):
-        load_run_config(None, ["training.stage=dpo", "cluster.num_workers=2"])
+    load_run_config(None, ["training.stage=dpo", "cluster.num_workers=2"])  # the cluster trains preference stages
+    with pytest.raises(ConfigError, match="cluster.num_workers: stage kto estimates its KL term over each whole "
+                                          "micro-batch, .* at least 2"):
+        load_run_config(None, ["training.stage=kto", "cluster.num_workers=2", "training.grad_accum_steps=1"])
     with pytest.raises(ConfigError, match="pref.loss: 'ipo' is not a loss stage kto runs; use one of sigmoid"):
         load_run_config(None, ["training.stage=kto", "pref.loss=ipo"])
 
