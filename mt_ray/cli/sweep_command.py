@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 _SWEEP_OPTIONS = ("name", "storage", "samples", "max_concurrent", "grace_steps", "reduction_factor", "search",
-                  "gpus_per_trial")
+                  "gpus_per_trial", "metric")
 
 
 def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,6 +26,8 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", help="the sweep's name: its folder under --storage and its MLflow run (default sweep)")
     p.add_argument("--gpus-per-trial", type=float, help="GPUs per single-engine trial (default: 1 where the "
                    "cluster has GPUs)")
+    p.add_argument("--metric", choices=["eval_loss", "eval_rewards/accuracies"], help="what trials are judged on "
+                   "(default eval_loss, lowest best; eval_rewards/accuracies: training.stage dpo, highest best)")
     p.add_argument("--resume", action="store_true", help="continue the interrupted sweep of this --name")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides of the run config")
 
@@ -43,7 +45,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(summary: dict[str, Any]) -> str:
-    return (f"best trial {summary['best_trial']}: eval_loss {summary['best_eval_loss']:.4f} at step "
+    return (f"best trial {summary['best_trial']}: {summary['metric']} {summary['best_value']:.4f} at step "
             f"{summary['best_step']} with {json.dumps(summary['best_config'])}\n"
             f"{summary['trials']} trials, {summary['stopped_early']} stopped early by ASHA, {summary['errors']} failed\n"
             f"train it: mt-ray train --config {summary['best_config_path']}")

@@ -63,13 +63,24 @@ class SweepConfig(BaseModel):
     """CPUs reserved for each trial's own process (its engine, or its data-parallel driver)."""
     gpus_per_trial: float | None = Field(None, ge=0)
     """GPUs of a single-engine trial; default: 1 when the cluster has GPUs and `engine.device` is not cpu."""
+    metric: Literal["eval_loss", "eval_rewards/accuracies"] = "eval_loss"
+    """What trials are judged on at each evaluation: `eval_loss` (lower is better), or, for `training.stage: dpo`,
+    `eval_rewards/accuracies` (higher is better: the held-out pairs whose chosen response earns the larger reward)."""
+
+    @property
+    def mode(self) -> Literal["min", "max"]:
+        """Whether the best trial has the least or the most of `metric`."""
+        return "min" if self.metric == "eval_loss" else "max"
 
     def checked(self, cfg: RunConfig) -> SweepConfig:
         """This config, refused where it cannot judge `cfg`'s trials; `grace_steps` filled in."""
         t = cfg.training
         if not cfg.data.has_eval_split or t.eval_every is None:
-            raise ConfigError("a sweep judges trials on eval_loss: set data.val_size (e.g. 0.1) or data.eval_datasets, "
-                              "and training.eval_every (the steps at which ASHA compares trials)")
+            raise ConfigError(f"a sweep judges trials on {self.metric}: set data.val_size (e.g. 0.1) or "
+                              "data.eval_datasets, and training.eval_every (the steps at which ASHA compares trials)")
+        if self.metric == "eval_rewards/accuracies" and t.stage != "dpo":
+            raise ConfigError(f"--metric eval_rewards/accuracies is reported by training.stage dpo only (this run's is "
+                              f"{t.stage}); use --metric eval_loss")
         grace = self.grace_steps or t.eval_every
         if grace > t.steps:
             raise ConfigError(f"--grace-steps {grace} is beyond training.steps ({t.steps}); use at most {t.steps}")

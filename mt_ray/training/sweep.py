@@ -1,4 +1,5 @@
-"""Ray Tune sweeps of ordinary runs, judged on held-out eval loss and cut short by ASHA.
+"""Ray Tune sweeps of ordinary runs, judged on held-out eval loss (or a DPO run's eval reward accuracy) and cut
+short by ASHA.
 
 Each trial is `mt_ray.training.launch`'s run of the base config with the trial's sampled keys set: the same
 data pipeline, checkpoints and MLflow logging as `mt-ray train`, as an MLflow child run of the
@@ -31,7 +32,6 @@ from mt_ray.training.callbacks import Callback
 from mt_ray.training.run_dir import resolve_storage, run_tracking_config
 from mt_ray.training.sweep_storage import BEST_CONFIG, SweepStorage
 
-METRIC = "eval_loss"
 # Paths in a run config that a trial, running in a folder of its own, must see as the driver sees them.
 _PATH_KEYS = ("model.path", "model.tokenizer", "data.registry")
 
@@ -102,8 +102,8 @@ def run_trial(sampled: dict[str, Any], plan: TrialPlan) -> None:
     from mt_ray.training.launch import run
 
     summary = run(plan.trial_config(sampled, tune.get_context().get_trial_id()), extra_callbacks=[TuneReportCallback()])
-    if "stopped_early" not in summary:
-        report({k: summary[k] for k in ("eval_loss", "eval_perplexity", "eval_tokens")}
+    if "stopped_early" not in summary:  # every eval metric the run has (a preference stage's rewards among them)
+        report({k: v for k, v in summary.items() if k.startswith("eval_")}
                | {"step": summary["steps"], "loss": summary["final_loss"]})
 
 
@@ -143,7 +143,7 @@ def run_sweep(base: dict[str, Any], space: list[Dimension], sweep: SweepConfig, 
                                   "keys": [d.key for d in space], "run_id": tracker.run_id})
             plan = TrialPlan(base, storage, tracker.run_id, sweep.name)
             results = _tuner(plan, cfg, space, sweep, tracking, resume).fit()
-            summary = summarize(results, base, cfg.training.steps, storage, tracker)
+            summary = summarize(results, base, cfg.training.steps, storage, tracker, sweep)
         except BaseException as e:
             tracker.close("KILLED" if isinstance(e, KeyboardInterrupt | SweepInterruptedError) else "FAILED")
             raise
@@ -200,21 +200,24 @@ def sweep_params(cfg: RunConfig, space: list[Dimension], sweep: SweepConfig) -> 
     return {"sweep": sweep.model_dump(mode="json"), "space": {d.key: d.describe() for d in space}, **config}
 
 
-def summarize(results, base: dict[str, Any], steps: int, storage: SweepStorage, tracker: MlflowTracker) -> dict:
-    """The best trial by last eval loss, its config written as `best_config.yaml`, and the counts; logged on the sweep run."""
+def summarize(results, base: dict[str, Any], steps: int, storage: SweepStorage, tracker: MlflowTracker,
+              sweep: SweepConfig) -> dict:
+    """The best trial by its last `sweep.metric`, its config written as `best_config.yaml`, and the counts; logged on
+    the sweep run."""
     unfinished = len(results) - results.num_terminated - results.num_errors
     if unfinished:
         raise SweepInterruptedError(f"the sweep stopped with {unfinished} trials unfinished; continue it with --resume "
                                     f"(--storage {storage.root} --name {storage.name})")
-    finished = [r for r in results if r.metrics and METRIC in r.metrics]
+    finished = [r for r in results if r.metrics and sweep.metric in r.metrics]
     if not finished:
-        raise ConfigError(f"no trial reported {METRIC}; see the trial errors above")
-    best = results.get_best_result(metric=METRIC, mode="min", scope="last")
+        raise ConfigError(f"no trial reported {sweep.metric}; see the trial errors above")
+    best = results.get_best_result(metric=sweep.metric, mode=sweep.mode, scope="last")
     best_values = apply_sampled(base, best.config)
     path = storage.write(BEST_CONFIG, yaml.safe_dump(best_values, sort_keys=False))
     trial_id = best.metrics["trial_id"]
     summary = {
-        "best_trial": trial_id, "best_eval_loss": best.metrics[METRIC], "best_step": best.metrics["step"],
+        "best_trial": trial_id, "metric": sweep.metric, "best_value": best.metrics[sweep.metric],
+        "best_eval_loss": best.metrics["eval_loss"], "best_step": best.metrics["step"],
         "best_config": plain(best.config), "best_config_path": path,
         "trials": len(results), "errors": len(results.errors),
         "stopped_early": sum(r.metrics["step"] < steps for r in finished), "run_id": tracker.run_id,
@@ -246,7 +249,7 @@ def _tuner(plan: TrialPlan, cfg: RunConfig, space: list[Dimension], sweep: Sweep
         param_space={d.key: d.to_tune() for d in space},
         # No reuse_actors: a stopped trial still finishes its run (summary, MLflow) in its thread, and
         # Tune fails the next trial when the reused process has not ended that thread within 2 s.
-        tune_config=tune.TuneConfig(metric=METRIC, mode="min", scheduler=scheduler, num_samples=sweep.samples,
+        tune_config=tune.TuneConfig(metric=sweep.metric, mode=sweep.mode, scheduler=scheduler, num_samples=sweep.samples,
                                     search_alg=build_search(sweep, space, cfg.training.seed), reuse_actors=False),
         run_config=tune.RunConfig(name=sweep.name, storage_path=storage.tune_storage_path,
                                   storage_filesystem=storage.filesystem,
