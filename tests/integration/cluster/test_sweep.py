@@ -15,8 +15,9 @@ pytest.importorskip("ray")
 
 from mt_ray.cli.main import main  # noqa: E402
 from mt_ray.config.run import load_run_values  # noqa: E402
-from mt_ray.config.sweep import SweepConfig, load_space  # noqa: E402
+from mt_ray.config.sweep import SweepConfig, build_space, load_space  # noqa: E402
 from mt_ray.training.sweep import run_sweep  # noqa: E402
+from tests.conftest import ROOT  # noqa: E402
 from tests.integration.cluster.demo_sweep import DEMO, DEMO_OVERRIDES, SPACE, STEPS  # noqa: E402
 
 
@@ -108,3 +109,22 @@ def test_the_best_config_trains_with_mt_ray_train(sweep):
     assert trained["steps"] == STEPS
     if summary["best_step"] == STEPS:  # the same run again: the same eval loss (up to thread-count rounding)
         assert trained["eval_loss"] == pytest.approx(summary["best_eval_loss"], rel=1e-3)
+
+
+def test_a_dpo_sweep_keeps_the_trial_with_the_highest_eval_reward_accuracy(local_ray, tmp_path):
+    """`--metric eval_rewards/accuracies` on the DPO demo: every trial reports its held-out reward accuracy (and no
+    eval perplexity, which a preference run does not have). lr 2e-2 overshoots: at step 2 its accuracy is below
+    lr 1e-5's, so ASHA, maximising, stops it there, and the best trial is the other."""
+    base = load_run_values(str(ROOT / "jobs/configs/dpo_demo.yaml"), [
+        "training.steps=4", "training.eval_every=2", "data.val_size=8", "data.max_seq_len=128",
+        "training.grad_accum_steps=1", "engine.device=cpu", "training.export=false", "tracking.enabled=false",
+        f"training.storage={tmp_path}"])
+    space = build_space({"optimizer.lr": {"grid": [1.0e-5, 2.0e-2]}}, base)
+    summary = run_sweep(base, space, SweepConfig(samples=1, max_concurrent=1, name="dpo",
+                                                 metric="eval_rewards/accuracies"))
+    assert summary["metric"] == "eval_rewards/accuracies" and summary["trials"] == 2 and summary["errors"] == 0
+    assert summary["stopped_early"] == 1 and summary["best_config"] == {"optimizer.lr": 1.0e-5}
+    [written] = (tmp_path / "sweeps" / "dpo" / "trials").glob(f"*{summary['best_trial']}/summary.json")
+    best = json.loads(written.read_text())
+    assert summary["best_value"] == best["eval_rewards/accuracies"] and summary["best_eval_loss"] == best["eval_loss"]
+    assert "eval_perplexity" not in best

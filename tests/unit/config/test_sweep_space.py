@@ -68,6 +68,18 @@ def test_a_sweep_needs_an_eval_split_and_eval_every():
     assert SweepConfig().checked(load_run_config(None, ["data.val_size=16", "training.eval_every=3"])).grace_steps == 3
 
 
+def test_a_dpo_sweep_may_judge_trials_on_reward_accuracy_highest_first():
+    evals = ["data.val_size=16", "training.eval_every=2"]
+    accuracy = SweepConfig(metric="eval_rewards/accuracies")
+    assert (accuracy.mode, SweepConfig().mode) == ("max", "min")
+    assert accuracy.checked(load_run_config(None, [*evals, "training.stage=dpo", "data.datasets=dpo_en_demo"]))
+    with pytest.raises(ConfigError, match=r"--metric eval_rewards/accuracies is reported by training.stage dpo only "
+                                          r"\(this run's is kto\); use --metric eval_loss"):
+        accuracy.checked(load_run_config(None, [*evals, "training.stage=kto"]))
+    with pytest.raises(ConfigError, match=r"--metric: Input should be 'eval_loss' or 'eval_rewards/accuracies'"):
+        load_sweep_config({"metric": "eval_accuracy"})
+
+
 def test_bad_options_name_the_flag():
     with pytest.raises(ConfigError, match=r"--samples: Input should be greater than or equal to 1"):
         load_sweep_config({"samples": 0, "name": None})
