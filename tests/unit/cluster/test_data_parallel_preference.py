@@ -108,6 +108,36 @@ def test_two_workers_train_a_preference_stage_as_one_engine(local_ray, case):
         torch.testing.assert_close(state[name], w, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def with_reference(backend, batch: list[dict]) -> list[dict]:
+    """`pref.reference: precompute`: each micro-batch with its sequences' log-prob sums under the current weights."""
+    sums = backend.sequence_logps(batch)
+    return [{**mb, "ref_logps": s.reshape(mb["seq_role"].shape)} for mb, s in zip(batch, sums, strict=True)]
+
+
+def test_a_precomputed_reference_trains_on_two_workers_as_on_one_engine(local_ray):
+    """The workers compute the starting weights' sequence sums (whole micro-batches each) as one engine does, hold
+    no reference, and train on the sums the batches carry as one engine does."""
+    pref = PreferenceConfig(beta=0.5, reference="precompute")
+    engine = StreamingEngine(discover(tiny_config("llama")), ENGINE, OPT, STEPS, stage="dpo", pref=pref)
+    try:
+        engine.load_random(seed=0)
+        batches = [with_reference(engine, global_batch("dpo", s)) for s in range(STEPS)]
+        ref = [float(engine.train_step(b).metrics["rewards/margins"]) for b in batches]
+    finally:
+        engine.close()
+    trainer = DataParallelTrainer(tiny_config("llama"), ENGINE, OPT, num_workers=2, total_steps=STEPS, weights=0,
+                                  stage="dpo", pref=pref)
+    try:
+        assert trainer.sizing.reference_bytes == 0
+        ours = [with_reference(trainer, global_batch("dpo", s)) for s in range(STEPS)]
+        for a, b in zip(ours, batches, strict=True):
+            torch.testing.assert_close([mb["ref_logps"] for mb in a], [mb["ref_logps"] for mb in b])
+        got = [float(trainer.train_step(b).metrics["rewards/margins"]) for b in batches]
+    finally:
+        trainer.close()
+    assert got == pytest.approx(ref, rel=1e-4, abs=1e-6) and ref[-1] != 0
+
+
 def roles_of(batch: list[dict]) -> list[list[int]]:
     return [row.tolist() for mb in batch for row in mb["seq_role"]]
 

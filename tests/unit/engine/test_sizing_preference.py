@@ -20,6 +20,7 @@ from mt_ray.engine.sizing import (
 )
 from mt_ray.models.discovery import discover
 from mt_ray.models.presets import preset_config
+from tests.conftest import ROOT
 from tests.tiny_models import tiny_config
 
 DPO, ORPO, KTO = ("dpo", PreferenceConfig()), ("dpo", PreferenceConfig(loss="orpo")), ("kto", PreferenceConfig())
@@ -93,3 +94,18 @@ def test_calc_counts_the_reference_of_the_dpo_demo(tmp_path, capsys):
     assert dpo["reference"] == "stream" and "reference" not in sft
     assert dpo["host_bytes_per_param"] == pytest.approx(sft["host_bytes_per_param"] + 2)
     assert dpo["reference_host_gib"] * 2**30 == 2 * dpo["params"]
+
+
+def test_calc_counts_the_reference_once_per_node_of_a_cluster(tmp_path, capsys):
+    """`--workers N`: the reference is in each node's arena once, so it adds its 2 B/param to a node whatever N."""
+    simpo = tmp_path / "simpo.yaml"
+    simpo.write_text((ROOT / "jobs/configs/dpo_demo.yaml").read_text().replace("loss: sigmoid", "loss: simpo"))
+    args = ["calc", "--gpu-mem-gb", "80", "--host-mem-gb", "64", "--json", "--config"]
+    nodes = {}
+    for workers, config in ((2, "jobs/configs/dpo_demo.yaml"), (4, "jobs/configs/dpo_demo.yaml"), (4, str(simpo))):
+        assert main([*args, config, "--workers", str(workers)]) == 0
+        nodes[workers, config] = json.loads(capsys.readouterr().out)["cluster"]
+    two, four, free = nodes.values()
+    assert two["reference_bytes"] == four["reference_bytes"] >= 2 * two["params"] and free["reference_bytes"] == 0
+    assert four["node_host_bytes"] - free["node_host_bytes"] == four["reference_bytes"]
+    assert four["node_host_bytes"] - two["node_host_bytes"] == 2 * two["per_worker_bytes"]
