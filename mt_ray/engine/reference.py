@@ -99,6 +99,9 @@ def build_preference(engine, stage: str, cfg: PreferenceConfig, grpo: GrpoConfig
     if given is not None and not streamed:
         raise ValueError(f"stage {stage} with pref.loss {cfg.loss} and pref.reference {cfg.reference} streams no "
                          "reference, but one was given")
+    if streamed and given is None and engine.store is None:
+        raise ValueError(f"stage {stage} streams a reference: an engine without a host store (a data-parallel "
+                         "worker's) needs its trainer's, as `reference`")
     reference = (given or ReferenceWeights(engine.store.layout, engine.dtype, pin)) if streamed else None
     return PreferenceSteps(engine, objective, reference)
 
