@@ -3,8 +3,8 @@
 Every `num_iterations` steps it makes a rollout batch, as TRL's generation batch (one step's completions:
 micro_batch_size x grad_accum_steps, so prompts = that / G): refresh the device copy from the master
 weights (all updates so far landed), sample G completions per prompt, score them, turn rewards into
-advantages, and build the engine's micro-batches; above one iteration, the policy's log-probs of the
-sampled tokens are kept first (`attach_old_logps`). The steps in between train on the same batch.
+advantages, and build the engine's micro-batches. The steps in between train on the same batch, with the
+log-probs the rollout's first step computed as the old policy's (`keep_old_logps`).
 Each rollout's metrics (TRL's names, plus the refresh's and generation's times) ride along to the logs.
 """
 
@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from mt_ray.config.run import RunConfig
 from mt_ray.data.loader import pad_token_id
 from mt_ray.models.discovery import ModelSpec
-from mt_ray.training.grpo.old_logps import attach_old_logps
+from mt_ray.training.grpo.old_logps import keep_old_logps
 from mt_ray.training.grpo.prompts import PromptStream, read_prompts
 from mt_ray.training.grpo.rewards import advantages_and_metrics, load_rewards
 from mt_ray.training.grpo.rollout import PolicyCopy, Rollout, completion_batches, kv_cache_bytes
@@ -48,6 +48,8 @@ class GrpoSteps:
     def __next__(self) -> list[dict]:
         if self._step % self.g.num_iterations == 0 or self.batches is None:
             self._rollout()
+        else:
+            self._keep_old_logps()
         self._step += 1
         return self.batches
 
@@ -66,11 +68,14 @@ class GrpoSteps:
         advantages, metrics = advantages_and_metrics(per_func, self.rewards, g.num_generations, g.scale_rewards)
         self.batches = completion_batches(rollout, advantages, g.mask_truncated_completions,
                                           self.cfg.training.micro_batch_size, self.pad_id)
-        if g.num_iterations > 1:
-            attach_old_logps(self.engine, self.batches)
         new_tokens = sum(rollout.lengths)
         self.metrics = {**metrics, **completion_metrics(rollout), "rollout/refresh_s": refresh_s,
                         "rollout/generate_s": generate_s, "rollout/tokens_per_s": new_tokens / max(generate_s, 1e-9)}
+
+    def _keep_old_logps(self) -> None:
+        """After the rollout's first step: its log-probs become the old policy's for the steps after it."""
+        if "old_logps" not in self.batches[0]:
+            keep_old_logps(self.engine, self.batches)
 
     def stats(self) -> dict[str, Any]:
         s = self.stream.state_dict()
