@@ -28,6 +28,7 @@ Shape key: N loss tokens of a micro-batch, S its sequence slots (rows x segments
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Literal
 
 import torch
@@ -95,6 +96,10 @@ class GrpoConfig(BaseModel):
     """Completions cut at max_completion_length (no end-of-sequence token) carry no loss."""
     rewards: list[RewardConfig] = Field(default_factory=lambda: [RewardConfig(name="accuracy")])
     """Reward functions, each with a weight; a completion's reward is their weighted sum."""
+    log_completions_every: int = Field(10, ge=0)
+    """With MLflow tracking: every this many steps, the completions the step trained on as an MLflow table
+    (`completions/step-<step>.json`: step, prompt, completion, each reward function's reward, advantage; TRL's
+    `log_completions` columns), one file a step so that logging one never rewrites the others; 0: never."""
 
     @field_validator("num_generations")
     @classmethod
@@ -117,6 +122,27 @@ class GrpoConfig(BaseModel):
     @property
     def epsilon_upper(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+class RolloutConfig(BaseModel):
+    """The `rollout` section (`training.stage: grpo`): what samples the completions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    engine: Literal["transformers", "vllm"] = "transformers"
+    """`transformers`: its `generate` on a copy of the policy on the GPU, refreshed from the master weights after
+    each update. `vllm` is refused for now: where vLLM is installed the weight push is not built yet, and where it
+    is not, the refusal says how to install it."""
+
+    @field_validator("engine")
+    @classmethod
+    def _built_and_installed(cls, value: str) -> str:
+        if value == "vllm":
+            if importlib.util.find_spec("vllm") is None:
+                raise ValueError("vllm is not installed here: pip install vllm (on a CUDA machine; its wheels pin their "
+                                 "own torch), or use rollout.engine: transformers")
+            raise ValueError("vllm: mt-ray does not push its weights into vLLM yet; use rollout.engine: transformers")
+        return value
 
 
 class GroupObjective:
