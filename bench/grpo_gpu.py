@@ -10,6 +10,10 @@ sample `--generations` completions of each of `--prompts` arithmetic prompts wit
   update TFLOPS      6 x params x the update's tokens / the engine step's seconds (MegaTrain's formula)
   step s             rollout + update; peak GPU memory (the engine, the copy and its key/value cache) and
                      host bytes/param
+  kept blocks        block graphs `keep_activations` kept (auto: as many as fit beside the rollout copy)
+
+With `--num-iterations 2` each rollout trains twice (rows: iteration 1, 2); the second takes the first's
+log-probs as the old policy's, so neither runs a forward pass of its own for them.
 
     python bench/grpo_gpu.py --shape qwen2.5-7b --prompts 64 --generations 8 --new-tokens 256 \
         --out bench/results/grpo_7b.json
@@ -46,6 +50,7 @@ def run_config(args):
         "grpo.rewards=[{name: format}, {name: 'jobs.rewards:digits'}]", f"engine.device={args.device}",
         f"engine.checkpoint_every={args.k}", f"engine.stream_master={args.stream_master}",
         f"engine.kernels={args.kernels}", f"engine.grad_dtype={args.grad_dtype}",
+        f"engine.keep_activations={args.keep_activations}", f"grpo.num_iterations={args.num_iterations}",
     ])
 
 
@@ -74,6 +79,7 @@ def measure(args) -> list[dict]:
                 "update_tokens": result.num_tokens,
                 "update_tflops": 6 * spec.text_params * result.num_tokens / update_s / 1e12,
                 "step_s": rollout_s + update_s, "completion_mean_length": m["completions/mean_length"],
+                "iteration": i % args.num_iterations + 1, "kept_blocks": engine.kept.last_count,
                 "reward": m["reward"], **engine.memory_metrics(),
             })
     finally:
@@ -95,13 +101,16 @@ def main() -> None:
     p.add_argument("--kernels", default="torch", choices=["torch", "liger"])
     p.add_argument("--grad-dtype", default="compute", choices=["fp32", "compute"],
                    help="host gradient buffers (compute: bf16 on a GPU, as the other benchmarks' lean setting)")
+    p.add_argument("--keep-activations", default="auto", help="engine.keep_activations (auto: as many as fit beside "
+                   "the rollout copy)")
+    p.add_argument("--num-iterations", type=int, default=1, help="grpo.num_iterations: updates per rollout")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--out", default="bench/results/grpo_gpu.json")
     args = p.parse_args()
     rows = measure(args)
-    print_table(rows, ["shape", "G", "new_tokens", "rollout_tokens_per_s", "refresh_s", "update_tflops", "step_s",
-                       "gpu_mem_gib", "host_bytes_per_param"])
+    print_table(rows, ["shape", "G", "new_tokens", "iteration", "kept_blocks", "rollout_tokens_per_s", "refresh_s",
+                       "update_tflops", "step_s", "gpu_mem_gib", "host_bytes_per_param"])
     write_json(args.out, {"args": vars(args), "rows": rows})
 
 

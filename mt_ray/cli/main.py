@@ -96,15 +96,17 @@ def _calc(args) -> int:
     )
     from mt_ray.engine.config import EngineConfig
     from mt_ray.engine.host_store import GIB, available_host_bytes
-    from mt_ray.engine.sizing import SFT, Machine, Stage
+    from mt_ray.engine.sizing import SFT, Machine
+    from mt_ray.training.auto_fit import stage_shape
 
     for flag in ("seq", "global_batch", "gpu_mem_gb", "host_mem_gb", "h2d_gbps", "gpu_tflops", "nvme_gbps"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     run = _run_config(args)
+    stage, run_seq = stage_shape(run) if run else (SFT, 1024)  # a preference stage's reference and head, GRPO's copy
     if args.seq is None:
-        args.seq = run.data.max_seq_len if run else 1024
+        args.seq = run_seq
     if args.global_batch is None:
         args.global_batch = 1 if args.max_seq else (
             run.training.micro_batch_size * run.training.grad_accum_steps if run else 128)
@@ -120,7 +122,6 @@ def _calc(args) -> int:
         engine = engine.model_copy(update={"nvme_path": args.probe_disk})
     spec = _spec(args, run)
     opt = run.optimizer if run else None
-    stage = Stage.of(run.training.stage, run.pref, run.grpo) if run else SFT  # a preference stage's reference and head
     if args.max_seq:
         rec = longest_context(spec, gpu, host, args.global_batch, cfg=engine, opt=opt, machine=machine, stage=stage)
     else:

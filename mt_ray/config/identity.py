@@ -4,7 +4,8 @@ Two configs with the same fingerprint train the same weights (whatever the devic
 or logging cadence), so a run may resume only from checkpoints written under its own name with
 its own fingerprint. The keys that count are listed in `TRAINING_KEYS`: the whole `model`, `data`
 and `optimizer` sections and the loop's length, batch shape and seed, and for a preference stage
-the stage and the `pref` section (an SFT run's fingerprint is as before they existed). `engine`, `cluster`,
+the stage and the `pref` section, for GRPO the stage and the `grpo` section but its logging cadence (an SFT
+run's fingerprint is as before they existed). `engine`, `cluster`,
 `checkpoint`, `tracking` and the rest of `training` say how or where the run computes and logs,
 not what it learns, and may change across a resume.
 """
@@ -23,6 +24,8 @@ from mt_ray.config.run import RunConfig
 TRAINING_KEYS = ("model", "data", "optimizer", "training.steps", "training.micro_batch_size",
                  "training.grad_accum_steps", "training.seed")
 PREFERENCE_KEYS = ("training.stage", "pref")
+GRPO_KEYS = ("training.stage", "grpo")
+LOGGING_KEYS = ("grpo.log_completions_every",)  # how often a run logs, not what it learns
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+=-]+")
 
 
@@ -52,8 +55,10 @@ def run_identity(cfg: RunConfig) -> RunIdentity:
 def training_keys(cfg: RunConfig) -> dict[str, Any]:
     """`TRAINING_KEYS` as flat dotted keys with their JSON values, e.g. `{"data.max_seq_len": 256, ...}`."""
     flat = _flatten(cfg.model_dump(mode="json"))
-    counted = TRAINING_KEYS + (PREFERENCE_KEYS if cfg.training.stage != "sft" else ())
-    return {k: v for k, v in flat.items() if any(k == p or k.startswith(p + ".") for p in counted)}
+    stage = cfg.training.stage
+    counted = TRAINING_KEYS + {"sft": (), "grpo": GRPO_KEYS}.get(stage, PREFERENCE_KEYS)
+    return {k: v for k, v in flat.items()
+            if any(k == p or k.startswith(p + ".") for p in counted) and k not in LOGGING_KEYS}
 
 
 def generated_name(cfg: RunConfig, fingerprint: str) -> str:

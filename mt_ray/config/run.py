@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from mt_ray.cluster.config import ClusterConfig, check_cluster_stage
 from mt_ray.data import DataConfig
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
-from mt_ray.engine.grpo import GrpoConfig
+from mt_ray.engine.grpo import GrpoConfig, RolloutConfig
 from mt_ray.engine.preference import PreferenceConfig, check_stage
 from mt_ray.errors import ConfigError
 from mt_ray.tracking import CheckpointConfig, TrackingConfig
@@ -137,6 +137,7 @@ class RunConfig(_Section):
     cluster: ClusterRunConfig = Field(default_factory=ClusterRunConfig)
     pref: PreferenceConfig = Field(default_factory=PreferenceConfig)
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
 
     @model_validator(mode="before")
     @classmethod

@@ -35,6 +35,7 @@ from mt_ray.engine.sizing import (
     max_kept,
     predicted_step_seconds,
     reference_host_bytes,
+    rollout_bytes,
     vision_sizes,
 )
 from mt_ray.errors import ConfigError
@@ -85,7 +86,7 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
     `cfg` gives everything not searched (dtype, kernels, grad slabs) and the stream_master and
     gradient dtype to prefer on a tie; `opt` decides whether clipping holds every gradient.
     `image_tokens`: an image-text model's image tokens per sample (part of `seq`), for its vision tower.
-    `stage`: what a preference stage adds (the policy's head again, a streamed reference).
+    `stage`: what a preference stage adds (the policy's head again, a streamed reference, GRPO's rollout copy).
     """
     search = _Search.build(spec, gpu_mem_gb, host_mem_gb, cfg, opt, machine, max_micro_tokens, image_tokens, stage)
     machine = search.machine
@@ -98,6 +99,9 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
     if stage.preference:
         out.update(reference="stream" if stage.reference else "none",
                    reference_host_gib=reference_host_bytes(spec, search.cfg, stage) / GIB)
+    if stage.rollout_tokens:  # GRPO's generation copy: held on the GPU beside every update
+        copy, generation = rollout_bytes(spec, search.cfg, global_batch, stage.rollout_tokens)
+        out.update(rollout_copy_gib=copy / GIB, rollout_generation_gib=generation / GIB)
     if machine.has_nvme:
         out.update(nvme_read_gbps=machine.nvme_read_gbps, nvme_write_gbps=machine.nvme_write_gbps)
     options = list(search.options(seq, global_batch))

@@ -67,7 +67,7 @@ from mt_ray.engine.optimizer_worker import OptimizerWorker
 from mt_ray.engine.preference import PreferenceConfig
 from mt_ray.engine.reference import REF, WithReference, build_preference, eval_mode, forward_plan
 from mt_ray.engine.seams import GradSink, ReferenceSource, WeightSource
-from mt_ray.engine.sizing import grad_buffer_bytes, grad_buffers_per_unit
+from mt_ray.engine.sizing import Stage, grad_buffer_bytes, grad_buffers_per_unit
 from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
 from mt_ray.engine.transfer import GradBuffers, Outbox, StreamSet, WeightStreamer
 from mt_ray.engine.vision_stage import VisionStage, feature_leaves
@@ -200,7 +200,8 @@ class StreamingEngine:
         hold = len(spec.units) * (2 if self._streams_reference else 1) if self.resident else max(cfg.checkpoint_every, 2)
         self.streamer = WeightStreamer(source, self.streams, self.dtype, depth, hold, wait)
         self.outbox = Outbox(self.streams)
-        self.kept = KeptBlocks(spec, self.streams)  # block graphs the backward uses instead of a recompute
+        # Block graphs the backward uses instead of a recompute, as many as fit beside what the stage holds.
+        self.kept = KeptBlocks(spec, self.streams, Stage.of(stage, pref, grpo))
         self.activations = build_activation_store(cfg.checkpoint_placement, self.streams, self.dtype,
                                                   cfg.host_memory_limit_gb)
         self.templates = build_templates(spec, self.device)

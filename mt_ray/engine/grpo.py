@@ -17,16 +17,18 @@ reference's:
   dr_grpo  its token sum / (completions · max_completion_length), / M
   dapo     its token sum / the step's loss tokens
 
-Every term is a function of the token log-probs, so the engine's head (reference.py's `PreferenceSteps`)
-asks this loss for dL/dp per token and weights each token's log-prob by it in its chunked backward, as
-for the preference losses. Metrics carry TRL's names and are means over the step's micro-batches, as
-TRL averages what each of its micro-batches logged.
+Each token's term is a function of its own log-prob, so the engine's head (reference.py's `PreferenceSteps`)
+asks this loss for dL/dp of a chunk's tokens within the chunked forward that gives their log-probs, and
+weights each token's log-prob by it in that chunk's backward: one head forward a micro-batch, where the
+preference losses (functions of whole sequences) need one more without a graph first. Metrics carry TRL's
+names and are means over the step's micro-batches, as TRL averages what each of its micro-batches logged.
 
 Shape key: N loss tokens of a micro-batch, S its sequence slots (rows x segments).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Literal
 
 import torch
@@ -94,6 +96,10 @@ class GrpoConfig(BaseModel):
     """Completions cut at max_completion_length (no end-of-sequence token) carry no loss."""
     rewards: list[RewardConfig] = Field(default_factory=lambda: [RewardConfig(name="accuracy")])
     """Reward functions, each with a weight; a completion's reward is their weighted sum."""
+    log_completions_every: int = Field(10, ge=0)
+    """With MLflow tracking: every this many steps, the completions the step trained on as an MLflow table
+    (`completions/step-<step>.json`: step, prompt, completion, each reward function's reward, advantage; TRL's
+    `log_completions` columns), one file a step so that logging one never rewrites the others; 0: never."""
 
     @field_validator("num_generations")
     @classmethod
@@ -118,39 +124,70 @@ class GrpoConfig(BaseModel):
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
+class RolloutConfig(BaseModel):
+    """The `rollout` section (`training.stage: grpo`): what samples the completions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    engine: Literal["transformers", "vllm"] = "transformers"
+    """`transformers`: its `generate` on a copy of the policy on the GPU, refreshed from the master weights after
+    each update. `vllm` is refused for now: where vLLM is installed the weight push is not built yet, and where it
+    is not, the refusal says how to install it."""
+
+    @field_validator("engine")
+    @classmethod
+    def _built_and_installed(cls, value: str) -> str:
+        if value == "vllm":
+            if importlib.util.find_spec("vllm") is None:
+                raise ValueError("vllm is not installed here: pip install vllm (on a CUDA machine; its wheels pin their "
+                                 "own torch), or use rollout.engine: transformers")
+            raise ValueError("vllm: mt-ray does not push its weights into vLLM yet; use rollout.engine: transformers")
+        return value
+
+
 class GroupObjective:
-    """GRPO's loss of a micro-batch as a function of its token log-probs (the engine's head drives it)."""
+    """GRPO's loss of a micro-batch as a function of its token log-probs (the engine's head drives it).
+
+    Each token's loss depends on its own log-prob alone (`token_wise`): the head takes each token's
+    coefficient dL/dp from the same chunked forward that gives its log-prob, with no forward without a graph
+    first, and (`keeps_logps`, above one iteration) keeps the log-probs of a rollout's first step as the old
+    policy's for the steps after it, as TRL's separate forward would have computed them, without that pass.
+    """
+
+    token_wise = True
 
     def __init__(self, cfg: GrpoConfig):
         self.cfg = cfg
         self.needs_reference = cfg.beta != 0.0
         self.temperature = cfg.temperature
+        self.keeps_logps = cfg.num_iterations > 1
 
     def examples(self, counts: dict[str, int]) -> int:
         return counts["completions"]
 
     def reference_of(self, logp_N: torch.Tensor, mb) -> torch.Tensor:
-        """What the reference (or the old policy) contributes: its token log-probs as they are."""
+        """What the reference contributes: its token log-probs as they are."""
         return logp_N
+
+    def token_coefficients(self, logp_n: torch.Tensor, part: slice, mb, norm: dict[str, int]) -> torch.Tensor:
+        """dL/dp of the tokens `part` of the micro-batch, whose log-probs are `logp_n` (no graph)."""
+        logp_n = logp_n.detach().requires_grad_()
+        with torch.enable_grad():
+            loss_n, _, _ = self._token_terms(logp_n, mb, part)
+            (coef_n,) = torch.autograd.grad((loss_n * self._token_weights(mb, norm, part)).sum(), [logp_n])
+        return coef_n
 
     def token_loss(self, logp_N: torch.Tensor, mb, norm: dict[str, int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the step's loss, and its metric sums (each a mean over its tokens)."""
         cfg, seqs = self.cfg, mb.seqs
+        whole = slice(0, mb.num_loss_tokens)
+        loss_N, ratio_N, kl_N = self._token_terms(logp_N, mb, whole)
         adv_N = mb.advantages.index_select(0, seqs.index)
-        old_N = logp_N.detach() if mb.old_logps is None else mb.old_logps
-        ratio_N = torch.exp(logp_N - old_N)
-        clipped_N = torch.clamp(ratio_N, 1 - cfg.epsilon, 1 + cfg.epsilon_upper)
-        loss_N = -torch.min(ratio_N * adv_N, clipped_N * adv_N)
         sums: dict[str, torch.Tensor] = {}
         n_tokens = max(1, mb.num_loss_tokens)
-        if self.needs_reference:
-            d_N = mb.ref_logps - logp_N
-            kl_N = torch.exp(d_N) - d_N - 1
-            if cfg.use_bias_correction_kl:
-                kl_N = kl_N * ratio_N
-            loss_N = loss_N + cfg.beta * kl_N
+        if kl_N is not None:
             sums["kl"] = kl_N.detach().sum() / n_tokens
-        loss = self._normalised(loss_N, mb, norm)
+        loss = (loss_N * self._token_weights(mb, norm, whole)).sum()
         low_N = ((ratio_N < 1 - cfg.epsilon) & (adv_N < 0)).float()
         high_N = ((ratio_N > 1 + cfg.epsilon_upper) & (adv_N > 0)).float()
         for name, x_N in (("low", low_N), ("high", high_N), ("region", torch.maximum(low_N, high_N))):
@@ -162,17 +199,35 @@ class GroupObjective:
         sums["loss"] = loss.detach()
         return loss, sums
 
-    def _normalised(self, loss_N: torch.Tensor, mb, norm: dict[str, int]) -> torch.Tensor:
-        """The micro-batch's token losses summed as `loss_type` says (module docstring)."""
+    def _token_terms(self, logp_n: torch.Tensor, mb,
+                     part: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The clipped surrogate plus β times the KL of the tokens `part` (module docstring), their ratios, and
+        their KL (None without a reference)."""
+        cfg = self.cfg
+        adv_n = mb.advantages.index_select(0, mb.seqs.index[part])
+        old_n = logp_n.detach() if mb.old_logps is None else mb.old_logps[part]
+        ratio_n = torch.exp(logp_n - old_n)
+        clipped_n = torch.clamp(ratio_n, 1 - cfg.epsilon, 1 + cfg.epsilon_upper)
+        loss_n = -torch.min(ratio_n * adv_n, clipped_n * adv_n)
+        if not self.needs_reference:
+            return loss_n, ratio_n, None
+        d_n = mb.ref_logps[part] - logp_n
+        kl_n = torch.exp(d_n) - d_n - 1
+        if cfg.use_bias_correction_kl:
+            kl_n = kl_n * ratio_n
+        return loss_n + cfg.beta * kl_n, ratio_n, kl_n
+
+    def _token_weights(self, mb, norm: dict[str, int], part: slice) -> torch.Tensor | float:
+        """Each token's weight in the step's loss, as `loss_type` sums them (module docstring)."""
         per_mb = max(1, norm["micro_batches"])
         completions = mb.seqs.counts["completions"]
-        if self.cfg.loss_type == "grpo":
-            return _per_sequence(loss_N, mb.seqs).sum() / max(1, completions) / per_mb
+        if self.cfg.loss_type == "grpo":  # each completion's token mean
+            return 1.0 / mb.seqs.tokens.index_select(0, mb.seqs.index[part]) / max(1, completions) / per_mb
         if self.cfg.loss_type == "bnpo":
-            return loss_N.sum() / max(1, mb.num_loss_tokens) / per_mb
+            return 1.0 / max(1, mb.num_loss_tokens) / per_mb
         if self.cfg.loss_type == "dr_grpo":
-            return loss_N.sum() / (completions * self.cfg.max_completion_length) / per_mb
-        return loss_N.sum() / max(1, norm["loss_tokens"])  # dapo
+            return 1.0 / (completions * self.cfg.max_completion_length) / per_mb
+        return 1.0 / max(1, norm["loss_tokens"])  # dapo
 
     def metrics(self, sums: dict[str, torch.Tensor], counts: dict[str, int]) -> dict[str, torch.Tensor]:
         """The step's loss, and the means over its micro-batches of what each measured (TRL's log averages)."""

@@ -28,7 +28,7 @@ import torch
 
 from mt_ray.engine.calculator import GPU_HEADROOM
 from mt_ray.engine.config import EngineConfig
-from mt_ray.engine.sizing import GIB, device_bytes, max_kept
+from mt_ray.engine.sizing import GIB, SFT, Stage, device_bytes, max_kept
 from mt_ray.engine.transfer import StreamSet
 from mt_ray.errors import InsufficientMemoryError
 from mt_ray.models.discovery import ModelSpec
@@ -37,8 +37,10 @@ from mt_ray.models.discovery import ModelSpec
 class KeptBlocks:
     """The step's kept block graphs: which (block, micro-batch) pairs, their segments and the forward's weights."""
 
-    def __init__(self, spec: ModelSpec, streams: StreamSet):
-        self.spec, self.streams = spec, streams
+    def __init__(self, spec: ModelSpec, streams: StreamSet, stage: Stage = SFT):
+        """`stage`: what the run's stage holds on the device beside the step (GRPO's rollout copy), which `auto`
+        leaves room for."""
+        self.spec, self.streams, self.stage = spec, streams, stage
         self._counts: dict[tuple, int] = {}  # `keep_activations` resolved, by setting and step shape
         self._keys: set[tuple[int, int]] = set()
         self._whole: set[int] = set()
@@ -51,7 +53,8 @@ class KeptBlocks:
         (refused where it cannot fit, before anything runs) once per shape, then keep that many graphs."""
         key = (cfg.keep_activations, cfg.schedule, n_micro, micro_batch, seq)
         if key not in self._counts:
-            self._counts[key] = resolve_kept(self.spec, cfg, self.streams.device, micro_batch, seq, n_micro)
+            self._counts[key] = resolve_kept(self.spec, cfg, self.streams.device, micro_batch, seq, n_micro,
+                                             self.stage)
         self.keep(n_blocks, n_micro, self._counts[key])
 
     def keep(self, n_blocks: int, n_micro: int, kept: int) -> None:
@@ -72,7 +75,8 @@ class KeptBlocks:
             if cfg.keep_activations != "auto" or not self.last_count:
                 raise
             kept = cfg.model_copy(update={"keep_activations": self.last_count})
-            predicted = device_bytes(self.spec, kept, micro_batch, seq, micro_batch * n_micro)["total"] / GIB
+            predicted = device_bytes(self.spec, kept, micro_batch, seq, micro_batch * n_micro,
+                                     stage=self.stage)["total"] / GIB
             cuda = self.streams.device.type == "cuda"
             measured = f"{torch.cuda.max_memory_allocated(self.streams.device) / GIB:.3g} GiB" if cuda else "unknown"
             raise InsufficientMemoryError(
@@ -108,7 +112,7 @@ class KeptBlocks:
 
 
 def resolve_kept(spec: ModelSpec, cfg: EngineConfig, device: torch.device, micro_batch: int, seq: int,
-                 n_micro: int) -> int:
+                 n_micro: int, stage: Stage = SFT) -> int:
     """The block graphs a step of `n_micro` micro-batches of `micro_batch` x `seq` tokens keeps."""
     if cfg.schedule != "stream" or cfg.keep_activations == 0:
         return 0
@@ -116,13 +120,15 @@ def resolve_kept(spec: ModelSpec, cfg: EngineConfig, device: torch.device, micro
         return 0 if cfg.keep_activations == "auto" else cfg.keep_activations
     index = device.index if device.index is not None else torch.cuda.current_device()
     total_gb = torch.cuda.get_device_properties(index).total_memory / GIB
-    return kept_within(spec, cfg, min(total_gb, cfg.gpu_memory_limit_gb or total_gb), micro_batch, seq, n_micro)
+    return kept_within(spec, cfg, min(total_gb, cfg.gpu_memory_limit_gb or total_gb), micro_batch, seq, n_micro, stage)
 
 
-def kept_within(spec: ModelSpec, cfg: EngineConfig, gpu_gb: float, micro_batch: int, seq: int, n_micro: int) -> int:
+def kept_within(spec: ModelSpec, cfg: EngineConfig, gpu_gb: float, micro_batch: int, seq: int, n_micro: int,
+                stage: Stage = SFT) -> int:
     """`keep_activations` on a `gpu_gb` GiB GPU (the calculator's budget: its headroom of it): `auto` as many
-    graphs as fit beside the stream schedule's peak, a number as given, or refused where more than fit."""
-    largest = max_kept(spec, cfg, micro_batch, seq, micro_batch * n_micro, gpu_gb * GIB * GPU_HEADROOM)
+    graphs as fit beside the stream schedule's peak (and what `stage` holds), a number as given, or refused where
+    more than fit."""
+    largest = max_kept(spec, cfg, micro_batch, seq, micro_batch * n_micro, gpu_gb * GIB * GPU_HEADROOM, stage=stage)
     if cfg.keep_activations == "auto":
         return largest
     if cfg.keep_activations > largest:

@@ -117,6 +117,8 @@ def sequences_of(seq_role: torch.Tensor, segment_ids: torch.Tensor, loss_index: 
 class Objective:
     """The loss of a preference stage as a function of a micro-batch's sequence sums."""
 
+    token_wise = False  # a token's gradient depends on its whole sequence (GRPO's `GroupObjective` is token-wise)
+
     def __init__(self, stage: str, cfg: PreferenceConfig):
         check_stage(stage, cfg)
         self.stage = stage

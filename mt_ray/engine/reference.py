@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -147,6 +148,8 @@ class PreferenceSteps:
         self.norm: dict[str, int] = {}
         self.sums: dict[str, torch.Tensor] = {}
         self.collected: list[torch.Tensor] | None = None  # set by `collecting`: each micro-batch's sums [S]
+        # GRPO's first step on a rollout trained on again: each micro-batch's token log-probs [N] (the old policy's)
+        self.step_logps: list[torch.Tensor] = []
 
     @contextlib.contextmanager
     def collecting(self) -> Iterator[list[torch.Tensor]]:
@@ -182,6 +185,7 @@ class PreferenceSteps:
             counts["micro_batches"] = len(mbs)
         self.norm = dict(counts)
         self.sums = {}
+        self.step_logps = []
         self.slot = len(self.e._blocks()) + 1
         return self.objective.examples(self.norm)
 
@@ -234,26 +238,47 @@ class PreferenceSteps:
         """One micro-batch's share of the preference loss; its head-weight gradients go into `grad_sums`.
         Returns the gradient of its selected hidden states and the loss share.
 
-        A forward without a graph gives each token's log-prob; the loss then says what each one's gradient is
-        (dL/dp: a preference loss's through its sequence's sum), and the chunked forward and backward weights
-        each token's log-prob by it.
+        The loss says what each token's log-prob gradient is (dL/dp), and the chunked forward and backward
+        weights each token's log-prob by it. A preference loss's goes through its sequence's sum, so a forward
+        without a graph gives every log-prob first; GRPO's is token-wise, so each chunk's coefficients come
+        from that chunk's own forward, and the loss and metrics from the log-probs it collected.
         """
-        chunk, temperature = self.e.cfg.loss_chunk_tokens, self.objective.temperature
-        logp_N = token_logps(head, weights, sel_ND, mb, chunk, temperature).requires_grad_()
-        with torch.enable_grad():
-            loss, sums = self.objective.token_loss(logp_N, mb, self.norm)
-            (coef_N,) = torch.autograd.grad(loss, [logp_N])
-        add_sums(self.sums, sums)
-        g_sel = torch.empty_like(sel_ND)
-        for s in range(0, mb.num_loss_tokens, chunk):
-            x = sel_ND[s : s + chunk].detach().requires_grad_()
+        objective = self.objective
+        if objective.token_wise:
+            g_sel, logp_N = self._weighted_grads(head, weights, leaves, grad_sums, sel_ND, mb, partial(
+                objective.token_coefficients, mb=mb, norm=self.norm))
+            loss, sums = objective.token_loss(logp_N, mb, self.norm)  # the value and metrics, no graph
+            if objective.keeps_logps and mb.old_logps is None:
+                self.step_logps.append(logp_N)
+        else:
+            logp_N = token_logps(head, weights, sel_ND, mb, self.e.cfg.loss_chunk_tokens,
+                                 objective.temperature).requires_grad_()
             with torch.enable_grad():
-                logits_NV = _scaled(head(weights, x).float(), temperature)
-                logp_N = -F.cross_entropy(logits_NV, mb.loss_target[s : s + chunk], reduction="none")
-                g = torch.autograd.grad((logp_N * coef_N[s : s + chunk]).sum(), [x, *leaves])
-            g_sel[s : s + chunk] = g[0]
-            torch._foreach_add_(grad_sums, [t.reshape(-1) for t in g[1:]])
+                loss, sums = objective.token_loss(logp_N, mb, self.norm)
+                (coef_N,) = torch.autograd.grad(loss, [logp_N])
+            g_sel, _ = self._weighted_grads(head, weights, leaves, grad_sums, sel_ND, mb, lambda _, part: coef_N[part])
+        add_sums(self.sums, sums)
         return g_sel, loss.detach()
+
+    def _weighted_grads(self, head: UnitTemplate, weights: Weights, leaves: list[torch.Tensor],
+                        grad_sums: list[torch.Tensor], sel_ND: torch.Tensor, mb: MicroBatch,
+                        coef_of: Callable[[torch.Tensor, slice], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunked forward and backward of each token's log-prob times its coefficient (`coef_of(log-probs,
+        chunk)`), head gradients into `grad_sums`. Returns the selected hidden states' gradient and the log-probs."""
+        chunk = self.e.cfg.loss_chunk_tokens
+        g_sel = torch.empty_like(sel_ND)
+        logp_N = torch.empty(mb.num_loss_tokens, dtype=torch.float32, device=sel_ND.device)
+        for s in range(0, mb.num_loss_tokens, chunk):
+            part = slice(s, s + chunk)
+            x = sel_ND[part].detach().requires_grad_()
+            with torch.enable_grad():
+                logits_NV = _scaled(head(weights, x).float(), self.objective.temperature)
+                logp_n = -F.cross_entropy(logits_NV, mb.loss_target[part], reduction="none")
+                g = torch.autograd.grad((logp_n * coef_of(logp_n.detach(), part)).sum(), [x, *leaves])
+            logp_N[part] = logp_n.detach()
+            g_sel[part] = g[0]
+            torch._foreach_add_(grad_sums, [t.reshape(-1) for t in g[1:]])
+        return g_sel, logp_N
 
     def eval_head(self, head: UnitTemplate, weights: Weights, h_BTD: torch.Tensor, mb: MicroBatch) -> None:
         """One micro-batch's metric sums under the current weights (no graph); while `collecting`, what the

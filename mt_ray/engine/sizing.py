@@ -11,7 +11,8 @@ figures). The search over configurations is `calculator.py`. An image-text model
 tower: given the image tokens per sample, the block outputs a step keeps on the device (every
 block's, for every sample with images) and the tower's compute. A preference stage (`Stage`) adds
 what the engine runs for it: the policy's head once more forward (the sequence sums), and, with a
-reference to stream, the reference's host buffer, its hidden state, its upload and its forward.
+reference to stream, the reference's host buffer, its hidden state, its upload and its forward. GRPO
+adds its rollout copy on the device, and what generation needs beyond what an update frees.
 """
 
 from __future__ import annotations
@@ -59,15 +60,20 @@ class Machine:
 class Stage:
     """What a training stage adds to an SFT step, as the engine runs it (reference.py).
 
-    A preference head runs the policy's LM head forward once without a graph (each sequence's log-prob sum)
-    before its chunked forward and backward. A streamed reference (`pref.reference: stream`, a loss that needs
-    one) is held in host memory in the compute dtype, crosses the link once a step in it, runs forward through
-    every layer and its own head, and parks one hidden state per micro-batch (an activation slot) from its
-    embedding to its head; the resident schedule keeps its units on the device beside the policy's.
+    A DPO or KTO head runs the policy's LM head forward once without a graph (each sequence's log-prob sum)
+    before its chunked forward and backward (`head_again`; GRPO's token-wise loss does not). A streamed
+    reference (`pref.reference: stream`, a loss that needs one) is held in host memory in the compute dtype,
+    crosses the link once a step in it, runs forward through every layer and its own head, and parks one
+    hidden state per micro-batch (an activation slot) from its embedding to its head; the resident schedule
+    keeps its units on the device beside the policy's. GRPO keeps a rollout copy of the policy on the device
+    for the whole run, and between updates generates the step's completions of up to `rollout_tokens` tokens
+    (prompt and completion) with it (`rollout_bytes`).
     """
 
     preference: bool = False
     reference: bool = False
+    head_again: bool = False
+    rollout_tokens: int = 0
 
     @classmethod
     def of(cls, stage: str, pref: PreferenceConfig | None = None, grpo: GrpoConfig | None = None) -> Stage:
@@ -75,9 +81,10 @@ class Stage:
         if stage == "sft":
             return cls()
         if stage == "grpo":
-            return cls(True, (grpo or GrpoConfig()).beta != 0.0)
+            grpo = grpo or GrpoConfig()
+            return cls(True, grpo.beta != 0.0, rollout_tokens=grpo.max_prompt_length + grpo.max_completion_length)
         pref = pref or PreferenceConfig()
-        return cls(True, pref.reference == "stream" and Objective(stage, pref).needs_reference)
+        return cls(True, pref.reference == "stream" and Objective(stage, pref).needs_reference, head_again=True)
 
 
 SFT = Stage()
@@ -294,7 +301,28 @@ def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int,
         samples = micro_batch if cfg.schedule == "resident" else global_batch
         parts["vision_outputs"] = vision.kept_bytes(samples, cfg.dtype.itemsize)
         parts["total"] += parts["vision_outputs"]
+    if stage.rollout_tokens:
+        copy, generation = rollout_bytes(spec, cfg, global_batch, stage.rollout_tokens)
+        parts["rollout_copy"] = copy
+        # Generation runs between updates, in the memory an update frees: only what it needs beyond that counts.
+        parts["rollout_generation_extra"] = max(0, generation - parts["total"])
+        parts["total"] += copy + parts["rollout_generation_extra"]
     return parts
+
+
+def rollout_bytes(spec: ModelSpec, cfg: EngineConfig, rows: int, tokens: int) -> tuple[int, int]:
+    """GRPO's rollout copy on the device (every weight in the compute dtype), and what its generation of `rows`
+    completions of up to `tokens` tokens adds: the key/value cache, and a decoding step's fp32 logits with the
+    nucleus sampler's sorted copy and indices (16 B per row and vocabulary entry)."""
+    generation = kv_cache_bytes(spec.text_config, rows, tokens, cfg.dtype.itemsize)
+    return spec.num_params * cfg.dtype.itemsize, generation + rows * spec.text_config.vocab_size * 16
+
+
+def kv_cache_bytes(config, rows: int, tokens: int, dtype_bytes: int) -> int:
+    """Bytes of the key/value cache `generate` fills for `rows` sequences of `tokens` (`config`: the text model's;
+    every layer counted as attention, so a hybrid's is overstated)."""
+    _, kv = _attention_widths(config)
+    return 2 * config.num_hidden_layers * rows * tokens * kv * dtype_bytes
 
 
 def _text_device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int,
@@ -375,7 +403,11 @@ def max_kept(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int, glo
     if cfg.schedule != "stream":
         return 0
     base = cfg.model_copy(update={"keep_activations": 0})
-    room = budget - device_bytes(spec, base, micro_batch, seq, global_batch, image_tokens, stage)["total"]
+    parts = device_bytes(spec, base, micro_batch, seq, global_batch, image_tokens, stage)
+    if parts["total"] > budget:
+        return 0
+    # Kept graphs live through the update, not the rollout's generation: they take from the update's room alone.
+    room = budget - (parts["total"] - parts.get("rollout_generation_extra", 0))
     per = kept_block_bytes(spec, cfg, micro_batch * seq)
     n = min(int(max(0.0, room) // max(per, 1)), _num_blocks(spec, cfg) * max(1, global_batch // micro_batch))
     while n > 0 and kept_bytes(spec, cfg, micro_batch, seq, global_batch, n) > room:
@@ -440,7 +472,7 @@ def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_
     State on NVMe (`state_placement`) crosses the disk both ways once a step at the machine's measured direct
     I/O bandwidth, overlapped like the updates. Causal attention over each sequence adds its FLOPs (recomputed too when streaming), and
     `mlp_chunk_tokens` one more forward of the layers' token-wise parts (2·N_chunked·T).
-    A preference head runs the LM head forward once more (2·N_head·T); a streamed reference runs forward
+    A DPO or KTO head runs the LM head forward once more (2·N_head·T); a streamed reference runs forward
     (2·N·T and its attention) and crosses the link once a step in the compute dtype. Each kept block graph
     (`keep_activations`, one block for one `micro_batch`: default the whole batch) saves its recompute,
     2·N_block·T_micro plus its attention, and a block kept for every micro-batch its backward upload.
@@ -454,7 +486,7 @@ def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_
     vision = vision_sizes(spec, image_tokens)
     if vision is not None:
         flops += vision.flops(global_batch, image_tokens)
-    if stage.preference:
+    if stage.head_again:
         flops += 2 * _lm_head_numel(spec) * tokens
     if stage.reference:
         flops += 2 * (spec.text_params * tokens + attention_flops(spec.text_config, tokens, seq) / 6)

@@ -321,6 +321,19 @@ class MlflowTracker:
         for i in range(0, len(items), _PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=items[i:i + _PARAMS_PER_BATCH])
 
+    def log_table(self, table: Mapping[str, Sequence[Any]], name: str) -> None:
+        """Store ``table`` (columns of equal length) as the MLflow table artifact ``name`` (``.json``), which the
+        UI shows as a table and ``mlflow.load_table`` reads back. A tracking-server failure is logged and training
+        goes on."""
+        if not self.active:
+            return
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.log_table(self.run_id, data=dict(table), artifact_file=name)
+        except MlflowException as e:  # as for metrics: keep training
+            logger.warning("MLflow dropped the table %s: %s", name, e)
+
     def log_text(self, text: str, name: str) -> None:
         """Store ``text`` as the artifact file ``name``."""
         if not self.active:

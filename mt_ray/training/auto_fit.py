@@ -20,12 +20,19 @@ from mt_ray.engine.calculator import GPU_HEADROOM, SEARCHED, local_gpu_memory_gb
 from mt_ray.engine.config import EngineConfig
 from mt_ray.engine.direct_io import measure_disk
 from mt_ray.engine.host_store import GIB, available_host_bytes
-from mt_ray.engine.sizing import Machine, device_bytes
+from mt_ray.engine.sizing import Machine, Stage, device_bytes
 from mt_ray.errors import ConfigError, InsufficientMemoryError
 from mt_ray.models.discovery import ModelSpec
 
 log = logging.getLogger(__name__)
 PROBE_BYTES = 1 << 30  # the disk probe's scratch file: long enough to read a drive's sustained speed
+
+
+def stage_shape(cfg: RunConfig) -> tuple[Stage, int]:
+    """What the run's stage adds to the device and time models (a reference, GRPO's rollout copy), and the longest
+    sequence a step trains: `data.max_seq_len`, or GRPO's longest prompt and completion."""
+    stage = Stage.of(cfg.training.stage, cfg.pref, cfg.grpo)
+    return stage, stage.rollout_tokens or cfg.data.max_seq_len
 
 
 def apply_auto_fit(cfg: RunConfig, spec: ModelSpec) -> RunConfig:
@@ -38,8 +45,9 @@ def apply_auto_fit(cfg: RunConfig, spec: ModelSpec) -> RunConfig:
     gpu_gb = _gpu_memory_gb(cfg)
     host_gb = available_host_bytes(engine.host_memory_limit_gb) / GIB
     global_batch = t.micro_batch_size * t.grad_accum_steps
-    rec = recommend(spec, cfg.data.max_seq_len, global_batch, gpu_gb, host_gb, cfg=engine, opt=cfg.optimizer,
-                    machine=_machine(engine))
+    stage, seq = stage_shape(cfg)
+    rec = recommend(spec, seq, global_batch, gpu_gb, host_gb, cfg=engine, opt=cfg.optimizer, machine=_machine(engine),
+                    stage=stage)
     if not rec["fits"]:
         raise InsufficientMemoryError(f"engine.auto_fit: nothing fits a {gpu_gb:.3g} GiB GPU and {host_gb:.3g} GiB of "
                                       f"host memory. {rec['reason']}")
@@ -86,16 +94,21 @@ def refuse_what_cannot_fit(cfg: RunConfig, spec: ModelSpec) -> None:
     gpu_gb = _gpu_memory_gb(cfg)
     host_gb = available_host_bytes(engine.host_memory_limit_gb) / GIB
     global_batch = t.micro_batch_size * t.grad_accum_steps
-    rec = recommend(spec, cfg.data.max_seq_len, global_batch, gpu_gb, host_gb, cfg=engine, opt=cfg.optimizer,
-                    machine=_machine(engine))
+    stage, seq = stage_shape(cfg)
+    rec = recommend(spec, seq, global_batch, gpu_gb, host_gb, cfg=engine, opt=cfg.optimizer, machine=_machine(engine),
+                    stage=stage)
     if not rec["fits"]:
         raise InsufficientMemoryError(
-            f"data.max_seq_len {cfg.data.max_seq_len} x {global_batch} sequences a step cannot train on a {gpu_gb:.3g} "
+            f"{_seq_name(stage, seq)} x {global_batch} sequences a step cannot train on a {gpu_gb:.3g} "
             f"GiB GPU with {host_gb:.3g} GiB of host memory, whatever the engine settings. {rec['reason']}")
-    planned = device_bytes(spec, engine, t.micro_batch_size, cfg.data.max_seq_len, global_batch)["total"] / GIB
+    planned = device_bytes(spec, engine, t.micro_batch_size, seq, global_batch, stage=stage)["total"] / GIB
     if planned > gpu_gb * GPU_HEADROOM:
         log.warning("the engine settings are predicted to need %.3g GiB of a %.3g GiB GPU; engine.auto_fit: true "
                     "would train with %s", planned, gpu_gb, ", ".join(f"engine.{k}={rec[k]}" for k in SEARCHED))
+
+
+def _seq_name(stage: Stage, seq: int) -> str:
+    return f"grpo.max_prompt_length + max_completion_length {seq}" if stage.rollout_tokens else f"data.max_seq_len {seq}"
 
 
 def _gpu_memory_gb(cfg: RunConfig) -> float:
@@ -110,4 +123,4 @@ def _gpu_memory_gb(cfg: RunConfig) -> float:
     return total if limit is None else min(limit, total)
 
 
-__all__ = ["apply_auto_fit", "refuse_what_cannot_fit"]
+__all__ = ["apply_auto_fit", "refuse_what_cannot_fit", "stage_shape"]

@@ -70,12 +70,7 @@ def build_backend(cfg: RunConfig, spec: ModelSpec) -> TrainingBackend:
 
         return DataParallelTrainer(spec, cfg.engine, cfg.optimizer, cfg.cluster.num_workers, steps,
                                    cluster=cfg.cluster, weights=weights, stage=cfg.training.stage, pref=cfg.pref)
-    engine_cfg = cfg.engine
-    if cfg.training.stage == "grpo" and engine_cfg.keep_activations == "auto":
-        # The rollout copy and its key/value cache share the GPU with the update, and the kept-block budget does not
-        # count them yet (7B: 9 graphs kept beside the copy ran out of memory on the H100): full recompute.
-        engine_cfg = engine_cfg.model_copy(update={"keep_activations": 0})
-    engine = StreamingEngine(spec, engine_cfg, cfg.optimizer, total_steps=steps, stage=cfg.training.stage,
+    engine = StreamingEngine(spec, cfg.engine, cfg.optimizer, total_steps=steps, stage=cfg.training.stage,
                              pref=cfg.pref, grpo=cfg.grpo)
     if isinstance(weights, int):
         engine.load_random(seed=weights)

@@ -105,7 +105,8 @@ def check_same_model(meta: dict[str, Any], identity: RunIdentity, uri: str) -> N
 
 
 class MlflowCallback(Callback):
-    """One MLflow run per training run: config, metrics, summary, loss plot, exported model.
+    """One MLflow run per training run: config, metrics, summary, loss plot, exported model, and a GRPO run's
+    completions tables.
 
     Its run id goes into every checkpoint, so a resumed run continues the same MLflow run.
     """
@@ -134,6 +135,12 @@ class MlflowCallback(Callback):
 
     def on_evaluate(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         self.tracker.log_metrics(step, metrics)
+
+    def on_step_end(self, trainer: Trainer, step: int) -> None:
+        """GRPO: every `grpo.log_completions_every` steps, the completions the step trained on as a table."""
+        every = trainer.cfg.grpo.log_completions_every
+        if trainer.cfg.training.stage == "grpo" and every and step % every == 0:
+            self.tracker.log_table(trainer.loader.completions_table(step), f"completions/step-{step:08d}.json")
 
     def on_checkpoint(self, trainer: Trainer, uri: str) -> None:
         self.tracker.log_checkpoint_uri(uri)

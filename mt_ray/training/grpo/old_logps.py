@@ -1,12 +1,19 @@
-"""The sampling policy's token log-probs, kept for the ratio when a rollout is trained on more than once."""
+"""The sampling policy's token log-probs, kept for the ratio when a rollout is trained on more than once.
+
+The rollout's first step runs on the weights that sampled it, so the log-probs its head computes are the
+old policy's: the engine keeps them (`PreferenceSteps.step_logps`) and the steps after it read them from the
+batch. No forward pass of its own, where TRL runs one before the first step.
+"""
 
 from __future__ import annotations
 
 
-def attach_old_logps(engine, batches: list[dict]) -> None:
-    """Score `batches` (one step's micro-batches) with the engine's current weights, forward only, and attach each
-    micro-batch's token log-probs (`old_logps`, left on the device) for the steps that train on it."""
-    with engine.pref.collecting() as logps:
-        engine.evaluate(batches)
+def keep_old_logps(engine, batches: list[dict]) -> None:
+    """Attach to `batches` (one step's micro-batches, just trained on for the first time) each one's token
+    log-probs as that step computed them (`old_logps`, left on the device)."""
+    logps = engine.pref.step_logps
+    if len(logps) != len(batches):
+        raise ValueError(f"the engine kept the log-probs of {len(logps)} micro-batches for {len(batches)}: call this "
+                         "right after the rollout's first step, with num_iterations above 1")
     for batch, logp_N in zip(batches, logps, strict=True):
         batch["old_logps"] = logp_N

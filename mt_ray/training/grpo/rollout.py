@@ -78,9 +78,11 @@ def completion_batches(rollout: Rollout, advantages: torch.Tensor, mask_truncate
 class PolicyCopy:
     """The policy as a transformers module on the engine's device, for `generate`, refreshed from the master."""
 
-    def __init__(self, config: PretrainedConfig, device: torch.device, dtype: torch.dtype, num_params: int,
-                 kv_cache_bytes: int):
-        _refuse_what_cannot_fit(device, num_params * dtype.itemsize, kv_cache_bytes)
+    def __init__(self, config: PretrainedConfig, device: torch.device, dtype: torch.dtype, weight_bytes: int,
+                 generation_bytes: int):
+        """`weight_bytes` and `generation_bytes` (its key/value cache and sampling): the device model's
+        (`mt_ray.engine.sizing.rollout_bytes`), refused before anything is allocated where they cannot fit."""
+        _refuse_what_cannot_fit(device, weight_bytes, generation_bytes)
         config = copy.deepcopy(config)
         config._attn_implementation = "sdpa"  # the engine's own backend may be one only its layer loop knows
         with torch.device(device):
@@ -119,21 +121,13 @@ class PolicyCopy:
         return Rollout(prompts, completions, truncated)
 
 
-def kv_cache_bytes(config: PretrainedConfig, rows: int, tokens: int, dtype: torch.dtype) -> int:
-    """Bytes of the key/value cache `generate` fills for `rows` sequences of `tokens`."""
-    text = config.get_text_config()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    return 2 * text.num_hidden_layers * rows * tokens * kv_heads * head_dim * dtype.itemsize
-
-
-def _refuse_what_cannot_fit(device: torch.device, weight_bytes: int, cache_bytes: int) -> None:
+def _refuse_what_cannot_fit(device: torch.device, weight_bytes: int, generation_bytes: int) -> None:
     if device.type != "cuda":
         return
     free, _ = torch.cuda.mem_get_info(device)
-    if weight_bytes + cache_bytes > free:
+    if weight_bytes + generation_bytes > free:
         raise InsufficientMemoryError(
             f"grpo rollouts: the policy's copy for generation ({weight_bytes / GIB:.1f} GiB) and its key/value cache "
-            f"({cache_bytes / GIB:.1f} GiB) do not fit the GPU's free {free / GIB:.1f} GiB; generation that streams "
+            f"and sampling ({generation_bytes / GIB:.1f} GiB) do not fit the GPU's free {free / GIB:.1f} GiB; generation that streams "
             "the layers is not built yet: use fewer prompts per step, a shorter grpo.max_completion_length, or a "
             "larger GPU")

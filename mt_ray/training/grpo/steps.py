@@ -3,9 +3,11 @@
 Every `num_iterations` steps it makes a rollout batch, as TRL's generation batch (one step's completions:
 micro_batch_size x grad_accum_steps, so prompts = that / G): refresh the device copy from the master
 weights (all updates so far landed), sample G completions per prompt, score them, turn rewards into
-advantages, and build the engine's micro-batches; above one iteration, the policy's log-probs of the
-sampled tokens are kept first (`attach_old_logps`). The steps in between train on the same batch.
-Each rollout's metrics (TRL's names, plus the refresh's and generation's times) ride along to the logs.
+advantages, and build the engine's micro-batches. The steps in between train on the same batch, with the
+log-probs the rollout's first step computed as the old policy's (`keep_old_logps`).
+Each rollout's metrics (TRL's names, plus the refresh's and generation's times) ride along to the logs, and its
+completions to the MLflow completions table. A checkpoint between a rollout's iterations keeps the rollout
+(`ScoredRollout`), so a resume trains on the same completions.
 """
 
 from __future__ import annotations
@@ -18,15 +20,18 @@ from transformers import PreTrainedTokenizerBase
 
 from mt_ray.config.run import RunConfig
 from mt_ray.data.loader import pad_token_id
+from mt_ray.engine.sizing import rollout_bytes
 from mt_ray.models.discovery import ModelSpec
-from mt_ray.training.grpo.old_logps import attach_old_logps
+from mt_ray.training.grpo.old_logps import keep_old_logps
 from mt_ray.training.grpo.prompts import PromptStream, read_prompts
 from mt_ray.training.grpo.rewards import advantages_and_metrics, load_rewards
-from mt_ray.training.grpo.rollout import PolicyCopy, Rollout, completion_batches, kv_cache_bytes
+from mt_ray.training.grpo.rollout import PolicyCopy, Rollout, completion_batches
+from mt_ray.training.grpo.scored import ScoredRollout
 
 
 class GrpoSteps:
-    """Each step's micro-batches (`next`), its rollout's metrics (`metrics`), and the prompt position (state)."""
+    """Each step's micro-batches (`next`), its rollout's metrics (`metrics`) and completions (`completions_table`),
+    and the prompt position and rollout in flight (state)."""
 
     def __init__(self, cfg: RunConfig, engine, spec: ModelSpec, tokenizer: PreTrainedTokenizerBase):
         self.cfg, self.g = cfg, cfg.grpo
@@ -36,18 +41,25 @@ class GrpoSteps:
         self.completions = t.micro_batch_size * t.grad_accum_steps
         self.stream = PromptStream(read_prompts(cfg.data, tokenizer, self.g.max_prompt_length), t.seed)
         self.rewards = load_rewards(self.g.rewards)  # a missing library or function is refused before the copy
-        cache = kv_cache_bytes(spec.config, self.completions, self.g.max_prompt_length + self.g.max_completion_length,
-                               engine.dtype)
-        self.copy = PolicyCopy(spec.config, engine.device, engine.dtype, spec.num_params, cache)
+        copy, generation = rollout_bytes(spec, engine.cfg, self.completions,
+                                         self.g.max_prompt_length + self.g.max_completion_length)
+        self.copy = PolicyCopy(spec.config, engine.device, engine.dtype, copy, generation)
         self.pad_id = pad_token_id(tokenizer)
         self.eos_ids = {tokenizer.eos_token_id, *_generation_eos(self.copy.model)}
+        self.scored: ScoredRollout | None = None
         self.batches: list[dict] | None = None
-        self.metrics: dict[str, float] = {}
         self._step = 0
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The current rollout's metrics: TRL's rewards and completion lengths, and the rollout's times."""
+        return self.scored.metrics if self.scored is not None else {}
 
     def __next__(self) -> list[dict]:
         if self._step % self.g.num_iterations == 0 or self.batches is None:
             self._rollout()
+        else:
+            self._keep_old_logps()
         self._step += 1
         return self.batches
 
@@ -64,26 +76,50 @@ class GrpoSteps:
         columns = {k: [p.columns.get(k) for p in grouped] for k in grouped[0].columns}
         per_func = self.rewards.score([p.text for p in grouped], texts, columns)
         advantages, metrics = advantages_and_metrics(per_func, self.rewards, g.num_generations, g.scale_rewards)
-        self.batches = completion_batches(rollout, advantages, g.mask_truncated_completions,
-                                          self.cfg.training.micro_batch_size, self.pad_id)
-        if g.num_iterations > 1:
-            attach_old_logps(self.engine, self.batches)
         new_tokens = sum(rollout.lengths)
-        self.metrics = {**metrics, **completion_metrics(rollout), "rollout/refresh_s": refresh_s,
-                        "rollout/generate_s": generate_s, "rollout/tokens_per_s": new_tokens / max(generate_s, 1e-9)}
+        metrics = {**metrics, **completion_metrics(rollout), "rollout/refresh_s": refresh_s,
+                   "rollout/generate_s": generate_s, "rollout/tokens_per_s": new_tokens / max(generate_s, 1e-9)}
+        self.scored = ScoredRollout(rollout, [p.text for p in grouped], texts, per_func, advantages, metrics)
+        self.batches = self._micro_batches(self.scored)
+
+    def _micro_batches(self, scored: ScoredRollout) -> list[dict]:
+        return completion_batches(scored.rollout, scored.advantages, self.g.mask_truncated_completions,
+                                  self.cfg.training.micro_batch_size, self.pad_id)
+
+    def _keep_old_logps(self) -> None:
+        """After the rollout's first step: its log-probs become the old policy's for the steps after it."""
+        if "old_logps" not in self.batches[0]:
+            keep_old_logps(self.engine, self.batches)
+
+    def completions_table(self, step: int) -> dict[str, list]:
+        """The current rollout's completions as the table of `step`: prompt, completion, each reward function's
+        reward, advantage."""
+        return self.scored.table(step, self.rewards.names)
 
     def stats(self) -> dict[str, Any]:
         s = self.stream.state_dict()
         return {"prompts": s["drawn"], "cut_prompts": s["cut"], "epochs": s["epoch"]}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"prompts": self.stream.state_dict(), "step": self._step}
+        """The prompt position and step; between the iterations of a rollout, the rollout too (call after a step)."""
+        state: dict[str, Any] = {"prompts": self.stream.state_dict(), "step": self._step}
+        if self.batches is not None and self._step % self.g.num_iterations != 0:
+            self._keep_old_logps()
+            old = [b["old_logps"] for b in self.batches]
+            state["rollout"] = self.scored.state_dict(self.g.num_generations, old)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint: the next step makes a new rollout from the prompts after the saved ones."""
+        """Continue from a checkpoint: the rollout it was training on, if its iterations were not done, else a
+        new rollout from the prompts after the saved ones."""
         self.stream.load_state_dict(state["prompts"])
         self._step = state["step"]
-        self.batches = None
+        self.scored, self.batches = None, None
+        if "rollout" in state:
+            self.scored, old_logps = ScoredRollout.from_state(state["rollout"], self.g.num_generations)
+            self.batches = self._micro_batches(self.scored)
+            for batch, logp_N in zip(self.batches, old_logps, strict=True):
+                batch["old_logps"] = logp_N
 
     def close(self) -> None:
         self.copy = None

@@ -60,3 +60,10 @@ def test_a_section_given_in_part_keeps_the_demos_other_defaults():
 def test_keys_the_run_sets_and_bad_names_are_refused(override, message):
     with pytest.raises(ConfigError, match=message):
         load_run_config(None, [override])
+
+
+def test_a_grpo_runs_fingerprint_counts_its_grpo_section_but_not_its_logging():
+    grpo = ("training.stage=grpo", "grpo.num_generations=4", "data.datasets=[demo_math_prompts]")
+    assert identity(*grpo, "grpo.beta=0.04").fingerprint != identity(*grpo).fingerprint
+    assert identity(*grpo, "grpo.log_completions_every=1") == identity(*grpo)
+    assert "grpo.beta" not in identity().keys  # an SFT run's keys are as before

@@ -1,6 +1,7 @@
 """What the calculator adds for a preference stage: the streamed reference's host buffer (as the engine allocates
 it), its weights on the device under the resident schedule, its forward and upload in the step time; nothing for
-a reference-free loss but the policy's head run forward once more."""
+a reference-free loss but the policy's head run forward once more. GRPO: its rollout copy on the device, and
+generation in the memory an update frees."""
 
 import json
 
@@ -8,6 +9,9 @@ import pytest
 
 from mt_ray.cli.main import main
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine
+from mt_ray.engine.calculator import GPU_HEADROOM
+from mt_ray.engine.grpo import GrpoConfig
+from mt_ray.engine.kept_blocks import kept_within
 from mt_ray.engine.preference import PreferenceConfig
 from mt_ray.engine.sizing import (
     SFT,
@@ -16,7 +20,9 @@ from mt_ray.engine.sizing import (
     attention_flops,
     device_bytes,
     host_bytes,
+    max_kept,
     predicted_step_seconds,
+    rollout_bytes,
 )
 from mt_ray.models.discovery import discover
 from mt_ray.models.presets import preset_config
@@ -109,3 +115,44 @@ def test_calc_counts_the_reference_once_per_node_of_a_cluster(tmp_path, capsys):
     assert two["reference_bytes"] == four["reference_bytes"] >= 2 * two["params"] and free["reference_bytes"] == 0
     assert four["node_host_bytes"] - free["node_host_bytes"] == four["reference_bytes"]
     assert four["node_host_bytes"] - two["node_host_bytes"] == 2 * two["per_worker_bytes"]
+
+
+def test_grpo_holds_its_rollout_copy_and_generates_in_what_the_update_frees():
+    """The 7B bench's shape: 64 prompts x G=8, 64 + 256 tokens, micro-batches of 16 completions."""
+    spec = discover(preset_config("qwen2.5-7b"))
+    cfg = EngineConfig(device="cpu", compute_dtype="bf16")
+    grpo = Stage.of("grpo", grpo=GrpoConfig(max_prompt_length=64, max_completion_length=256))
+    sft, ours = (device_bytes(spec, cfg, 16, 320, 512, stage=s) for s in (SFT, grpo))
+    copy, generation = rollout_bytes(spec, cfg, 512, 320)
+    assert copy == ours["rollout_copy"] == 2 * spec.num_params
+    assert generation == 2 * 28 * 512 * 320 * 4 * 128 * 2 + 512 * 152064 * 16  # key/value cache, sampling
+    assert ours["total"] == copy + max(sft["total"], generation)
+    long = Stage.of("grpo", grpo=GrpoConfig(max_prompt_length=512, max_completion_length=4096))
+    on_host = cfg.model_copy(update={"checkpoint_placement": "host"})  # an update far smaller than generation
+    longer = device_bytes(spec, on_host, 1, 4608, 512, stage=long)
+    assert longer["rollout_generation_extra"] > 0
+    assert longer["total"] == copy + sum(rollout_bytes(spec, cfg, 512, 4608)[1:])
+    assert grpo.preference and not grpo.head_again and Stage.of(*DPO).head_again  # GRPO's head: one forward
+
+
+def test_grpo_keeps_as_many_block_graphs_as_fit_beside_its_copy():
+    spec = discover(preset_config("qwen2.5-7b"))
+    cfg = EngineConfig(device="cpu", compute_dtype="bf16")
+    budget = 80 * 2**30 * GPU_HEADROOM
+    grpo = Stage.of("grpo", grpo=GrpoConfig(max_prompt_length=64, max_completion_length=256))
+    sft_kept, grpo_kept = (max_kept(spec, cfg, 16, 320, 512, budget, stage=s) for s in (SFT, grpo))
+    assert 0 < grpo_kept < sft_kept
+    kept = cfg.model_copy(update={"keep_activations": grpo_kept})
+    more = cfg.model_copy(update={"keep_activations": grpo_kept + 1})
+    assert device_bytes(spec, kept, 16, 320, 512, stage=grpo)["total"] <= budget
+    assert device_bytes(spec, more, 16, 320, 512, stage=grpo)["total"] > budget
+    assert kept_within(spec, cfg, 80, 16, 320, 32, grpo) == grpo_kept  # what the engine's `auto` resolves to
+
+
+def test_calc_of_the_grpo_demo_counts_its_rollout_copy(capsys):
+    assert main(["calc", "--gpu-mem-gb", "80", "--host-mem-gb", "64", "--json", "--config",
+                 "jobs/configs/grpo_demo.yaml"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["seq"] == 64 + 24 and rec["global_batch"] == 16  # the demo's prompt + completion, its completions
+    assert rec["rollout_copy_gib"] * 2**30 == 2 * rec["params"]  # bf16, as on a GPU
+    assert rec["device_gib"] >= rec["rollout_copy_gib"] + rec["rollout_generation_gib"] - 1e-9

@@ -38,6 +38,7 @@ def test_defaults_are_trls():
     ("grpo.rewards=[{name: nope}]", "'nope' is neither a built-in reward (accuracy, format) nor a 'module:function'"),
     ("data.val_size=8", "training.stage grpo has no held-out evaluation yet"),
     ("cluster.num_workers=2", "training.stage grpo"),
+    ("rollout.engine=sglang", "rollout.engine: Input should be 'transformers' or 'vllm'"),
 ])
 def test_bad_config_is_refused_in_one_line(override, message):
     with pytest.raises(ConfigError) as e:
@@ -134,3 +135,14 @@ def test_a_grpo_step_without_advantages_is_refused():
             engine.train_step([batch])
     finally:
         engine.close()
+
+
+def test_vllm_rollouts_are_refused_by_name():
+    """Where vLLM is missing the refusal says how to install it; where it is present, that the push is not built."""
+    import importlib.util
+
+    expected = ("rollout.engine: vllm: mt-ray does not push its weights into vLLM yet" if importlib.util.find_spec("vllm")
+                else "rollout.engine: vllm is not installed here: pip install vllm")
+    with pytest.raises(ConfigError) as e:
+        load_run_config(None, [*GRPO, "rollout.engine=vllm"])
+    assert expected in str(e.value) and "rollout.engine: transformers" in str(e.value)

@@ -12,12 +12,14 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from mt_ray.data import load_tiny_tokenizer
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine
 from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.models.discovery import discover
-from mt_ray.training.grpo.old_logps import attach_old_logps
+from mt_ray.training.grpo.old_logps import keep_old_logps
 from mt_ray.training.grpo.rewards import Rewards, advantages_and_metrics
 from mt_ray.training.grpo.rollout import Rollout, completion_batches, cut_completions
 from tests.tiny_models import VOCAB, reference_model, tiny_config
@@ -75,9 +77,9 @@ def ours(cfg, policy, ref, rollout, rows, grpo: GrpoConfig, engine_kw: dict):
         engine.load_state_dict(policy.state_dict())
         if grpo.beta:
             engine.load_reference(ref.state_dict())
-        if grpo.num_iterations > 1:
-            attach_old_logps(engine, batches)
-        for _ in range(grpo.num_iterations):
+        for i in range(grpo.num_iterations):
+            if i == 1:  # the first step's log-probs are the old policy's, as GrpoSteps keeps them
+                keep_old_logps(engine, batches)
             result = engine.train_step(batches)
         metrics = {k: v.item() for k, v in result.metrics.items()}
         return advantages, reward_metrics, result.loss.item(), metrics, engine.state_dict()
@@ -164,3 +166,48 @@ def test_grpo_options_equal_trl_resident(scale_rewards, tmp_path):
                       num_iterations=2, scale_rewards=scale_rewards, mask_truncated_completions=True,
                       use_bias_correction_kl=scale_rewards == "batch")
     compare(grpo, tmp_path, {"schedule": "resident"})
+
+
+class MatmulFlops(TorchDispatchMode):
+    """FLOPs of the matrix products run under it, by torch's own formulas (FlopCounterMode's module tracker
+    cannot follow the engine's `autograd.grad` on leaves)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if (formula := flop_registry.get(func._overloadpacket)) is not None:
+            self.flops += formula(*args, **kwargs, out_val=out)
+        return out
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_a_grpo_step_costs_what_an_sft_step_costs(num_iterations):
+    """No pass beyond SFT's: the head's log-probs and their coefficients come from its one chunked forward, β 0
+    streams no reference, and a rollout trained on twice keeps its first step's log-probs (no forward of its own)."""
+    cfg, policy, _ = models()
+    rollout, _ = fixed_rollout()
+    batches = completion_batches(rollout, torch.linspace(-1, 1, PROMPTS * G), False, MICRO, PAD)
+    grpo = GrpoConfig(num_generations=G, max_completion_length=MAX_NEW, num_iterations=num_iterations)
+
+    def flops_per_step(stage: str) -> list[int]:
+        engine = StreamingEngine(discover(cfg), EngineConfig(device="cpu", compute_dtype="fp32", loss_chunk_tokens=5),
+                                 OPT, total_steps=num_iterations, stage=stage, grpo=grpo)
+        engine.load_state_dict(policy.state_dict())
+        out = []
+        try:
+            for i in range(num_iterations):
+                if stage == "grpo" and i == 1:
+                    keep_old_logps(engine, batches)
+                with MatmulFlops() as counter:
+                    engine.train_step(batches)
+                out.append(counter.flops)
+        finally:
+            engine.close()
+        return out
+
+    sft = flops_per_step("sft")
+    assert flops_per_step("grpo") == sft and sft[0] > 0
