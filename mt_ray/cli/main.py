@@ -39,8 +39,10 @@ def main(argv: list[str] | None = None) -> int:
                       "(500: measured on the H100)")
     calc.add_argument("--nvme-gbps", type=float, help="direct read and write GB/s of an NVMe disk for optimizer "
                       "state: lets the search move state there when the host cannot hold it")
-    calc.add_argument("--probe-disk", metavar="PATH", help="measure the direct read and write GB/s of the disk under "
-                      "PATH (writes and reads a 2 GiB scratch file) and plan optimizer state there as --nvme-gbps does")
+    calc.add_argument("--nvme-mixed-gbps", type=float, help="with --nvme-gbps: GB/s read and written together "
+                      "with both in flight at once (default: reads and writes share the drive one after the other)")
+    calc.add_argument("--probe-disk", metavar="PATH", help="measure the direct read, write and mixed GB/s of the disk "
+                      "under PATH (a 2 GiB scratch file) and plan optimizer state there as --nvme-gbps does")
     calc.add_argument("--image-tokens", type=int, default=0,
                       help="image-text models: image tokens per sample (part of --seq): the vision tower's share")
     calc.add_argument("--max-seq", action="store_true", help="the longest sequence that trains at --global-batch "
@@ -99,7 +101,8 @@ def _calc(args) -> int:
     from mt_ray.engine.sizing import SFT, Machine
     from mt_ray.training.auto_fit import stage_shape
 
-    for flag in ("seq", "global_batch", "gpu_mem_gb", "host_mem_gb", "h2d_gbps", "gpu_tflops", "nvme_gbps"):
+    for flag in ("seq", "global_batch", "gpu_mem_gb", "host_mem_gb", "h2d_gbps", "gpu_tflops", "nvme_gbps",
+                 "nvme_mixed_gbps"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
@@ -112,8 +115,9 @@ def _calc(args) -> int:
             run.training.micro_batch_size * run.training.grad_accum_steps if run else 128)
     gpu = args.gpu_mem_gb if args.gpu_mem_gb is not None else local_gpu_memory_gb()
     host = args.host_mem_gb if args.host_mem_gb is not None else available_host_bytes() / GIB
-    read, write = _disk_bandwidth(args)
-    machine = Machine(layer_tflops=args.gpu_tflops, h2d_gbps=args.h2d_gbps, nvme_read_gbps=read, nvme_write_gbps=write)
+    read, write, mixed = _disk_bandwidth(args)
+    machine = Machine(layer_tflops=args.gpu_tflops, h2d_gbps=args.h2d_gbps, nvme_read_gbps=read, nvme_write_gbps=write,
+                      nvme_mixed_gbps=mixed)
     engine = EngineConfig(device="cpu", compute_dtype="bf16")
     if run:  # the config's engine, as it runs on a GPU (bf16 unless it names a dtype)
         dtype = "bf16" if run.engine.compute_dtype == "auto" else run.engine.compute_dtype
@@ -142,18 +146,21 @@ def _calc(args) -> int:
     return 0 if rec["fits"] else 1
 
 
-def _disk_bandwidth(args) -> tuple[float | None, float | None]:
-    """(read, write) GB/s of the state disk: measured under --probe-disk, else --nvme-gbps both ways, else none."""
+def _disk_bandwidth(args) -> tuple[float | None, float | None, float | None]:
+    """(read, write, mixed) GB/s of the state disk: measured under --probe-disk, else --nvme-gbps both ways (and
+    --nvme-mixed-gbps), else none."""
     if args.probe_disk:
         from mt_ray.engine.direct_io import measure_disk
 
         try:
-            read, write = measure_disk(args.probe_disk)
+            speed = measure_disk(args.probe_disk)
         except OSError as e:
             raise ConfigError(f"--probe-disk {args.probe_disk}: {e}") from None
-        print(f"disk under {args.probe_disk}: direct read {read:.2f} GB/s, write {write:.2f} GB/s", flush=True)
-        return read, write
-    return args.nvme_gbps, args.nvme_gbps
+        print(f"disk under {args.probe_disk}: {speed.describe()}", flush=True)
+        return speed
+    if args.nvme_mixed_gbps is not None and args.nvme_gbps is None:
+        raise ConfigError("--nvme-mixed-gbps needs --nvme-gbps (the disk's read and write GB/s each alone)")
+    return args.nvme_gbps, args.nvme_gbps, args.nvme_mixed_gbps
 
 
 def _cluster_sizing(spec, args, stage):

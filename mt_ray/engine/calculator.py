@@ -24,6 +24,7 @@ import yaml
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.sizing import (
     GIB,
+    PROCESS_RSS_BYTES,
     SFT,
     Machine,
     Stage,
@@ -49,8 +50,8 @@ MAX_MICRO_TOKENS = 16384
 # 8k-token micro-batches (1.5B: 2.34 vs 2.67 s; 3B: 5.3 vs 6.06 s) and loses with 2k (7B: 18.5 vs 15.8 s).
 RESIDENT_MIN_MICRO_TOKENS = 8192
 GPU_HEADROOM = 0.9  # of the GPU's memory the step may use; the rest is the allocator's and CUDA context's
-# Host memory the process needs beyond what the engine allocates (Python, torch, the CUDA context):
-# the 7B step measured 14.3 B/param of peak RSS against 14.0 allocated, 2.3 GB more.
+# Host memory kept for the process beyond what the engine allocates (Python, torch, the CUDA context): 1.7 GB
+# measured at 3B (sizing.PROCESS_RSS_BYTES), 2.3 GB at 7B (14.3 B/param of peak RSS against 14.0 allocated).
 HOST_RESERVE_GIB = 3.0
 NEAR_FASTEST = 1.02  # predicted times this close are a tie, broken by preference order
 K_ORDER = (4, 2, 8, 1)  # 4 is the measured default
@@ -103,7 +104,8 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
         copy, generation = rollout_bytes(spec, search.cfg, global_batch, stage.rollout_tokens)
         out.update(rollout_copy_gib=copy / GIB, rollout_generation_gib=generation / GIB)
     if machine.has_nvme:
-        out.update(nvme_read_gbps=machine.nvme_read_gbps, nvme_write_gbps=machine.nvme_write_gbps)
+        out.update(nvme_read_gbps=machine.nvme_read_gbps, nvme_write_gbps=machine.nvme_write_gbps,
+                   nvme_mixed_gbps=machine.nvme_mixed_gbps)
     options = list(search.options(seq, global_batch))
     fitting = [o for o in options if search.fits(o)]
     # State moves to disk only where the host cannot hold it: each tier is taken only when none before it fits.
@@ -115,11 +117,12 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
         out.update(nvme_path=c.nvme_path, disk_gib=disk_bytes(spec, c) / GIB, placement_reason=(
             f"the host cannot hold the optimizer state ({_gib(search.host_budget)} for it): "
             + ("the moments go" if c.state_placement == "nvme_moments" else "master and moments go")
-            + f" to NVMe at {machine.nvme_read_gbps:.3g} GB/s read, {machine.nvme_write_gbps:.3g} GB/s write"))
+            + f" to NVMe at {machine.describe_disk()}"))
     return {
         **out, "fits": True, **{k: getattr(c, k) for k in SEARCHED}, "prefetch_units": c.prefetch_units or
         c.checkpoint_every, "micro_batch_size": best.micro_batch, "grad_accum_steps": global_batch // best.micro_batch,
         "device_gib": best.device / GIB, "host_gib": best.host / GIB, "host_bytes_per_param": best.host / spec.num_params,
+        "host_rss_gib": (best.host + PROCESS_RSS_BYTES) / GIB,
         "predicted_step_s": best.seconds, "model_tflops": 6 * spec.text_params * seq * global_batch / best.seconds / 1e12,
     }
 
@@ -178,9 +181,9 @@ class _Search:
                 if key not in host:
                     host[key] = host_bytes(self.spec, c, self.opt, seq, global_batch, self.stage)
                     seconds[key] = predicted_step_seconds(self.spec, c, seq, global_batch, self.machine,
-                                                          self.image_tokens, self.stage)
+                                                          self.image_tokens, self.stage, opt=self.opt)
                 secs = seconds[key] if not kept_count(c) else predicted_step_seconds(
-                    self.spec, c, seq, global_batch, self.machine, self.image_tokens, self.stage, micro)
+                    self.spec, c, seq, global_batch, self.machine, self.image_tokens, self.stage, micro, self.opt)
                 device = device_bytes(self.spec, c, micro, seq, global_batch, self.image_tokens, self.stage)["total"]
                 yield Option(c, micro, device, host[key], secs)
 

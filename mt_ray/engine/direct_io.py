@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 ALIGN = 4096  # O_DIRECT: offsets, lengths and buffer addresses in multiples of the logical block (4 KiB covers all)
 IO_CHUNK = 16 << 20  # bytes per positional request of the O_DIRECT pool: a queue of them keeps an NVMe drive busy
 IO_THREADS = 8
+# The mixed probe's reads and writes alternate in pieces of about one state record (16 M parameters of master and
+# moments: 192 MiB), as the optimizer's read-ahead and write-back do.
+MIXED_PIECE = 192 << 20
 
 
 def aligned(nbytes: int) -> int:
@@ -67,14 +71,31 @@ def probe_direct_io(folder: str | Path) -> str | None:
     return None
 
 
-def measure_disk(folder: str | Path, nbytes: int = 2 << 30) -> tuple[float, float]:
-    """Direct read and write GB/s of `folder`'s disk (written first, then read back), through the I/O the optimizer state would use, on a
-    temporary file of `nbytes` (unlinked at once, so nothing is left behind)."""
+class DiskSpeed(NamedTuple):
+    """Direct-I/O GB/s of a disk: reading alone, writing alone, and reads and writes in flight at once (`mixed`:
+    the bytes of both a second), which is how the optimizer state moves: the read-ahead beside the write-back."""
+
+    read_gbps: float
+    write_gbps: float
+    mixed_gbps: float
+
+    def describe(self) -> str:
+        return (f"direct read {self.read_gbps:.2f} GB/s, write {self.write_gbps:.2f} GB/s, both at once "
+                f"{self.mixed_gbps:.2f} GB/s combined")
+
+
+def measure_disk(folder: str | Path, nbytes: int = 2 << 30) -> DiskSpeed:
+    """Direct read, write and mixed GB/s of `folder`'s disk, through the I/O the optimizer state would use, on a
+    temporary file of `nbytes` (unlinked at once, so nothing is left behind): written whole, read whole, then its
+    first half read while its second half is rewritten, the requests interleaved as the read-ahead and the
+    write-back interleave theirs (a drive may overlap the two, or make them share its bandwidth)."""
     if not Path(folder).is_dir():
         raise OSError(f"{folder} is not an existing folder (create it on the NVMe disk to measure)")
     why = probe_direct_io(folder)
     if why is not None:
         raise OSError(f"{folder} refuses direct I/O ({why}): the optimizer state needs a folder that takes O_DIRECT")
+    half = aligned(nbytes // 2)
+    nbytes = 2 * half
     path = Path(folder) / f".mt-ray-disk-probe-{uuid.uuid4().hex[:8]}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     io = build_file_io(direct=True)
@@ -85,16 +106,24 @@ def measure_disk(folder: str | Path, nbytes: int = 2 << 30) -> tuple[float, floa
         io.open(name, f"the disk probe in {folder}")
         buf = aligned_empty(nbytes)
         buf.fill_(1)  # touch every page before timing
-        seconds = []
-        for op in (io.write, io.read):
-            t0 = time.perf_counter()
-            op(name, buf, 0).wait()
-            seconds.append(time.perf_counter() - t0)
+        write = _timed(lambda: [io.write(name, buf, 0)])
+        read = _timed(lambda: [io.read(name, buf, 0)])
+        mixed = _timed(lambda: [p for at in range(0, half, MIXED_PIECE) for p in (
+            io.read(name, buf[at : min(at + MIXED_PIECE, half)], at),
+            io.write(name, buf[half + at : half + min(at + MIXED_PIECE, half)], half + at))])
     finally:
         io.close()
         os.close(fd)
         path.unlink(missing_ok=True)
-    return nbytes / seconds[1] / 1e9, nbytes / seconds[0] / 1e9
+    return DiskSpeed(nbytes / read / 1e9, nbytes / write / 1e9, nbytes / mixed / 1e9)
+
+
+def _timed(submit: Callable[[], list[Pending]]) -> float:
+    """Seconds from submitting the requests to the last one done."""
+    t0 = time.perf_counter()
+    for pending in submit():
+        pending.wait()
+    return time.perf_counter() - t0
 
 
 class StateIOError(OSError):

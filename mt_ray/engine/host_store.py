@@ -33,6 +33,7 @@ from mt_ray.engine.state_files import (
     FilePlan,
     FileTier,
     check_state_path,
+    free_bytes,
     plan_files,
     window_bytes,
 )
@@ -162,8 +163,9 @@ class HostStore:
     """The streamed copy of every unit (or of `units` only) in host memory, and the fp32 master and Adam moments
     behind the state tier (`placement`: host memory, or files on NVMe)."""
 
-    # Seams for tests: how a state folder is probed for direct I/O, and the file I/O built for it.
+    # Seams for tests: how a state folder is probed for direct I/O and for free space, and the file I/O built for it.
     probe_direct = staticmethod(probe_direct_io)
+    disk_free = staticmethod(free_bytes)
     build_io = staticmethod(build_file_io)
 
     def __init__(self, spec: ModelSpec, copy_dtype: torch.dtype | None, pin: bool, extra_bytes: int = 0,
@@ -182,8 +184,8 @@ class HostStore:
         self._check_host_memory(state_host_bytes(self.layout, placement, plan) + extra_bytes
                                 - (0 if master is None else master.nbytes), extra_bytes, host_memory_limit_gb)
         # The folder is checked (exists, writable, room, direct I/O) before any state is allocated.
-        direct = check_state_path(placement.path, plan.disk_bytes, placement.require_direct,
-                                  self.probe_direct) if plan else False
+        direct = check_state_path(placement.path, plan.disk_bytes, placement.require_direct, self.probe_direct,
+                                  self.disk_free) if plan else False
         n = self.layout.total
         self.master = None if placement.master_on_disk else torch.empty(n, dtype=torch.float32) if master is None else master
         if self.master is not None and (self.master.shape != (n,) or self.master.dtype != torch.float32):
@@ -321,13 +323,22 @@ class HostStore:
         """
         if self.master is None:
             self.settle()
-            flat = torch.cat([tensors[p.hf_name].detach().reshape(-1).to("cpu", torch.float32) for p in unit.params])
-            self.access_flat("master", self.layout.offsets[unit.name], flat, write=True)
+            self._write_master(unit, tensors)
             return
         views = self.named_views(unit)
         for name, view in views.items():
             view.copy_(tensors[name])
         self.refresh_copy(unit.name)
+
+    def _write_master(self, unit: UnitSpec, tensors: dict[str, torch.Tensor]) -> None:
+        """A unit's weights into the master's files, a chunk at a time: never an fp32 copy of a whole parameter in
+        RAM (the 3B embedding's would be 1.2 GB, and its concatenation as much again: the run's peak)."""
+        at = self.layout.offsets[unit.name]
+        for p in unit.params:
+            flat = tensors[p.hf_name].detach().reshape(-1)
+            for lo in range(0, p.numel, self.chunk_numel):
+                self.access_flat("master", at + lo, flat[lo : lo + self.chunk_numel].to("cpu", torch.float32), write=True)
+            at += p.numel
 
     def settle(self) -> None:
         """Finish the state tier's writes and drop its reads ahead, so the state can be read or written by range

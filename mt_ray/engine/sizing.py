@@ -46,14 +46,26 @@ class Machine:
     # disk to hold optimizer state, so the search keeps it in host memory.
     nvme_read_gbps: float | None = None
     nvme_write_gbps: float | None = None
+    # Bytes read and written a second with both in flight at once (`measure_disk`'s mixed phase), as the
+    # optimizer's read-ahead and write-back run; None: not measured, the two share the drive one after the other.
+    nvme_mixed_gbps: float | None = None
 
     @property
     def has_nvme(self) -> bool:
         return self.nvme_read_gbps is not None and self.nvme_write_gbps is not None
 
     def disk_seconds(self, nbytes: int) -> float:
-        """Reading and writing back `nbytes` of state (one drive: reads and writes share it)."""
-        return nbytes / (self.nvme_read_gbps * 1e9) + nbytes / (self.nvme_write_gbps * 1e9) if nbytes else 0.0
+        """Reading `nbytes` of state and writing as many back: at the mixed rate where it was measured, else the
+        read and the write one after the other at their own rates."""
+        if not nbytes:
+            return 0.0
+        if self.nvme_mixed_gbps is not None:
+            return 2 * nbytes / (self.nvme_mixed_gbps * 1e9)
+        return nbytes / (self.nvme_read_gbps * 1e9) + nbytes / (self.nvme_write_gbps * 1e9)
+
+    def describe_disk(self) -> str:
+        mixed = f", {self.nvme_mixed_gbps:.3g} GB/s both at once" if self.nvme_mixed_gbps is not None else ""
+        return f"{self.nvme_read_gbps:.3g} GB/s read, {self.nvme_write_gbps:.3g} GB/s write{mixed}"
 
 
 @dataclass(frozen=True)
@@ -105,6 +117,19 @@ def grad_buffers_per_unit(cfg: EngineConfig, opt: OptimizerConfig) -> bool:
     6.31 s with per-unit buffers, both slower than the 5.9 s with clipping, for a cause not found.
     """
     return opt.max_grad_norm > 0 or cfg.schedule == "resident"
+
+
+# Host memory a GPU training process holds beyond what the engine allocates: the CUDA context, the libraries of torch
+# and its kernels, Python. Measured on the H100 (bench/nvme_state.py, 3B, host placement): 15.15 B/param of peak RSS
+# against 14.60 allocated, 1.7 GB more; a data-parallel worker process holding no state measured 1.2 GB.
+PROCESS_RSS_BYTES = 1_700_000_000
+
+
+def rss_bytes(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, seq: int = 0, global_batch: int = 0,
+              stage: Stage = SFT) -> int:
+    """The peak resident memory of a training process on a GPU: what the engine allocates (`host_bytes`, every
+    buffer touched: pinned pages are resident) and the process's own (PROCESS_RSS_BYTES)."""
+    return host_bytes(spec, cfg, opt, seq, global_batch, stage) + PROCESS_RSS_BYTES
 
 
 def host_bytes(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, seq: int = 0, global_batch: int = 0,
@@ -459,7 +484,7 @@ def _loss_chunk_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> int
 
 def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_batch: int,
                            machine: Machine = Machine(), image_tokens: int = 0, stage: Stage = SFT,
-                           micro_batch: int | None = None) -> float:
+                           micro_batch: int | None = None, opt: OptimizerConfig | None = None) -> float:
     """Compute or the host link, whichever bounds, plus what the GPU waits for: the optimizer time
     it cannot hide, and the uploads a prefetch shallower than K leaves exposed.
 
@@ -469,8 +494,8 @@ def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_
     Gradients cross back once; hidden states parked in host memory cross both ways (per token,
     each block's checkpoint and the gradient flowing back). An image-text model's tokens compute with the
     language model alone; its vision tower adds `VisionSizes.flops` for `image_tokens` per sample.
-    State on NVMe (`state_placement`) crosses the disk both ways once a step at the machine's measured direct
-    I/O bandwidth, overlapped like the updates. Causal attention over each sequence adds its FLOPs (recomputed too when streaming), and
+    State on NVMe (`state_placement`) crosses the disk both ways once a step, pipelined as `_disk_step_seconds`
+    says (`opt`: whether clipping orders the updates; default OptimizerConfig's). Causal attention over each sequence adds its FLOPs (recomputed too when streaming), and
     `mlp_chunk_tokens` one more forward of the layers' token-wise parts (2·N_chunked·T).
     A DPO or KTO head runs the LM head forward once more (2·N_head·T); a streamed reference runs forward
     (2·N·T and its attention) and crosses the link once a step in the compute dtype. Each kept block graph
@@ -508,15 +533,43 @@ def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_
     link = max(h2d, d2h) / (machine.h2d_gbps * 1e9)
     exposed = n if resident else spec.unit("embed").numel
     exposed_opt = exposed / (machine.adam_gparams_per_s * 1e9)
-    # State on disk is read and written once a step, overlapped with compute as the updates are; the exposed
-    # updates wait for their own share of it.
-    disk = machine.disk_seconds(disk_bytes(spec, cfg)) if cfg.state_placement != "host" else 0.0
-    exposed_opt += disk * exposed / n
     # A block's first micro-batch waits for the K - depth uploads not yet in flight, each pass.
     layer_upload = max(u.numel for u in spec.layer_units) * weight_size / (machine.h2d_gbps * 1e9)
     depth = cfg.prefetch_units or cfg.checkpoint_every
     stall = 0.0 if resident else 2 * blocks * max(0, cfg.checkpoint_every - depth) * layer_upload
-    return max(compute, link, disk) + exposed_opt + stall
+    if cfg.state_placement == "host":
+        return max(compute, link) + exposed_opt + stall
+    clips = (opt or OptimizerConfig()).max_grad_norm > 0
+    return _disk_step_seconds(spec, cfg, machine, compute, link, exposed_opt, clips) + stall
+
+
+# Of a streamed step's FLOPs, the forward's share: one pass of four (forward, recompute, backward's two).
+STREAM_FORWARD_SHARE = 1 / 4
+
+
+def _disk_step_seconds(spec: ModelSpec, cfg: EngineConfig, machine: Machine, compute: float, link: float,
+                       exposed_opt: float, clips: bool) -> float:
+    """A step whose optimizer state is on disk, as the engine's pipeline runs it (state_files.FileTier).
+
+    The optimizer pass reads and writes every chunk of state once (`Machine.disk_seconds`), no faster than the
+    CPU updates them. It starts at the step's first gradient and ends with the unit the next step needs first,
+    so the disk waits while part of each step computes: without clipping the units update as their gradients
+    land, embedding last, and the next forward waits for it (the disk waits through the forward); with clipping
+    they update in forward order once the norm is known, the next forward trails the pass, and its backward
+    runs after it (the disk waits through the backward). While it waits the disk only finishes the last
+    write-backs and reads the next pass's first chunks: a window of them (`nvme_window`). Where compute is the
+    longer part, the embedding (updated last, or first with clipping) waits for its chunks beyond the window.
+    The resident schedule exposes the whole pass: the next step's first micro-batch needs every unit.
+    """
+    plan = state_files_plan(spec, cfg)
+    trained = sum(u.numel for u in spec.trainable_units)
+    optimizer_pass = max(machine.disk_seconds(plan.disk_bytes), trained / (machine.adam_gparams_per_s * 1e9))
+    if cfg.schedule == "resident":
+        return max(compute, link) + optimizer_pass
+    window = machine.disk_seconds(cfg.nvme_window * plan.slot_bytes) / 2  # a window's chunks moved one way
+    idle = compute * ((1 - STREAM_FORWARD_SHARE) if clips else STREAM_FORWARD_SHARE)
+    embed = machine.disk_seconds(plan.file_bytes.get("embed", 0))
+    return max(compute + exposed_opt + max(0.0, embed - window), link, idle + optimizer_pass - min(idle, window))
 
 
 def describe_model(spec: ModelSpec) -> str:

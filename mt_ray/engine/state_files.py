@@ -109,10 +109,16 @@ def window_bytes(plan: FilePlan, window: int) -> int:
     return window * (plan.slot_bytes + ALIGN) if plan.records else 0
 
 
+def free_bytes(folder: Path) -> int:
+    return shutil.disk_usage(folder).free
+
+
 def check_state_path(path: str | None, need_bytes: int, require_direct: bool,
-                     probe: Callable[[Path], str | None] = probe_direct_io) -> bool:
+                     probe: Callable[[Path], str | None] = probe_direct_io,
+                     free: Callable[[Path], int] = free_bytes) -> bool:
     """Refuse, before any state is built, a state folder that is missing, not writable, too small for
-    `need_bytes`, or (with `require_direct`) refuses direct I/O. Returns whether direct I/O works there."""
+    `need_bytes`, or (with `require_direct`) refuses direct I/O, each in one line naming the path, the need and
+    the fix. Returns whether direct I/O works there."""
     folder = Path(path or "")
     if not path or not folder.is_dir():
         raise ConfigError(f"engine.nvme_path {path!r} is not an existing folder; the optimizer state needs "
@@ -121,10 +127,10 @@ def check_state_path(path: str | None, need_bytes: int, require_direct: bool,
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"engine.nvme_path {path} is not writable by this user; the optimizer state needs "
                           f"{need_bytes / GIB:.1f} GiB there: fix its permissions or choose another folder")
-    free = shutil.disk_usage(folder).free
-    if free < need_bytes:
+    room = free(folder)
+    if room < need_bytes:
         raise InsufficientMemoryError(
-            f"engine.nvme_path {path} has {free / GIB:.1f} GiB free, but the optimizer state needs "
+            f"engine.nvme_path {path} has {room / GIB:.1f} GiB free, but the optimizer state needs "
             f"{need_bytes / GIB:.1f} GiB: free space there, point engine.nvme_path at a larger disk, or use "
             "state_placement: nvme_moments (keeps the master in RAM)")
     why = probe(folder)

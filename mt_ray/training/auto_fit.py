@@ -76,12 +76,12 @@ def _machine(engine: EngineConfig) -> Machine:
     if not engine.nvme_path:
         return Machine()
     try:
-        read, write = measure_disk(engine.nvme_path, PROBE_BYTES)
+        speed = measure_disk(engine.nvme_path, PROBE_BYTES)
     except OSError as e:
         raise ConfigError(f"engine.nvme_path {engine.nvme_path}: {e}; point it at an existing, writable folder on an "
                           "NVMe disk") from None
-    log.info("engine.nvme_path %s: direct read %.2f GB/s, write %.2f GB/s", engine.nvme_path, read, write)
-    return Machine(nvme_read_gbps=read, nvme_write_gbps=write)
+    log.info("engine.nvme_path %s: %s", engine.nvme_path, speed.describe())
+    return Machine(nvme_read_gbps=speed.read_gbps, nvme_write_gbps=speed.write_gbps, nvme_mixed_gbps=speed.mixed_gbps)
 
 
 def refuse_what_cannot_fit(cfg: RunConfig, spec: ModelSpec) -> None:
