@@ -83,7 +83,7 @@ def measure(engine: StreamingEngine, args, cfg, profile: bool = False, mbs: list
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    busy0 = engine.worker.busy_seconds
+    busy0, wait0 = engine.worker.busy_seconds, engine.streamer.optimizer_wait_s
     # Steady state: the clock starts while the optimizer still finishes the warm-up step
     # (which the first timed step must wait for) and stops when the last step's GPU work
     # ends (its own optimizer tail would overlap the next step): one boundary per step.
@@ -93,6 +93,8 @@ def measure(engine: StreamingEngine, args, cfg, profile: bool = False, mbs: list
     engine.synchronize()
     step_s = t.seconds / args.steps
     opt_s = (engine.worker.busy_seconds - busy0) / args.steps
+    # The engine's thread blocked on the previous step's optimizer: the update the next step could not hide.
+    opt_wait_s = (engine.streamer.optimizer_wait_s - wait0) / args.steps
     peak_gpu = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     split = profile_steps(engine, mbs) if profile else {}
     row = metrics(args, cfg, spec.num_params, step_s, "mt-ray")
@@ -100,7 +102,8 @@ def measure(engine: StreamingEngine, args, cfg, profile: bool = False, mbs: list
     ecfg = ecfg.model_copy(update={"keep_activations": kept})
     predicted = device_bytes(spec, ecfg, args.micro, args.seq, args.batch, stage=stage)["total"] / 2**30
     row.update(split, keep_activations=engine.cfg.keep_activations, kept_graphs=kept,
-               optimizer_s=opt_s, losses=[float(x) for x in losses], packed_docs=args.packed_docs,
+               optimizer_s=opt_s, optimizer_wait_s=opt_wait_s, losses=[float(x) for x in losses],
+               packed_docs=args.packed_docs,
                attn=args.attn, attn_used=spec.config._attn_implementation,
                host_bytes_per_param=peak_rss_bytes() / spec.num_params, peak_gpu_gib=peak_gpu,
                calc_gpu_gib=predicted, calc_step_s=predicted_step_seconds(spec, ecfg, args.seq, args.batch, stage=stage,
@@ -251,7 +254,7 @@ def main() -> None:
     rows = run_variants(args, cfg, args.out) if args.runs else run_keeps(args, cfg, args.out)
     cols = ["system", "shape", "params_b", "batch", "seq", "keep_activations", "kept_graphs", "packed_docs", "attn", "attn_used", "step_s", "tokens_per_s", "model_tflops", "tflops_with_attn",
             "peak_gpu_gib", "calc_gpu_gib", "host_bytes_per_param", "h2d_busy_s", "compute_busy_s", "d2h_busy_s", "optimizer_s",
-            "gpu_idle_frac", "gpu_step_s", "calc_step_s"]
+            "optimizer_wait_s", "gpu_idle_frac", "gpu_step_s", "calc_step_s"]
     print_table(rows, cols)
     write_json(args.out, {"args": vars(args), "device": device_name(), "rows": rows})
 

@@ -7,7 +7,15 @@ tokens / step time, as bench/engine_gpu.py), the vision tower's and projector's 
 `mt_ray.engine.sizing.VisionSizes.flops` counts: frozen tower forward, projector forward + recompute +
 backward), peak GPU memory and host bytes per parameter (peak RSS), beside the calculator's figures.
 
-    python bench/vlm_gpu.py --out $OUT/vlm_7b.json            # the lent H100
+The time split comes from one more step after the timed ones, with CUDA events on the compute stream around
+the tower's forward and backward and the body's embedding with the feature scatter (`*_gpu_s`: the GPU
+timeline between the events, idle time included); the language model's share (`decoder_gpu_s`) is the rest of
+the step. Beside them: the optimizer thread's busy time and how long the engine's thread waited on it, the
+host-side preparation of a step's micro-batches on the engine's thread (`prepare_s`: shifting labels, mrope
+positions), and what the loader's thread spends in the image processor for a step's images (`processor_s`,
+Qwen2-VL's processor at its defaults on `--image-px` pictures; it runs ahead of the engine, in the background).
+
+    python bench/vlm_gpu.py --batch 128 --micro 16 --kernels liger --out $OUT/vlm_7b.json  # the lent H100
     python bench/vlm_gpu.py --shape qwen3-vl-8b --image-px 512 --out $OUT/vlm_qwen3_8b.json  # 16-pixel patches
     python bench/vlm_gpu.py --shape tiny --device cpu --steps 1  # a smoke run anywhere (and tiny-qwen3-vl)
 """
@@ -24,8 +32,9 @@ from transformers import AutoConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import OPT, peak_rss_bytes, print_table, write_json  # noqa: E402
+from bench.common import OPT, Timer, peak_rss_bytes, print_table, write_json  # noqa: E402
 from mt_ray.engine import EngineConfig, StreamingEngine  # noqa: E402
+from mt_ray.engine.batch import prepare_micro_batch  # noqa: E402
 from mt_ray.engine.sizing import device_bytes, host_bytes, vision_sizes  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
 
@@ -94,6 +103,99 @@ def micro_batches(cfg, batch: int, micro: int, seq: int, image_px: int, seed: in
     return out
 
 
+class PhaseClock:
+    """CUDA events on the compute stream around calls of the engine's parts, summed per phase (GPU seconds); on
+    the CPU, where every kernel runs as it is called, the wall clock."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.spans: dict[str, list[tuple]] = {}
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def wrap(self, phase: str, fn):
+        def timed(*args, **kwargs):
+            start = self._mark()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spans.setdefault(phase, []).append((start, self._mark()))
+        return timed
+
+    def seconds(self) -> dict[str, float]:
+        if not self.cuda:
+            return {phase: sum(b - a for a, b in spans) for phase, spans in self.spans.items()}
+        torch.cuda.synchronize()  # every event has been reached
+        return {phase: sum(a.elapsed_time(b) for a, b in spans) / 1e3 for phase, spans in self.spans.items()}
+
+
+class _TimedContext:
+    """The engine's layer-context builder (embedding output -> body's pre-layer code, image features scattered),
+    timed where the forward calls it."""
+
+    def __init__(self, context, clock: PhaseClock):
+        self._context = context
+        self._call = clock.wrap("scatter_gpu_s", context)
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._context, name)
+
+
+def time_split(engine: StreamingEngine, mbs: list[dict]) -> dict[str, float]:
+    """One step with the tower's forward and backward and the feature scatter timed on the GPU; the decoder's
+    share is the rest of the step's GPU time."""
+    clock = PhaseClock(engine.device.type == "cuda")
+    vision, context = engine.vision, engine.context
+    forward, backward = vision.forward, vision.backward
+    vision.forward, vision.backward = clock.wrap("tower_forward_gpu_s", forward), clock.wrap("tower_backward_gpu_s",
+                                                                                              backward)
+    engine.context = _TimedContext(context, clock)
+    try:
+        step = clock.wrap("step_gpu_s", engine.train_step)
+        step(mbs)
+        split = clock.seconds()
+    finally:
+        vision.forward, vision.backward, engine.context = forward, backward, context
+    parts = ("tower_forward_gpu_s", "tower_backward_gpu_s", "scatter_gpu_s")
+    split["decoder_gpu_s"] = split["step_gpu_s"] - sum(split.get(k, 0.0) for k in parts)
+    return split
+
+
+def prepare_seconds(engine: StreamingEngine, mbs: list[dict]) -> float:
+    """The engine thread's host work before a step's first kernel: each micro-batch shifted, indexed and given
+    its mrope positions (`StreamingEngine._prepare`), and copied up."""
+    with Timer() as t:
+        for b in mbs:
+            prepare_micro_batch(b, engine.device, engine.context.rope_positions)
+    return t.seconds
+
+
+def processor_seconds(cfg, n_images: int, image_px: int) -> float:
+    """What the loader's thread spends turning `n_images` pictures into pixel values and grids: Qwen2-VL's image
+    processor (Qwen2.5-VL's and, with 16-pixel patches, Qwen3-VL's) at its defaults, on `image_px` squares."""
+    import numpy as np
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessor
+
+    vc = cfg.vision_config
+    proc = Qwen2VLImageProcessor(patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size,
+                                 merge_size=vc.spatial_merge_size)
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (image_px, image_px, 3), dtype=np.uint8)) for _ in range(n_images)]
+    t0 = time.perf_counter()
+    for image in images:  # one call per sample, as the loader encodes each row's images
+        proc(images=[image], return_tensors="pt")
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="qwen2.5-vl-7b", choices=sorted(SHAPES))
@@ -103,6 +205,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--kernels", default="torch", choices=["torch", "liger"], help="as bench/engine_gpu.py's")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out")
@@ -114,20 +217,28 @@ def main() -> None:
     spec = discover(cfg)  # LLaMA-Factory's defaults: the tower frozen, the projector trained
     cuda = args.device == "cuda"
     ecfg = EngineConfig(device=args.device, compute_dtype="bf16" if cuda else "fp32", checkpoint_every=args.k,
-                        stream_master=True, grad_dtype="compute")  # the benchmarks' memory-lean setting
+                        stream_master=True, grad_dtype="compute", kernels=args.kernels)  # the benchmarks' lean setting
     t0 = time.perf_counter()
-    engine = StreamingEngine(spec, ecfg, OPT, total_steps=args.warmup + args.steps + 1)
+    engine = StreamingEngine(spec, ecfg, OPT, total_steps=args.warmup + args.steps + 1)  # + the split's
     engine.load_random(seed=0)
     setup_s = time.perf_counter() - t0
     mbs = micro_batches(cfg, args.batch, args.micro, args.seq, args.image_px)
     try:
         for _ in range(args.warmup):
-            engine.train_step(mbs).loss.item()  # .item(): wait for the step
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            loss = engine.train_step(mbs).loss.item()
+            engine.train_step(mbs)
+        busy0, wait0 = engine.worker.busy_seconds, engine.streamer.optimizer_wait_s
+        # As bench/engine_gpu.py: nothing waits for the device between steps; the clock stops at the last step's
+        # GPU work (its optimizer tail would overlap the next step).
+        with Timer() as t:
+            for _ in range(args.steps):
+                result = engine.train_step(mbs)
+        loss = result.loss.item()
         engine.synchronize()
-        step_s = (time.perf_counter() - t0) / args.steps
+        step_s = t.seconds / args.steps
+        optimizer_s = (engine.worker.busy_seconds - busy0) / args.steps
+        optimizer_wait_s = (engine.streamer.optimizer_wait_s - wait0) / args.steps
+        split = time_split(engine, mbs)
+        prepare_s = prepare_seconds(engine, mbs)
     finally:
         engine.close()
     image_tokens = (args.image_px // cfg.vision_config.patch_size) ** 2 // 4
@@ -135,7 +246,8 @@ def main() -> None:
     tokens = args.batch * args.seq
     row = {
         "shape": args.shape, "seq": args.seq, "batch": args.batch, "micro": args.micro, "image_tokens": image_tokens,
-        "step_s": step_s, "loss": loss,
+        "step_s": step_s, "loss": loss, **split, "optimizer_s": optimizer_s, "optimizer_wait_s": optimizer_wait_s,
+        "prepare_s": prepare_s, "processor_s": processor_seconds(cfg, args.batch, args.image_px),
         "lm_params_b": spec.text_params / 1e9, "vision_params_b": vision.tower_params / 1e9,
         "lm_tflops": 6 * spec.text_params * tokens / step_s / 1e12,
         "vision_tflops": vision.flops(args.batch, image_tokens) / step_s / 1e12,

@@ -55,6 +55,9 @@ class ArenaWeights:
         self.arena.wait_version(unit, version, self.generation, self.timeout_s)
         self.wait_seconds += time.perf_counter() - t0  # the engine's thread idle, waiting for weights
 
+    def is_updated(self, unit: str, version: int) -> bool:
+        return self.arena.version(unit) >= version
+
     def streamed_of(self, unit: str) -> torch.Tensor:
         return self.arena.weights(unit)
 

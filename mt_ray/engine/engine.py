@@ -187,18 +187,17 @@ class StreamingEngine:
         )
         self.streams = StreamSet(self.device)
         depth = cfg.prefetch_units or cfg.checkpoint_every
-        source, wait = (self.store, self.worker.wait_updated) if local else (weight_source, weight_source.wait_updated)
+        source, versions = (self.store, self.worker) if local else (weight_source, weight_source)
         self.pref = build_preference(self, stage, pref or PreferenceConfig(), grpo, pin, reference) \
             if stage != "sft" else None
         self._streams_reference = self.pref is not None and self.pref.streams_reference
         if self._streams_reference:
-            source = WithReference(source, self.pref.reference, wait)
-            wait = source.wait_updated
+            source = versions = WithReference(source, self.pref.reference, versions)
         self.resident = cfg.schedule == "resident"
         # Streaming holds at most one block of K units at once, or the head with a tied embedding;
         # the resident schedule holds every unit (and the reference's) for the whole step.
         hold = len(spec.units) * (2 if self._streams_reference else 1) if self.resident else max(cfg.checkpoint_every, 2)
-        self.streamer = WeightStreamer(source, self.streams, self.dtype, depth, hold, wait)
+        self.streamer = WeightStreamer(source, self.streams, self.dtype, depth, hold, versions)
         self.outbox = Outbox(self.streams)
         # Block graphs the backward uses instead of a recompute, as many as fit beside what the stage holds.
         self.kept = KeptBlocks(spec, self.streams, Stage.of(stage, pref, grpo))

@@ -23,6 +23,10 @@ from mt_ray.engine.host_store import CHUNK_NUMEL, HostStore
 from mt_ray.engine.optimizer import UnitOptimizer
 from mt_ray.engine.transfer import GradBuffers
 
+# How long a wait for an update may see no unit updated at all before it fails: far above any one unit's update
+# (a 7B LM head from NVMe takes seconds) plus the GPU work a step may still have queued before its norm is known.
+UPDATE_STALL_S = 600.0
+
 
 @dataclass
 class _Grad:
@@ -59,6 +63,8 @@ class OptimizerWorker:
         self.on_advance = on_advance
         self.on_error = on_error
         self.version = dict.fromkeys(unit_order, 0)
+        self.stall_s = UPDATE_STALL_S
+        self._advances = 0  # units updated so far, all steps: what a bounded wait watches for progress
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._queue: queue.Queue[_Grad | _EndOfStep | None] = queue.Queue()
@@ -84,12 +90,27 @@ class OptimizerWorker:
         self._queue.put(_EndOfStep(norm_sq, ready, lr))
 
     def wait_updated(self, unit: str, version: int) -> None:
-        """Block until `unit` has been updated `version` times (CPU-side wait only; a frozen unit never changes)."""
+        """Block until `unit` has been updated `version` times (CPU-side wait only; a frozen unit never changes).
+
+        Bounded: while the thread goes on updating units the wait goes on, but should no unit advance for
+        `stall_s` seconds (a hung update, or a step whose gradients never came) it raises, naming the unit.
+        """
         if unit not in self.version:
             return
         with self._cond:
-            self._cond.wait_for(lambda: self.version[unit] >= version or self._error is not None)
+            while self.version[unit] < version and self._error is None:
+                seen = self._advances
+                # Woken by every unit's update (`_advance`); a whole `stall_s` without one ends the wait.
+                if not self._cond.wait(timeout=self.stall_s) and self._advances == seen:
+                    raise RuntimeError(
+                        f"the optimizer thread updated no unit for {self.stall_s:g} s while the engine waited for "
+                        f"{unit} to reach step {version} (it holds step {self.version[unit]}): an update hung, or "
+                        "a step did not hand over all its gradients (end_step)")
         self._raise_if_failed()
+
+    def is_updated(self, unit: str, version: int) -> bool:
+        """Whether `unit` has been updated `version` times already (never blocks)."""
+        return unit not in self.version or self.version[unit] >= version
 
     def reset_versions(self, version: int) -> None:
         """After a checkpoint restore: every unit holds the weights of update `version`."""
@@ -155,6 +176,7 @@ class OptimizerWorker:
     def _advance(self, unit: str) -> None:
         with self._cond:
             self.version[unit] += 1
+            self._advances += 1
             version = self.version[unit]
             self._cond.notify_all()
         if self.on_advance is not None:

@@ -33,7 +33,7 @@ from mt_ray.engine.grpo import GroupObjective, GrpoConfig
 from mt_ray.engine.host_store import StoreLayout
 from mt_ray.engine.pinning import host_empty, unregister_pinned
 from mt_ray.engine.preference import Objective, PreferenceConfig, add_counts, add_sums
-from mt_ray.engine.seams import ReferenceSource, WeightSource
+from mt_ray.engine.seams import ReferenceSource, UnitVersions, WeightSource
 from mt_ray.engine.templates import UnitTemplate, Weights
 
 REF = "ref:"
@@ -71,14 +71,17 @@ class ReferenceWeights:
 class WithReference:
     """The policy's weight source with the reference's `ref:` units beside it; they never wait for the optimizer."""
 
-    def __init__(self, policy: WeightSource, reference: ReferenceSource, policy_wait: Callable[[str, int], None]):
+    def __init__(self, policy: WeightSource, reference: ReferenceSource, policy_versions: UnitVersions):
         self.policy = policy
         self.reference = reference
-        self.policy_wait = policy_wait
+        self.policy_versions = policy_versions
 
     def wait_updated(self, unit: str, version: int) -> None:
         if not unit.startswith(REF):
-            self.policy_wait(unit, version)
+            self.policy_versions.wait_updated(unit, version)
+
+    def is_updated(self, unit: str, version: int) -> bool:
+        return unit.startswith(REF) or self.policy_versions.is_updated(unit, version)
 
     def streamed_of(self, unit: str) -> torch.Tensor:
         if unit.startswith(REF):

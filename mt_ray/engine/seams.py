@@ -31,11 +31,20 @@ class GradSink(Protocol):
     def close(self) -> None: ...
 
 
-class WeightSource(Protocol):
-    """Where the engine reads each unit's streamed (compute-dtype) weights (the `HostStore` surface)."""
+class UnitVersions(Protocol):
+    """How far each unit's optimizer has got: what the weight streamer asks before it uploads a unit."""
 
     def wait_updated(self, unit: str, version: int) -> None:
-        """Block until `streamed_of(unit)` returns the weights after `version` optimizer steps."""
+        """Block (with a bound: past it, raise naming the unit) until `unit` holds the weights after `version`
+        optimizer steps."""
+
+    def is_updated(self, unit: str, version: int) -> bool:
+        """Whether `unit` already holds the weights after `version` optimizer steps (never blocks)."""
+
+
+class WeightSource(UnitVersions, Protocol):
+    """Where the engine reads each unit's streamed (compute-dtype) weights (the `HostStore` surface), and how far
+    the optimizer that writes them has got (`UnitVersions`)."""
 
     def streamed_of(self, unit: str) -> torch.Tensor:
         """The unit's flat host weights; the engine only reads them."""

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import time
 from collections import deque
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from mt_ray.engine.host_store import HostStore
 from mt_ray.engine.pinning import host_empty, unregister_pinned
+from mt_ray.engine.seams import UnitVersions, WeightSource
 
 
 class StreamSet:
@@ -54,7 +54,7 @@ class _Upload:
 
 
 class WeightStreamer:
-    """Uploads units in a known order, keeping `depth` uploads in flight ahead of the consumer.
+    """Uploads units in a known order, keeping up to `depth` uploads in flight ahead of the consumer.
 
     Device memory stays bounded although the CPU runs ahead of the GPU: a unit handed out
     is held until `hold` more units have been handed out (the consumer never uses more than
@@ -63,31 +63,37 @@ class WeightStreamer:
     caching allocator reuses them in that stream's order, after the wait: no `record_stream`,
     whose deferred frees let a CPU far ahead of the GPU pile up every layer of the step.
 
-    `wait_updated(unit, version)` blocks (on the CPU only) until the optimizer has written
-    the version of the unit that this step must read: the only place a step waits for the
-    optimizer of the previous one.
+    `versions` says how far the optimizer of the previous step has got. A unit is uploaded only
+    once it holds the version this step must read; only the unit being handed out waits for that
+    (`versions.wait_updated`, bounded), the units ahead of it are uploaded when already updated and
+    otherwise left for their own turn. So while the previous step's optimizer still runs (with
+    clipping it starts only at the end of that step's backward, in forward order) the compute of
+    each unit is queued as soon as that unit is updated, not once the `depth` units after it are:
+    the next step's forward chases the optimizer unit by unit. This is the only place a step waits
+    for the optimizer of the one before.
     """
 
-    def __init__(self, store: HostStore, streams: StreamSet, dtype: torch.dtype, depth: int, hold: int,
-                 wait_updated: Callable[[str, int], None]):
+    def __init__(self, store: WeightSource, streams: StreamSet, dtype: torch.dtype, depth: int, hold: int,
+                 versions: UnitVersions):
         self.store = store
         self.streams = streams
         self.dtype = dtype
         self.depth = depth
         self.hold = hold
-        self.wait_updated = wait_updated
-        self._plan: Iterator[tuple[int, str]] = iter(())
+        self.versions = versions
+        self._plan: deque[tuple[int, str]] = deque()
         self._last_use: dict[str, int] = {}
         self._inflight: deque[_Upload] = deque()
         self._lent: deque[torch.Tensor] = deque()
         self._version = 0
+        self.optimizer_wait_s = 0.0  # the engine's thread blocked on the optimizer (the benchmarks' time split)
 
     def start(self, plan: list[str], version: int) -> None:
         """Begin a step: `plan` is every unit the step will read, in order of use."""
-        if self._inflight:
-            raise RuntimeError(f"previous step left {len(self._inflight)} uploads unused")
+        if self._inflight or self._plan:
+            raise RuntimeError(f"previous step left {len(self._inflight) + len(self._plan)} units unused")
         self._release(keep=0)
-        self._plan = iter(enumerate(plan))
+        self._plan = deque(enumerate(plan))
         self._last_use = {unit: i for i, unit in enumerate(plan)}
         self._version = version
         self._top_up()
@@ -95,6 +101,8 @@ class WeightStreamer:
     def next(self, unit: str) -> torch.Tensor:
         """The next unit's flat weights in the compute dtype, usable on the compute stream."""
         self._release(keep=self.hold - 1)
+        if not self._inflight:
+            self._upload_next()  # this unit was still being updated when it was last looked at: wait for it now
         up = self._inflight.popleft()
         if up.unit != unit:
             raise RuntimeError(f"upload order broken: expected {unit}, streamed {up.unit}")
@@ -113,17 +121,24 @@ class WeightStreamer:
             self._lent.popleft()
 
     def _top_up(self) -> None:
-        while len(self._inflight) < self.depth:
-            i, unit = next(self._plan, (None, None))
-            if unit is None:
-                return
-            up = self._upload(unit)
-            if i == self._last_use[unit]:
-                self.store.release(unit, up.ready)  # the source may drop its host copy once this upload lands
-            self._inflight.append(up)
+        """Upload ahead, in plan order, the units already updated; stop (never wait) at one still being updated."""
+        while len(self._inflight) < self.depth and self._plan and \
+                self.versions.is_updated(self._plan[0][1], self._version):
+            self._upload_next()
+
+    def _upload_next(self) -> None:
+        """Upload the plan's next unit once it holds this step's version."""
+        i, unit = self._plan.popleft()
+        t0 = time.perf_counter()
+        # Bounded (the optimizer's stall limit): the only wait for the previous step's optimizer, for this unit only.
+        self.versions.wait_updated(unit, self._version)
+        self.optimizer_wait_s += time.perf_counter() - t0
+        up = self._upload(unit)
+        if i == self._last_use[unit]:
+            self.store.release(unit, up.ready)  # the source may drop its host copy once this upload lands
+        self._inflight.append(up)
 
     def _upload(self, unit: str) -> _Upload:
-        self.wait_updated(unit, self._version)
         src = self.store.streamed_of(unit)
         device = self.streams.device
         with self.streams.on(self.streams.h2d):

@@ -17,7 +17,13 @@ import torch
 
 from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import ModelSpec
-from mt_ray.models.varlen import VARLEN, register_varlen, varlen_problem
+from mt_ray.models.varlen import (
+    VARLEN,
+    bounds_attention_by_cu_seqlens,
+    register_tower_varlen,
+    register_varlen,
+    varlen_problem,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +99,16 @@ def _registered(backend: str) -> str:
 
 
 def _language_only(spec: ModelSpec, backend: str) -> str | dict[str, str]:
-    """`backend` for the language model. varlen computes causal attention only: an image-text model's other
-    parts (its vision tower, whose attention is bidirectional) keep transformers' default backend."""
+    """`backend` for the language model. An image-text model's vision tower attends both ways: where its blocks
+    bound attention by `cu_seqlens` it takes the same kernel both ways (`TOWER_VARLEN`), else transformers'
+    default backend, as do its other parts."""
     if backend != VARLEN or spec.vision is None:
         return backend
     others = spec.skeleton.get_correct_attn_implementation(None)
-    subs = {key: backend if getattr(spec.config, key, None) is spec.base.config else others
-            for key in spec.config.sub_configs}
+    tower = register_tower_varlen() if bounds_attention_by_cu_seqlens(spec.vision.blocks) else others
+    vision_config = getattr(spec.config, "vision_config", None)
+    subs = {}
+    for key in spec.config.sub_configs:
+        sub = getattr(spec.config, key, None)
+        subs[key] = backend if sub is spec.base.config else tower if sub is vision_config else others
     return {"": backend, **subs}

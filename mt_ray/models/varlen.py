@@ -32,6 +32,11 @@ from transformers import AttentionInterface
 from mt_ray.models.discovery import ModelSpec
 
 VARLEN = "varlen"
+# The same kernel for a vision tower whose attention runs both ways within each image or window, bounded by
+# `cu_seqlens` (Qwen-VL). transformers hands those bounds (and their longest span, read once per tower call) to
+# an attention backend only when its name says "flash"; under any other it splits the patches at the bounds on
+# the host (a device sync every block) and calls the backend once per window (about a hundred calls a block).
+TOWER_VARLEN = "varlen_flash_tower"
 HALF = (torch.float16, torch.bfloat16)
 
 
@@ -42,9 +47,9 @@ def varlen_attention_forward(module: torch.nn.Module, query_BHTD: torch.Tensor, 
                              max_length_q: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: the output as [B, T, H, D], no weights."""
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
-    if attention_mask is not None or softcap or s_aux is not None or dropout or not causal:
+    if attention_mask is not None or softcap or s_aux is not None or dropout or (not causal and sliding_window):
         # `resolve_attention` refuses such families; this guards a config set by hand.
-        raise ValueError("varlen attention is causal only, with no mask, soft-capping, sinks or dropout")
+        raise ValueError("varlen attention takes no mask, soft-capping, sinks, dropout or bidirectional window")
     B, H, T, D = query_BHTD.shape
     if cu_seq_lens_q is None:  # no document bounds given: each row is one sequence
         cu_seq_lens_q = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=query_BHTD.device)
@@ -54,22 +59,22 @@ def varlen_attention_forward(module: torch.nn.Module, query_BHTD: torch.Tensor, 
     scale = D**-0.5 if scaling is None else scaling
     left = sliding_window - 1 if sliding_window else -1  # keys q-left..q, as transformers' sliding masks
     run = _flash if q_NHD.is_cuda and q_NHD.dtype in HALF else _per_document
-    out_NHD = run(q_NHD, k_NKD, v_NKD, cu_seq_lens_q, max_length_q, scale, left)
+    out_NHD = run(q_NHD, k_NKD, v_NKD, cu_seq_lens_q, max_length_q, scale, left, causal)
     return out_NHD.view(B, T, H, -1), None
 
 
-def _flash(q_NHD, k_NKD, v_NKD, cu_seq_lens, max_length, scale, left):
+def _flash(q_NHD, k_NKD, v_NKD, cu_seq_lens, max_length, scale, left, causal):
     """PyTorch's varlen flash kernel (grouped-query heads natively; one head dim for q, k and v)."""
     varlen_attn, params = _kernel()
     dv = v_NKD.shape[-1]
     if dv != q_NHD.shape[-1]:  # MLA: pad the values to the query's head dim, as transformers' flash path does
         v_NKD = F.pad(v_NKD, (0, q_NHD.shape[-1] - dv))
     out = varlen_attn(q_NHD, k_NKD, v_NKD, cu_seq_lens, cu_seq_lens, max_length, max_length, scale=scale,
-                      **_kernel_kwargs(params, left, q_NHD.shape[1] != k_NKD.shape[1]))
+                      **_kernel_kwargs(params, left, q_NHD.shape[1] != k_NKD.shape[1], causal))
     return out[..., :dv]
 
 
-def _per_document(q_NHD, k_NKD, v_NKD, cu_seq_lens, max_length, scale, left):
+def _per_document(q_NHD, k_NKD, v_NKD, cu_seq_lens, max_length, scale, left, causal):
     """Each document through SDPA alone (reads the bounds on the host: for the CPU and for tests)."""
     bounds = cu_seq_lens.tolist()
     groups = q_NHD.shape[1] // k_NKD.shape[1]
@@ -78,7 +83,7 @@ def _per_document(q_NHD, k_NKD, v_NKD, cu_seq_lens, max_length, scale, left):
         q, k, v = (t[s:e].transpose(0, 1) for t in (q_NHD, k_NKD, v_NKD))
         k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
         mask = _window(e - s, left, q.device) if left >= 0 else None
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale)
         outs.append(out.transpose(0, 1))
     return torch.cat(outs)
 
@@ -100,14 +105,14 @@ def _kernel() -> tuple[Callable, frozenset[str]] | None:
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def _kernel_kwargs(params: frozenset[str], left: int, grouped: bool) -> dict:
-    """The keywords for causality with a left window and for grouped-query heads in this torch's form of the
-    API (a prototype: releases ask for causality as `is_causal`, later as `window_size`, and for grouped
-    heads with `enable_gqa` or not at all)."""
+def _kernel_kwargs(params: frozenset[str], left: int, grouped: bool, causal: bool = True) -> dict:
+    """The keywords for causality with a left window (or none: attention both ways) and for grouped-query heads
+    in this torch's form of the API (a prototype: releases ask for causality as `is_causal`, later as
+    `window_size`, and for grouped heads with `enable_gqa` or not at all)."""
     if "window_size" in params:
-        out = {"window_size": (left, 0)}
+        out = {"window_size": (left, 0) if causal else (-1, -1)}
     elif left < 0:
-        out = {"is_causal": True}
+        out = {"is_causal": causal}
     else:  # `varlen_problem` refuses sliding-window families on such a torch; this guards a config set by hand
         raise ValueError(f"torch {torch.__version__}'s varlen attention has no sliding window")
     if grouped and "enable_gqa" in params:
@@ -147,6 +152,18 @@ def register_varlen() -> str:
     """Make `VARLEN` a transformers attention implementation (idempotent); returns its name."""
     AttentionInterface.register(VARLEN, varlen_attention_forward)
     return VARLEN
+
+
+def register_tower_varlen() -> str:
+    """Make `TOWER_VARLEN` a transformers attention implementation (idempotent); returns its name."""
+    AttentionInterface.register(TOWER_VARLEN, varlen_attention_forward)
+    return TOWER_VARLEN
+
+
+def bounds_attention_by_cu_seqlens(blocks: torch.nn.ModuleList) -> bool:
+    """Whether a vision tower's blocks take `cu_seqlens` (Qwen-VL's: images and windows bounded by them), so
+    `TOWER_VARLEN` runs their attention as one kernel call."""
+    return "cu_seqlens" in inspect.signature(type(blocks[0]).forward).parameters
 
 
 def takes_document_bounds(attn_implementation: str) -> bool:

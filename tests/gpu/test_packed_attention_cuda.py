@@ -49,6 +49,23 @@ def test_the_flash_kernel_computes_what_each_document_alone_does(window, dv):
         assert _relative_error(g.cpu(), r) < 2e-2
 
 
+def test_the_flash_kernel_attends_both_ways_within_each_window():
+    """A Qwen-VL tower's attention (`TOWER_VARLEN`): every patch sees its whole window or image, none beyond,
+    head dim 80, as transformers' SDPA per window computes it (here in fp64 on the host)."""
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 256, 512, 1536, 1600], dtype=torch.int32)  # windows, a whole image, a short one
+    ref_in = [torch.randn(1, 16, 1600, 80, dtype=torch.float64).requires_grad_() for _ in range(3)]
+    fast_in = [t.detach().cuda().bfloat16().requires_grad_() for t in ref_in]
+    args = {"scaling": 80**-0.5, "max_length_q": 1024, "is_causal": False}
+    fast, _ = varlen_attention_forward(_Attention(), *fast_in, None, cu_seq_lens_q=cu.cuda(), **args)
+    ref, _ = varlen_attention_forward(_Attention(), *ref_in, None, cu_seq_lens_q=cu, **args)
+    assert _relative_error(fast.cpu(), ref) < 1e-2
+    w = torch.randn(ref.shape, dtype=torch.float64)
+    fast_grads = torch.autograd.grad((fast * w.cuda().bfloat16()).sum(), fast_in)
+    for g, r in zip(fast_grads, torch.autograd.grad((ref * w).sum(), ref_in), strict=True):
+        assert _relative_error(g.cpu(), r) < 2e-2
+
+
 def _step_error(folder, mb, ref_loss, before, ref_state, **engine_kw) -> tuple[float, float]:
     """(loss error, update error) of one bf16 engine step against the fp32 reference."""
     result, state = engine_step(folder, [mb], device="cuda", **engine_kw)

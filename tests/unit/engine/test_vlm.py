@@ -18,6 +18,7 @@ from mt_ray.engine.sizing import vision_sizes
 from mt_ray.errors import ConfigError, ModelNotSupportedError
 from mt_ray.models.attention import resolve_attention
 from mt_ray.models.discovery import discover
+from mt_ray.models.varlen import TOWER_VARLEN
 from tests.family_checks import OPT, assert_same_step
 from tests.tiny_models import reference_train
 from tests.vlm_models import (
@@ -130,10 +131,12 @@ def test_evaluate_scores_images_as_transformers_does(folder, documents):
     assert result.loss_sum.item() == pytest.approx(ref_sum, rel=1e-5)
 
 
-def test_varlen_runs_the_language_model_and_leaves_the_tower_its_default(folder):
-    """varlen computes causal attention only; the tower's windows attend both ways (`auto` on CUDA)."""
+def test_varlen_runs_the_language_model_causal_and_the_tower_both_ways(folder):
+    """`auto` on CUDA: the language model's documents apart by their bounds; the tower's windows and images, which
+    attend both ways within `cu_seqlens`, through the same kernel in one call a block (not one per window after a
+    device sync). The step on the CPU (`varlen` above) runs it as SDPA per window: transformers' own arithmetic."""
     setting = resolve_attention(discover(str(folder)), "auto", torch.device("cuda"), torch.bfloat16)
-    assert setting == {"": "varlen", "text_config": "varlen", "vision_config": "sdpa"}
+    assert setting == {"": "varlen", "text_config": "varlen", "vision_config": TOWER_VARLEN}
 
 
 def test_a_step_without_images_leaves_the_projector_and_its_adam_count(folder, documents):

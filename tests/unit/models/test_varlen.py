@@ -63,10 +63,22 @@ def test_without_bounds_each_row_is_one_sequence():
     torch.testing.assert_close(out, ref.transpose(1, 2))
 
 
-@pytest.mark.parametrize("kw", [{"softcap": 1.0}, {"dropout": 0.1}, {"s_aux": torch.zeros(4)}, {"is_causal": False}])
+@pytest.mark.parametrize("kw", [{"softcap": 1.0}, {"dropout": 0.1}, {"s_aux": torch.zeros(4)},
+                                {"is_causal": False, "sliding_window": 4}])
 def test_what_the_kernel_cannot_compute_is_refused(kw):
-    with pytest.raises(ValueError, match="varlen attention is causal only"):
+    with pytest.raises(ValueError, match="varlen attention takes no mask, soft-capping, sinks, dropout or bidirect"):
         varlen_attention_forward(_Attention(), *qkv(), None, **kw)
+
+
+def test_both_ways_each_bounded_span_attends_to_all_of_itself_alone():
+    """A vision tower's windows (`TOWER_VARLEN`): no causal mask, nothing across a bound."""
+    q, k, v = (t[:1] for t in qkv())
+    cu = torch.tensor([0, 5, 6, 16], dtype=torch.int32)
+    out, _ = varlen_attention_forward(_Attention(), q, k, v, None, scaling=0.3, is_causal=False, cu_seq_lens_q=cu)
+    bounds = cu.tolist()
+    ref = torch.cat([F.scaled_dot_product_attention(q[..., s:e, :], k[..., s:e, :], v[..., s:e, :], scale=0.3,
+                                                    enable_gqa=True) for s, e in zip(bounds[:-1], bounds[1:], strict=True)], 2)
+    torch.testing.assert_close(out, ref.transpose(1, 2))
 
 
 def test_the_kernel_is_asked_in_each_torch_form_of_its_api():
@@ -74,6 +86,8 @@ def test_the_kernel_is_asked_in_each_torch_form_of_its_api():
     assert _kernel_kwargs(frozenset({"window_size", "enable_gqa"}), 3, True) == {"window_size": (3, 0), "enable_gqa": True}
     assert _kernel_kwargs(frozenset({"window_size"}), -1, True) == {"window_size": (-1, 0)}
     assert _kernel_kwargs(frozenset({"is_causal"}), -1, False) == {"is_causal": True}
+    assert _kernel_kwargs(frozenset({"window_size"}), -1, False, causal=False) == {"window_size": (-1, -1)}
+    assert _kernel_kwargs(frozenset({"is_causal"}), -1, False, causal=False) == {"is_causal": False}
     with pytest.raises(ValueError, match="no sliding window"):
         _kernel_kwargs(frozenset({"is_causal"}), 3, False)
 
