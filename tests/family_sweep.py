@@ -120,9 +120,11 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "zaya": {"num_experts_per_tok": 1, "router_hidden_size": 8},  # transformers builds top-1 routing only
     # two hybrid layers, so that they share the one transformer block
     "zamba": {"num_hidden_layers": 4, "layer_types": ["linear_attention", "hybrid"] * 2},
-    # two hybrid layers, so that they share the one transformer block; its attention is twice the hidden size wide
+    # two hybrid layers, so that they share the one transformer block; its attention is twice the hidden size wide;
+    # the Mamba heads span its inner width and the hybrid layers are listed (the config derives both from the
+    # default's sizes)
     "zamba2": {"num_hidden_layers": 4, "layer_types": ["linear_attention", "hybrid"] * 2, "head_dim": 16,
-               "attention_head_dim": 16},
+               "attention_head_dim": 16, "n_mamba_heads": 4, "hybrid_layer_ids": [1, 3]},
 }
 
 

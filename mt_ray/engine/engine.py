@@ -69,7 +69,7 @@ from mt_ray.engine.reference import REF, WithReference, build_preference, eval_m
 from mt_ray.engine.seams import GradSink, ReferenceSource, WeightSource
 from mt_ray.engine.sizing import Stage, grad_buffer_bytes, grad_buffers_per_unit
 from mt_ray.engine.templates import UnitTemplate, Weights, build_templates
-from mt_ray.engine.transfer import GradBuffers, Outbox, StreamSet, WeightStreamer
+from mt_ray.engine.transfer import GradBuffers, Outbox, StreamSet, WeightStreamer, WithOwners
 from mt_ray.engine.vision_stage import VisionStage, feature_leaves
 from mt_ray.errors import ConfigError
 from mt_ray.models.attention import resolve_attention
@@ -83,13 +83,15 @@ from mt_ray.models.weights import export_hf, init_random, load_safetensors
 
 class Segment(NamedTuple):
     """One recomputed layer ready for backward: its input (a leaf), output, router logits (where a router loss
-    records them) and what the body added after it, as a leaf (Qwen3-VL's deepstack features)."""
+    records them), what the body added after it, as a leaf (Qwen3-VL's deepstack features), and its arguments
+    that carry a gradient to the embedding, as leaves with their keys (`LayerContext.track_inputs`)."""
 
     layer: int
     x: torch.Tensor
     out: torch.Tensor
     logits: torch.Tensor | None
     injected: torch.Tensor | None
+    inputs: list[tuple[tuple[int, int, str], torch.Tensor]]
 
 
 @dataclass
@@ -171,6 +173,10 @@ class StreamingEngine:
             raise ConfigError(f"engine.state_placement: {cfg.state_placement} runs on a single engine for now (the "
                               "data-parallel shards keep their state in shared memory); use cluster.num_workers: 1, "
                               "or state_placement: host")
+        if spec.mirrors and (not local or cfg.state_placement == "nvme"):
+            raise ConfigError(f"'{spec.config.model_type}' ties weights between layers, which train as one tensor on "
+                              "a single engine with the master in host memory for now; use cluster.num_workers: 1 "
+                              "and engine.state_placement: host or nvme_moments")
         if stage != "sft" and cfg.state_placement == "nvme":
             raise ConfigError(f"stage {stage} snapshots the master as its reference, which state_placement: nvme keeps "
                               "on disk; use state_placement: nvme_moments or host")
@@ -188,6 +194,8 @@ class StreamingEngine:
         self.streams = StreamSet(self.device)
         depth = cfg.prefetch_units or cfg.checkpoint_every
         source, versions = (self.store, self.worker) if local else (weight_source, weight_source)
+        if spec.mirrors:  # a layer's mirrors take their values from their owners' updates
+            versions = WithOwners(versions, {u: {m.owner for m in ms} for u, ms in spec.mirrors.items()})
         self.pref = build_preference(self, stage, pref or PreferenceConfig(), grpo, pin, reference) \
             if stage != "sft" else None
         self._streams_reference = self.pref is not None and self.pref.streams_reference
@@ -205,6 +213,9 @@ class StreamingEngine:
                                                   cfg.host_memory_limit_gb)
         self.templates = build_templates(spec, self.device)
         self.layer_templates = [self.templates[u.kind] for u in spec.layer_units]
+        # Layers holding or owning weights tied between layers, by index.
+        self._tie_layers = {int(name.split(".")[1]) for unit, mirrors in spec.mirrors.items()
+                            for name in (unit, *(m.owner for m in mirrors))}
         self.vision = VisionStage(spec, self.templates, self.device, self._weights, self._add_grad) if spec.vision else None
         kinds = [self.templates[k].module for k in spec.layer_kinds]
         self.router_loss = RouterLoss(spec, kinds) if RouterLoss.wanted(spec) else None
@@ -674,8 +685,9 @@ class StreamingEngine:
                     weights[i] = self.layer_templates[i].bind(self._weights(f"layers.{i}"), requires_grad=True)
                 x = x.detach().requires_grad_()
                 injected = ctx.track_injection(i)
+                inputs = ctx.track_inputs(i)
                 out, logits = self._layer(i, weights[i], x, ctx)
-                segments.append(Segment(i, x, out, logits, injected))
+                segments.append(Segment(i, x, out, logits, injected, inputs))
                 x = out
         return segments
 
@@ -685,15 +697,23 @@ class StreamingEngine:
         a MoE layer's router logits take the router loss's gradient with them, and what the body added
         after a layer keeps its gradient in `ctx` (for the embedding's backward)."""
         while segments:
-            i, x, out, logits, injected = segments.pop()
+            i, x, out, logits, injected, inputs = segments.pop()
             template = self.layer_templates[i]
             outputs, out_grads = ([out, logits], [g, aux_grads[i]]) if i in aux_grads else (out, g)
             leaves = template.leaves(weights[i])
-            gs = torch.autograd.grad(outputs, [x, *leaves, *([] if injected is None else [injected])], out_grads)
+            mirrors = template.mirror_leaves(weights[i])
+            carried = [leaf for _, leaf in inputs]
+            # A carried argument the layer does not read (Zamba's Mamba layers get the embedding too) and a tied weight
+            # another layer uses (Zamba2's adapter of another layer) get no gradient here: zeros.
+            unused = bool(carried) or i in self._tie_layers
+            gs = torch.autograd.grad(outputs, [x, *leaves, *mirrors, *([] if injected is None else [injected]),
+                                               *carried], out_grads, allow_unused=unused, materialize_grads=unused)
             g = gs[0]
+            self._add_mirror_grads(f"layers.{i}", gs[1 + len(leaves):1 + len(leaves) + len(mirrors)])
             self._add_grad(f"layers.{i}", gs[1:1 + len(leaves)], final, template.frozen_numel)
             if injected is not None:
-                ctx.injection.grads[i] = gs[-1]
+                ctx.injection.grads[i] = gs[1 + len(leaves) + len(mirrors)]
+            ctx.input_grads.update({key: grad for (key, _), grad in zip(inputs, gs[len(gs) - len(carried):], strict=True)})
         return g
 
     def _backward_embed(self, grads: Iterable[torch.Tensor], mbs: list[MicroBatch], contexts: list[LayerContext],
@@ -721,6 +741,13 @@ class StreamingEngine:
         if unit not in self._grad_sums:
             self._grad_sums[unit] = torch.zeros(numel, dtype=torch.float32, device=self.device)
         return self._grad_sums[unit]
+
+    def _add_mirror_grads(self, unit: str, grads) -> None:
+        """Add the gradients of `unit`'s mirrors to their owners' sums, which wait on the device: an owner sits in an
+        earlier layer, whose backward comes later, so its gradient ships with every layer's part in it."""
+        for mirror, g in zip(self.spec.mirrors.get(unit, ()), grads, strict=True):
+            owner_sum = self._grad_sum(mirror.owner, self.spec.unit(mirror.owner).numel)
+            owner_sum[mirror.owner_offset : mirror.owner_offset + mirror.numel] += g.reshape(-1)
 
     def _add_grad(self, unit: str, grads, final: bool, frozen_numel: int = 0) -> None:
         """Add a micro-batch's gradients to the unit's sum; the final contribution ships it."""

@@ -38,7 +38,7 @@ from mt_ray.engine.state_files import (
     window_bytes,
 )
 from mt_ray.errors import CheckpointError, InsufficientMemoryError
-from mt_ray.models.discovery import ModelSpec, UnitSpec
+from mt_ray.models.discovery import Mirror, ModelSpec, UnitSpec
 
 GIB = 1024**3
 
@@ -180,6 +180,13 @@ class HostStore:
         if placement.master_on_disk and copy_dtype is None:
             raise ValueError("with the master on disk the store needs a streamed copy (copy_dtype)")
         self.layout = plan_layout(spec, copy_dtype, self.units)
+        names = {u.name for u in self.units}
+        # Each owner's mirrors in this store (`ParamInfo.tied_to`): its updates are copied into them.
+        self._mirrors_of: dict[str, list[tuple[str, Mirror]]] = {}
+        for unit, mirrors in spec.mirrors.items():
+            for m in mirrors:
+                if unit in names and m.owner in names:
+                    self._mirrors_of.setdefault(m.owner, []).append((unit, m))
         plan = plan_files(self.units, placement.master_on_disk, self.chunk_numel) if placement.on_disk else None
         self._check_host_memory(state_host_bytes(self.layout, placement, plan) + extra_bytes
                                 - (0 if master is None else master.nbytes), extra_bytes, host_memory_limit_gb)
@@ -241,7 +248,20 @@ class HostStore:
         """Re-derive the chunk's streamed copy from its updated master and hand the chunk back to the tier."""
         if self.copy is not None:
             self._slice(self.copy, unit)[lo:hi].copy_(state.master)
+        self._copy_to_mirrors(unit, lo, hi)
         self.state.release(unit, lo)
+
+    def _copy_to_mirrors(self, owner: str, lo: int, hi: int) -> None:
+        """Copy elements [lo, hi) of `owner`'s master (and streamed copy) into the mirrors of its weights, so every
+        layer using a tied tensor computes with its one value."""
+        for unit, m in self._mirrors_of.get(owner, ()):
+            a, b = max(lo, m.owner_offset), min(hi, m.owner_offset + m.numel)
+            if a >= b:
+                continue
+            src, dst = self.layout.offsets[owner] + a, self.layout.offsets[unit] + m.offset + a - m.owner_offset
+            for buf in (self.master, self.copy):
+                if buf is not None:
+                    buf[dst : dst + b - a].copy_(buf[src : src + b - a])
 
     def expect_updates(self, units: list[str]) -> None:
         """The order the optimizer updates units in (a file-backed tier reads ahead in it)."""
@@ -326,9 +346,12 @@ class HostStore:
             self._write_master(unit, tensors)
             return
         views = self.named_views(unit)
-        for name, view in views.items():
-            view.copy_(tensors[name])
+        for p in unit.params:
+            if p.tied_to is None:  # a mirror takes its owner's value, loaded before it
+                views[p.hf_name].copy_(tensors[p.hf_name])
         self.refresh_copy(unit.name)
+        for owner in ({unit.name} | {m.owner for m in self.spec.mirrors.get(unit.name, ())}) & self._mirrors_of.keys():
+            self._copy_to_mirrors(owner, 0, self.layout.numels[owner])
 
     def _write_master(self, unit: UnitSpec, tensors: dict[str, torch.Tensor]) -> None:
         """A unit's weights into the master's files, a chunk at a time: never an fp32 copy of a whole parameter in

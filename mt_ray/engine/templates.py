@@ -29,20 +29,25 @@ class UnitTemplate:
         self.module = meta_free_buffers_to(module, device)
         self.params = params
         self.sizes = [p.numel for p in params]
-        # Frozen entries (saved buffers) come last in a unit: its gradient is the trainable part + zeros.
+        # Frozen entries (saved buffers, mirrors) come last in a unit: its gradient is the trainable part + zeros.
         self.frozen_numel = sum(p.numel for p in params if not p.trainable)
 
     def bind(self, flat: torch.Tensor, requires_grad: bool = False) -> Weights:
-        """Shaped views of `flat` by local name (trainable ones leaves of autograd when asked)."""
+        """Shaped views of `flat` by local name (trainable ones and mirrors leaves of autograd when asked)."""
         views = {}
         for p, chunk in zip(self.params, flat.split(self.sizes), strict=True):
             v = chunk.view(p.shape)
-            views[p.local_name] = v.detach().requires_grad_() if requires_grad and p.trainable else v
+            grad = requires_grad and (p.trainable or p.tied_to is not None)
+            views[p.local_name] = v.detach().requires_grad_() if grad else v
         return views
 
     def leaves(self, weights: Weights) -> list[torch.Tensor]:
         """The bound tensors gradients are taken for, in the unit's order."""
         return [weights[p.local_name] for p in self.params if p.trainable]
+
+    def mirror_leaves(self, weights: Weights) -> list[torch.Tensor]:
+        """The bound mirrors (`ParamInfo.tied_to`), in the unit's order: their gradients go to their owners."""
+        return [weights[p.local_name] for p in self.params if p.tied_to is not None]
 
     def __call__(self, weights: Weights, *args: Any, **kwargs: Any) -> Any:
         # Not strict: buffers (rotary tables, embedding scales) come from the module itself.

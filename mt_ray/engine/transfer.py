@@ -220,3 +220,20 @@ class GradBuffers:
     def release(self, unit: str) -> None:
         if not self.per_unit:
             self._free.put(self._held.pop(unit))
+
+
+class WithOwners:
+    """A unit's optimizer versions, counting the units that own its mirrors (weights tied between layers): their
+    updates write the mirror's values, so the unit is updated only once they are too."""
+
+    def __init__(self, versions: UnitVersions, owners: dict[str, set[str]]):
+        self.versions = versions
+        self.owners = {unit: sorted(units) for unit, units in owners.items()}
+
+    def wait_updated(self, unit: str, version: int) -> None:
+        for owner in self.owners.get(unit, ()):
+            self.versions.wait_updated(owner, version)
+        self.versions.wait_updated(unit, version)
+
+    def is_updated(self, unit: str, version: int) -> bool:
+        return all(self.versions.is_updated(u, version) for u in [*self.owners.get(unit, ()), unit])

@@ -94,6 +94,10 @@ class LayerContext:
     whole: list[LayerKwargs] | None = None
     documents: list[tuple[Span, list[LayerKwargs]]] | None = None
     injection: Injection | None = None
+    carried: list[tuple[str, ...]] = field(default_factory=list)
+    """Each layer's arguments that carry a gradient back to the embedding (`LayerContextBuilder.carried`)."""
+    input_grads: dict[tuple[int, int, str], torch.Tensor] = field(default_factory=dict)
+    """The gradient each layer's backward found for its carried arguments, by (document, layer, name)."""
 
     def run(self, layer: Callable[..., Any], i: int, x_BTD: torch.Tensor) -> torch.Tensor:
         """Layer i's output hidden state (with what the body adds after it), for the whole batch or document by document."""
@@ -114,13 +118,34 @@ class LayerContext:
         leaf = self.injection.embeds[i] = self.injection.embeds[i].detach().requires_grad_()
         return leaf
 
+    def track_inputs(self, i: int) -> list[tuple[tuple[int, int, str], torch.Tensor]]:
+        """Layer i's carried arguments (Zamba's `original_hidden_states`, the embedding's output again), each made a
+        leaf that takes a gradient (for layer i's backward), with its key in `input_grads`."""
+        if not self.carried or not self.carried[i]:
+            return []
+        leaves = []
+        for d, kw in enumerate(self._kwargs_of(i)):
+            for name in self.carried[i]:
+                leaf = kw[name] = kw[name].detach().requires_grad_()
+                leaves.append(((d, i, name), leaf))
+        return leaves
+
+    def _kwargs_of(self, i: int) -> list[LayerKwargs]:
+        """Layer i's arguments: for the whole batch, or of each document."""
+        return [self.whole[i]] if self.documents is None else [kw[i] for _, kw in self.documents]
+
     def injected_grads(self, done: LayerContext) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """What this context adds after its layers (recorded from image features that take a gradient) and the
-        gradients the layers' backward of `done` (the same micro-batch's context) found for them."""
-        if self.injection is None:
-            return [], []
-        grads = done.injection.grads
-        return [self.injection.embeds[i] for i in grads], list(grads.values())
+        """What this context hands the layers beside the hidden state that takes a gradient (what it adds after
+        them, recorded from image features; the carried arguments, from the embedding) and the gradients the
+        layers' backward of `done` (the same micro-batch's context) found for them."""
+        outputs, grads = [], []
+        if self.injection is not None:
+            outputs += [self.injection.embeds[i] for i in done.injection.grads]
+            grads += list(done.injection.grads.values())
+        for (d, i, name), g in done.input_grads.items():
+            outputs.append(self._kwargs_of(i)[d][name])
+            grads.append(g)
+        return outputs, grads
 
 
 def layer_hidden(out: Any) -> torch.Tensor:
@@ -284,7 +309,8 @@ class LayerContextBuilder:
         self.num_layers = len(layers)
         self.model_type = spec.config.model_type
         self.bounds_not_masks = takes_document_bounds(spec.config._attn_implementation)
-        self._fit_unannotated_stand_ins(spec, device)
+        self._fit_stand_ins(spec, device)
+        self.carried = self._carried_inputs(spec, device)
         exact = self._packed_rows_exact(spec, device)  # also runs the body around the stand-ins once
         self.isolate_documents = spec.isolate_documents or not exact
         if self.isolate_documents and spec.vision is not None:
@@ -310,7 +336,7 @@ class LayerContextBuilder:
             h0, per_layer = self._record(weights, embeds_BTD, input_ids_BT, position_ids_BT, images, features)
             if self.bounds_not_masks:  # one set of bounds for every layer: the body built no mask
                 per_layer = [{**kw, **documents.flash_kwargs()} for kw in per_layer]
-            return h0, LayerContext(whole=per_layer, injection=self._take_injection())
+            return h0, LayerContext(whole=per_layer, injection=self._take_injection(), carried=self.carried)
         B, T, D = embeds_BTD.shape
         flat = embeds_BTD.reshape(1, B * T, D), input_ids_BT.reshape(1, B * T), position_ids_BT.reshape(1, B * T)
         h0s, per_document = [], []
@@ -318,7 +344,7 @@ class LayerContextBuilder:
             h0, per_layer = self._record(weights, *(t[:, s:e] for t in flat))
             h0s.append(h0)
             per_document.append(((s, e), per_layer))
-        return torch.cat(h0s, dim=1).view(B, T, -1), LayerContext(documents=per_document)
+        return torch.cat(h0s, dim=1).view(B, T, -1), LayerContext(documents=per_document, carried=self.carried)
 
     def _take_injection(self) -> Injection | None:
         """What the last recording's body would have added after its first layers (the rest it never adds)."""
@@ -334,27 +360,59 @@ class LayerContextBuilder:
             self.injected = (visual_pos_masks, deepstack_visual_embeds)
         return forward(*args, **kwargs)
 
-    def _fit_unannotated_stand_ins(self, spec: ModelSpec, device: torch.device) -> None:
-        """Layers whose forward has no return annotation (Falcon's, RWKV's): their stand-ins return what the body
-        takes, found by trying a tensor, then tuples of 1 to 4 values (the first the hidden state)."""
+    def _fit_stand_ins(self, spec: ModelSpec, device: torch.device) -> None:
+        """Stand-ins return what their layer's annotation says. Where a layer has none (Falcon's, RWKV's), or the
+        body cannot take what it says (Zamba's hybrid layers are annotated a tuple and return a tensor), what the
+        body takes is found by trying a tensor, then tuples of 1 to 4 values (the first the hidden state)."""
         unknown = [s for s in self.stubs if not s.annotated]
-        if not unknown:
-            return
         hidden = spec.skeleton.get_input_embeddings().weight.shape[-1]
         row = (torch.zeros(1, 2, hidden, device=device), torch.zeros(1, 2, dtype=torch.long, device=device),
                torch.arange(2, device=device)[None])
+        if not unknown:
+            if self._records(row):
+                return
+            unknown = list(self.stubs)
+        annotated = [s.arity for s in self.stubs]
         for arity in (None, 1, 2, 3, 4):
             for stub in unknown:
                 stub.arity = arity
-            try:
-                self._record(self.probe_weights, *row)
+            if self._records(row):
                 return
-            except _HiddenChanged:
-                continue
-            except ModelNotSupportedError:
-                return  # a refusal the probe repeats
-            except (TypeError, ValueError, IndexError, RuntimeError):  # RuntimeError: a tensor taken for a tuple
-                continue
+        for stub, arity in zip(self.stubs, annotated, strict=True):  # nothing fits: the annotation's refusal shows
+            stub.arity = arity
+
+    def _carried_inputs(self, spec: ModelSpec, device: torch.device) -> list[tuple[str, ...]]:
+        """Each layer's arguments computed from the embedding's output or the embed unit's weights (Zamba hands every
+        layer the embedding's output beside the hidden state): the engine sends their gradients back to it. Found by
+        recording once with an embedding output that takes a gradient."""
+        hidden = spec.skeleton.get_input_embeddings().weight.shape[-1]
+        # Not a leaf: a body may scale it in place (CTRL's).
+        embeds = torch.zeros(1, 2, hidden, device=device, requires_grad=True).clone()
+        weights = {k: v.detach().requires_grad_() if v.is_floating_point() else v for k, v in self.probe_weights.items()}
+        with torch.enable_grad():
+            _, per_layer = self._record(weights, embeds, torch.zeros(1, 2, dtype=torch.long, device=device),
+                                        torch.arange(2, device=device)[None])
+        nested = [(i, k) for i, kw in enumerate(per_layer) for k, v in kw.items()
+                  if isinstance(v, (tuple, list, dict)) and _takes_grad(v)]
+        if nested:
+            raise ModelNotSupportedError(
+                f"'{self.model_type}': its body hands decoder layer {nested[0][0]} a structure holding tensors computed "
+                f"from the embedding (`{nested[0][1]}`), whose gradient mt-ray does not send back; this family cannot "
+                "be trained yet")
+        return [tuple(k for k, v in kw.items() if _takes_grad(v)) for kw in per_layer]
+
+    def _records(self, row: tuple[torch.Tensor, ...]) -> bool:
+        """Whether the body runs around the stand-ins as they are (a refusal of the body's own counts as running:
+        the probe repeats it)."""
+        try:
+            self._record(self.probe_weights, *row)
+        except _HiddenChanged:
+            return False
+        except ModelNotSupportedError:
+            return True
+        except (TypeError, ValueError, IndexError, RuntimeError):  # RuntimeError: a tensor taken for a tuple
+            return False
+        return True
 
     def _packed_rows_exact(self, spec: ModelSpec, device: torch.device) -> bool:
         """Whether a packed row's documents reach the layers as they would alone (`packing_probe`)."""
@@ -456,6 +514,14 @@ def _probe_weights(spec: ModelSpec, device: torch.device) -> dict[str, torch.Ten
     return {p.local_name: (torch.randn(p.shape, generator=g) if saved[p.local_name].is_meta
                            else saved[p.local_name]).to(device)
             for p in spec.unit("embed").params if p.local_name.split(".")[0] in spec.embed_attrs}
+
+
+def _takes_grad(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_takes_grad(v) for v in value.values())
+    if isinstance(value, (tuple, list)):
+        return any(_takes_grad(v) for v in value)
+    return isinstance(value, torch.Tensor) and value.requires_grad
 
 
 def _holds_handed(value: Any) -> bool:

@@ -140,7 +140,8 @@ class CheckpointReader:
     def _check_shapes(self) -> dict[str, _Group]:
         """Convert every group on the meta device; map each model tensor to the group that makes it."""
         self._check_precision()
-        expected = {p.hf_name: p.shape for u in self.spec.units for p in u.params}
+        # A mirror of a weight tied between layers is stored once, under its owner's name (it may be there too).
+        expected = {p.hf_name: p.shape for u in self.spec.units for p in u.params if p.tied_to is None}
         group_of: dict[str, _Group] = {}
         wrong = []
         for group in self._groups:

@@ -51,12 +51,18 @@ class ParamInfo:
     `trainable` is False for a buffer the checkpoint stores (DeepSeek-V3's per-layer
     `e_score_correction_bias`): it travels and is bound with its unit, so each layer computes
     with its own values, but no gradient reaches it and the optimizer leaves it unchanged.
+
+    `tied_to` names the tensor this one is (Zamba's shared transformer block, used by several layers and
+    stored once by `save_pretrained`): an earlier layer's parameter. This entry is a mirror, untrained in
+    its own unit: it carries the owner's values to the device with its layer, its gradient is added to the
+    owner's, and the owner's update is copied into it (`HostStore`), so the tensor trains as one.
     """
 
     hf_name: str
     local_name: str
     shape: tuple[int, ...]
     trainable: bool = True
+    tied_to: str | None = None
 
     @property
     def numel(self) -> int:
@@ -69,6 +75,26 @@ class ParamInfo:
     def decays(self) -> bool:
         """Matrices and embeddings get weight decay; norms and biases do not (nanoGPT's rule)."""
         return self.trainable and len(self.shape) >= 2
+
+
+@dataclass(frozen=True)
+class Mirror:
+    """Where a mirror (`ParamInfo.tied_to`) lies in its unit's flat buffer, and where its owner's tensor lies."""
+
+    local_name: str
+    offset: int
+    owner: str
+    owner_offset: int
+    numel: int
+
+
+def _offsets(params: list[ParamInfo]) -> list[int]:
+    """Each entry's offset in its unit's flat buffer."""
+    out, off = [], 0
+    for p in params:
+        out.append(off)
+        off += p.numel
+    return out
 
 
 @dataclass
@@ -119,6 +145,18 @@ class ModelSpec:
 
     def unit(self, name: str) -> UnitSpec:
         return self._by_name[name]
+
+    @cached_property
+    def mirrors(self) -> dict[str, list[Mirror]]:
+        """Each unit's mirrors of weights another unit owns (`ParamInfo.tied_to`), by the mirroring unit's name."""
+        at = {p.hf_name: (u.name, off) for u in self.units for p, off in zip(u.params, _offsets(u.params), strict=True)}
+        out: dict[str, list[Mirror]] = {}
+        for u in self.units:
+            for p, off in zip(u.params, _offsets(u.params), strict=True):
+                if p.tied_to is not None:
+                    owner, owner_off = at[p.tied_to]
+                    out.setdefault(u.name, []).append(Mirror(p.local_name, off, owner, owner_off, p.numel))
+        return out
 
     @property
     def num_params(self) -> int:
@@ -216,7 +254,7 @@ def discover(model: str | PretrainedConfig | dict, freeze_vision_tower: bool = T
     embed = skeleton.get_input_embeddings()
     head = skeleton.get_output_embeddings()
     base = _find_base(skeleton, embed)
-    layers_attr = _find_layers(base, config)
+    layers_attr = _find_layers(base, config, skeleton)
     norm_attr, embed_attrs = _split_body(base, embed, layers_attr, config.model_type)
     if head is None or not isinstance(head, nn.Linear):
         raise ModelNotSupportedError(f"'{config.model_type}' has no linear LM head; it is not a causal LM")
@@ -227,7 +265,7 @@ def discover(model: str | PretrainedConfig | dict, freeze_vision_tower: bool = T
     _reject_unknown_parameters(skeleton, [embed, head, *body_parts], vision)
 
     layers = getattr(base, layers_attr)
-    _reject_weights_tied_between_layers(skeleton, head, names)
+    ties = _layer_ties(skeleton, head, names, layers)
     layer_kinds: dict[str, nn.Module] = {}
     units = _vision_units(vision, freeze_vision_tower, freeze_multi_modal_projector) if vision else []
     embed_params = _params(embed, names[id(embed)])
@@ -235,8 +273,10 @@ def discover(model: str | PretrainedConfig | dict, freeze_vision_tower: bool = T
         child = getattr(base, attr)
         embed_params += _params(child, names[id(child)], prefix=f"{attr}.")
     units.append(UnitSpec("embed", _decayed_first(embed_params), "embed"))
-    kinds = _kinds(layers, layer_kinds)
-    units += [UnitSpec(f"layers.{i}", _params(layer, names[id(layer)]), kinds[i]) for i, layer in enumerate(layers)]
+    layer_params = [_params(layer, names[id(layer)], ties=ties) for layer in layers]
+    # A layer holding mirrors lays out its flat buffer apart from its owner's: a kind of its own.
+    kinds = _kinds(layers, layer_kinds, [tuple(p.local_name for p in ps if p.tied_to) for ps in layer_params])
+    units += [UnitSpec(f"layers.{i}", ps, kinds[i]) for i, ps in enumerate(layer_params)]
     norm = getattr(base, norm_attr) if norm_attr is not None else None
     head_params = _params(norm, names[id(norm)], prefix="norm.") if norm is not None else []
     # A tied head's matrix is the embedding's; anything else it has (CTRL's bias) is the head unit's own.
@@ -269,12 +309,14 @@ def _head_tied(skeleton: nn.Module, embed: nn.Module, head: nn.Module, names: di
     return f"{names[id(head)]}.weight" in tied_keys
 
 
-def _kinds(layers: nn.ModuleList, kind_modules: dict[str, nn.Module], prefix: str = "") -> list[str]:
-    """Each layer's kind name (layers that compute the same function share one); fills `kind_modules`."""
+def _kinds(layers: nn.ModuleList, kind_modules: dict[str, nn.Module], layouts: list[tuple] | None = None,
+           prefix: str = "") -> list[str]:
+    """Each layer's kind name (layers that compute the same function from the same flat layout, `layouts`, share
+    one); fills `kind_modules`."""
     kinds: dict[tuple, str] = {}
     out = []
-    for layer in layers:
-        fp = _fingerprint(layer)
+    for i, layer in enumerate(layers):
+        fp = (_fingerprint(layer), layouts[i] if layouts else ())
         if fp not in kinds:
             kinds[fp] = f"{prefix}{type(layer).__name__}#{len(kinds)}"
             kind_modules[kinds[fp]] = layer
@@ -306,8 +348,9 @@ def _vision_units(vision: VisionSpec, freeze_tower: bool, freeze_projector: bool
     return units
 
 
-def _params(module: nn.Module, path: str, prefix: str = "") -> list[ParamInfo]:
-    """The module's parameters, then the buffers a checkpoint stores (persistent ones) as frozen entries.
+def _params(module: nn.Module, path: str, prefix: str = "", ties: dict[str, str] | None = None) -> list[ParamInfo]:
+    """The module's parameters, then the buffers a checkpoint stores (persistent ones) as frozen entries; a
+    parameter `ties` names (Hugging Face name -> the earlier layer's it is) is a mirror of that one.
 
     A parameter the family declares with `requires_grad=False` (ERNIE-4.5-MoE's routing-correction bias) is a
     frozen entry too, as is one of a module whose forward runs under `torch.no_grad` (DeepSeek-V3.2's sparse-attention
@@ -316,11 +359,13 @@ def _params(module: nn.Module, path: str, prefix: str = "") -> list[ParamInfo]:
     no_grad = {id(p) for m in module.modules() if _runs_without_grad(m) for p in m.parameters()}
     no_grad |= {id(p) for m in module.modules() for a in _reached_with_encoder_only(type(m))
                 if isinstance(getattr(m, a, None), nn.Module) for p in getattr(m, a).parameters()}
-    infos = [
-        ParamInfo(f"{path}.{n}" if path else n, prefix + n, tuple(p.shape),
-                  trainable=p.requires_grad and id(p) not in no_grad)
-        for n, p in module.named_parameters()
-    ]
+    ties = ties or {}
+    infos = []
+    for n, p in module.named_parameters():
+        name = f"{path}.{n}" if path else n
+        tied_to = ties.get(name)
+        infos.append(ParamInfo(name, prefix + n, tuple(p.shape),
+                               trainable=p.requires_grad and id(p) not in no_grad and tied_to is None, tied_to=tied_to))
     saved = module.state_dict(keep_vars=True)
     infos += [
         ParamInfo(f"{path}.{n}" if path else n, prefix + n, tuple(b.shape), trainable=False)
@@ -402,10 +447,19 @@ def _find_base(skeleton: nn.Module, embed: nn.Module) -> nn.Module:
                                  f"in {type(skeleton).__name__}; this family cannot be trained yet")
 
 
-def _find_layers(base: nn.Module, config: PretrainedConfig) -> str:
+def _find_layers(base: nn.Module, config: PretrainedConfig, skeleton: nn.Module) -> str:
     """The ModuleList of decoder layers: the direct child list with one entry per hidden layer."""
     n = getattr(config.get_text_config(), "num_hidden_layers", None)
     lists = [name for name, c in base.named_children() if isinstance(c, nn.ModuleList) and len(c) == n]
+    nested = [name for name, c in skeleton.named_modules() if isinstance(c, nn.ModuleList) and len(c) == n]
+    if not lists and len(nested) == 1:
+        embed = next(name for name, m in skeleton.named_modules() if m is skeleton.get_input_embeddings())
+        raise ModelNotSupportedError(
+            f"'{config.model_type}': its decoder layers (`{nested[0]}`) and its input embedding (`{embed}`) are not "
+            "both children of one body module; mt-ray does not yet stream a layer list or an embedding nested in a "
+            "container of the body (with the container's other modules: position embeddings, norms); this family "
+            "cannot be trained yet"
+        )
     if len(lists) != 1:
         raise ModelNotSupportedError(
             f"'{config.model_type}' does not have a decoder-only layout: expected one list of {n} decoder layers "
@@ -446,17 +500,30 @@ def _named_at(source: str, attr: str) -> int | None:
     return found.start() if found else None
 
 
-def _reject_weights_tied_between_layers(skeleton: nn.Module, head: nn.Module, names: dict[int, str]) -> None:
-    """Zamba's and Zamba2's shared transformer block is one set of weights inside several layers (transformers
-    ties them, `save_pretrained` stores them once): streamed per layer they would train as separate copies."""
+def _layer_ties(skeleton: nn.Module, head: nn.Module, names: dict[int, str], layers: nn.ModuleList) -> dict[str, str]:
+    """Weights transformers ties between decoder layers (Zamba's and Zamba2's shared transformer block: one set of
+    weights inside several layers, stored once by `save_pretrained`): each tied name -> the name it is.
+
+    The owner must sit in an earlier layer than every mirror of it, so its gradient is complete when the backward
+    (last layer first) reaches it; any other tie (between the embedding and a layer, ...) is refused."""
     head_weight = f"{names[id(head)]}.weight"
     tied = {t: s for t, s in (getattr(skeleton, "all_tied_weights_keys", None) or {}).items() if t != head_weight}
-    if tied:
-        target, source = next(iter(tied.items()))
+    prefix = f"{names[id(layers)]}."
+
+    def layer_of(name: str) -> int | None:
+        index = name[len(prefix):].split(".", 1)[0] if name.startswith(prefix) else ""
+        return int(index) if index.isdigit() else None
+
+    bad = [(t, s) for t, s in tied.items()
+           if layer_of(t) is None or layer_of(s) is None or not layer_of(s) < layer_of(t) or s in tied]
+    if bad:
+        target, source = bad[0]
         raise ModelNotSupportedError(
-            f"'{skeleton.config.model_type}' ties weights between decoder layers ({len(tied)} tensors, e.g. {target} "
-            f"is {source}), which mt-ray would train as separate copies; this family cannot be trained yet"
+            f"'{skeleton.config.model_type}' ties weights other than between an earlier and a later decoder layer "
+            f"({len(bad)} tensors, e.g. {target} is {source}), which mt-ray does not stream as one tensor; this "
+            "family cannot be trained yet"
         )
+    return tied
 
 
 def _is_norm(module: nn.Module) -> bool:

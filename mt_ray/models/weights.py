@@ -82,7 +82,7 @@ def load_safetensors(spec: ModelSpec, folder: str | Path, sink: UnitSink) -> Non
     """
     with CheckpointReader(spec, folder) as reader:
         for unit in spec.units:
-            sink(unit, reader.read_unit(p.hf_name for p in unit.params))
+            sink(unit, reader.read_unit(p.hf_name for p in unit.params if p.tied_to is None))  # mirrors: stored once
 
 
 def export_hf(spec: ModelSpec, state: dict[str, torch.Tensor], out_dir: str | Path, tokenizer=None,
@@ -103,7 +103,9 @@ def export_hf(spec: ModelSpec, state: dict[str, torch.Tensor], out_dir: str | Pa
     config.dtype = dtype
     config.architectures = [type(spec.skeleton).__name__]
     config.save_pretrained(tmp)
-    state = to_checkpoint_format(spec, state)  # the layout save_pretrained writes (views, no copies)
+    # A weight tied between layers is written once, under its owner's name, as save_pretrained writes it.
+    mirrors = {p.hf_name for u in spec.units for p in u.params if p.tied_to is not None}
+    state = to_checkpoint_format(spec, {k: v for k, v in state.items() if k not in mirrors})  # views, no copies
     shards = _plan_shards(state, dtype, max_shard_bytes)
     weight_map = {}
     for i, names in enumerate(shards):
