@@ -10,7 +10,9 @@ embedding, blocks, norms) is frozen by `freeze_vision_tower`, the *projector* by
 `freeze_multi_modal_projector`. The projector is every parameterised child of the composite body
 beside the tower and the language model (`multi_modal_projector`), and the tower's own `merger`
 where the family keeps its projector inside the tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: LLaMA-Factory's
-`visual.merger`); Qwen3-VL's deepstack mergers stay with the tower, as LLaMA-Factory keeps them.
+`visual.merger`); Qwen3-VL's deepstack mergers stay with the tower, as LLaMA-Factory keeps them. Tensors the
+composite body holds itself (LLaVA-NeXT's `image_newline`, appended to each image's projected rows) are the
+projector's too.
 """
 
 from __future__ import annotations
@@ -27,12 +29,6 @@ VISION_PREFIX = "vision."  # every vision unit's name starts so
 VISION_EMBED = f"{VISION_PREFIX}embed"
 VISION_PROJECTOR = f"{VISION_PREFIX}projector"
 VISION_BLOCK_PREFIX = f"{VISION_PREFIX}blocks."
-
-# Image-text families whose training mt-ray has shown equal to transformers' (tests/unit/engine/test_vlm.py).
-# Discovery finds the parts of any composite model, but each family's vision code has its own
-# habits (feature layers, deepstack injections, bidirectional image masks): until a parity test
-# covers a family it is refused rather than trained in a way nobody checked.
-VERIFIED_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "llava")
 
 # A tower child that is the family's projector although the tower owns it (LLaMA-Factory's projector_key).
 _PROJECTOR_IN_TOWER = ("merger",)
@@ -52,6 +48,8 @@ class VisionSpec:
     """The body computes multi-dimensional rotary positions (`get_rope_index`, Qwen-VL): positions are
     [4, B, T], the text positions first (they keep packed documents apart) then temporal, height, width."""
     block_kinds: dict[str, nn.Module] = field(default_factory=dict)
+    own_tensors: list[str] = field(default_factory=list)
+    """Parameters and saved buffers of the composite body itself (not of a child): they join the projector."""
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -90,6 +88,12 @@ def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: n
             f"image-text family '{family}': expected its body {type(outer).__name__} to own one vision tower and "
             f"the language model, found children {list(children)}; mt-ray cannot train this family yet"
         )
+    if not callable(getattr(outer, "get_image_features", None)):
+        raise ModelNotSupportedError(
+            f"image-text family '{family}': its body {type(outer).__name__} has no get_image_features, so its images "
+            "do not become embeddings at image tokens (cross-attention to image states, as Mllama's); mt-ray cannot "
+            "train this family yet"
+        )
     tower_path = towers[0]
     blocks_path = f"{tower_path}.{_find_blocks(children[tower_path], config.vision_config, family)}"
     projectors = [n for n, c in children.items()
@@ -101,17 +105,10 @@ def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: n
     image_token_id = getattr(config, "image_token_id", None)
     if image_token_id is None:
         image_token_id = getattr(config, "image_token_index", None)
+    own = [n for n, _ in outer.named_parameters(recurse=False)]
+    own += [n for n, _ in outer.named_buffers(recurse=False) if n in outer.state_dict()]
     return VisionSpec(outer, outer_path, tower_path, blocks_path, projectors, image_token_id,
-                      rope_index=hasattr(outer, "get_rope_index"))
-
-
-def check_verified(config: PretrainedConfig) -> None:
-    """Refuse an image-text family whose training no parity test has checked."""
-    if config.model_type not in VERIFIED_FAMILIES:
-        raise ModelNotSupportedError(
-            f"image-text family '{config.model_type}' is not supported yet: mt-ray trains {', '.join(VERIFIED_FAMILIES)} "
-            "(each family's vision code is checked against transformers before it is trained)"
-        )
+                      rope_index=hasattr(outer, "get_rope_index"), own_tensors=own)
 
 
 def _find_blocks(tower: nn.Module, vision_config: PretrainedConfig, family: str) -> str:
