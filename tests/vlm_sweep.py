@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
 from transformers import AutoModelForImageTextToText, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -25,12 +26,11 @@ from mt_ray.engine import EngineConfig, StreamingEngine
 from mt_ray.errors import ConfigError, ModelNotSupportedError
 from mt_ray.models.discovery import discover
 from tests.family_checks import OPT
-from tests.family_sweep import SWEEP_VOCAB, Outcome, _difference, _scaled, _short, _trace
+from tests.family_sweep import SWEEP_VOCAB, TOWER_REFUSED, Outcome, _difference, _scaled, _short, _trace
 from tests.tiny_models import reference_train
 
 IMAGE_TEXT = "image-text"
-TRAINED_TOWER_REFUSED = "trained tower refused"
-MAX_PARAMS = 2_000_000  # a tiny model builds and trains in a second
+MAX_PARAMS = 4_000_000  # a tiny model builds and trains in a second
 
 # A vision tower scaled down (where its config has the field): 16x16-pixel pictures of 4x4 patches.
 _VISION_SIZES: dict[str, object] = dict(
@@ -47,6 +47,13 @@ VLM_OVERRIDES: dict[str, dict] = {
     "qwen2_vl": {"vision_config": {"hidden_size": 32}, "text_config": {"rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}}},
     "internvl": {"vision_config": {"image_size": [16, 16], "patch_size": [4, 4]}},  # (height, width) pairs
+    "qianfan_ocr": {"vision_config": {"image_size": [16, 16], "patch_size": [4, 4]}},
+    "qwen2_5_vl": {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                       "mrope_section": [2, 1, 1]}}},
+    # deepstack features from two of three blocks (the default's indexes lie past a tiny tower)
+    **{f: {"vision_config": {"depth": 3, "deepstack_visual_indexes": [0, 2]}}
+       for f in ("qwen3_vl", "qwen3_vl_moe", "cosmos3_omni")},
+    "vipllava": {"vision_feature_layers": [-2, -1]},  # the default reads five layers of a deeper tower
     # one resolution of 16x16 tiles: each image is its 16x16 overview and one tile
     "llava_next": {"image_grid_pinpoints": [[16, 16]]},
     "llava_next_video": {"image_grid_pinpoints": [[16, 16]]},
@@ -88,6 +95,10 @@ def _scaled_sub(config: PretrainedConfig, vision: bool) -> PretrainedConfig:
     sizes = {**_scaled(config), **({k: v for k, v in _VISION_SIZES.items() if hasattr(config, k)} if vision else {})}
     for k, v in sizes.items():
         setattr(scaled, k, v)
+    layers, scaled_layers = getattr(config, "num_hidden_layers", None), getattr(scaled, "num_hidden_layers", None)
+    for k, v in vars(config).items():  # per-layer lists (`mlp_layer_types`) cut to the scaled layers
+        if isinstance(v, list) and layers and len(v) == layers != scaled_layers and k not in sizes:
+            setattr(scaled, k, v[:scaled_layers])
     rope = getattr(scaled, "rope_parameters", None)
     if isinstance(rope, dict) and "mrope_section" in rope:  # the rotary width over (t, h, w), scaled as the head
         width = sum(rope["mrope_section"]) * _head_dim(scaled) // _head_dim(config)
@@ -202,6 +213,11 @@ def image_text_case(model_type: str, folder: Path) -> Outcome:
     except Exception as e:  # noqa: BLE001 - anything transformers raises building its own config
         return Outcome(model_type, "skipped", f"transformers cannot build its config tiny: {_short(e)}")
     try:
+        with init_empty_weights():
+            AutoModelForImageTextToText.from_config(config)
+    except Exception as e:  # noqa: BLE001 - anything transformers raises building its own model
+        return Outcome(model_type, "skipped", f"transformers cannot build it tiny: {_short(e)}")
+    try:
         spec = discover(config)
     except (ModelNotSupportedError, ConfigError) as e:
         if f"'{model_type}'" not in str(e) and f"'{config.model_type}'" not in str(e):
@@ -227,7 +243,7 @@ def image_text_case(model_type: str, folder: Path) -> Outcome:
             problem = _step(folder, model_type, docs, freeze)
         except ModelNotSupportedError as e:
             if not freeze[0] and "not used by get_image_features" in str(e):
-                notes.append(f"{TRAINED_TOWER_REFUSED}: {e}")
+                notes.append(f"{TOWER_REFUSED}: {e}")
                 continue
             if f"'{model_type}'" in str(e) or f"'{config.model_type}'" in str(e):
                 return Outcome(model_type, "refused", str(e))  # by the engine, before any state is built
