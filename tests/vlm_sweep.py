@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
-from transformers import AutoModelForImageTextToText, PretrainedConfig
+from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from mt_ray.engine import EngineConfig, StreamingEngine
@@ -61,7 +61,7 @@ VLM_OVERRIDES: dict[str, dict] = {
     # GLM-4V's rotary sections default to [8, 12, 12] (of 128-wide heads) where the config names none
     **{f: {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                                "mrope_section": [2, 1, 1]}, "head_dim": 16}}
-       for f in ("glm4v", "glm46v", "glm4v_moe", "glm_ocr", "glmga", "glm5_next")},
+       for f in ("glm4v", "glm46v", "glm4v_moe", "glm_ocr", "glmga")},
 }
 
 Images = dict[str, torch.Tensor]
@@ -231,6 +231,7 @@ def image_text_case(model_type: str, folder: Path) -> Outcome:
         torch.manual_seed(0)
         model = AutoModelForImageTextToText.from_config(config)
         model.save_pretrained(folder)
+        AutoConfig.from_pretrained(folder)  # transformers reads back the config it wrote
     except Exception as e:  # noqa: BLE001 - anything transformers raises building its own model
         return Outcome(model_type, "skipped", f"transformers cannot build it tiny: {_short(e)}")
     try:
