@@ -1,39 +1,261 @@
-"""Every model type of transformers' image-text mapping: trained at parity (tests/unit/engine/test_vlm.py) or refused
-by name before anything is built.
+"""Every model type of transformers' image-text mapping, built tiny and trained one step with images: its outcome.
 
-mt-ray discovers any composite model's tower and projector by structure, but trains only the families a parity
-test covers (`VERIFIED_FAMILIES`, frozen and trained tower); each other type must be refused by `discover`, naming it.
+`tiny_vlm_config` scales the family's own default config down (its text and vision sub-configs as the causal-LM
+sweep scales a text config; each special token its own id above the documents' ids). `image_text_case` saves it
+with `save_pretrained`, makes three documents (one image, none, two images), each image's inputs the tower takes
+(`image_inputs`: pictures, flattened patches with their grid, tiles; with their sizes where the family asks) and
+as many image tokens as `get_image_features` returns features for it, packs them into one row and trains one
+step, with the tower frozen (the projector trained) and with everything trained, against transformers' eager
+model trained on each document alone, frozen alike.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from mt_ray.engine import EngineConfig, StreamingEngine
 from mt_ray.errors import ConfigError, ModelNotSupportedError
 from mt_ray.models.discovery import discover
-from mt_ray.models.vision import VERIFIED_FAMILIES
-from tests.family_sweep import Outcome, _short
+from tests.family_checks import OPT
+from tests.family_sweep import SWEEP_VOCAB, TOWER_REFUSED, Outcome, _difference, _scaled, _short, _trace
+from tests.tiny_models import reference_train
 
 IMAGE_TEXT = "image-text"
+MAX_PARAMS = 4_000_000  # a tiny model builds and trains in a second
+
+# A vision tower scaled down (where its config has the field): 16x16-pixel pictures of 4x4 patches.
+_VISION_SIZES: dict[str, object] = dict(
+    image_size=16, patch_size=4, depth=2, embed_dim=16, num_heads=2, out_hidden_size=32, num_channels=3, hidden_size=16,
+    intermediate_size=32, num_attention_heads=2, head_dim=8, num_key_value_heads=2,
+)
+_SPECIAL = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+# Per family: what its tiny model needs beyond the scaled sizes (each line says why).
+VLM_OVERRIDES: dict[str, dict] = {
+    "gemma3": {"mm_tokens_per_image": 4},  # 2x2 pooled tokens of the 4x4 patches (256 of 64x64 in the default)
+    "shieldgemma2": {"mm_tokens_per_image": 4},
+    # its tower's output width is the language model's; its rotary sections default to [16, 24, 24] (128-wide heads)
+    "qwen2_vl": {"vision_config": {"hidden_size": 32}, "text_config": {"rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}}},
+    "internvl": {"vision_config": {"image_size": [16, 16], "patch_size": [4, 4]}},  # (height, width) pairs
+    "qianfan_ocr": {"vision_config": {"image_size": [16, 16], "patch_size": [4, 4]}},
+    "qwen2_5_vl": {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                       "mrope_section": [2, 1, 1]}}},
+    # deepstack features from two of three blocks (the default's indexes lie past a tiny tower)
+    **{f: {"vision_config": {"depth": 3, "deepstack_visual_indexes": [0, 2]}}
+       for f in ("qwen3_vl", "qwen3_vl_moe", "cosmos3_omni")},
+    "vipllava": {"vision_feature_layers": [-2, -1]},  # the default reads five layers of a deeper tower
+    # one resolution of 16x16 tiles: each image is its 16x16 overview and one tile
+    "llava_next": {"image_grid_pinpoints": [[16, 16]]},
+    "llava_next_video": {"image_grid_pinpoints": [[16, 16]]},
+    "llava_onevision": {"image_grid_pinpoints": [[16, 16]]},
+    # GLM-4V's rotary sections default to [8, 12, 12] (of 128-wide heads) where the config names none
+    **{f: {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                               "mrope_section": [2, 1, 1]}, "head_dim": 16}}
+       for f in ("glm4v", "glm46v", "glm4v_moe", "glm_ocr", "glmga")},
+}
+
+Images = dict[str, torch.Tensor]
+_SEPARATOR = 3  # a text token after each image's tokens
 
 
-def image_text_outcome(model_type: str) -> Outcome:
-    """Verified families are matched (their parity tests run in test_vlm.py); any other must be refused by name."""
-    if model_type in VERIFIED_FAMILIES:
-        return Outcome(model_type, "matched", "")
+def tiny_vlm_config(model_type: str) -> PretrainedConfig:
+    """`model_type`'s default config, each sub-config scaled down and each special token given its own id."""
+    cls = CONFIG_MAPPING[model_type]
+    default = cls()
+    kw: dict[str, object] = {}
+    for key in getattr(default, "sub_configs", None) or {}:
+        sub = getattr(default, key, None)
+        if isinstance(sub, PretrainedConfig):
+            kw[key] = _scaled_sub(sub, vision="vision" in key)
+    tokens = [k for k, v in default.to_dict().items()
+              if k.endswith(("_token_id", "_token_index")) and isinstance(v, int) and k not in _SPECIAL]
+    kw.update({k: SWEEP_VOCAB - 1 - i for i, k in enumerate(tokens)})
+    for key, value in VLM_OVERRIDES.get(model_type, {}).items():
+        sub = kw.get(key)
+        if isinstance(value, dict) and isinstance(sub, PretrainedConfig):
+            for k, v in value.items():
+                setattr(sub, k, v)
+        else:
+            kw[key] = value
+    return cls(**kw)
+
+
+def _scaled_sub(config: PretrainedConfig, vision: bool) -> PretrainedConfig:
+    scaled = copy.deepcopy(config)
+    sizes = {**_scaled(config), **({k: v for k, v in _VISION_SIZES.items() if hasattr(config, k)} if vision else {})}
+    for k, v in sizes.items():
+        setattr(scaled, k, v)
+    layers, scaled_layers = getattr(config, "num_hidden_layers", None), getattr(scaled, "num_hidden_layers", None)
+    for k, v in vars(config).items():  # per-layer lists (`mlp_layer_types`) cut to the scaled layers
+        if isinstance(v, list) and layers and len(v) == layers != scaled_layers and k not in sizes:
+            setattr(scaled, k, v[:scaled_layers])
+    rope = getattr(scaled, "rope_parameters", None)
+    if isinstance(rope, dict) and "mrope_section" in rope:  # the rotary width over (t, h, w), scaled as the head
+        width = sum(rope["mrope_section"]) * _head_dim(scaled) // _head_dim(config)
+        scaled.rope_parameters = {**rope, "mrope_section": [width - 2 * (width // 4), width // 4, width // 4]}
+    return scaled
+
+
+def _head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _candidates(config: PretrainedConfig, g: torch.Generator, side: int) -> list[Images]:
+    """One image's inputs in each layout transformers' towers take, for `get_image_features` to pick from."""
+    v = config.vision_config
+    size = getattr(v, "image_size", 16)
+    size = size[0] if isinstance(size, (list, tuple)) else size
+    channels = getattr(v, "num_channels", 3) or 3
+    patch = getattr(v, "patch_size", 4)
+    out: list[Images] = []
+    temporal = getattr(v, "temporal_patch_size", None)
+    if temporal is not None:  # Qwen-VL: the picture's patches flattened, with its (t, h, w) grid
+        grid = torch.tensor([[1, side // patch, side // patch]])
+        out.append({"pixel_values": torch.randn(int(grid.prod()), channels * temporal * patch * patch, generator=g),
+                    "image_grid_thw": grid})
+    picture = torch.randn(1, channels, size, size, generator=g)
+    sizes = torch.tensor([[size, size]])
+    out += [{"pixel_values": picture}, {"pixel_values": picture, "image_sizes": sizes},
+            {"pixel_values": picture[:, None]},  # one tile of one image (Idefics)
+            {"pixel_values": picture[None].expand(1, 2, -1, -1, -1).clone(), "image_sizes": sizes}]  # LLaVA-NeXT
+    return out
+
+
+def image_inputs(model: torch.nn.Module, g: torch.Generator, side: int = 16) -> tuple[Images, int]:
+    """One image's inputs the family's `get_image_features` takes, and how many image tokens it fills."""
+    hidden = model.config.get_text_config().hidden_size
+    errors = []
+    for inputs in _candidates(model.config, g, side):
+        try:
+            with torch.no_grad():
+                out = model.model.get_image_features(**inputs)
+        except Exception as e:  # noqa: BLE001 - a layout this tower does not take
+            errors.append(_short(e))
+            continue
+        features = getattr(out, "pooler_output", out)
+        features = features if isinstance(features, (list, tuple)) else [features]
+        return inputs, sum(f.numel() for f in features) // hidden
+    raise ValueError(f"no image layout fits its get_image_features: {errors}")
+
+
+def vlm_documents(model: torch.nn.Module, seed: int = 0) -> list[dict]:
+    """One image, then text only, then two images: each image's tokens and a separator (as a processor closes an
+    image), then text; the images and the first two text tokens carry no loss."""
+    g = torch.Generator().manual_seed(seed)
+    token = model.config.image_token_id if hasattr(model.config, "image_token_id") else model.config.image_token_index
+    docs = []
+    for images, text in ((1, 7), (0, 6), (2, 5)):
+        made = [image_inputs(model, g) for _ in range(images)]
+        ids = [t for _, n in made for t in [token] * n + [_SEPARATOR]]
+        ids += torch.randint(3, 96, (text,), generator=g).tolist()
+        labels = [-100] * (len(ids) - text + 2) + ids[len(ids) - text + 2:]
+        docs.append({"input_ids": torch.tensor([ids]), "labels": torch.tensor([labels]),
+                     "images": [inputs for inputs, _ in made]})
+    return docs
+
+
+def packed(docs: list[dict]) -> dict:
+    """The documents in one row, positions restarting at each; each image's own tensors, in order."""
+    return {"input_ids": torch.cat([d["input_ids"] for d in docs], 1),
+            "labels": torch.cat([d["labels"] for d in docs], 1),
+            "position_ids": torch.cat([torch.arange(d["input_ids"].shape[1]) for d in docs])[None],
+            "images": [[image for d in docs for image in d["images"]]]}
+
+
+def alone(doc: dict, forward: Callable, image_token: int) -> dict:
+    """One document as transformers' model takes it: its images' tensors joined, token types where it reads them."""
+    out = {"input_ids": doc["input_ids"], "labels": doc["labels"]}
+    if doc["images"]:
+        out |= {k: torch.cat([image[k] for image in doc["images"]]) for k in doc["images"][0]}
+    takes = inspect.signature(forward).parameters
+    is_image = (doc["input_ids"] == image_token).long()
+    if "mm_token_type_ids" in takes:
+        out["mm_token_type_ids"] = is_image.int()
+    if "token_type_ids" in takes:
+        out["token_type_ids"] = is_image
+    return out
+
+
+def _step(folder: Path, model_type: str, docs: list[dict], freeze: tuple[bool, bool]) -> str | None:
+    """One engine step and one reference step, frozen alike: None where they agree, else the difference."""
+    spec = discover(str(folder), freeze_vision_tower=freeze[0], freeze_multi_modal_projector=freeze[1])
+    frozen = {p.hf_name for u in spec.units if u.frozen for p in u.params}
+    engine = StreamingEngine(spec, EngineConfig(device="cpu"), OPT, total_steps=1)
     try:
-        config = CONFIG_MAPPING[model_type]()
+        engine.load_pretrained(folder)
+        before = {k: v.clone() for k, v in engine.state_dict().items()}
+        loss = engine.train_step([packed(docs)]).loss.item()
+        state = {k: v.clone() for k, v in engine.state_dict().items()}
+    finally:
+        engine.close()
+    ref = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").float()
+    for name, p in ref.named_parameters():
+        p.requires_grad_(p.requires_grad and name not in frozen)
+    token = spec.vision.image_token_id
+    [ref_loss] = reference_train(ref, [[alone(d, ref.forward, token) for d in docs]], OPT)
+    return _difference(state, before, ref.state_dict(), loss, ref_loss)
+
+
+def image_text_case(model_type: str, folder: Path) -> Outcome:
+    """Build, save, train (tower frozen, then everything trained) and compare one image-text model type."""
+    try:
+        config = tiny_vlm_config(model_type)
     except Exception as e:  # noqa: BLE001 - anything transformers raises building its own config
-        return Outcome(model_type, "skipped", f"transformers cannot build its default config: {_short(e)}")
+        return Outcome(model_type, "skipped", f"transformers cannot build its config tiny: {_short(e)}")
+    try:
+        with init_empty_weights():
+            AutoModelForImageTextToText.from_config(config)
+    except Exception as e:  # noqa: BLE001 - anything transformers raises building its own model
+        return Outcome(model_type, "skipped", f"transformers cannot build it tiny: {_short(e)}")
     try:
         spec = discover(config)
     except (ModelNotSupportedError, ConfigError) as e:
-        if f"'{model_type}'" in str(e) or f"'{config.model_type}'" in str(e):
-            return Outcome(model_type, "refused", str(e))
-        return Outcome(model_type, "error", f"refused without naming the model type: {e}")
+        if f"'{model_type}'" not in str(e) and f"'{config.model_type}'" not in str(e):
+            return Outcome(model_type, "error", f"refused without naming the model type: {e}")
+        return Outcome(model_type, "refused", str(e))
     except Exception as e:  # noqa: BLE001
-        return Outcome(model_type, "error", _short(e))
-    if spec.vision is None:
-        return Outcome(model_type, "skipped", "transformers builds a text-only causal LM from its config (no image "
-                       "path to train; the causal-LM sweep covers the text model)")
-    return Outcome(model_type, "error", "discovered, but no parity test covers it: it must be refused")
+        return Outcome(model_type, "error", _trace(e))
+    if spec.num_params > MAX_PARAMS:
+        return Outcome(model_type, "error", f"{spec.num_params} parameters: a sub-config is not scaled down")
+    try:
+        torch.manual_seed(0)
+        model = AutoModelForImageTextToText.from_config(config)
+        model.save_pretrained(folder)
+        AutoConfig.from_pretrained(folder)  # transformers reads back the config it wrote
+    except Exception as e:  # noqa: BLE001 - anything transformers raises building its own model
+        return Outcome(model_type, "skipped", f"transformers cannot build it tiny: {_short(e)}")
+    try:
+        docs = vlm_documents(model)
+    except ValueError as e:
+        return Outcome(model_type, "error", f"no images made for it: {e}")
+    notes = []
+    for freeze in ((True, False), (False, False)):
+        try:
+            problem = _step(folder, model_type, docs, freeze)
+        except ModelNotSupportedError as e:
+            if not freeze[0] and "not used by get_image_features" in str(e):
+                notes.append(f"{TOWER_REFUSED}: {e}")
+                continue
+            if f"'{model_type}'" in str(e) or f"'{config.model_type}'" in str(e):
+                return Outcome(model_type, "refused", str(e))  # by the engine, before any state is built
+            return Outcome(model_type, "error", _trace(e))
+        except Exception as e:  # noqa: BLE001
+            return Outcome(model_type, "error", _trace(e))
+        if problem is not None:
+            return Outcome(model_type, "mismatch", f"tower {'frozen' if freeze[0] else 'trained'}: {problem}")
+    return Outcome(model_type, "matched", "; ".join(notes))
+
+
+def image_text_outcome(model_type: str) -> Outcome:
+    with tempfile.TemporaryDirectory() as folder:
+        return image_text_case(model_type, Path(folder))

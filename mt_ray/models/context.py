@@ -36,7 +36,7 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ from torch.func import functional_call
 
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.discovery import ModelSpec, embed_module, meta_free_buffers_to, shallow_copy
-from mt_ray.models.packing_probe import packed_differs
+from mt_ray.models.packing_probe import packed_differs, same_arguments
 from mt_ray.models.varlen import takes_document_bounds
 
 logger = logging.getLogger(__name__)
@@ -302,7 +302,8 @@ class LayerContextBuilder:
             self.body.forward = partial(self._without_deepstack, type(body).forward.__get__(self.body))
         if spec.vision is not None:  # the composite body around the language model runs the image scatter
             outer = spec.vision.outer
-            self.body = with_submodule(outer, next(n for n, m in outer.named_modules() if m is body), self.body)
+            self.body = reads_device(with_submodule(outer, next(n for n, m in outer.named_modules() if m is body),
+                                                    self.body), device)
             self.body.get_image_features = self.images
         self.token_types = spec.vision is not None and spec.vision.image_tokens_attend_both_ways
         meta_free_buffers_to(self.body, device)
@@ -312,6 +313,8 @@ class LayerContextBuilder:
         self._fit_stand_ins(spec, device)
         self.carried = self._carried_inputs(spec, device)
         exact = self._packed_rows_exact(spec, device)  # also runs the body around the stand-ins once
+        if self.token_types:
+            self._refuse_both_ways_text(spec, device)
         self.isolate_documents = spec.isolate_documents or not exact
         if self.isolate_documents and spec.vision is not None:
             raise ModelNotSupportedError(
@@ -434,6 +437,27 @@ class LayerContextBuilder:
                         self.model_type, differs)
         return differs is None
 
+    def _refuse_both_ways_text(self, spec: ModelSpec, device: torch.device) -> None:
+        """The engine marks an image's tokens in `token_type_ids` (Gemma 3 lets them attend to each other both
+        ways); a body that changes a text-only row's layer arguments once they are marked reads them otherwise
+        (PaliGemma: 0 marks the prefix, image and prompt, which attends both ways): refused, never trained causal."""
+        hidden = spec.skeleton.get_input_embeddings().weight.shape[-1]
+        rope_axes = 4 if self.vision.rope_index else 0
+        row = (torch.zeros(1, 4, hidden, device=device), torch.zeros(1, 4, dtype=torch.long, device=device),
+               torch.arange(4, device=device).expand(*([rope_axes, 1] if rope_axes else [1]), 4))
+        _, marked = self._record(self.probe_weights, *row)
+        self.token_types = False
+        try:
+            _, plain = self._record(self.probe_weights, *row)
+        finally:
+            self.token_types = True
+        if not same_arguments(marked, plain, 4):
+            raise ModelNotSupportedError(
+                f"'{self.model_type}': its body lets the text tokens that token_type_ids mark 0 attend to each other "
+                "both ways (a prefix of image and prompt, as PaliGemma's processor marks it), which mt-ray's rows do "
+                "not carry; this image-text family cannot be trained yet"
+            )
+
     def rope_positions(self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
                        image_grid_thw: torch.Tensor | None) -> torch.Tensor | None:
         """[4, B, T] positions for a body with multi-dimensional rotary positions (None for others): the
@@ -545,6 +569,21 @@ def document_spans(position_ids_BT: torch.Tensor) -> list[Span]:
     starts_BT[:, 1:] = position_ids_BT[:, 1:] != position_ids_BT[:, :-1] + 1
     starts = [*starts_BT.reshape(-1).nonzero().squeeze(1).tolist(), B * T]
     return list(zip(starts[:-1], starts[1:], strict=True))
+
+
+def reads_device(module: nn.Module, device: torch.device) -> nn.Module:
+    """`module` (a shallow copy of a model with weightless parameters), its `device` the engine's: a body that moves
+    its embeddings to `self.device` (Idefics3's) would otherwise move them to the meta device."""
+    cls = type(module)
+    if isinstance(getattr(cls, "device", None), property):
+        module.__class__ = _on_device(cls)
+        module.__dict__["_engine_device"] = device
+    return module
+
+
+@cache
+def _on_device(cls: type[nn.Module]) -> type[nn.Module]:
+    return type(cls.__name__, (cls,), {"device": property(lambda self: self.__dict__["_engine_device"])})
 
 
 def with_submodule(root: nn.Module, path: str, module: nn.Module) -> nn.Module:

@@ -33,7 +33,6 @@ from mt_ray.models.vision import (
     VISION_PROJECTOR,
     VisionSpec,
     block_unit,
-    check_verified,
     find_vision,
     is_vision_config,
     is_vision_unit,
@@ -231,8 +230,6 @@ def build_skeleton(config: PretrainedConfig) -> nn.Module:
             f"'{config.model_type}' is an encoder-decoder model; mt-ray trains decoder-only causal LMs "
             "(Llama, Qwen, Mistral, Gemma, Phi, ...)."
         )
-    if is_vision_config(config):
-        check_verified(config)
     auto = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
     try:
         with init_empty_weights(include_buffers=False):
@@ -343,7 +340,8 @@ def _vision_units(vision: VisionSpec, freeze_tower: bool, freeze_projector: bool
     names = _kinds(vision.blocks, vision.block_kinds, prefix="vision:")
     for i, block in enumerate(vision.blocks):
         units.append(UnitSpec(block_unit(i), _params(block, f"{path}.{blocks}{i}"), names[i], frozen=freeze_tower))
-    units.append(UnitSpec(VISION_PROJECTOR, entries(lambda n: n.startswith(projector)), VISION_PROJECTOR,
+    own = set(vision.own_tensors)
+    units.append(UnitSpec(VISION_PROJECTOR, entries(lambda n: n.startswith(projector) or n in own), VISION_PROJECTOR,
                           frozen=freeze_projector))
     return units
 
@@ -537,6 +535,8 @@ def _reject_unknown_parameters(skeleton: nn.Module, owners: list[nn.Module], vis
     if vision is not None:
         owners += [vision.outer.get_submodule(p) for p in (vision.tower_path, *vision.projector_paths)]
     known = {id(t) for m in owners for t in (*m.parameters(), *m.buffers())}
+    if vision is not None:
+        known |= {id(t) for t in (*vision.outer.parameters(recurse=False), *vision.outer.buffers(recurse=False))}
     unknown = [n for n, t in skeleton.state_dict(keep_vars=True).items() if id(t) not in known]
     if unknown:
         raise ModelNotSupportedError(

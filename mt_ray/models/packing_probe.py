@@ -67,6 +67,16 @@ def packed_differs(record: Recorder, config: PretrainedConfig, hidden: int, devi
     return None
 
 
+def same_arguments(p: list[dict[str, Any]], q: list[dict[str, Any]], T: int) -> bool:
+    """Two recordings of one T-token row give every layer the same arguments: masks that let the same queries see
+    the same keys (whatever their form), other tensors equal, other values alike."""
+    def same(name: str, x: Any, y: Any) -> bool:
+        if name == "attention_mask":
+            return torch.equal(_allowed(x, T, range(T)), _allowed(y, T, range(T)))
+        return _same(x, y, 0)
+    return all(kp.keys() == kq.keys() and all(same(k, kp[k], kq[k]) for k in kp) for kp, kq in zip(p, q, strict=True))
+
+
 def _record_row(record: Recorder, lengths: list[int], hidden: int, device: torch.device,
                 rope_axes: int) -> tuple[torch.Tensor, list[dict[str, Any]]]:
     T = sum(lengths)

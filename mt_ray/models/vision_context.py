@@ -12,14 +12,17 @@ the real outputs, with gradients reaching them).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 import torch
 from torch import nn
+from transformers.utils import ModelOutput
 
-from mt_ray.models.context import LayerKwargs, returns_tuple, with_submodule
+from mt_ray.models.context import LayerKwargs, reads_device, returns_tuple, with_submodule
 from mt_ray.models.discovery import ModelSpec, meta_free_buffers_to
 
 
@@ -86,7 +89,7 @@ class VisionRunner:
         vision = spec.vision
         self.num_blocks = len(vision.blocks)
         stand_ins = nn.ModuleList(_stand_in(type(b))(i, self, b) for i, b in enumerate(vision.blocks))
-        self.module = with_submodule(vision.outer, vision.blocks_path, stand_ins)
+        self.module = reads_device(with_submodule(vision.outer, vision.blocks_path, stand_ins), device)
         self.module.forward = self.module.get_image_features  # the copy's own, so it sees the stand-ins
         meta_free_buffers_to(self.module, device)
         self.tape = VisionTape()
@@ -107,6 +110,24 @@ class VisionRunner:
         """Run `run` with each block handing back `outputs[i]`; returns what `get_image_features` returns."""
         self.tape, self.replaying = VisionTape(outputs=outputs), True
         try:
-            return run()
+            return _fielded(run())
         finally:
             self.tape, self.replaying = VisionTape(), False
+
+
+def _fielded(out: Any) -> Any:
+    """`out`, where it is an output holding attributes beyond its fields (Idefics2 sets `pooler_output` on the tower's
+    BaseModelOutput), as an output of a subclass with those fields: the engine takes its tensors apart and puts them
+    back together (pytree), which keeps fields only."""
+    if not isinstance(out, ModelOutput):
+        return out
+    fields = [f.name for f in dataclasses.fields(out)]
+    extra = tuple(k for k in vars(out) if k not in fields and not k.startswith("_"))
+    if not extra:
+        return out
+    return _with_fields(type(out), extra)(**{k: getattr(out, k) for k in (*fields, *extra)})
+
+
+@cache
+def _with_fields(base: type[ModelOutput], extra: tuple[str, ...]) -> type[ModelOutput]:
+    return dataclasses.make_dataclass(base.__name__, [(name, Any, None) for name in extra], bases=(base,))

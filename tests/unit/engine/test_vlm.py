@@ -231,10 +231,14 @@ def test_llava_with_a_trained_tower_is_refused(tmp_path):
         engine_steps(save_llava(tmp_path), [[packed(hand_made(llava_document))]], (False, False))
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_5", "idefics3"])
-def test_image_text_families_not_yet_trained_are_refused_by_name(family):
-    with pytest.raises(ModelNotSupportedError, match=f"image-text family '{family}' is not supported yet"):
-        discover({"model_type": family})
+@pytest.mark.parametrize(("family", "reason"), [
+    ("mllama", "has no get_image_features"), ("paligemma", "token_type_ids mark 0 attend to each other both ways"),
+    ("lfm2_vl", "is not trained yet: its images carry spatial shapes")])
+def test_image_text_families_not_trained_are_refused_by_name_and_feature(family, reason):
+    from tests.vlm_sweep import image_text_outcome
+
+    outcome = image_text_outcome(family)
+    assert outcome.status == "refused" and f"'{family}'" in outcome.reason and reason in outcome.reason
 
 
 def test_the_loaders_packed_image_rows_train_as_transformers_on_each_document(folder, tmp_path):
