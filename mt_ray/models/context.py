@@ -31,10 +31,11 @@ through. Any other change between layers is refused: the engine would not replay
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cache, partial
 from typing import Any
@@ -384,6 +385,21 @@ class LayerContextBuilder:
         for stub, arity in zip(self.stubs, annotated, strict=True):  # nothing fits: the annotation's refusal shows
             stub.arity = arity
 
+    @contextlib.contextmanager
+    def _stand_ins_run(self) -> Iterator[None]:
+        """A body that cannot run around the stand-ins (a config value its own code needs and the layers do not
+        read, a layer that takes unnamed arguments) is refused by name."""
+        try:
+            yield
+        except ModelNotSupportedError:
+            raise
+        except (TypeError, ValueError) as e:
+            raise ModelNotSupportedError(
+                f"'{self.model_type}': its body does not run with mt-ray's layer stand-ins ({type(e).__name__}: {e}); "
+                "its decoder layers do not return what their annotation says, or take unnamed arguments; this "
+                "family cannot be trained yet"
+            ) from None
+
     def _carried_inputs(self, spec: ModelSpec, device: torch.device) -> list[tuple[str, ...]]:
         """Each layer's arguments computed from the embedding's output or the embed unit's weights (Zamba hands every
         layer the embedding's output beside the hidden state): the engine sends their gradients back to it. Found by
@@ -392,7 +408,7 @@ class LayerContextBuilder:
         # Not a leaf: a body may scale it in place (CTRL's).
         embeds = torch.zeros(1, 2, hidden, device=device, requires_grad=True).clone()
         weights = {k: v.detach().requires_grad_() if v.is_floating_point() else v for k, v in self.probe_weights.items()}
-        with torch.enable_grad():
+        with torch.enable_grad(), self._stand_ins_run():
             _, per_layer = self._record(weights, embeds, torch.zeros(1, 2, dtype=torch.long, device=device),
                                         torch.arange(2, device=device)[None])
         nested = [(i, k) for i, kw in enumerate(per_layer) for k, v in kw.items()
@@ -421,17 +437,9 @@ class LayerContextBuilder:
         """Whether a packed row's documents reach the layers as they would alone (`packing_probe`)."""
         rope_axes = 4 if self.vision is not None and self.vision.rope_index else 0
         hidden = spec.skeleton.get_input_embeddings().weight.shape[-1]
-        try:
+        with self._stand_ins_run():
             differs = packed_differs(lambda *row: self._record(self.probe_weights, *row), spec.config, hidden, device,
                                      rope_axes, masks=not self.bounds_not_masks, learned_positions=bool(self.pre_layer))
-        except ModelNotSupportedError:
-            raise
-        except (TypeError, ValueError) as e:  # the body cannot run around the stand-ins
-            raise ModelNotSupportedError(
-                f"'{self.model_type}': its body does not run with mt-ray's layer stand-ins ({type(e).__name__}: {e}); "
-                "its decoder layers do not return what their annotation says, or take unnamed arguments; this "
-                "family cannot be trained yet"
-            ) from None
         if differs is not None:
             logger.info("'%s': %s differs for a document packed after another, so each document runs alone",
                         self.model_type, differs)
