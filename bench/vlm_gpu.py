@@ -208,6 +208,8 @@ def main() -> None:
     p.add_argument("--kernels", default="torch", choices=["torch", "liger"], help="as bench/engine_gpu.py's")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--keep-activations", default="0",
+                   help="engine.keep_activations: 0 (full recompute, as bench/engine_gpu.py's default) or auto")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -217,7 +219,9 @@ def main() -> None:
     spec = discover(cfg)  # LLaMA-Factory's defaults: the tower frozen, the projector trained
     cuda = args.device == "cuda"
     ecfg = EngineConfig(device=args.device, compute_dtype="bf16" if cuda else "fp32", checkpoint_every=args.k,
-                        stream_master=True, grad_dtype="compute", kernels=args.kernels)  # the benchmarks' lean setting
+                        stream_master=True, grad_dtype="compute", kernels=args.kernels,
+                        keep_activations=args.keep_activations if args.keep_activations == "auto"
+                        else int(args.keep_activations))  # the benchmarks' lean setting
     t0 = time.perf_counter()
     engine = StreamingEngine(spec, ecfg, OPT, total_steps=args.warmup + args.steps + 1)  # + the split's
     engine.load_random(seed=0)

@@ -44,4 +44,6 @@ def test_notebook_runs_top_to_bottom_and_leaves_nothing(path):
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     assert any("image/png" in o.get("data", {}) for o in outputs), "every notebook draws at least one plot"
-    assert leftovers() == before
+    status, scratch = leftovers()
+    # Only new folders count: another test process on the machine may be running a notebook of its own.
+    assert status == before[0] and not scratch - before[1]

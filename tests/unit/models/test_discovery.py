@@ -78,7 +78,8 @@ def test_layers_that_carry_state_along_the_sequence_are_found(family, isolate):
 
 
 def test_model_without_decoder_only_layout_is_refused():
-    with pytest.raises(ModelNotSupportedError, match="'bert' does not have a decoder-only layout"):
+    with pytest.raises(ModelNotSupportedError, match=r"'bert': its decoder layers \(`bert.encoder.layer`\) and its input embedding "
+                       r"\(`bert.embeddings.word_embeddings`\) are not both children of one body module"):
         discover(AutoConfig.for_model("bert", hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                       intermediate_size=32, vocab_size=32))
 
