@@ -186,11 +186,13 @@ def alone(doc: dict, forward: Callable, image_token: int) -> dict:
     return out
 
 
-def _step(folder: Path, model_type: str, docs: list[dict], freeze: tuple[bool, bool]) -> str | None:
-    """One engine step and one reference step, frozen alike: None where they agree, else the difference."""
+def _step(folder: Path, model_type: str, docs: list[dict], freeze: tuple[bool, bool], device: str = "cpu",
+          tolerances: dict | None = None, **engine_kw) -> str | None:
+    """One engine step on `device` and one reference step on the CPU, frozen alike: None where they agree, else the
+    difference."""
     spec = discover(str(folder), freeze_vision_tower=freeze[0], freeze_multi_modal_projector=freeze[1])
     frozen = {p.hf_name for u in spec.units if u.frozen for p in u.params}
-    engine = StreamingEngine(spec, EngineConfig(device="cpu"), OPT, total_steps=1)
+    engine = StreamingEngine(spec, EngineConfig(device=device, **engine_kw), OPT, total_steps=1)
     try:
         engine.load_pretrained(folder)
         before = {k: v.clone() for k, v in engine.state_dict().items()}
@@ -203,11 +205,13 @@ def _step(folder: Path, model_type: str, docs: list[dict], freeze: tuple[bool, b
         p.requires_grad_(p.requires_grad and name not in frozen)
     token = spec.vision.image_token_id
     [ref_loss] = reference_train(ref, [[alone(d, ref.forward, token) for d in docs]], OPT)
-    return _difference(state, before, ref.state_dict(), loss, ref_loss)
+    return _difference(state, before, ref.state_dict(), loss, ref_loss, **(tolerances or {}))
 
 
-def image_text_case(model_type: str, folder: Path) -> Outcome:
-    """Build, save, train (tower frozen, then everything trained) and compare one image-text model type."""
+def image_text_case(model_type: str, folder: Path, device: str = "cpu", tolerances: dict | None = None,
+                    **engine_kw) -> Outcome:
+    """Build, save, train (tower frozen, then everything trained) and compare one image-text model type; the engine
+    on `device` with `engine_kw` (tests/gpu/test_families_cuda.py's), `tolerances` as `_difference`'s."""
     try:
         config = tiny_vlm_config(model_type)
     except Exception as e:  # noqa: BLE001 - anything transformers raises building its own config
@@ -241,7 +245,7 @@ def image_text_case(model_type: str, folder: Path) -> Outcome:
     notes = []
     for freeze in ((True, False), (False, False)):
         try:
-            problem = _step(folder, model_type, docs, freeze)
+            problem = _step(folder, model_type, docs, freeze, device, tolerances, **engine_kw)
         except ModelNotSupportedError as e:
             if not freeze[0] and "not used by get_image_features" in str(e):
                 notes.append(f"{TOWER_REFUSED}: {e}")

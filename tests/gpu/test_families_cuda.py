@@ -13,7 +13,10 @@ import importlib.util
 
 import pytest
 import torch
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
 
 from mt_ray.errors import ModelNotSupportedError
 from tests.family_checks import (
@@ -26,6 +29,7 @@ from tests.family_checks import (
 )
 from tests.family_sweep import sweep_case
 from tests.tiny_models import CHECKPOINT_FAMILIES, checkpoint_config
+from tests.vlm_sweep import image_text_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -52,6 +56,17 @@ def test_every_family_the_sweep_trains_trains_on_cuda(model_type, tmp_path):
     """Refused and skipped types are the CPU sweep's business (tests/unit/engine/test_family_sweep.py)."""
     outcome = sweep_case(model_type, tmp_path, device="cuda", tolerances=dict(rtol=1e-3, atol=1e-6),
                          compute_dtype="fp32")
+    if outcome.status in ("refused", "skipped"):
+        pytest.skip(f"{outcome.status} (as on the CPU): {outcome.reason.splitlines()[0]}")
+    assert outcome.status == "matched", outcome.reason
+
+
+@pytest.mark.parametrize("model_type", sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES))
+def test_every_image_text_family_the_sweep_trains_trains_on_cuda(model_type, tmp_path):
+    """The image-text sweep's step (tower frozen, then trained) with the engine on CUDA, transformers' eager model
+    on the CPU as the reference."""
+    outcome = image_text_case(model_type, tmp_path, device="cuda", tolerances=dict(rtol=1e-3, atol=1e-6),
+                              compute_dtype="fp32")
     if outcome.status in ("refused", "skipped"):
         pytest.skip(f"{outcome.status} (as on the CPU): {outcome.reason.splitlines()[0]}")
     assert outcome.status == "matched", outcome.reason
