@@ -70,7 +70,12 @@ def ray_head():
     head = RayHead(f"http://127.0.0.1:{dash}", {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)})
     temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
     log = Path(temp) / "head.log"
-    cmd = [shutil.which("ray") or "ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+    # Every port free, not Ray's fixed defaults: a second head on the machine (another test process's) would
+    # otherwise hold the job agent's port, and every submission would answer "No available agent".
+    ports = [f"--{flag}={free_port()}" for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                    "runtime-env-agent-port", "metrics-export-port",
+                                                    "ray-client-server-port")]
+    cmd = [shutil.which("ray") or "ray", "start", "--head", "--block", f"--port={port}", *ports, "--num-cpus=2",
            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
            "--object-store-memory=200000000", f"--temp-dir={temp}"]
     with log.open("wb") as out:  # the head writes to its own copy of the descriptor
