@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from mt_ray.data.schema import IGNORE_INDEX, TokenizedExample
 from mt_ray.engine.config import OptimizerConfig
 from mt_ray.engine.optimizer import lr_at
 
@@ -121,3 +122,9 @@ def reference_train(model: torch.nn.Module, steps: list[list[dict]], opt_cfg: Op
         opt.step()
         losses.append(total)
     return losses
+
+
+def preference_sequence(prompt: list[int], response: list[int], role: int) -> TokenizedExample:
+    """One side of a preference group as the data pipeline tokenizes it: the prompt carries no loss."""
+    return TokenizedExample(input_ids=tuple(prompt + response), labels=(IGNORE_INDEX,) * len(prompt) + tuple(response),
+                            role=role, prompt_len=len(prompt))

@@ -12,7 +12,6 @@ from mt_ray.cluster.errors import ClusterError  # noqa: E402
 from mt_ray.cluster.partition import ShardPlan  # noqa: E402
 from mt_ray.data.packing import collate  # noqa: E402
 from mt_ray.data.schema import (  # noqa: E402
-    IGNORE_INDEX,
     ROLE_CHOSEN,
     ROLE_DESIRABLE,
     ROLE_KL,
@@ -24,7 +23,7 @@ from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine  # noqa
 from mt_ray.engine.batch import preference_counts  # noqa: E402
 from mt_ray.engine.preference import Objective, PreferenceConfig  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
-from tests.tiny_models import VOCAB, tiny_config  # noqa: E402
+from tests.tiny_models import VOCAB, preference_sequence, tiny_config  # noqa: E402
 
 STEPS = 2  # step 0: the policy is the reference (rewards 0); step 1: it has moved away from it
 OPT = OptimizerConfig(lr=1e-2, eps=1e-3, max_grad_norm=1.0, schedule="constant")
@@ -37,9 +36,7 @@ CASES = {  # stage, pref: the DPO loss with its SFT term, a reference-free loss,
 
 
 def seq(g: torch.Generator, prompt: list[int], k: int, role: int) -> Seq:
-    response = torch.randint(3, VOCAB, (k,), generator=g).tolist()
-    return Seq(input_ids=tuple(prompt + response), labels=(IGNORE_INDEX,) * len(prompt) + tuple(response),
-               role=role, prompt_len=len(prompt))
+    return preference_sequence(prompt, torch.randint(3, VOCAB, (k,), generator=g).tolist(), role)
 
 
 def group(g: torch.Generator, stage: str, i: int) -> list[Seq]:

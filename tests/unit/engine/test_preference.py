@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from mt_ray.data.packing import collate
 from mt_ray.data.schema import (
-    IGNORE_INDEX,
     ROLE_CHOSEN,
     ROLE_DESIRABLE,
     ROLE_KL,
@@ -29,7 +28,7 @@ from mt_ray.data.schema import TokenizedExample as Seq
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine
 from mt_ray.engine.preference import PreferenceConfig
 from mt_ray.models.discovery import discover
-from tests.tiny_models import VOCAB, reference_model, tiny_config
+from tests.tiny_models import VOCAB, preference_sequence, reference_model, tiny_config
 
 trl = pytest.importorskip("trl")
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -52,11 +51,6 @@ def make_pairs(seed: int = 0, n: int = PAIRS) -> list[dict[str, list[int]]]:
         return torch.randint(3, VOCAB, (k,), generator=g).tolist()
 
     return [{"prompt_ids": ids(3 + i % 3), "chosen_ids": ids(2 + i), "rejected_ids": ids(5 - i % 3)} for i in range(n)]
-
-
-def sequence(prompt: list[int], response: list[int], role: int) -> Seq:
-    return Seq(input_ids=tuple(prompt + response), labels=(IGNORE_INDEX,) * len(prompt) + tuple(response),
-               role=role, prompt_len=len(prompt))
 
 
 def micro_batches(groups: list[list[Seq]], packed: bool) -> list[dict]:
@@ -152,8 +146,8 @@ def test_dpo_equals_trl(loss, layout):
     engine_kw, packed = LAYOUTS[layout]
     cfg, policy, ref = models()
     pairs = make_pairs()
-    groups = [[sequence(p["prompt_ids"], p["chosen_ids"], ROLE_CHOSEN),
-               sequence(p["prompt_ids"], p["rejected_ids"], ROLE_REJECTED)] for p in pairs]
+    groups = [[preference_sequence(p["prompt_ids"], p["chosen_ids"], ROLE_CHOSEN),
+               preference_sequence(p["prompt_ids"], p["rejected_ids"], ROLE_REJECTED)] for p in pairs]
     ftx = 0.5 if loss == "sigmoid" else 0.0  # TRL's "sft" loss term beside sigmoid: LLaMA-Factory's pref_ftx
     pref = PreferenceConfig(beta=0.5, loss=loss, ftx=ftx)
     ours = engine_step(cfg, policy, ref, micro_batches(groups, packed), "dpo", pref, engine_kw)
@@ -202,8 +196,8 @@ def test_reference_free_losses_equal_trl(loss, layout):
     engine_kw, packed = LAYOUTS[layout]
     cfg, policy, _ = models()
     pairs = make_pairs(seed=1)
-    groups = [[sequence(p["prompt_ids"], p["chosen_ids"], ROLE_CHOSEN),
-               sequence(p["prompt_ids"], p["rejected_ids"], ROLE_REJECTED)] for p in pairs]
+    groups = [[preference_sequence(p["prompt_ids"], p["chosen_ids"], ROLE_CHOSEN),
+               preference_sequence(p["prompt_ids"], p["rejected_ids"], ROLE_REJECTED)] for p in pairs]
     smoothing, ftx = (0.0, 0.0) if loss == "orpo" else (0.1, 0.3)
     pref = PreferenceConfig(beta=2.0, loss=loss, simpo_gamma=0.4, label_smoothing=smoothing, ftx=ftx)
     ours = engine_step(cfg, policy, None, micro_batches(groups, packed), "dpo", pref, engine_kw)
@@ -259,8 +253,8 @@ def kto_examples(packed: bool) -> tuple[list[dict], list[dict]]:
                 for p, lab in zip(pairs, labels, strict=True)]
     for i, ex in enumerate(examples):  # TRL's KL completions: each takes the one before's (the first, the last's)
         ex["KL_completion_ids"] = examples[i - 1]["completion_ids"]
-    groups = [[sequence(ex["prompt_ids"], ex["completion_ids"], ROLE_DESIRABLE if ex["label"] else ROLE_UNDESIRABLE),
-               sequence(ex["prompt_ids"], ex["KL_completion_ids"], ROLE_KL)] for ex in examples]
+    groups = [[preference_sequence(ex["prompt_ids"], ex["completion_ids"], ROLE_DESIRABLE if ex["label"] else ROLE_UNDESIRABLE),
+               preference_sequence(ex["prompt_ids"], ex["KL_completion_ids"], ROLE_KL)] for ex in examples]
     return examples, [collate([[s for g in groups for s in g]], None, 0)] if packed else [collate(groups, None, 0)]
 
 
