@@ -28,6 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from mt_ray.errors import ModelNotSupportedError
+from mt_ray.models.body_source import first_use
 from mt_ray.models.vision import (
     VISION_EMBED,
     VISION_PROJECTOR,
@@ -478,7 +479,7 @@ def _split_body(base: nn.Module, embed: nn.Module, layers_attr: str,
             if c is not embed and name != layers_attr and any(True for _ in c.parameters())]
     source = inspect.getsource(type(base).forward)
     layers_at = _named_at(source, layers_attr)
-    before = [n for n in rest if layers_at is not None and (_named_at(source, n) or len(source)) < layers_at]
+    before = [n for n in rest if layers_at is not None and (first_use(type(base), n) or len(source)) < layers_at]
     after = [n for n in rest if n not in before]
     if len(after) == 1 and _is_norm(getattr(base, after[0])):
         return after[0], tuple(before)

@@ -16,7 +16,7 @@ Shape key: T tokens of the probe row (A then B), b tokens of B.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -92,8 +92,8 @@ def _same(p: Any, q: Any, a: int) -> bool:
     """B's part of `p` (packed) equals `q` (alone): per-token tensors compare their last b tokens."""
     if isinstance(p, (tuple, list)):
         return isinstance(q, (tuple, list)) and len(p) == len(q) and all(_same(x, y, a) for x, y in zip(p, q, strict=True))
-    if isinstance(p, dict):
-        return isinstance(q, dict) and p.keys() == q.keys() and all(_same(p[k], q[k], a) for k in p)
+    if isinstance(p, Mapping):  # a UserDict too (Gemma 4's `shared_kv_states`, which its layers fill)
+        return isinstance(q, Mapping) and p.keys() == q.keys() and all(_same(p[k], q[k], a) for k in p)
     if not isinstance(p, torch.Tensor) or not isinstance(q, torch.Tensor):
         return p is q or type(p) is type(q) and _plain(p) and p == q
     if p.shape != q.shape:
