@@ -143,8 +143,9 @@ def causal_lm_config_class(model_type: str) -> type[PretrainedConfig]:
     return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]).config_class
 
 
-def tiny_config(model_type: str) -> PretrainedConfig:
-    """`model_type`'s default config with every size in `_SIZES` it has scaled down (sub-configs too)."""
+def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
+    """`model_type`'s default config with every size in `_SIZES` it has scaled down (sub-configs too), then its
+    `FAMILY_OVERRIDES` and `overrides` set."""
     cls = causal_lm_config_class(model_type)
     default = cls()
     kw = _scaled(default)
@@ -152,7 +153,7 @@ def tiny_config(model_type: str) -> PretrainedConfig:
         sub = getattr(default, key, None)
         if isinstance(sub, PretrainedConfig):
             kw[key] = _scaled(sub)
-    for key, value in FAMILY_OVERRIDES.get(model_type, {}).items():  # a sub-config's overrides join its sizes
+    for key, value in {**FAMILY_OVERRIDES.get(model_type, {}), **overrides}.items():  # a sub-config's overrides join its sizes
         kw[key] = {**kw[key], **value} if isinstance(value, dict) and isinstance(kw.get(key), dict) else value
     return cls(**kw)
 
@@ -196,10 +197,11 @@ def _scaled(config: PretrainedConfig) -> dict:
     return kw
 
 
-def save_tiny(model_type: str, folder: Path) -> None:
-    """A random tiny model of `model_type` written by transformers; saved buffers get random values."""
+def save_tiny(model_type: str, folder: Path, **overrides) -> None:
+    """A random tiny model of `model_type` (its config's fields set to `overrides` beyond `tiny_config`) written by
+    transformers; saved buffers get random values."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
     saved = model.state_dict(keep_vars=True)
     for name, buf in model.named_buffers():
         if name in saved and buf.is_floating_point():

@@ -78,6 +78,7 @@ from mt_ray.models.context import LayerContext, LayerContextBuilder
 from mt_ray.models.discovery import ModelSpec
 from mt_ray.models.kernels import apply_kernels
 from mt_ray.models.router_loss import RouterLoss
+from mt_ray.models.side_channels import backward_terms, take_grads
 from mt_ray.models.weights import export_hf, init_random, load_safetensors
 
 
@@ -699,7 +700,9 @@ class StreamingEngine:
         while segments:
             i, x, out, logits, injected, inputs = segments.pop()
             template = self.layer_templates[i]
-            outputs, out_grads = ([out, logits], [g, aux_grads[i]]) if i in aux_grads else (out, g)
+            read, stored, stored_grads = backward_terms(ctx.channels, i)  # what it shares with later layers
+            outputs = [out, *([logits] if i in aux_grads else []), *stored]
+            out_grads = [g, *([aux_grads[i]] if i in aux_grads else []), *stored_grads]
             leaves = template.leaves(weights[i])
             mirrors = template.mirror_leaves(weights[i])
             carried = [leaf for _, leaf in inputs]
@@ -707,7 +710,8 @@ class StreamingEngine:
             # another layer uses (Zamba2's adapter of another layer) get no gradient here: zeros.
             unused = bool(carried) or i in self._tie_layers
             gs = torch.autograd.grad(outputs, [x, *leaves, *mirrors, *([] if injected is None else [injected]),
-                                               *carried], out_grads, allow_unused=unused, materialize_grads=unused)
+                                               *read, *carried], out_grads, allow_unused=unused, materialize_grads=unused)
+            take_grads(ctx.channels, i, gs[len(gs) - len(carried) - len(read):len(gs) - len(carried)])
             g = gs[0]
             self._add_mirror_grads(f"layers.{i}", gs[1 + len(leaves):1 + len(leaves) + len(mirrors)])
             self._add_grad(f"layers.{i}", gs[1:1 + len(leaves)], final, template.frozen_numel)

@@ -47,6 +47,7 @@ from torch.func import functional_call
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.discovery import ModelSpec, embed_module, meta_free_buffers_to, shallow_copy
 from mt_ray.models.packing_probe import packed_differs, same_arguments
+from mt_ray.models.side_channels import SideChannel, open_side_channels, side_channels
 from mt_ray.models.varlen import takes_document_bounds
 
 logger = logging.getLogger(__name__)
@@ -99,9 +100,17 @@ class LayerContext:
     """Each layer's arguments that carry a gradient back to the embedding (`LayerContextBuilder.carried`)."""
     input_grads: dict[tuple[int, int, str], torch.Tensor] = field(default_factory=dict)
     """The gradient each layer's backward found for its carried arguments, by (document, layer, name)."""
+    channels: list[SideChannel] = field(init=False)
+    """What layers leave for later layers (Gemma 3n's shared keys and values: `side_channels`)."""
+
+    def __post_init__(self) -> None:
+        per_layer = self.whole if self.documents is None else [kw for _, kws in self.documents for kw in kws]
+        self.channels = side_channels(per_layer)
 
     def run(self, layer: Callable[..., Any], i: int, x_BTD: torch.Tensor) -> torch.Tensor:
         """Layer i's output hidden state (with what the body adds after it), for the whole batch or document by document."""
+        for channel in self.channels:
+            channel.layer = i
         if self.documents is None:
             out = layer_hidden(layer(x_BTD, **self.whole[i]))
             return self.injection.add(out, self.injection.mask_BT, self.injection.embeds[i]) if self.injects(i) else out
@@ -529,6 +538,7 @@ class LayerContextBuilder:
             )
         h0 = self.log[0][0]
         per_layer = [dict(self.log[i][1]) for i in range(self.num_layers)]
+        open_side_channels(per_layer)
         for kw in per_layer:
             kw.pop("past_key_values", None)
             if "use_cache" in kw:
