@@ -26,7 +26,17 @@ from mt_ray.engine import EngineConfig, StreamingEngine
 from mt_ray.errors import ConfigError, ModelNotSupportedError
 from mt_ray.models.discovery import discover
 from tests.family_checks import OPT
-from tests.family_sweep import SWEEP_VOCAB, TOWER_REFUSED, Outcome, _difference, _scaled, _short, _trace
+from tests.family_sweep import (
+    _COMPASS_ROPE,
+    _QWEN4_EXP,
+    SWEEP_VOCAB,
+    TOWER_REFUSED,
+    Outcome,
+    _difference,
+    _scaled,
+    _short,
+    _trace,
+)
 from tests.tiny_models import reference_train
 
 IMAGE_TEXT = "image-text"
@@ -62,6 +72,15 @@ VLM_OVERRIDES: dict[str, dict] = {
     **{f: {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                                "mrope_section": [2, 1, 1]}, "head_dim": 16}}
        for f in ("glm4v", "glm46v", "glm4v_moe", "glm_ocr", "glmga")},
+    "qwen4_exp": {"text_config": _QWEN4_EXP},  # its layers are built with the indexer the default leaves None
+    # a sliding layer with rotary positions and a NoPE global layer, as the released checkpoint has
+    "cohere_compass": {"text_config": {"layer_types": ["sliding_attention", "full_attention"],
+                                       "rope_parameters": _COMPASS_ROPE}},
+    # its layers always hold experts (None in the default); its model always builds the tower the default leaves None
+    "diffusion_gemma": {"text_config": {"num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 16},
+                        "vision_config": {"model_type": "gemma4_vision", "hidden_size": 16, "intermediate_size": 32,
+                                          "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                          "head_dim": 8, "patch_size": 4}},
 }
 
 Images = dict[str, torch.Tensor]
