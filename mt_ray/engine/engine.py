@@ -505,7 +505,7 @@ class StreamingEngine:
         return flat
 
     def _hidden_numels(self, mbs: list[MicroBatch]) -> list[int]:
-        return [mb.input_ids_BT.numel() * self.spec.text_config.hidden_size for mb in mbs]
+        return [mb.input_ids_BT.numel() * self.context.token_numel for mb in mbs]
 
     def _carried(self, n_micro: int) -> Iterator[torch.Tensor]:
         """Each micro-batch's carry in turn (the last block's output, or the gradient flowing back)."""
@@ -620,7 +620,7 @@ class StreamingEngine:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         chunk = self.cfg.loss_chunk_tokens
         for j, (h_BTD, mb) in enumerate(zip(hiddens, mbs, strict=True)):
-            h_ND = h_BTD.reshape(-1, h_BTD.shape[-1])
+            h_ND = h_BTD.flatten(0, 1)  # [B*T, ...]: a widened stream keeps its per-token shape
             sel_ND = h_ND.index_select(0, mb.loss_index)
             if self.pref is not None:  # per-sequence log-probs into the preference loss instead
                 g_sel, loss = self.pref.head_grads(head, weights, leaves, sums, sel_ND, mb)
@@ -652,7 +652,7 @@ class StreamingEngine:
             if self.pref is not None:
                 self.pref.eval_head(head, weights, h_BTD, mb)
                 continue
-            sel_ND = h_BTD.reshape(-1, h_BTD.shape[-1]).index_select(0, mb.loss_index)
+            sel_ND = h_BTD.flatten(0, 1).index_select(0, mb.loss_index)
             for s in range(0, mb.num_loss_tokens, chunk):
                 loss_sum += _chunk_loss(head, weights, sel_ND[s : s + chunk], mb.loss_target[s : s + chunk])
         return loss_sum

@@ -294,7 +294,7 @@ class PreferenceSteps:
 
     def _logps(self, head: UnitTemplate, weights: Weights, h_BTD: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """Each loss token's log-prob from the final hidden states `h_BTD` (no graph)."""
-        sel_ND = h_BTD.reshape(-1, h_BTD.shape[-1]).index_select(0, mb.loss_index)
+        sel_ND = h_BTD.flatten(0, 1).index_select(0, mb.loss_index)
         return token_logps(head, weights, sel_ND, mb, self.e.cfg.loss_chunk_tokens, self.objective.temperature)
 
 

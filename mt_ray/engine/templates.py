@@ -90,6 +90,9 @@ class HeadModule(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.norm = getattr(spec.base, spec.norm_attr) if spec.norm_attr is not None else nn.Identity()
+        self.tail = spec.tail_attrs  # the modules that collapse a widened stream, before the norm (`stream_tail`)
+        for attr in self.tail:
+            self.add_module(attr, getattr(spec.base, attr))
         self.lm_head = spec.skeleton.get_output_embeddings()
         # An image-text model's forward calls its composite body, which embeds and scatters images itself.
         body = spec.vision.outer if spec.vision is not None else spec.base
@@ -100,6 +103,8 @@ class HeadModule(nn.Module):
         self.__dict__["_causal_lm"] = with_submodule(spec.skeleton, body_path, feeder)
 
     def forward(self, h_ND: torch.Tensor) -> torch.Tensor:
+        for attr in self.tail:  # each token's widened stream [N, ...], as a row of N tokens
+            h_ND = getattr(self, attr)(h_ND[None])[0]
         normed = self.norm(h_ND)
         self._hand_back.hidden = normed.reshape(1, -1, normed.shape[-1])  # as one row of N tokens
         try:

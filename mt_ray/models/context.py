@@ -48,6 +48,7 @@ from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.discovery import ModelSpec, embed_module, meta_free_buffers_to, shallow_copy
 from mt_ray.models.packing_probe import packed_differs, same_arguments
 from mt_ray.models.side_channels import SideChannel, open_side_channels, side_channels
+from mt_ray.models.stream_tail import token_numel
 from mt_ray.models.varlen import takes_document_bounds
 
 logger = logging.getLogger(__name__)
@@ -104,8 +105,7 @@ class LayerContext:
     """What layers leave for later layers (Gemma 3n's shared keys and values: `side_channels`)."""
 
     def __post_init__(self) -> None:
-        per_layer = self.whole if self.documents is None else [kw for _, kws in self.documents for kw in kws]
-        self.channels = side_channels(per_layer)
+        self.channels = side_channels(self.whole or [kw for _, kws in self.documents or () for kw in kws])
 
     def run(self, layer: Callable[..., Any], i: int, x_BTD: torch.Tensor) -> torch.Tensor:
         """Layer i's output hidden state (with what the body adds after it), for the whole batch or document by document."""
@@ -114,7 +114,7 @@ class LayerContext:
         if self.documents is None:
             out = layer_hidden(layer(x_BTD, **self.whole[i]))
             return self.injection.add(out, self.injection.mask_BT, self.injection.embeds[i]) if self.injects(i) else out
-        x_1ND = x_BTD.reshape(1, -1, x_BTD.shape[-1])
+        x_1ND = x_BTD.flatten(0, 1)[None]  # [1, B*T, ...]: a widened stream keeps its per-token shape
         outs = [layer_hidden(layer(x_1ND[:, s:e], **kw[i])) for (s, e), kw in self.documents]
         return torch.cat(outs, dim=1).view_as(x_BTD)
 
@@ -303,6 +303,7 @@ class LayerContextBuilder:
         norm = getattr(body, spec.norm_attr) if spec.norm_attr is not None else None
         if norm is not None and any(True for _ in norm.parameters()):  # a parameterless norm (NanoChat's, also run
             self.body._modules[spec.norm_attr] = nn.Identity()          # before the layers) stays
+        self.body._modules.update({a: nn.Identity() for a in spec.tail_attrs})  # the head unit runs them
         self.probe_weights = _probe_weights(spec, device)
         self.vision = spec.vision
         self.images = _ImageFeatures()
@@ -357,7 +358,7 @@ class LayerContextBuilder:
             h0, per_layer = self._record(weights, *(t[:, s:e] for t in flat))
             h0s.append(h0)
             per_document.append(((s, e), per_layer))
-        return torch.cat(h0s, dim=1).view(B, T, -1), LayerContext(documents=per_document, carried=self.carried)
+        return torch.cat(h0s, dim=1).view(B, T, *h0s[0].shape[2:]), LayerContext(documents=per_document, carried=self.carried)
 
     def _take_injection(self) -> Injection | None:
         """What the last recording's body would have added after its first layers (the rest it never adds)."""
@@ -418,8 +419,9 @@ class LayerContextBuilder:
         embeds = torch.zeros(1, 2, hidden, device=device, requires_grad=True).clone()
         weights = {k: v.detach().requires_grad_() if v.is_floating_point() else v for k, v in self.probe_weights.items()}
         with torch.enable_grad(), self._stand_ins_run():
-            _, per_layer = self._record(weights, embeds, torch.zeros(1, 2, dtype=torch.long, device=device),
+            h0, per_layer = self._record(weights, embeds, torch.zeros(1, 2, dtype=torch.long, device=device),
                                         torch.arange(2, device=device)[None])
+        self.token_numel = token_numel(h0, (1, 2), self.model_type)  # per token, between the layers (`stream_tail`)
         nested = [(i, k) for i, kw in enumerate(per_layer) for k, v in kw.items()
                   if isinstance(v, (tuple, list, dict)) and _takes_grad(v)]
         if nested:

@@ -29,6 +29,8 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.body_source import first_use
+from mt_ray.models.mask_modules import mask_only_children
+from mt_ray.models.stream_tail import split_tail
 from mt_ray.models.vision import (
     VISION_EMBED,
     VISION_PROJECTOR,
@@ -134,6 +136,9 @@ class ModelSpec:
     embed_attrs: tuple[str, ...] = ()
     """The body's children it runs on the embedding's output before the first layer (GPT-2's learned positions,
     BLOOM's embedding norm): their parameters are the embed unit's, under `<child>.` names."""
+    tail_attrs: tuple[str, ...] = ()
+    """The body's children it applies to the last layer's output before its final norm, in order (DeepSeek-V4's
+    hyper-connection head, `stream_tail.py`): their parameters are the head unit's, under `<child>.` names."""
 
     @property
     def num_layers(self) -> int:
@@ -253,13 +258,13 @@ def discover(model: str | PretrainedConfig | dict, freeze_vision_tower: bool = T
     head = skeleton.get_output_embeddings()
     base = _find_base(skeleton, embed)
     layers_attr = _find_layers(base, config, skeleton)
-    norm_attr, embed_attrs = _split_body(base, embed, layers_attr, config.model_type)
+    norm_attr, embed_attrs, tail_attrs = _split_body(base, embed, layers_attr, config.model_type)
     if head is None or not isinstance(head, nn.Linear):
         raise ModelNotSupportedError(f"'{config.model_type}' has no linear LM head; it is not a causal LM")
     names = {id(m): n for n, m in skeleton.named_modules()}
     tied = _head_tied(skeleton, embed, head, names)
     vision = find_vision(skeleton, config, base) if is_vision_config(config) else None
-    body_parts = [getattr(base, a) for a in (layers_attr, norm_attr, *embed_attrs) if a is not None]
+    body_parts = [getattr(base, a) for a in (layers_attr, norm_attr, *embed_attrs, *tail_attrs) if a is not None]
     _reject_unknown_parameters(skeleton, [embed, head, *body_parts], vision)
 
     layers = getattr(base, layers_attr)
@@ -277,14 +282,17 @@ def discover(model: str | PretrainedConfig | dict, freeze_vision_tower: bool = T
     units += [UnitSpec(f"layers.{i}", ps, kinds[i]) for i, ps in enumerate(layer_params)]
     norm = getattr(base, norm_attr) if norm_attr is not None else None
     head_params = _params(norm, names[id(norm)], prefix="norm.") if norm is not None else []
+    for attr in tail_attrs:
+        head_params += _params(getattr(base, attr), names[id(getattr(base, attr))], prefix=f"{attr}.")
     # A tied head's matrix is the embedding's; anything else it has (CTRL's bias) is the head unit's own.
     head_params += [p for p in _params(head, names[id(head)], prefix="lm_head.")
                     if not (tied and p.local_name == "lm_head.weight")]
     # A tied head after a body without a final norm (BART's decoder) has no weights of its own: nothing to train.
     units.append(UnitSpec("head", _decayed_first(head_params), "head", frozen=not head_params))
+    _refuse_integer_buffers(skeleton, units)
     isolate = _carries_sequence_state(skeleton, layers)
     return ModelSpec(config, skeleton, base, layers_attr, norm_attr, tied, units, layer_kinds, isolate, vision,
-                     embed_attrs)
+                     embed_attrs, tail_attrs)
 
 
 def embed_module(spec: ModelSpec) -> nn.Module:
@@ -353,10 +361,11 @@ def _params(module: nn.Module, path: str, prefix: str = "", ties: dict[str, str]
 
     A parameter the family declares with `requires_grad=False` (ERNIE-4.5-MoE's routing-correction bias) is a
     frozen entry too, as is one of a module whose forward runs under `torch.no_grad` (DeepSeek-V3.2's sparse-attention
-    indexer) or that is reached only with an encoder's hidden states (the cross-attention of BART's decoder layers,
-    which a causal LM never has): transformers never computes their gradient and torch's optimizer skips them."""
+    indexer), that is reached only with an encoder's hidden states (the cross-attention of BART's decoder layers,
+    which a causal LM never has) or that only builds the attention mask (Qwen4-Exp's indexer, `mask_modules`):
+    transformers never computes their gradient and torch's optimizer skips them."""
     no_grad = {id(p) for m in module.modules() if _runs_without_grad(m) for p in m.parameters()}
-    no_grad |= {id(p) for m in module.modules() for a in _reached_with_encoder_only(type(m))
+    no_grad |= {id(p) for m in module.modules() for a in _reached_with_encoder_only(type(m)) | mask_only_children(type(m))
                 if isinstance(getattr(m, a, None), nn.Module) for p in getattr(m, a).parameters()}
     ties = ties or {}
     infos = []
@@ -371,6 +380,17 @@ def _params(module: nn.Module, path: str, prefix: str = "", ties: dict[str, str]
         for n, b in module.named_buffers() if n in saved
     ]
     return _decayed_first(infos)
+
+
+def _refuse_integer_buffers(skeleton: nn.Module, units: list[UnitSpec]) -> None:
+    """A unit's tensors travel in one floating-point buffer: a saved integer table (DeepSeek-V4's hash routing,
+    `tid2eid`) would reach the layer as floats, exact only up to the compute dtype's integers."""
+    saved = skeleton.state_dict(keep_vars=True)
+    found = [p.hf_name for u in units for p in u.params if p.hf_name in saved and not saved[p.hf_name].is_floating_point()]
+    if found:
+        raise ModelNotSupportedError(
+            f"'{skeleton.config.model_type}' stores integer tables with its weights ({found[:3]}), which mt-ray would "
+            "stream as floating-point values; this family cannot be trained yet")
 
 
 def _runs_without_grad(module: nn.Module) -> bool:
@@ -468,13 +488,14 @@ def _find_layers(base: nn.Module, config: PretrainedConfig, skeleton: nn.Module)
 
 
 def _split_body(base: nn.Module, embed: nn.Module, layers_attr: str,
-                model_type: str) -> tuple[str | None, tuple[str, ...]]:
-    """The body's final norm (None where it has none) and the parameterised children it runs before its layers.
+                model_type: str) -> tuple[str | None, tuple[str, ...], tuple[str, ...]]:
+    """The body's final norm (None where it has none), the parameterised children it runs before its layers and
+    those it applies after them before the norm.
 
     Which side of the layers a child runs on is read from the body's forward: where it is first named
     (`self.wpe`) against where the layer list is. Those before join the embed unit (the layer context checks
-    that they run before the first layer); after the layers, only one norm is streamed (the head unit's).
-    Anything else there (a hyper-connection head, a projection) computes between the units: refuse the family."""
+    that they run before the first layer); after the layers, the head unit streams the norm and a chain of modules
+    before it (`stream_tail.tail_chain`). Anything else there computes between the units: refuse the family."""
     rest = [name for name, c in base.named_children()
             if c is not embed and name != layers_attr and any(True for _ in c.parameters())]
     source = inspect.getsource(type(base).forward)
@@ -482,15 +503,12 @@ def _split_body(base: nn.Module, embed: nn.Module, layers_attr: str,
     before = [n for n in rest if layers_at is not None and (first_use(type(base), n) or len(source)) < layers_at]
     after = [n for n in rest if n not in before]
     if len(after) == 1 and _is_norm(getattr(base, after[0])):
-        return after[0], tuple(before)
+        return after[0], tuple(before), ()
     if after:
-        raise ModelNotSupportedError(
-            f"'{model_type}' has parameterised modules beside its embedding, decoder layers and one final norm "
-            f"({type(base).__name__}: {sorted(after)}; a head before the LM head, per-layer inputs or a projection "
-            "after the layers), which mt-ray does not stream; this family cannot be trained yet"
-        )
+        norm, tail = split_tail(base, layers_attr, after, _is_norm, model_type)
+        return norm, tuple(before), tail
     norms = [name for name, c in base.named_children() if _is_norm(c) and name not in before]
-    return (norms[0] if len(norms) == 1 else None), tuple(before)
+    return (norms[0] if len(norms) == 1 else None), tuple(before), ()
 
 
 def _named_at(source: str, attr: str) -> int | None:

@@ -36,6 +36,7 @@ def unit_module(spec: ModelSpec, unit: UnitSpec) -> nn.Module:
         return embed_module(spec)
     if unit.name == "head":
         parts = {"norm": getattr(spec.base, spec.norm_attr)} if spec.norm_attr is not None else {}
+        parts.update({a: getattr(spec.base, a) for a in spec.tail_attrs})
         if not spec.tied or any(p.local_name.startswith("lm_head.") for p in unit.params):  # a tied head's bias
             parts["lm_head"] = spec.skeleton.get_output_embeddings()
         return nn.ModuleDict(parts)
