@@ -212,7 +212,7 @@ class StreamingEngine:
         self.kept = KeptBlocks(spec, self.streams, Stage.of(stage, pref, grpo))
         self.activations = build_activation_store(cfg.checkpoint_placement, self.streams, self.dtype,
                                                   cfg.host_memory_limit_gb)
-        self.templates = build_templates(spec, self.device)
+        self.templates = build_templates(spec, self.device, self.context.stream)
         self.layer_templates = [self.templates[u.kind] for u in spec.layer_units]
         # Layers holding or owning weights tied between layers, by index.
         self._tie_layers = {int(name.split(".")[1]) for unit, mirrors in spec.mirrors.items()
@@ -336,6 +336,7 @@ class StreamingEngine:
         start; returns the backend now in use. Benchmarks compare backends on one host store this way."""
         self.spec.config._attn_implementation = resolve_attention(self.spec, requested, self.device, self.dtype)
         self.context = LayerContextBuilder(self.spec, self.device)
+        self.templates["head"].module.stream = self.context.stream  # what the head's tail code reads
         return self.spec.config._attn_implementation
 
     def set_keep_activations(self, keep: str | int) -> None:
@@ -505,7 +506,7 @@ class StreamingEngine:
         return flat
 
     def _hidden_numels(self, mbs: list[MicroBatch]) -> list[int]:
-        return [mb.input_ids_BT.numel() * self.context.token_numel for mb in mbs]
+        return [mb.input_ids_BT.numel() * self.context.stream.numel for mb in mbs]
 
     def _carried(self, n_micro: int) -> Iterator[torch.Tensor]:
         """Each micro-batch's carry in turn (the last block's output, or the gradient flowing back)."""

@@ -9,6 +9,7 @@ autograd graph lives longer than the call that built it.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from transformers.modeling_outputs import MoeModelOutputWithPast
 
 from mt_ray.models.context import with_submodule
 from mt_ray.models.discovery import ModelSpec, ParamInfo, embed_module, meta_free_buffers_to, shallow_copy
+from mt_ray.models.stream_tail import Stream
 
 Weights = dict[str, torch.Tensor]
 
@@ -87,12 +89,15 @@ class HeadModule(nn.Module):
     logit scaling. `norm` and `lm_head` are the skeleton's own modules, so weights bind by name.
     """
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, stream: Stream):
         super().__init__()
         self.norm = getattr(spec.base, spec.norm_attr) if spec.norm_attr is not None else nn.Identity()
-        self.tail = spec.tail_attrs  # the modules that collapse a widened stream, before the norm (`stream_tail`)
-        for attr in self.tail:
+        for attr in spec.tail_attrs:  # the body's modules its code after the layers uses (`stream_tail`), its norm too
             self.add_module(attr, getattr(spec.base, attr))
+        self.stream = stream
+        # The tail's code runs with `self` the body (a copy), whose children are the modules bound here.
+        self.__dict__["_tail"] = spec.tail_code.function(_namespace(spec.base)) if spec.tail_code else None
+        self.__dict__["_body"] = shallow_copy(spec.base)
         self.lm_head = spec.skeleton.get_output_embeddings()
         # An image-text model's forward calls its composite body, which embeds and scatters images itself.
         body = spec.vision.outer if spec.vision is not None else spec.base
@@ -103,21 +108,24 @@ class HeadModule(nn.Module):
         self.__dict__["_causal_lm"] = with_submodule(spec.skeleton, body_path, feeder)
 
     def forward(self, h_ND: torch.Tensor) -> torch.Tensor:
-        for attr in self.tail:  # each token's widened stream [N, ...], as a row of N tokens
-            h_ND = getattr(self, attr)(h_ND[None])[0]
-        normed = self.norm(h_ND)
+        if self._tail is None:
+            normed = self.norm(h_ND)
+        else:  # each token's (widened) stream [N, ...], as a row of N tokens in the layers' layout
+            normed = self._tail(self._body, self.stream.to_layers(h_ND[None]), **self.stream.tail_values)
         self._hand_back.hidden = normed.reshape(1, -1, normed.shape[-1])  # as one row of N tokens
         try:
             logits = self._causal_lm(use_cache=False).logits
         finally:
             self._hand_back.hidden = None
-        return logits.view(*h_ND.shape[:-1], -1)
+        tokens = h_ND.shape[:-1] if self._tail is None else h_ND.shape[:1]  # a widened stream: [N, ...] in
+        return logits.view(*tokens, -1)
 
 
-def build_templates(spec: ModelSpec, device: torch.device) -> dict[str, UnitTemplate]:
+def build_templates(spec: ModelSpec, device: torch.device, stream: Stream | None = None) -> dict[str, UnitTemplate]:
     """One template per unit kind: 'embed', 'head', each distinct decoder-layer kind and vision-block kind
-    (the vision stage makes the templates of `vision.embed` and `vision.projector` itself)."""
-    head = HeadModule(spec)
+    (the vision stage makes the templates of `vision.embed` and `vision.projector` itself); `stream`: the layer
+    context's (`LayerContextBuilder.stream`), whose layout and values the head's tail code reads."""
+    head = HeadModule(spec, stream or Stream())
     # A tied head binds only the norm from its own unit; the engine adds the embedding matrix.
     templates = {
         "embed": UnitTemplate(embed_module(spec), spec.unit("embed").params, device),
@@ -128,3 +136,8 @@ def build_templates(spec: ModelSpec, device: torch.device) -> dict[str, UnitTemp
         params = next(u.params for u in spec.units if u.kind == kind)
         templates[kind] = UnitTemplate(module, params, device)
     return templates
+
+
+def _namespace(body: nn.Module) -> dict:
+    """The globals of the module defining the body's forward, where its tail's code runs."""
+    return vars(inspect.getmodule(inspect.unwrap(type(body).forward)))

@@ -48,7 +48,7 @@ from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.discovery import ModelSpec, embed_module, meta_free_buffers_to, shallow_copy
 from mt_ray.models.packing_probe import packed_differs, same_arguments
 from mt_ray.models.side_channels import SideChannel, open_side_channels, side_channels
-from mt_ray.models.stream_tail import token_numel
+from mt_ray.models.stream_tail import Stream, TailReached, capture, measure
 from mt_ray.models.varlen import takes_document_bounds
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,8 @@ class LayerContext:
     """Each layer's arguments that carry a gradient back to the embedding (`LayerContextBuilder.carried`)."""
     input_grads: dict[tuple[int, int, str], torch.Tensor] = field(default_factory=dict)
     """The gradient each layer's backward found for its carried arguments, by (document, layer, name)."""
+    stream: Stream = field(default_factory=Stream)
+    """How the layers lay out the stream the engine keeps token-major ([B, T, ...])."""
     channels: list[SideChannel] = field(init=False)
     """What layers leave for later layers (Gemma 3n's shared keys and values: `side_channels`)."""
 
@@ -112,10 +114,11 @@ class LayerContext:
         for channel in self.channels:
             channel.layer = i
         if self.documents is None:
-            out = layer_hidden(layer(x_BTD, **self.whole[i]))
+            out = self.stream.to_tokens(layer_hidden(layer(self.stream.to_layers(x_BTD), **self.whole[i])))
             return self.injection.add(out, self.injection.mask_BT, self.injection.embeds[i]) if self.injects(i) else out
         x_1ND = x_BTD.flatten(0, 1)[None]  # [1, B*T, ...]: a widened stream keeps its per-token shape
-        outs = [layer_hidden(layer(x_1ND[:, s:e], **kw[i])) for (s, e), kw in self.documents]
+        to_layer, to_tokens = self.stream.to_layers, self.stream.to_tokens
+        outs = [to_tokens(layer_hidden(layer(to_layer(x_1ND[:, s:e]), **kw[i]))) for (s, e), kw in self.documents]
         return torch.cat(outs, dim=1).view_as(x_BTD)
 
     def injects(self, i: int) -> bool:
@@ -208,6 +211,12 @@ class _PreLayer(_StandIn):
             raise RuntimeError(f"`{self.attr}` runs before the first layer: the embed unit's weights must be given")
         return functional_call(self._original, self.weights, args, kwargs, tie_weights=False)
 
+    def __getitem__(self, index: int) -> Callable[..., Any]:
+        """An entry of a list the body runs before its layers (Gemma 3n's AltUp projections), with its weights."""
+        prefix, entry = f"{index}.", self._original[index]
+        weights = {k[len(prefix):]: v for k, v in self.weights.items() if k.startswith(prefix)}
+        return lambda *args, **kwargs: functional_call(entry, weights, args, kwargs, tie_weights=False)
+
     def bind(self, weights: dict[str, torch.Tensor]) -> None:
         prefix = f"{self.attr}."
         self.weights = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
@@ -247,6 +256,7 @@ class _RecordingLayer(_StandIn):
         self.arity = returned_values(template)
         self.annotated = inspect.signature(type(template).forward).return_annotation is not inspect.Signature.empty
         self.signature = inspect.signature(type(template).forward)
+        self.after: Callable[[], None] | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor | tuple:
         named = self.signature.bind(self._original, *args, **kwargs).arguments
@@ -258,6 +268,8 @@ class _RecordingLayer(_StandIn):
                 raise TypeError("decoder layers are expected to take their context as named arguments")
         hidden_states = named.pop(next(iter(named)))
         self.log[self.index] = (hidden_states, named)
+        if self.after is not None:  # the last layer of a body with code after its layers: stop there
+            self.after()
         if self.arity is None:
             return hidden_states
         return (hidden_states, *(_Handed(self.index, k) for k in range(1, self.arity)))
@@ -303,8 +315,11 @@ class LayerContextBuilder:
         norm = getattr(body, spec.norm_attr) if spec.norm_attr is not None else None
         if norm is not None and any(True for _ in norm.parameters()):  # a parameterless norm (NanoChat's, also run
             self.body._modules[spec.norm_attr] = nn.Identity()          # before the layers) stays
-        self.body._modules.update({a: nn.Identity() for a in spec.tail_attrs})  # the head unit runs them
         self.probe_weights = _probe_weights(spec, device)
+        self.stream = Stream()
+        if spec.tail_code is not None:  # take what the tail reads from the forward, and leave the rest to the head
+            stubs[-1].after = partial(capture, spec.tail_code, type(body).forward, self.stream.tail_values,
+                                      spec.config.model_type)
         self.vision = spec.vision
         self.images = _ImageFeatures()
         self.injected: tuple[torch.Tensor, list[torch.Tensor]] | None = None
@@ -350,15 +365,17 @@ class LayerContextBuilder:
             h0, per_layer = self._record(weights, embeds_BTD, input_ids_BT, position_ids_BT, images, features)
             if self.bounds_not_masks:  # one set of bounds for every layer: the body built no mask
                 per_layer = [{**kw, **documents.flash_kwargs()} for kw in per_layer]
-            return h0, LayerContext(whole=per_layer, injection=self._take_injection(), carried=self.carried)
+            return self.stream.to_tokens(h0), LayerContext(whole=per_layer, injection=self._take_injection(),
+                                                            carried=self.carried, stream=self.stream)
         B, T, D = embeds_BTD.shape
         flat = embeds_BTD.reshape(1, B * T, D), input_ids_BT.reshape(1, B * T), position_ids_BT.reshape(1, B * T)
         h0s, per_document = [], []
         for s, e in documents.spans:
             h0, per_layer = self._record(weights, *(t[:, s:e] for t in flat))
-            h0s.append(h0)
+            h0s.append(self.stream.to_tokens(h0))
             per_document.append(((s, e), per_layer))
-        return torch.cat(h0s, dim=1).view(B, T, *h0s[0].shape[2:]), LayerContext(documents=per_document, carried=self.carried)
+        return torch.cat(h0s, dim=1).view(B, T, *h0s[0].shape[2:]), LayerContext(
+            documents=per_document, carried=self.carried, stream=self.stream)
 
     def _take_injection(self) -> Injection | None:
         """What the last recording's body would have added after its first layers (the rest it never adds)."""
@@ -421,7 +438,7 @@ class LayerContextBuilder:
         with torch.enable_grad(), self._stand_ins_run():
             h0, per_layer = self._record(weights, embeds, torch.zeros(1, 2, dtype=torch.long, device=device),
                                         torch.arange(2, device=device)[None])
-        self.token_numel = token_numel(h0, (1, 2), self.model_type)  # per token, between the layers (`stream_tail`)
+        measure(self.stream, h0, (1, 2), self.model_type)  # the stream between the layers (`stream_tail`)
         nested = [(i, k) for i, kw in enumerate(per_layer) for k, v in kw.items()
                   if isinstance(v, (tuple, list, dict)) and _takes_grad(v)]
         if nested:
@@ -516,7 +533,8 @@ class LayerContextBuilder:
         if self.token_types:
             extra["token_type_ids"] = (input_ids == self.vision.image_token_id).long()
         try:
-            self.body(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+            with contextlib.suppress(TailReached):
+                self.body(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
         finally:
             self.feed.pending = self.images.pending = None
             for pre in self.pre_layer:

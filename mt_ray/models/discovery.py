@@ -30,7 +30,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.body_source import first_use
 from mt_ray.models.mask_modules import mask_only_children
-from mt_ray.models.stream_tail import split_tail
+from mt_ray.models.stream_tail import TailCode, split_tail
 from mt_ray.models.vision import (
     VISION_EMBED,
     VISION_PROJECTOR,
@@ -137,8 +137,10 @@ class ModelSpec:
     """The body's children it runs on the embedding's output before the first layer (GPT-2's learned positions,
     BLOOM's embedding norm): their parameters are the embed unit's, under `<child>.` names."""
     tail_attrs: tuple[str, ...] = ()
-    """The body's children it applies to the last layer's output before its final norm, in order (DeepSeek-V4's
-    hyper-connection head, `stream_tail.py`): their parameters are the head unit's, under `<child>.` names."""
+    """The body's parameterised children its code after the layers uses (DeepSeek-V4's hyper-connection head and
+    final norm, `stream_tail.py`): their parameters are the head unit's, under `<child>.` names."""
+    tail_code: TailCode | None = None
+    """That code (None where the body ends in its final norm alone, `norm_attr`, or in nothing)."""
 
     @property
     def num_layers(self) -> int:
@@ -258,7 +260,7 @@ def discover(model: str | PretrainedConfig | dict, freeze_vision_tower: bool = T
     head = skeleton.get_output_embeddings()
     base = _find_base(skeleton, embed)
     layers_attr = _find_layers(base, config, skeleton)
-    norm_attr, embed_attrs, tail_attrs = _split_body(base, embed, layers_attr, config.model_type)
+    norm_attr, embed_attrs, tail_attrs, tail = _split_body(base, embed, layers_attr, config.model_type)
     if head is None or not isinstance(head, nn.Linear):
         raise ModelNotSupportedError(f"'{config.model_type}' has no linear LM head; it is not a causal LM")
     names = {id(m): n for n, m in skeleton.named_modules()}
@@ -292,7 +294,7 @@ def discover(model: str | PretrainedConfig | dict, freeze_vision_tower: bool = T
     _refuse_integer_buffers(skeleton, units)
     isolate = _carries_sequence_state(skeleton, layers)
     return ModelSpec(config, skeleton, base, layers_attr, norm_attr, tied, units, layer_kinds, isolate, vision,
-                     embed_attrs, tail_attrs)
+                     embed_attrs, tail_attrs, tail)
 
 
 def embed_module(spec: ModelSpec) -> nn.Module:
@@ -488,14 +490,14 @@ def _find_layers(base: nn.Module, config: PretrainedConfig, skeleton: nn.Module)
 
 
 def _split_body(base: nn.Module, embed: nn.Module, layers_attr: str,
-                model_type: str) -> tuple[str | None, tuple[str, ...], tuple[str, ...]]:
-    """The body's final norm (None where it has none), the parameterised children it runs before its layers and
-    those it applies after them before the norm.
+                model_type: str) -> tuple[str | None, tuple[str, ...], tuple[str, ...], TailCode | None]:
+    """The body's final norm (None where it has none or ends in code of its own), the parameterised children it runs
+    before its layers, and those its code after them uses, with that code.
 
     Which side of the layers a child runs on is read from the body's forward: where it is first named
     (`self.wpe`) against where the layer list is. Those before join the embed unit (the layer context checks
-    that they run before the first layer); after the layers, the head unit streams the norm and a chain of modules
-    before it (`stream_tail.tail_chain`). Anything else there computes between the units: refuse the family."""
+    that they run before the first layer); after the layers, the head unit streams the norm, or the body's own code
+    there with the modules it uses (`stream_tail.split_tail`); refused where that code leaves one out."""
     rest = [name for name, c in base.named_children()
             if c is not embed and name != layers_attr and any(True for _ in c.parameters())]
     source = inspect.getsource(type(base).forward)
@@ -503,12 +505,11 @@ def _split_body(base: nn.Module, embed: nn.Module, layers_attr: str,
     before = [n for n in rest if layers_at is not None and (first_use(type(base), n) or len(source)) < layers_at]
     after = [n for n in rest if n not in before]
     if len(after) == 1 and _is_norm(getattr(base, after[0])):
-        return after[0], tuple(before), ()
+        return after[0], tuple(before), (), None
     if after:
-        norm, tail = split_tail(base, layers_attr, after, _is_norm, model_type)
-        return norm, tuple(before), tail
+        return None, tuple(before), tuple(after), split_tail(base, layers_attr, after, model_type)
     norms = [name for name, c in base.named_children() if _is_norm(c) and name not in before]
-    return (norms[0] if len(norms) == 1 else None), tuple(before), ()
+    return (norms[0] if len(norms) == 1 else None), tuple(before), (), None
 
 
 def _named_at(source: str, attr: str) -> int | None:

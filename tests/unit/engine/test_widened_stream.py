@@ -1,6 +1,7 @@
-"""A widened residual stream (hyper-connections: DeepSeek-V4's [B, T, n, D], Qwen4-Exp's [B, T, n*D]) travels between
-the units as the hidden state, parked and fetched whole whatever the schedule, and is collapsed by the body's own
-modules in the head unit: the step matches transformers, each packed row its own micro-batch."""
+"""A widened residual stream (hyper-connections: DeepSeek-V4's [B, T, n, D], Qwen4-Exp's [B, T, n*D]; Gemma 3n's
+AltUp [n, B, T, D]) travels between the units as the hidden state, token-major, parked and fetched whole whatever the
+schedule, and is collapsed by the body's own code in the head unit: the step matches transformers, each packed row
+its own micro-batch."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ FAMILIES = {
     # sliding-window attention and top-k experts: its compressed attention and hash routing are refused apart
     "deepseek_v4": {"mlp_layer_types": ["moe", "moe"], "layer_types": ["sliding_attention"] * 2},
     "qwen4_exp_text": {},
+    "gemma3n_text": {"altup_num_inputs": 4},  # its per-layer inputs and KV-shared layers too
 }
 
 
@@ -40,5 +42,5 @@ def test_a_widened_stream_trains_as_transformers_does(family, engine_kw):
         state = {k: v.clone() for k, v in engine.state_dict().items()}
     finally:
         engine.close()
-    assert engine.context.token_numel == 4 * engine.spec.text_config.hidden_size  # four copies of the stream
+    assert engine.context.stream.numel == 4 * engine.spec.text_config.hidden_size  # four copies of the stream
     assert_same_step(state, before, ref_state, result.loss.item(), ref_loss)

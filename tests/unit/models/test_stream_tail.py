@@ -1,12 +1,14 @@
-"""Bodies read from their source: children used through the body's own methods (Gemma 4's per-layer inputs), a
-widened residual stream collapsed after the layers by a chain of the body's modules (DeepSeek-V4's and Qwen4-Exp's
-hyper-connections), and children whose output only builds the attention mask (Qwen4-Exp's indexer)."""
+"""Bodies read from their source: children used through the body's own methods (Gemma 4's per-layer inputs), the
+body's own code after its layers lifted out for the head unit (DeepSeek-V4's and Qwen4-Exp's hyper-connection heads,
+Gemma 3n's AltUp unembedding), the layout of a widened stream, and children whose output only builds the attention
+mask (Qwen4-Exp's indexer)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Model
+from transformers.models.gemma3n.modeling_gemma3n import Gemma3nTextModel
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextModel
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextAttention
 
@@ -14,7 +16,7 @@ from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.body_source import first_use
 from mt_ray.models.discovery import discover
 from mt_ray.models.mask_modules import mask_only_children
-from mt_ray.models.stream_tail import tail_chain, token_numel
+from mt_ray.models.stream_tail import Stream, measure, tail_code
 from tests.family_sweep import tiny_config
 
 
@@ -31,24 +33,32 @@ def test_per_layer_inputs_join_the_embed_unit_and_reach_each_layer():
     assert {p.local_name.split(".")[0] for p in spec.unit("embed").params} >= set(spec.embed_attrs)
 
 
-def test_the_hyper_connection_head_joins_the_head_unit_before_the_norm():
-    body = DeepseekV4Model.__new__(DeepseekV4Model)  # its forward's source is all that is read
-    assert tail_chain(body, "layers") == ["hc_head", "norm"]  # self.norm(self.hc_head(hidden_states))
+def test_the_code_after_the_layers_joins_the_head_unit_with_the_modules_it_uses():
+    code = tail_code(DeepseekV4Model.__new__(DeepseekV4Model), "layers")  # only its forward's source is read
+    assert code.children == {"hc_head", "norm"} and code.free == ()
+    assert "self.norm(self.hc_head(hidden_states))" in code.source
     spec = discover(tiny_config("qwen4_exp_text"))
     assert spec.tail_attrs == ("hyper_connection_mixer",) and spec.norm_attr is None
     assert any(p.local_name.startswith("hyper_connection_mixer.") for p in spec.unit("head").params)
 
 
-def test_a_tail_of_its_own_code_is_refused_by_name():
-    """Gemma 3n collapses its AltUp streams with magnitudes computed after the layers: not a chain of modules."""
-    with pytest.raises(ModelNotSupportedError, match=r"'gemma3n_text'.*code of its own"):
-        discover(tiny_config("gemma3n_text"))
+def test_what_the_tail_reads_from_before_the_layers_is_taken_only_where_tokens_do_not_matter():
+    """Gemma 3n's unembedding reads `epsilon_tensor` (0-dim) and `hidden_states_0` (only its dtype)."""
+    code = tail_code(Gemma3nTextModel.__new__(Gemma3nTextModel), "layers")
+    assert set(code.free) == {"epsilon_tensor", "hidden_states_0"} and code.meta_only == {"hidden_states_0"}
+    spec = discover(tiny_config("gemma3n_text"))
+    assert set(spec.tail_attrs) == {"altup_unembed_projections", "norm"}
+    assert {"altup_projections", "embed_tokens_per_layer"} <= set(spec.embed_attrs)
 
 
-def test_a_stream_not_laid_out_token_major_is_refused():
-    assert token_numel(torch.zeros(1, 2, 4, 8), (1, 2), "m") == 32
-    with pytest.raises(ModelNotSupportedError, match="'m'.*not the batch and the tokens"):
-        token_numel(torch.zeros(4, 1, 2, 8), (1, 2), "m")
+def test_a_stream_is_kept_token_major_whatever_the_layers_layout():
+    stream = Stream()
+    measure(stream, torch.zeros(3, 1, 2, 8), (1, 2), "m")  # AltUp's [n, B, T, D]
+    assert (stream.token_dim, stream.numel) == (1, 24)
+    x = torch.randn(3, 1, 2, 8)
+    assert stream.to_tokens(x).shape == (1, 2, 3, 8) and torch.equal(stream.to_layers(stream.to_tokens(x)), x)
+    with pytest.raises(ModelNotSupportedError, match="'m'.*without adjacent batch and token dimensions"):
+        measure(stream, torch.zeros(4, 8), (1, 2), "m")
 
 
 def test_a_child_that_only_builds_the_attention_mask_gets_no_gradient():
