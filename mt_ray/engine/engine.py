@@ -336,7 +336,7 @@ class StreamingEngine:
         start; returns the backend now in use. Benchmarks compare backends on one host store this way."""
         self.spec.config._attn_implementation = resolve_attention(self.spec, requested, self.device, self.dtype)
         self.context = LayerContextBuilder(self.spec, self.device)
-        self.templates["head"].module.stream = self.context.stream  # what the head's tail code reads
+        self.templates["head"].module.use_stream(self.context.stream)
         return self.spec.config._attn_implementation
 
     def set_keep_activations(self, keep: str | int) -> None:

@@ -9,7 +9,6 @@ autograd graph lives longer than the call that built it.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ from transformers.modeling_outputs import MoeModelOutputWithPast
 from mt_ray.models.context import with_submodule
 from mt_ray.models.discovery import ModelSpec, ParamInfo, embed_module, meta_free_buffers_to, shallow_copy
 from mt_ray.models.stream_tail import Stream
+from mt_ray.models.tail_module import TailModule
 
 Weights = dict[str, torch.Tensor]
 
@@ -92,12 +92,11 @@ class HeadModule(nn.Module):
     def __init__(self, spec: ModelSpec, stream: Stream):
         super().__init__()
         self.norm = getattr(spec.base, spec.norm_attr) if spec.norm_attr is not None else nn.Identity()
-        for attr in spec.tail_attrs:  # the body's modules its code after the layers uses (`stream_tail`), its norm too
+        # The body's code after its layers (`stream_tail`), kept out of `_modules`: its children (the norm too) are
+        # registered here, where the head unit's weights bind to them by their names.
+        self.__dict__["_tail"] = TailModule(spec, stream) if spec.tail_code is not None else None
+        for attr in spec.tail_attrs:
             self.add_module(attr, getattr(spec.base, attr))
-        self.stream = stream
-        # The tail's code runs with `self` the body (a copy), whose children are the modules bound here.
-        self.__dict__["_tail"] = spec.tail_code.function(_namespace(spec.base)) if spec.tail_code else None
-        self.__dict__["_body"] = shallow_copy(spec.base)
         self.lm_head = spec.skeleton.get_output_embeddings()
         # An image-text model's forward calls its composite body, which embeds and scatters images itself.
         body = spec.vision.outer if spec.vision is not None else spec.base
@@ -107,11 +106,13 @@ class HeadModule(nn.Module):
         # Kept out of `_modules`, so binding sees only norm and lm_head (which the copy shares).
         self.__dict__["_causal_lm"] = with_submodule(spec.skeleton, body_path, feeder)
 
+    def use_stream(self, stream: Stream) -> None:
+        """The layer context's stream (a new one after the attention backend changes), which the tail reads."""
+        if self._tail is not None:
+            self._tail.stream = stream
+
     def forward(self, h_ND: torch.Tensor) -> torch.Tensor:
-        if self._tail is None:
-            normed = self.norm(h_ND)
-        else:  # each token's (widened) stream [N, ...], as a row of N tokens in the layers' layout
-            normed = self._tail(self._body, self.stream.to_layers(h_ND[None]), **self.stream.tail_values)
+        normed = self.norm(h_ND) if self._tail is None else self._tail(h_ND)  # the tail: [N, ...] stream in
         self._hand_back.hidden = normed.reshape(1, -1, normed.shape[-1])  # as one row of N tokens
         try:
             logits = self._causal_lm(use_cache=False).logits
@@ -137,7 +138,3 @@ def build_templates(spec: ModelSpec, device: torch.device, stream: Stream | None
         templates[kind] = UnitTemplate(module, params, device)
     return templates
 
-
-def _namespace(body: nn.Module) -> dict:
-    """The globals of the module defining the body's forward, where its tail's code runs."""
-    return vars(inspect.getmodule(inspect.unwrap(type(body).forward)))

@@ -49,6 +49,7 @@ from mt_ray.models.discovery import ModelSpec, embed_module, meta_free_buffers_t
 from mt_ray.models.packing_probe import packed_differs, same_arguments
 from mt_ray.models.side_channels import SideChannel, open_side_channels, side_channels
 from mt_ray.models.stream_tail import Stream, TailReached, capture, measure
+from mt_ray.models.tail_module import check_per_token
 from mt_ray.models.varlen import takes_document_bounds
 
 logger = logging.getLogger(__name__)
@@ -338,6 +339,8 @@ class LayerContextBuilder:
         self.bounds_not_masks = takes_document_bounds(spec.config._attn_implementation)
         self._fit_stand_ins(spec, device)
         self.carried = self._carried_inputs(spec, device)
+        if spec.tail_code is not None:
+            check_per_token(spec, self.stream, device)
         exact = self._packed_rows_exact(spec, device)  # also runs the body around the stand-ins once
         if self.token_types:
             self._refuse_both_ways_text(spec, device)

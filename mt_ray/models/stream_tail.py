@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import builtins
 import inspect
+import math
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -39,8 +40,13 @@ class Stream:
     + 1`), its size per token, and the values the tail's code reads from the body's forward (`capture`)."""
 
     token_dim: int = 0
-    numel: int = 0
+    token_shape: tuple[int, ...] = ()
+    """Each token's part of the stream ([D], [n, D], [n*D])."""
     tail_values: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.token_shape)
 
     def to_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """The layers' layout to token-major ([B, T, ...])."""
@@ -62,7 +68,8 @@ def measure(stream: Stream, h0: torch.Tensor, tokens: tuple[int, int], model_typ
             f"'{model_type}': the hidden state its body hands the first decoder layer is {tuple(h0.shape)} for a row of "
             f"{tokens[1]} tokens, without adjacent batch and token dimensions, which mt-ray does not stream; this "
             "family cannot be trained yet")
-    stream.token_dim, stream.numel = at[0], h0.numel() // (tokens[0] * tokens[1])
+    stream.token_dim = at[0]
+    stream.token_shape = tuple(stream.to_tokens(h0).shape[2:])
 
 
 def split_tail(body: nn.Module, layers_attr: str, after: list[str], model_type: str) -> TailCode:
@@ -125,8 +132,13 @@ def capture(code: TailCode, forward: Any, values: dict[str, Any], model_type: st
     """Put the free names' values in the body forward's running frame into `values` (called from inside its last
     layer's stand-in), then stop the body there (`TailReached`)."""
     frame = _frame_of(inspect.unwrap(forward).__code__)
+    missing = [n for n in code.free if frame is None or n not in frame.f_locals]
+    if missing:
+        raise ModelNotSupportedError(
+            f"'{model_type}': the code its body runs after its layers reads {missing}, which mt-ray did not find in its "
+            "forward when its last layer ran; this family cannot be trained yet")
     for name in code.free:
-        value = frame.f_locals.get(name) if frame is not None else None
+        value = frame.f_locals[name]
         if isinstance(value, torch.Tensor) and name in code.meta_only:
             value = torch.empty(0, dtype=value.dtype, device=value.device)
         elif isinstance(value, torch.Tensor) and value.dim() > 0:

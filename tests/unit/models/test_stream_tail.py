@@ -5,8 +5,13 @@ mask (Qwen4-Exp's indexer)."""
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 import torch
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Model
 from transformers.models.gemma3n.modeling_gemma3n import Gemma3nTextModel
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextModel
@@ -14,9 +19,10 @@ from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextAttenti
 
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.body_source import first_use
-from mt_ray.models.discovery import discover
+from mt_ray.models.discovery import ParamInfo, discover
 from mt_ray.models.mask_modules import mask_only_children
 from mt_ray.models.stream_tail import Stream, measure, tail_code
+from mt_ray.models.tail_module import check_per_token
 from tests.family_sweep import tiny_config
 
 
@@ -66,3 +72,37 @@ def test_a_child_that_only_builds_the_attention_mask_gets_no_gradient():
     spec = discover(tiny_config("qwen4_exp_text"))
     indexer = [p for u in spec.layer_units for p in u.params if ".indexer." in p.local_name]
     assert indexer and not any(p.trainable for p in indexer)
+
+
+class _MixingBody(nn.Module):
+    """A body whose code after its layers lets each token see the ones before it (a running sum)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(8, 4)
+        self.layers = nn.ModuleList([nn.Linear(4, 4)])
+        self.mix = nn.Linear(4, 4)
+
+    def forward(self, input_ids):
+        hidden_states = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        hidden_states = self.mix(hidden_states.cumsum(1))
+        return BaseModelOutput(last_hidden_state=hidden_states)
+
+
+@pytest.mark.parametrize("mixes", [True, False])
+def test_a_tail_whose_tokens_see_each_other_is_refused(mixes):
+    body = _MixingBody()
+    code = tail_code(body, "layers")
+    if not mixes:  # the same tail without the running sum
+        code = dataclasses.replace(code, source=code.source.replace(".cumsum(1)", ""))
+    params = [ParamInfo(f"mix.{n}", f"mix.{n}", tuple(p.shape)) for n, p in body.mix.named_parameters()]
+    spec = SimpleNamespace(base=body, tail_attrs=("mix",), tail_code=code, config=SimpleNamespace(model_type="m"),
+                           unit=lambda name: SimpleNamespace(params=params))
+    stream = Stream(token_shape=(4,))
+    if mixes:
+        with pytest.raises(ModelNotSupportedError, match="'m'.*mixes tokens"):
+            check_per_token(spec, stream, torch.device("cpu"))
+    else:
+        check_per_token(spec, stream, torch.device("cpu"))
