@@ -60,8 +60,8 @@ _SIZES: dict[str, object] = dict(
     mamba_dt_rank=8,
     # per-layer input embeddings (Gemma 3n, Gemma 4)
     vocab_size_per_layer_input=SWEEP_VOCAB, hidden_size_per_layer_input=8,
-    # windows shorter than a document, so they bite
-    sliding_window=4, attention_chunk_size=4, sliding_window_size=4, attention_window_size=4,
+    # windows and sparse-attention top-k shorter than a document, so they bite
+    sliding_window=4, attention_chunk_size=4, sliding_window_size=4, attention_window_size=4, index_topk=4,
     # older and encoder-decoder families' own names
     rotary_dim=4, decoder_attention_heads=4, encoder_attention_heads=4, decoder_ffn_dim=64, encoder_ffn_dim=64,
     decoder_layers=LAYERS, encoder_layers=LAYERS, num_encoder_layers=LAYERS, num_decoder_layers=LAYERS,
@@ -106,6 +106,9 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "gemma4_unified_assistant": {**_GEMMA4_ASSISTANT, "text_config": {
         **_GEMMA4_ASSISTANT["text_config"], "model_type": "gemma4_unified_text"}},
     "gemma4_unified_text": _GEMMA4_TEXT,
+    # the second layer reuses the first one's top-k keys (handed on from layer to layer), so that path runs
+    "glm_moe_dsa": {"indexer_types": ["full", "shared"]},
+    "hy_v4": {"indexer_types": ["full", "shared"]},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # one layer of each kind; the default lists 24
     # a short-convolution layer, then an attention layer with experts (layer kinds are None in the default)
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},

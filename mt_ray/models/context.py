@@ -46,6 +46,7 @@ from torch.func import functional_call
 
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.discovery import ModelSpec, embed_module, meta_free_buffers_to, shallow_copy
+from mt_ray.models.handoff import Handoff, hand_on, nested_handoff, plan_handoffs
 from mt_ray.models.packing_probe import packed_differs, same_arguments
 from mt_ray.models.side_channels import SideChannel, open_side_channels, side_channels
 from mt_ray.models.stream_tail import Stream, TailReached, capture, measure
@@ -102,6 +103,7 @@ class LayerContext:
     """Each layer's arguments that carry a gradient back to the embedding (`LayerContextBuilder.carried`)."""
     input_grads: dict[tuple[int, int, str], torch.Tensor] = field(default_factory=dict)
     """The gradient each layer's backward found for its carried arguments, by (document, layer, name)."""
+    model_type: str = ""
     stream: Stream = field(default_factory=Stream)
     """How the layers lay out the stream the engine keeps token-major ([B, T, ...])."""
     channels: list[SideChannel] = field(init=False)
@@ -109,18 +111,27 @@ class LayerContext:
 
     def __post_init__(self) -> None:
         self.channels = side_channels(self.whole or [kw for _, kws in self.documents or () for kw in kws])
+        self.handoffs = plan_handoffs(self.whole or self.documents[0][1])
 
     def run(self, layer: Callable[..., Any], i: int, x_BTD: torch.Tensor) -> torch.Tensor:
         """Layer i's output hidden state (with what the body adds after it), for the whole batch or document by document."""
         for channel in self.channels:
             channel.layer = i
         if self.documents is None:
-            out = self.stream.to_tokens(layer_hidden(layer(self.stream.to_layers(x_BTD), **self.whole[i])))
+            out = self._hand_on(i, layer(self.stream.to_layers(x_BTD), **self.whole[i]), self.whole)
+            out = self.stream.to_tokens(layer_hidden(out))
             return self.injection.add(out, self.injection.mask_BT, self.injection.embeds[i]) if self.injects(i) else out
         x_1ND = x_BTD.flatten(0, 1)[None]  # [1, B*T, ...]: a widened stream keeps its per-token shape
         to_layer, to_tokens = self.stream.to_layers, self.stream.to_tokens
-        outs = [to_tokens(layer_hidden(layer(to_layer(x_1ND[:, s:e]), **kw[i]))) for (s, e), kw in self.documents]
+        outs = [to_tokens(layer_hidden(self._hand_on(i, layer(to_layer(x_1ND[:, s:e]), **kw[i]), kw)))
+                for (s, e), kw in self.documents]
         return torch.cat(outs, dim=1).view_as(x_BTD)
+
+    def _hand_on(self, i: int, out: Any, per_layer: list[LayerKwargs]) -> Any:
+        """Layer i's output, after what it hands later layers went into their arguments (`handoff`)."""
+        if i in self.handoffs:
+            hand_on(self.handoffs, i, out, per_layer, self.model_type)
+        return out
 
     def injects(self, i: int) -> bool:
         return self.injection is not None and i < len(self.injection.embeds)
@@ -237,14 +248,6 @@ class _HiddenChanged(ModelNotSupportedError):
     """The body changes the hidden state between two layers (or a stand-in returned what it does not take)."""
 
 
-class _Handed:
-    """What a stand-in returns beside the hidden state (the real layer's attention weights, its top-k indices, ...):
-    a marker, so that a body handing it to the next layer shows (`LayerContextBuilder._record` refuses it)."""
-
-    def __init__(self, index: int, position: int):
-        self.index, self.position = index, position
-
-
 class _RecordingLayer(_StandIn):
     """Stands in for decoder layer `index`: records its call (every argument by name, positional ones
     too), returns the input unchanged in the shape the real layer returns (a tuple of as many values as
@@ -273,7 +276,7 @@ class _RecordingLayer(_StandIn):
             self.after()
         if self.arity is None:
             return hidden_states
-        return (hidden_states, *(_Handed(self.index, k) for k in range(1, self.arity)))
+        return (hidden_states, *(Handoff(self.index, k) for k in range(1, self.arity)))  # shows where it goes
 
 
 def returns_tuple(layer: nn.Module) -> bool:
@@ -369,7 +372,8 @@ class LayerContextBuilder:
             if self.bounds_not_masks:  # one set of bounds for every layer: the body built no mask
                 per_layer = [{**kw, **documents.flash_kwargs()} for kw in per_layer]
             return self.stream.to_tokens(h0), LayerContext(whole=per_layer, injection=self._take_injection(),
-                                                            carried=self.carried, stream=self.stream)
+                                                            carried=self.carried, stream=self.stream,
+                                                            model_type=self.model_type)
         B, T, D = embeds_BTD.shape
         flat = embeds_BTD.reshape(1, B * T, D), input_ids_BT.reshape(1, B * T), position_ids_BT.reshape(1, B * T)
         h0s, per_document = [], []
@@ -378,7 +382,7 @@ class LayerContextBuilder:
             h0s.append(self.stream.to_tokens(h0))
             per_document.append(((s, e), per_layer))
         return torch.cat(h0s, dim=1).view(B, T, *h0s[0].shape[2:]), LayerContext(
-            documents=per_document, carried=self.carried, stream=self.stream)
+            documents=per_document, carried=self.carried, stream=self.stream, model_type=self.model_type)
 
     def _take_injection(self) -> Injection | None:
         """What the last recording's body would have added after its first layers (the rest it never adds)."""
@@ -552,12 +556,12 @@ class LayerContextBuilder:
                 f"'{self.model_type}': its body changes the hidden state between decoder layers {changed[0] - 1} and "
                 f"{changed[0]}, which mt-ray does not replay; this family cannot be trained yet"
             )
-        handed = [(i, k) for i in range(self.num_layers) for k, v in self.log[i][1].items() if _holds_handed(v)]
+        handed = [(i, k) for i in range(self.num_layers) for k, v in self.log[i][1].items() if nested_handoff(v)]
         if handed:
             raise ModelNotSupportedError(
-                f"'{self.model_type}': its body hands what decoder layer {handed[0][0] - 1} returns beside the hidden "
-                f"state to the next layer (`{handed[0][1]}`), which mt-ray does not replay; this family cannot be "
-                "trained yet"
+                f"'{self.model_type}': its body hands what a decoder layer returns beside the hidden state to layer "
+                f"{handed[0][0]} inside a structure (`{handed[0][1]}`), which mt-ray does not replay; this family "
+                "cannot be trained yet"
             )
         h0 = self.log[0][0]
         per_layer = [dict(self.log[i][1]) for i in range(self.num_layers)]
@@ -587,12 +591,6 @@ def _takes_grad(value: Any) -> bool:
     if isinstance(value, (tuple, list)):
         return any(_takes_grad(v) for v in value)
     return isinstance(value, torch.Tensor) and value.requires_grad
-
-
-def _holds_handed(value: Any) -> bool:
-    if isinstance(value, (tuple, list)):
-        return any(_holds_handed(v) for v in value)
-    return isinstance(value, _Handed)
 
 
 def _takes_deepstack(body: nn.Module) -> bool:

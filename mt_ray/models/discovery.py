@@ -29,7 +29,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.body_source import first_use
-from mt_ray.models.mask_modules import mask_only_children
+from mt_ray.models.mask_modules import mask_only_children, selects_keys
 from mt_ray.models.stream_tail import TailCode, split_tail
 from mt_ray.models.vision import (
     VISION_EMBED,
@@ -454,9 +454,10 @@ def _decayed_first(infos: list[ParamInfo]) -> list[ParamInfo]:
 def _carries_sequence_state(skeleton: nn.Module, layers: nn.ModuleList) -> bool:
     """Whether tokens mix outside attention: transformers marks such models stateful (they keep a
     recurrent cache), and every linear-attention, short-convolution and Mamba mixer it has holds a
-    causal Conv1d (LFM2's short convolution is not marked stateful)."""
+    causal Conv1d (LFM2's short convolution is not marked stateful). Or outside the masks: a sparse-attention
+    indexer picks each query's keys inside the layer, over the whole row (`selects_keys`)."""
     has_conv = any(isinstance(m, nn.Conv1d) for m in layers.modules())
-    return has_conv or bool(getattr(type(skeleton), "_is_stateful", False))
+    return has_conv or bool(getattr(type(skeleton), "_is_stateful", False)) or selects_keys(layers, _runs_without_grad)
 
 
 def _find_base(skeleton: nn.Module, embed: nn.Module) -> nn.Module:

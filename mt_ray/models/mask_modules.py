@@ -12,7 +12,10 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
+from collections.abc import Callable
 from functools import cache
+
+from torch import nn
 
 _MASK = "attention_mask"
 
@@ -30,6 +33,21 @@ def mask_only_children(cls: type) -> frozenset[str]:
                 and isinstance(node.value, ast.Call) and _self_attr(node.value.func) is not None):
             calls[node.targets[0].id] = _self_attr(node.value.func)
     return frozenset(attr for name, attr in calls.items() if name != _MASK and _only_into_mask(tree, name))
+
+
+def selects_keys(layers: nn.Module, runs_without_grad: Callable[[nn.Module], bool]) -> bool:
+    """Whether a layer holds a parameterised child that no gradient reaches (a forward under `torch.no_grad`, as
+    DeepSeek-V3.2's indexer, or an output that only builds the mask): a sparse-attention indexer choosing each
+    query's keys by top-k over the row, which in a packed row would let one document's keys crowd out another's.
+    Its documents run alone (measured: DeepSeek-V3.2 and GLM-MoE-DSA differ packed once the top-k is shorter than
+    a document)."""
+    for module in layers.modules():
+        children = [getattr(module, a, None) for a in mask_only_children(type(module))]
+        if runs_without_grad(module) and any(True for _ in module.parameters()):
+            return True
+        if any(isinstance(c, nn.Module) and any(True for _ in c.parameters()) for c in children):
+            return True
+    return False
 
 
 def _only_into_mask(tree: ast.AST, name: str) -> bool:

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from mt_ray.models.handoff import Handoff
+
 Recorder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[dict[str, Any]]]]
 
 _B = 3  # tokens of document B
@@ -105,7 +107,7 @@ def _same(p: Any, q: Any, a: int) -> bool:
 
 
 def _plain(v: Any) -> bool:
-    return isinstance(v, (bool, int, float, str, type(None)))
+    return isinstance(v, (bool, int, float, str, type(None), Handoff))  # a marker of what an earlier layer returns
 
 
 def _mask_same(p: Any, q: Any, a: int) -> bool:

@@ -106,3 +106,9 @@ def test_a_tail_whose_tokens_see_each_other_is_refused(mixes):
             check_per_token(spec, stream, torch.device("cpu"))
     else:
         check_per_token(spec, stream, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("family", "alone"), [("deepseek_v32", True), ("qwen4_exp_text", True), ("llama", False)])
+def test_layers_whose_indexer_picks_keys_over_the_row_run_documents_alone(family, alone):
+    """DeepSeek-V3.2's indexer runs without a gradient; a packed row's documents would crowd each other's keys out."""
+    assert discover(tiny_config(family)).isolate_documents is alone
