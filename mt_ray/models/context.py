@@ -118,20 +118,15 @@ class LayerContext:
         for channel in self.channels:
             channel.layer = i
         if self.documents is None:
-            out = self._hand_on(i, layer(self.stream.to_layers(x_BTD), **self.whole[i]), self.whole)
+            out = hand_on(self.handoffs, i, layer(self.stream.to_layers(x_BTD), **self.whole[i]), self.whole,
+                          self.model_type)  # what it hands later layers goes into their arguments
             out = self.stream.to_tokens(layer_hidden(out))
             return self.injection.add(out, self.injection.mask_BT, self.injection.embeds[i]) if self.injects(i) else out
         x_1ND = x_BTD.flatten(0, 1)[None]  # [1, B*T, ...]: a widened stream keeps its per-token shape
         to_layer, to_tokens = self.stream.to_layers, self.stream.to_tokens
-        outs = [to_tokens(layer_hidden(self._hand_on(i, layer(to_layer(x_1ND[:, s:e]), **kw[i]), kw)))
-                for (s, e), kw in self.documents]
+        outs = [to_tokens(layer_hidden(hand_on(self.handoffs, i, layer(to_layer(x_1ND[:, s:e]), **kw[i]), kw,
+                                               self.model_type))) for (s, e), kw in self.documents]
         return torch.cat(outs, dim=1).view_as(x_BTD)
-
-    def _hand_on(self, i: int, out: Any, per_layer: list[LayerKwargs]) -> Any:
-        """Layer i's output, after what it hands later layers went into their arguments (`handoff`)."""
-        if i in self.handoffs:
-            hand_on(self.handoffs, i, out, per_layer, self.model_type)
-        return out
 
     def injects(self, i: int) -> bool:
         return self.injection is not None and i < len(self.injection.embeds)

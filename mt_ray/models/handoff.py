@@ -44,8 +44,8 @@ def nested_handoff(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and any(isinstance(v, Handoff) or nested_handoff(v) for v in value)
 
 
-def hand_on(plan: Plan, i: int, out: Any, per_layer: list[dict[str, Any]], model_type: str) -> None:
-    """Put what layer i returned (`out`) into the arguments of the layers it is handed to."""
+def hand_on(plan: Plan, i: int, out: Any, per_layer: list[dict[str, Any]], model_type: str) -> Any:
+    """Put what layer i returned (`out`) into the arguments of the layers it is handed to; returns `out`."""
     for receiver, name, position in plan.get(i, ()):
         value = out[position]
         if isinstance(value, torch.Tensor) and value.is_floating_point():
@@ -53,3 +53,4 @@ def hand_on(plan: Plan, i: int, out: Any, per_layer: list[dict[str, Any]], model
                 f"'{model_type}': its body hands a floating-point value decoder layer {i} returns (`{name}`) to layer "
                 f"{receiver}, whose gradient mt-ray would not send back; this family cannot be trained yet")
         per_layer[receiver][name] = value
+    return out
