@@ -56,6 +56,10 @@ from mt_ray.models.discovery import discover
 from mt_ray.models.weights import init_random, load_safetensors
 
 PUBLISH_THREADS = 2  # casts and puts of updated units for other nodes, beside the optimizer (several nodes only)
+# Intra-op threads of the reduce thread, where gradients are summed beside the optimizer. Two OpenMP teams of
+# every core but one oversubscribe the node: on 2 x H200 the sum fell from 1.2 to 0.36 Gelem/s beside Adam;
+# with teams of 8 and 23 it held 1.05, Adam 3.7 Gparam/s against 4.5 (bench/gradient_sum.py).
+SUM_THREADS = 8
 GET_POLL_S = 1.0  # how often a read of another node's object checks that its generation still runs
 PEER_WAIT_S = 600.0  # how long a message of a newer generation waits for this shard to start it
 
@@ -128,6 +132,15 @@ class _Slots:
         """Nothing to free: a slot is written again only after the unit's next upload, which waits for this update."""
 
 
+def split_threads(cores: int, sums: bool) -> tuple[int, int]:
+    """(optimizer, sum) intra-op threads of a shard given `cores` in all: disjoint teams where the shard `sums`
+    gradients (several local workers or nodes) and has cores to split, else the optimizer's count for both."""
+    if not sums or cores < 4:
+        return cores, cores
+    sum_threads = min(SUM_THREADS, cores // 4)
+    return cores - sum_threads, sum_threads
+
+
 class CoordinatorShard:
     """A Ray actor with concurrent (threaded) calls; see the module docstring."""
 
@@ -141,8 +154,8 @@ class CoordinatorShard:
         self.spec = discover(model, **(freeze or {}))
         self.cfg = EngineConfig(**engine_cfg)
         self.opt_cfg = OptimizerConfig(**opt_cfg)
-        self.threads = self.cfg.optimizer_thread_count
-        torch.set_num_threads(self.threads)  # once, for every thread of this process
+        self.threads, sum_threads = split_threads(self.cfg.optimizer_thread_count, sums=num_local > 1 or num_shards > 1)
+        torch.set_num_threads(self.threads)  # Ray starts actors with OMP_NUM_THREADS=1
         self.total_steps = total_steps
         self.shard, self.num_shards = shard, num_shards
         self.num_local, self.num_workers = num_local, num_workers
@@ -167,7 +180,10 @@ class CoordinatorShard:
         self.slots = _Slots({u.name: u.numel for u in self.spec.trainable_units})
         self._casts = self._build_casts()
         self._publisher = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="mt-ray-publish")
-        self._reducer = ThreadPoolExecutor(1, thread_name_prefix="mt-ray-reduce")
+        self._reducer = ThreadPoolExecutor(1, thread_name_prefix="mt-ray-reduce", initializer=torch.set_num_threads,
+                                           initargs=(sum_threads,))
+        self._reducer.submit(lambda: None).result()  # started now, with its own count (OpenMP's is per thread) ...
+        torch.set_num_threads(self.threads)  # ... then the process's, for this thread and every one started later
         self.peers: list = []
         self._cond = threading.Condition()
         self._copying = {u.name: threading.Lock() for u in self.spec.units if u.name not in self.owned_names}
