@@ -13,12 +13,10 @@ from typing import Any
 from mt_ray.cluster.config import ClusterConfig
 from mt_ray.cluster.errors import ClusterError, ClusterLostError
 
-_DRIVER_NAMES = {
-    "DataParallelResult", "DataParallelTrainer", "FailureEvent", "count_loss_tokens", "run_data_parallel",
-    "shard_batch",
-}
+_DRIVER_NAMES = {"DataParallelResult", "DataParallelTrainer", "FailureEvent", "run_data_parallel"}
+_SPLIT_NAMES = {"count_loss_tokens", "shard_batch"}
 
-__all__ = ["ClusterConfig", "ClusterError", "ClusterLostError", *sorted(_DRIVER_NAMES)]
+__all__ = ["ClusterConfig", "ClusterError", "ClusterLostError", *sorted(_DRIVER_NAMES | _SPLIT_NAMES)]
 
 
 def __getattr__(name: str) -> Any:
@@ -26,4 +24,8 @@ def __getattr__(name: str) -> Any:
         from mt_ray.cluster import driver
 
         return getattr(driver, name)
+    if name in _SPLIT_NAMES:
+        from mt_ray.cluster import split
+
+        return getattr(split, name)
     raise AttributeError(f"module 'mt_ray.cluster' has no attribute {name!r}")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -32,7 +31,6 @@ from pathlib import Path
 
 import ray
 import torch
-import torch.utils._pytree as pytree
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -41,26 +39,26 @@ from mt_ray.cluster.arena import ring_numel
 from mt_ray.cluster.config import ClusterConfig, check_cluster_stage
 from mt_ray.cluster.errors import ClusterError, ClusterLostError, StepTimeoutError
 from mt_ray.cluster.partition import ShardPlan
+from mt_ray.cluster.placement import check_nodes, check_plan, init_ray
 from mt_ray.cluster.shard import CoordinatorShard
-from mt_ray.cluster.sizing import GIB, ClusterSizing, landers, size_cluster
-from mt_ray.cluster.store_settings import SYSTEM_CONFIG
+from mt_ray.cluster.sizing import GIB, landers, size_cluster
+from mt_ray.cluster.split import Batch, count_loss_tokens, rows, shard_batch
 from mt_ray.cluster.wire import from_numpy, to_numpy
 from mt_ray.cluster.worker import EngineWorker
-from mt_ray.engine.batch import IGNORE_INDEX, preference_counts
+from mt_ray.engine.batch import preference_counts
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.engine import EvalResult, StepResult
 from mt_ray.engine.host_store import plan_layout
 from mt_ray.engine.optimizer import lr_at
 from mt_ray.engine.preference import Objective, PreferenceConfig, add_sums
 from mt_ray.engine.sizing import Machine, Stage, predicted_step_seconds
-from mt_ray.errors import ConfigError, InsufficientMemoryError
+from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import ModelSpec, discover
 from mt_ray.models.vision import VISION_EMBED, VISION_PROJECTOR
 from mt_ray.models.weights import export_hf
 
 log = logging.getLogger(__name__)
 
-Batch = list[dict[str, torch.Tensor]]
 _LOST_WORKER = (RayActorError, GetTimeoutError, ObjectLostError, StepTimeoutError)
 # `cluster.step_timeout_s: auto`: this many times the calculator's step estimate, and at least the floor
 # (a first step also builds each worker's templates and maps its arena).
@@ -68,7 +66,6 @@ STEP_TIMEOUT_FACTOR = 10
 STEP_TIMEOUT_FLOOR_S = 600.0
 GPU_MACHINE = Machine()
 CPU_MACHINE = Machine(layer_tflops=0.02, h2d_gbps=5.0)  # a slow CPU's fp32 matmuls: a bound, not a prediction
-MIN_STORE = 256 << 20  # the object store of a Ray the driver starts: at least this (Ray's own minimum is 75 MiB)
 
 
 @dataclass
@@ -92,83 +89,6 @@ class DataParallelResult:
     state_dict: dict[str, torch.Tensor] | None = None
     seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)  # driver wall time of each step, recoveries included
-
-
-def count_loss_tokens(batch: Batch) -> int:
-    """Tokens whose next-token label carries loss, counted as the engine counts them."""
-    return sum(int((mb.get("labels", mb["input_ids"])[:, 1:] != IGNORE_INDEX).sum()) for mb in batch)
-
-
-def shard_batch(batch: Batch, num_workers: int, whole: bool = False) -> list[Batch]:
-    """Split a global batch: whole micro-batches when they divide evenly, else rows of each. `whole`: whole
-    micro-batches always, as evenly as they go (a loss that depends on the whole micro-batch: KTO's KL estimate).
-
-    Every piece is a copy: a view (of the loader's step batch, say) would ship its whole storage.
-    """
-    m = len(batch)
-    if m % num_workers == 0 or whole:
-        if m < num_workers:
-            raise ClusterError(f"a global batch of {m} micro-batches cannot feed {num_workers} workers whole (stage "
-                               "kto's KL estimate is over each whole micro-batch); raise training.grad_accum_steps "
-                               "to at least cluster.num_workers")
-        bounds = _even_bounds(m, num_workers)
-        return [[_rows_of(mb, 0, _rows([mb])) for mb in batch[bounds[r] : bounds[r + 1]]] for r in range(num_workers)]
-    shards: list[Batch] = [[] for _ in range(num_workers)]
-    for mb in batch:
-        bounds = _even_bounds(_rows([mb]), num_workers)
-        for r in range(num_workers):
-            if bounds[r + 1] > bounds[r]:
-                shards[r].append(_rows_of(mb, bounds[r], bounds[r + 1]))
-    if any(not s for s in shards):
-        rows = sum(mb["input_ids"].shape[0] for mb in batch)
-        raise ClusterError(f"a global batch of {rows} rows cannot feed {num_workers} workers; "
-                           "lower cluster.num_workers or raise the batch (training.micro_batch_size x grad_accum_steps)")
-    return shards
-
-
-def check_plan(sizing: ClusterSizing, cfg: EngineConfig, num_workers: int) -> None:
-    """Refuse, before anything starts, a plan that a node's configured host memory cannot hold."""
-    limit = cfg.host_memory_limit_gb
-    if limit is None or sizing.node_host_bytes <= limit * GIB:
-        return
-    fix = "raise engine.host_memory_limit_gb if the hosts have more"
-    if sizing.num_nodes < num_workers:
-        fix = f"spread the state over more nodes (cluster.num_nodes, a divisor of {num_workers} workers), or " + fix
-    raise InsufficientMemoryError(
-        f"each node needs {sizing.node_host_bytes / GIB:.1f} GiB of host memory "
-        f"({sizing.node_host_bytes_per_param:.1f} B/param with cluster.num_nodes={sizing.num_nodes}: fp32 state "
-        f"{sizing.state_bytes / GIB:.1f} GiB, object store {sizing.object_store_bytes / GIB:.1f} GiB) but "
-        f"engine.host_memory_limit_gb is {limit:g}; {fix}")
-
-
-def init_ray(cfg: ClusterConfig, object_store_bytes: int) -> bool:
-    """Join the configured cluster, 'auto' under RAY_ADDRESS, else start a Ray of our own here (never a Ray
-    left running on this machine, which `ray.init()` alone would join). True if we started or joined it."""
-    if ray.is_initialized():
-        return False
-    address = cfg.address or ("auto" if os.environ.get("RAY_ADDRESS") else None)
-    if address is not None:
-        ray.init(address=address)
-        return True
-    store = int(cfg.object_store_memory_gb * GIB) if cfg.object_store_memory_gb else max(object_store_bytes, MIN_STORE)
-    ray.init(address="local", num_cpus=cfg.num_cpus, object_store_memory=store, include_dashboard=False,
-             _system_config=SYSTEM_CONFIG)
-    return True
-
-
-def check_nodes(nodes: list[dict], bundle: dict[str, float], num_nodes: int, cluster: ClusterConfig) -> None:
-    """Refuse, before a placement group waits for them, nodes that cannot host a bundle each: names the key."""
-    offers = [{k: n["Resources"].get(k, 0) for k in bundle} for n in nodes if n.get("Alive")]
-    fit = [o for o in offers if all(o[k] >= v for k, v in bundle.items())]
-    if len(fit) >= num_nodes:
-        return
-    keys = {"CPU": "cluster.cpus_per_worker", "GPU": "cluster.gpus_per_worker"}
-    short = [k for k, v in bundle.items() if sum(o[k] >= v for o in offers) < num_nodes]
-    key = keys[short[0]] if short else "cluster.num_nodes"
-    raise ConfigError(
-        f"cluster.num_nodes={num_nodes} node(s) must each host {bundle} for their workers, but only {len(fit)} of "
-        f"the cluster's nodes can ({offers}); lower {key} (now {getattr(cluster, key.split('.')[1], num_nodes)}), "
-        "or start nodes with more (ray start --num-cpus / --num-gpus)")
 
 
 class DataParallelTrainer:
@@ -406,9 +326,9 @@ class DataParallelTrainer:
         the slowest device a worker may have, and never under STEP_TIMEOUT_FLOOR_S."""
         if self.cluster.step_timeout_s != "auto":
             return self.cluster.step_timeout_s
-        rows, seq = _rows(batch), max(mb["input_ids"].shape[1] for mb in batch)
+        seq = max(mb["input_ids"].shape[1] for mb in batch)
         machine = GPU_MACHINE if self.gpus_per_worker else CPU_MACHINE
-        estimate = predicted_step_seconds(self.spec, self.engine_cfg, seq, rows / self.num_workers, machine)
+        estimate = predicted_step_seconds(self.spec, self.engine_cfg, seq, rows(batch) / self.num_workers, machine)
         return max(STEP_TIMEOUT_FLOOR_S, STEP_TIMEOUT_FACTOR * estimate)
 
     def _wait_workers(self, step: int, timeout: float) -> list[dict]:
@@ -433,7 +353,7 @@ class DataParallelTrainer:
         """Held-out loss of `micro_batches` split across the workers, forward only (no gradient, no update); a
         preference stage's metric sums added over the workers, with the whole batch's counts."""
         whole = self.stage == "kto"
-        parts = shard_batch(micro_batches, min(self.num_workers, len(micro_batches) if whole else _rows(micro_batches)),
+        parts = shard_batch(micro_batches, min(self.num_workers, len(micro_batches) if whole else rows(micro_batches)),
                             whole)
         timeout = self._step_timeout(micro_batches)
         outs = ray.get([w.evaluate.remote(p, timeout) for w, p in zip(self.workers, parts, strict=False)],
@@ -633,38 +553,6 @@ def _summed(parts: Iterable[dict[str, float]]) -> dict[str, torch.Tensor]:
     for part in parts:
         add_sums(total, {k: torch.tensor(v, dtype=torch.float64) for k, v in part.items()})
     return total
-
-
-def _even_bounds(n: int, parts: int) -> list[int]:
-    """torch.tensor_split's cut of `n` items into `parts`: the first n % parts pieces have one item more."""
-    return [r * (n // parts) + min(r, n % parts) for r in range(parts + 1)]
-
-
-def _rows(batch: Batch) -> int:
-    return sum(mb["input_ids"].shape[0] for mb in batch)
-
-
-def _rows_of(mb: dict, lo: int, hi: int) -> dict:
-    """Rows [lo, hi) of a micro-batch, copied: its [B, ...] tensors, and each row's list of images.
-
-    A value with no entry per row follows only a whole micro-batch; a part of one is refused,
-    naming the split that needs none.
-    """
-    rows = mb["input_ids"].shape[0]
-    piece = {}
-    for key, value in mb.items():
-        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
-            piece[key] = value[lo:hi].clone()
-        elif isinstance(value, list) and len(value) == rows:  # `images`: each row's, a dict of tensors per image
-            piece[key] = pytree.tree_map_only(torch.Tensor, torch.clone, value[lo:hi])
-        elif (lo, hi) == (0, rows):
-            piece[key] = pytree.tree_map_only(torch.Tensor, torch.clone, value)
-        else:
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ClusterError(f"micro-batch key {key!r} ({shape}) has no entry per row of its {rows} rows, so its "
-                               "rows cannot be split across workers; give each worker whole micro-batches: "
-                               "training.grad_accum_steps a multiple of cluster.num_workers")
-    return piece
 
 
 def _plan_pieces(name: str, numel: int, shard_bytes: int, cuts: list[int]):
