@@ -6,8 +6,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from mt_ray.errors import ConfigError
-
 
 class ClusterConfig(BaseModel):
     """How the data-parallel trainer places its actors and survives a lost worker."""
@@ -78,12 +76,3 @@ class ClusterConfig(BaseModel):
         if v != "auto" and v <= 0:
             raise ValueError("must be 'auto' or a positive number of seconds")
         return v
-
-
-def check_cluster_stage(stage: str) -> None:
-    """Refuse a `training.stage` the cluster cannot train. Its workers' engines run SFT and the preference stages
-    (dpo, kto); grpo samples its completions on one engine's device copy of the policy."""
-    if stage not in ("sft", "dpo", "kto"):
-        raise ConfigError(f"training.stage {stage} does not run on the Ray cluster (cluster.num_workers > 1 trains "
-                          "sft, dpo and kto); run it on the single engine with `mt-ray train` and "
-                          "cluster.num_workers: 1")

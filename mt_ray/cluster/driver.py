@@ -36,7 +36,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mt_ray.cluster.arena import ring_numel
-from mt_ray.cluster.config import ClusterConfig, check_cluster_stage
+from mt_ray.cluster.config import ClusterConfig
 from mt_ray.cluster.errors import ClusterError, ClusterLostError, StepTimeoutError
 from mt_ray.cluster.partition import ShardPlan
 from mt_ray.cluster.placement import check_nodes, check_plan, init_ray
@@ -48,6 +48,7 @@ from mt_ray.cluster.worker import EngineWorker
 from mt_ray.engine.batch import preference_counts
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.engine import EvalResult, StepResult
+from mt_ray.engine.grpo import GroupObjective, GrpoConfig
 from mt_ray.engine.host_store import plan_layout
 from mt_ray.engine.optimizer import lr_at
 from mt_ray.engine.preference import Objective, PreferenceConfig, add_sums
@@ -63,6 +64,9 @@ _LOST_WORKER = (RayActorError, GetTimeoutError, ObjectLostError, StepTimeoutErro
 # `cluster.step_timeout_s: auto`: this many times the calculator's step estimate, and at least the floor
 # (a first step also builds each worker's templates and maps its arena).
 STEP_TIMEOUT_FACTOR = 10
+# Stages whose loss reads a whole micro-batch (KTO's KL estimate; GRPO's per-micro-batch normalisers and clip
+# extremes): each worker gets whole micro-batches, as many as the split allows.
+WHOLE_MICRO_BATCHES = ("kto", "grpo")
 STEP_TIMEOUT_FLOOR_S = 600.0
 GPU_MACHINE = Machine()
 CPU_MACHINE = Machine(layer_tflops=0.02, h2d_gbps=5.0)  # a slow CPU's fp32 matmuls: a bound, not a prediction
@@ -97,18 +101,18 @@ class DataParallelTrainer:
     It trains like a `StreamingEngine` (`train_step`, `save_checkpoint`, `export`, ...), so the
     `Trainer` drives either. `after_launch(step, trainer)` runs right after a step's work is
     handed to the workers (a seam for tests and fault injection). `stage` is the run's `training.stage`
-    (`check_cluster_stage` says which run here), with its `pref` section; the reference a preference
-    stage streams is the starting weights, kept in each node's arena.
+    with its `pref` (or `grpo`) section; the reference a preference stage (or GRPO at β > 0) streams is the
+    starting weights, kept in each node's arena. GRPO's completions come from a rollout actor the training
+    side places beside the workers (`actor_options`, `arena_access`); the workers only train.
     """
 
     def __init__(self, model, engine_cfg: EngineConfig, opt_cfg: OptimizerConfig, num_workers: int,
                  total_steps: int, cluster: ClusterConfig | None = None, weights: int | str | dict = 0,
                  after_launch: Callable[[int, DataParallelTrainer], None] | None = None, stage: str = "sft",
-                 pref: PreferenceConfig | None = None):
-        check_cluster_stage(stage)  # before any state, Ray or actor is built
-        self.stage, self.pref = stage, pref or PreferenceConfig()
-        self.objective = Objective(stage, self.pref) if stage != "sft" else None
-        self.reference = Stage.of(stage, self.pref).reference  # each node's arena keeps the reference
+                 pref: PreferenceConfig | None = None, grpo: GrpoConfig | None = None):
+        self.stage, self.pref, self.grpo = stage, pref or PreferenceConfig(), grpo or GrpoConfig()
+        self.objective = stage_objective(stage, self.pref, self.grpo)
+        self.reference = Stage.of(stage, self.pref, self.grpo).reference  # each node's arena keeps the reference
         if engine_cfg.state_placement != "host":  # the shards keep master and moments in the node's shared memory
             raise ConfigError(f"engine.state_placement: {engine_cfg.state_placement} runs on a single engine for now; "
                               "use cluster.num_workers: 1, or state_placement: host")
@@ -123,6 +127,7 @@ class DataParallelTrainer:
         self.after_launch = after_launch
         self.events: list[FailureEvent] = []
         self.step_idx = 0
+        self._kept_logps: list[torch.Tensor] = []
         self._kept: dict[int, Batch] = {}  # batches a recovery may have to replay
         nodes = self.cluster.num_nodes
         if num_workers % nodes:
@@ -236,7 +241,7 @@ class DataParallelTrainer:
                 r, self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps,
                 self.shards[node], node, self.cluster.num_nodes, self.landers, self.ring, self.arenas[node],
                 self.generation, start_step, self.cluster.placement_timeout_s, self.freeze, self.stage,
-                self.pref.model_dump())
+                self.pref.model_dump(), self.grpo.model_dump())
         return workers
 
     @property
@@ -298,7 +303,7 @@ class DataParallelTrainer:
         return result
 
     def _run_step(self, step: int, batch: Batch) -> StepResult:
-        shards = shard_batch(batch, self.num_workers, whole=self.stage == "kto")
+        shards = shard_batch(batch, self.num_workers, whole=self.stage in WHOLE_MICRO_BATCHES)
         n_global = count_loss_tokens(batch)
         counts = preference_counts(batch) if self.objective is not None else None
         timeout = self._step_timeout(batch)
@@ -315,6 +320,7 @@ class DataParallelTrainer:
         norm_sq = outs[0]["norm_sq"] if self.num_workers == 1 else shard_norm_sq
         self._ask_shards([s.apply_norm.remote(step, norm_sq) for s in self.shards])
         loss = sum(o["loss"] for o in outs)  # each worker's loss is its share of the global mean
+        self._kept_logps = [t for o in outs for t in o["kept_logps"]]  # rank order is micro-batch order
         aux = None if outs[0]["aux_loss"] is None else torch.tensor(sum(o["aux_loss"] for o in outs), dtype=torch.float64)
         metrics = None if counts is None else self.objective.metrics(_summed(o["pref_sums"] for o in outs), counts)
         return StepResult(torch.tensor(loss, dtype=torch.float64), torch.tensor(norm_sq, dtype=torch.float32).sqrt(),
@@ -352,7 +358,7 @@ class DataParallelTrainer:
     def evaluate(self, micro_batches: Batch) -> EvalResult:
         """Held-out loss of `micro_batches` split across the workers, forward only (no gradient, no update); a
         preference stage's metric sums added over the workers, with the whole batch's counts."""
-        whole = self.stage == "kto"
+        whole = self.stage in WHOLE_MICRO_BATCHES
         parts = shard_batch(micro_batches, min(self.num_workers, len(micro_batches) if whole else rows(micro_batches)),
                             whole)
         timeout = self._step_timeout(micro_batches)
@@ -371,6 +377,11 @@ class DataParallelTrainer:
         outs = ray.get([w.sequence_logps.remote(p, timeout) for w, p in zip(self.workers, parts, strict=False)],
                        timeout=timeout)
         return [s for out in outs for s in out]  # rank order is micro-batch order
+
+    def kept_logps(self) -> list[torch.Tensor]:
+        """GRPO: each micro-batch's token log-probs as the last step's workers computed them (`StreamingEngine.
+        kept_logps`), in micro-batch order: the rollout's old policy's, without a pass of their own."""
+        return list(self._kept_logps)
 
     def _forget(self) -> None:
         """Drop batches no recovery can need: those before the snapshot before last."""
@@ -537,6 +548,13 @@ class DataParallelTrainer:
             remove_placement_group(self.placement)
         if self._started_ray:
             ray.shutdown()
+
+
+def stage_objective(stage: str, pref: PreferenceConfig, grpo: GrpoConfig) -> Objective | GroupObjective | None:
+    """What turns the workers' metric sums into a stage's metrics: none for SFT."""
+    if stage == "sft":
+        return None
+    return GroupObjective(grpo) if stage == "grpo" else Objective(stage, pref)
 
 
 def freeze_options(spec: ModelSpec) -> dict[str, bool]:

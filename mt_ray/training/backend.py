@@ -36,6 +36,9 @@ class TrainingBackend(Protocol):
     def sequence_logps(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """A preference stage's sequence log-prob sums of each micro-batch under the current weights (forward only)."""
 
+    def kept_logps(self) -> list[torch.Tensor]:
+        """GRPO: each micro-batch's token log-probs as the last step computed them (the rollout's old policy's)."""
+
     def synchronize(self) -> None:
         """Wait until every update so far is in the master weights."""
 
