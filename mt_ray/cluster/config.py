@@ -49,6 +49,12 @@ class ClusterConfig(BaseModel):
         "or two layers', at most 256 MiB. Smaller saves host memory per worker; a ring the shard cannot keep up "
         "with holds the worker's GPU."
     )
+    rollout_gpus: float | None = Field(
+        None, ge=0, description="GPUs the GRPO rollout actor (the policy's copy that samples completions) reserves "
+        "on the first node, beside its workers. None: it shares the first worker's GPU (each reserves half of "
+        "it), or runs on the CPU beside CPU workers; a number: GPUs of its own (1: a whole GPU, as VERL's split "
+        "layout), added to that node's bundle."
+    )
     num_cpus: int | None = Field(None, ge=1, description="CPUs of an in-process Ray; None: all of them.")
     snapshot_every: int = Field(
         0, ge=0, description="Keep an in-memory copy of master weights and moments every N steps (12 B/param more "

@@ -35,11 +35,11 @@ from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from mt_ray.cluster.arena import ring_numel
+from mt_ray.cluster.arena import ArenaAccess, ring_numel
 from mt_ray.cluster.config import ClusterConfig
 from mt_ray.cluster.errors import ClusterError, ClusterLostError, StepTimeoutError
 from mt_ray.cluster.partition import ShardPlan
-from mt_ray.cluster.placement import check_nodes, check_plan, init_ray
+from mt_ray.cluster.placement import RolloutPlace, check_nodes, check_plan, init_ray
 from mt_ray.cluster.shard import CoordinatorShard
 from mt_ray.cluster.sizing import GIB, landers, size_cluster
 from mt_ray.cluster.split import Batch, count_loss_tokens, rows, shard_batch
@@ -144,6 +144,7 @@ class DataParallelTrainer:
         check_plan(self.sizing, engine_cfg, num_workers)
         self._started_ray = init_ray(self.cluster, self.sizing.object_store_bytes)
         self.gpus_per_worker = self._resolve_gpus_per_worker()
+        self.rollout = RolloutPlace.resolve(stage, self.cluster.rollout_gpus, self.gpus_per_worker)
         self._check_cluster_resources()
         if engine_cfg.compute_dtype == "auto":
             # Decided once, from where the workers run: a shard on a CPU-only node would
@@ -171,10 +172,13 @@ class DataParallelTrainer:
     def _check_cluster_resources(self) -> None:
         """Refuse a run the cluster cannot place: more GPU workers than GPUs, an object store too small."""
         have = ray.cluster_resources()
-        if self.gpus_per_worker and self.num_workers * self.gpus_per_worker > have.get("GPU", 0):
-            raise ConfigError(f"cluster.num_workers={self.num_workers} workers of {self.gpus_per_worker:g} GPU each "
-                              f"need {self.num_workers * self.gpus_per_worker:g} GPUs; the cluster has "
-                              f"{have.get('GPU', 0):g}. Lower cluster.num_workers or add GPU nodes")
+        own = self.rollout.own_gpus if self.rollout else 0.0
+        need = self.num_workers * self.gpus_per_worker + own
+        if need and need > have.get("GPU", 0):
+            rollout = f" and a rollout actor of {own:g} (cluster.rollout_gpus)" if own else ""
+            raise ConfigError(f"cluster.num_workers={self.num_workers} workers of {self.gpus_per_worker:g} GPU each"
+                              f"{rollout} need {need:g} GPUs; the cluster has {have.get('GPU', 0):g}. Lower "
+                              "cluster.num_workers or add GPU nodes")
         stores = sorted(n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n["Alive"])
         need = self.sizing.object_store_bytes
         usable = stores[-self.cluster.num_nodes:] if len(stores) >= self.cluster.num_nodes else []
@@ -195,7 +199,10 @@ class DataParallelTrainer:
             return None
         check_nodes(ray.nodes(), bundle, self.cluster.num_nodes, self.cluster)
         strategy = "STRICT_SPREAD" if self.cluster.num_nodes > 1 else "STRICT_PACK"
-        pg = placement_group([bundle] * self.cluster.num_nodes, strategy=strategy, name="mt-ray-nodes")
+        bundles = [dict(bundle) for _ in range(self.cluster.num_nodes)]
+        if self.rollout and self.rollout.own_gpus:  # the rollout actor's own GPUs, beside node 0's workers
+            bundles[0]["GPU"] = bundles[0].get("GPU", 0) + self.rollout.own_gpus
+        pg = placement_group(bundles, strategy=strategy, name="mt-ray-nodes")
         ready, _ = ray.wait([pg.ready()], timeout=self.cluster.placement_timeout_s)
         if not ready:
             remove_placement_group(pg)
@@ -236,13 +243,31 @@ class DataParallelTrainer:
         workers = {}
         for r in ranks:
             node = r // self.workers_per_node
-            workers[r] = cls.options(num_gpus=self.gpus_per_worker, num_cpus=self.cluster.cpus_per_worker,
+            gpus = self.rollout.worker_gpus(r, self.gpus_per_worker) if self.rollout else self.gpus_per_worker
+            workers[r] = cls.options(num_gpus=gpus, num_cpus=self.cluster.cpus_per_worker,
                                      max_restarts=0, **self._on_node(node)).remote(
                 r, self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps,
                 self.shards[node], node, self.cluster.num_nodes, self.landers, self.ring, self.arenas[node],
                 self.generation, start_step, self.cluster.placement_timeout_s, self.freeze, self.stage,
                 self.pref.model_dump(), self.grpo.model_dump())
         return workers
+
+    def rollout_options(self) -> dict:
+        """Ray actor options that place GRPO's rollout actor in node 0's bundle with its GPUs (`RolloutPlace`)."""
+        return {"num_gpus": self.rollout.gpus, "num_cpus": 0, "max_restarts": 0, **self._on_node(0)}
+
+    def arena_access(self, node: int = 0) -> ArenaAccess:
+        """What an actor on `node` needs to map its arena and read the weights the workers stream (a rollout actor
+        refreshes its copy from it: nothing model-sized goes through Ray)."""
+        cfg = self.engine_cfg
+        return ArenaAccess(self.model, self.freeze, self.cluster.num_nodes, node, cfg.dtype, cfg.grad_torch_dtype,
+                           self.landers, self.ring, self.reference, self.arenas[node])
+
+    @property
+    def weights_timeout_s(self) -> float:
+        """How long a reader of the arena waits for a step's updates to land (`cluster.step_timeout_s`)."""
+        timeout = self.cluster.step_timeout_s
+        return STEP_TIMEOUT_FLOOR_S if timeout == "auto" else timeout
 
     @property
     def _grouped(self) -> bool:

@@ -4,6 +4,7 @@ what its bundle of the placement group asks, before anything waits on them."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import ray
 
@@ -59,3 +60,29 @@ def check_nodes(nodes: list[dict], bundle: dict[str, float], num_nodes: int, clu
         f"cluster.num_nodes={num_nodes} node(s) must each host {bundle} for their workers, but only {len(fit)} of "
         f"the cluster's nodes can ({offers}); lower {key} (now {getattr(cluster, key.split('.')[1], num_nodes)}), "
         "or start nodes with more (ray start --num-cpus / --num-gpus)")
+
+
+@dataclass(frozen=True)
+class RolloutPlace:
+    """Where GRPO's rollout actor sits: in node 0's bundle, beside its workers (VERL's layout). `shared`: it takes
+    half of the first worker's GPUs (the two share a GPU; on CPU workers, nothing); else `gpus` of its own, added
+    to node 0's bundle (`cluster.rollout_gpus`)."""
+
+    gpus: float
+    shared: bool
+
+    @classmethod
+    def resolve(cls, stage: str, configured: float | None, gpus_per_worker: float) -> RolloutPlace | None:
+        """None unless the stage samples its completions (grpo)."""
+        if stage != "grpo":
+            return None
+        return cls(gpus_per_worker / 2, True) if configured is None else cls(configured, False)
+
+    def worker_gpus(self, rank: int, gpus_per_worker: float) -> float:
+        """What worker `rank` reserves: the first gives up the half it shares."""
+        return gpus_per_worker - self.gpus if self.shared and rank == 0 else gpus_per_worker
+
+    @property
+    def own_gpus(self) -> float:
+        """GPUs the rollout adds to the run's reservation (none where it shares the first worker's)."""
+        return 0.0 if self.shared else self.gpus

@@ -72,7 +72,8 @@ def build_backend(cfg: RunConfig, spec: ModelSpec) -> TrainingBackend:
         from mt_ray.cluster import DataParallelTrainer  # Ray is needed only here
 
         return DataParallelTrainer(spec, cfg.engine, cfg.optimizer, cfg.cluster.num_workers, steps,
-                                   cluster=cfg.cluster, weights=weights, stage=cfg.training.stage, pref=cfg.pref)
+                                   cluster=cfg.cluster, weights=weights, stage=cfg.training.stage, pref=cfg.pref,
+                                   grpo=cfg.grpo)
     engine = StreamingEngine(spec, cfg.engine, cfg.optimizer, total_steps=steps, stage=cfg.training.stage,
                              pref=cfg.pref, grpo=cfg.grpo)
     if isinstance(weights, int):
