@@ -8,7 +8,9 @@ from a row (rotary positions, image-token masks) is computed from that row alone
 stage's pair shares one row (chosen and rejected, packed or not), so no split cuts a pair; every
 worker normalises by the global batch's pair (or KTO example) count, and the driver adds the
 workers' metric sums before dividing by it. KTO's KL estimate is a mean over a whole micro-batch's
-twins, so its micro-batches go whole to the workers. Workers sit in a placement group, the same number
+twins, so its micro-batches go whole to the workers, as GRPO's do (its loss is normalised per micro-batch;
+mt_ray.cluster.stages); GRPO's completions come from a rollout actor the training side places beside node 0's
+workers (`rollout_options`), reading the weights from the node's arena (`arena_access`). Workers sit in a placement group, the same number
 on each node beside that node's coordinator shard (mt_ray.cluster.shard), which sums their
 gradients and owns one contiguous part of the fp32 state.
 
@@ -43,15 +45,16 @@ from mt_ray.cluster.placement import RolloutPlace, check_nodes, check_plan, init
 from mt_ray.cluster.shard import CoordinatorShard
 from mt_ray.cluster.sizing import GIB, landers, size_cluster
 from mt_ray.cluster.split import Batch, count_loss_tokens, rows, shard_batch
+from mt_ray.cluster.stages import WHOLE_MICRO_BATCHES, stage_objective, summed_metrics
 from mt_ray.cluster.wire import from_numpy, to_numpy
 from mt_ray.cluster.worker import EngineWorker
 from mt_ray.engine.batch import preference_counts
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.engine import EvalResult, StepResult
-from mt_ray.engine.grpo import GroupObjective, GrpoConfig
+from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.host_store import plan_layout
 from mt_ray.engine.optimizer import lr_at
-from mt_ray.engine.preference import Objective, PreferenceConfig, add_sums
+from mt_ray.engine.preference import PreferenceConfig
 from mt_ray.engine.sizing import Machine, Stage, predicted_step_seconds
 from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import ModelSpec, discover
@@ -64,9 +67,6 @@ _LOST_WORKER = (RayActorError, GetTimeoutError, ObjectLostError, StepTimeoutErro
 # `cluster.step_timeout_s: auto`: this many times the calculator's step estimate, and at least the floor
 # (a first step also builds each worker's templates and maps its arena).
 STEP_TIMEOUT_FACTOR = 10
-# Stages whose loss reads a whole micro-batch (KTO's KL estimate; GRPO's per-micro-batch normalisers and clip
-# extremes): each worker gets whole micro-batches, as many as the split allows.
-WHOLE_MICRO_BATCHES = ("kto", "grpo")
 STEP_TIMEOUT_FLOOR_S = 600.0
 GPU_MACHINE = Machine()
 CPU_MACHINE = Machine(layer_tflops=0.02, h2d_gbps=5.0)  # a slow CPU's fp32 matmuls: a bound, not a prediction
@@ -347,7 +347,7 @@ class DataParallelTrainer:
         loss = sum(o["loss"] for o in outs)  # each worker's loss is its share of the global mean
         self._kept_logps = [t for o in outs for t in o["kept_logps"]]  # rank order is micro-batch order
         aux = None if outs[0]["aux_loss"] is None else torch.tensor(sum(o["aux_loss"] for o in outs), dtype=torch.float64)
-        metrics = None if counts is None else self.objective.metrics(_summed(o["pref_sums"] for o in outs), counts)
+        metrics = None if counts is None else self.objective.metrics(summed_metrics(o["pref_sums"] for o in outs), counts)
         return StepResult(torch.tensor(loss, dtype=torch.float64), torch.tensor(norm_sq, dtype=torch.float32).sqrt(),
                           lr_at(step, self.opt_cfg, self.total_steps), sum(o["num_tokens"] for o in outs), n_global,
                           aux, metrics)
@@ -389,7 +389,7 @@ class DataParallelTrainer:
         timeout = self._step_timeout(micro_batches)
         outs = ray.get([w.evaluate.remote(p, timeout) for w, p in zip(self.workers, parts, strict=False)],
                        timeout=timeout)  # fewer rows than workers: some idle
-        pref = (None, None) if self.objective is None else (_summed(o["pref_sums"] for o in outs),
+        pref = (None, None) if self.objective is None else (summed_metrics(o["pref_sums"] for o in outs),
                                                              preference_counts(micro_batches))
         return EvalResult(torch.tensor(sum(o["loss_sum"] for o in outs), dtype=torch.float64),
                           sum(o["num_loss_tokens"] for o in outs), sum(o["num_tokens"] for o in outs), *pref)
@@ -575,13 +575,6 @@ class DataParallelTrainer:
             ray.shutdown()
 
 
-def stage_objective(stage: str, pref: PreferenceConfig, grpo: GrpoConfig) -> Objective | GroupObjective | None:
-    """What turns the workers' metric sums into a stage's metrics: none for SFT."""
-    if stage == "sft":
-        return None
-    return GroupObjective(grpo) if stage == "grpo" else Objective(stage, pref)
-
-
 def freeze_options(spec: ModelSpec) -> dict[str, bool]:
     """The `discover` options that find `spec` again in an actor: an image-text model's freeze flags."""
     if spec.vision is None:
@@ -590,45 +583,7 @@ def freeze_options(spec: ModelSpec) -> dict[str, bool]:
             "freeze_multi_modal_projector": spec.unit(VISION_PROJECTOR).frozen}
 
 
-def _summed(parts: Iterable[dict[str, float]]) -> dict[str, torch.Tensor]:
-    """The workers' preference metric sums added up, key by key (in rank order)."""
-    total: dict[str, torch.Tensor] = {}
-    for part in parts:
-        add_sums(total, {k: torch.tensor(v, dtype=torch.float64) for k, v in part.items()})
-    return total
-
-
 def _plan_pieces(name: str, numel: int, shard_bytes: int, cuts: list[int]):
     from mt_ray.tracking.ckpt_format import plan_pieces  # tracking is needed only when checkpointing
 
     return plan_pieces(name, torch.float32, [numel], shard_bytes, cuts)
-
-
-def run_data_parallel(model, engine_cfg: EngineConfig, opt_cfg: OptimizerConfig,
-                      batches: Iterable[Batch] | Callable[[], Iterable[Batch]], num_workers: int,
-                      total_steps: int | None = None, weights: int | str | dict = 0,
-                      cluster: ClusterConfig | None = None, return_state: bool = False,
-                      export_dir: str | Path | None = None) -> DataParallelResult:
-    """Train `model` data-parallel on `num_workers` engine workers (one per GPU, or CPU workers).
-
-    model: a ModelSpec, a transformers config, a config dict with model_type, or a local folder.
-    batches: global batches (each a list of micro-batches), or a factory returning them.
-    weights: a random-init seed, a safetensors folder, or a state dict by Hugging Face name.
-    Ray is started in-process unless already running, `cluster.address` is set, or RAY_ADDRESS is.
-    """
-    if callable(batches):
-        batches = batches()
-    if total_steps is None:
-        if not hasattr(batches, "__len__"):
-            raise ClusterError("total_steps is needed when the batches have no length (it sets the LR schedule)")
-        total_steps = len(batches)
-    trainer = DataParallelTrainer(model, engine_cfg, opt_cfg, num_workers, total_steps, cluster, weights)
-    try:
-        result = trainer.train(batches)
-        if return_state:
-            result.state_dict = trainer.state_dict()
-        if export_dir is not None:
-            trainer.export(export_dir)
-        return result
-    finally:
-        trainer.close()

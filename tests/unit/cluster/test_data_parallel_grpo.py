@@ -9,11 +9,15 @@ import torch
 pytest.importorskip("ray")
 
 from mt_ray.cluster import DataParallelTrainer, shard_batch  # noqa: E402
+from mt_ray.config.run import load_run_config  # noqa: E402
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine  # noqa: E402
 from mt_ray.engine.grpo import GrpoConfig  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
 from mt_ray.training.grpo.old_logps import keep_old_logps  # noqa: E402
+from mt_ray.training.grpo.rewards import RewardError  # noqa: E402
 from mt_ray.training.grpo.rollout import Rollout, completion_batches, cut_completions  # noqa: E402
+from mt_ray.training.grpo.steps import GrpoSteps  # noqa: E402
+from mt_ray.training.model_source import load_model_and_tokenizer  # noqa: E402
 from tests.tiny_models import VOCAB, tiny_config  # noqa: E402
 
 OPT = OptimizerConfig(lr=1e-2, eps=1e-3, max_grad_norm=1.0, schedule="constant")
@@ -110,3 +114,30 @@ def test_grpo_micro_batches_go_whole_to_the_workers_in_order():
         assert ours.keys() == theirs.keys()
         for key in ours:
             assert torch.equal(ours[key], theirs[key]), key
+
+
+def fails_on_a_minus(prompts, completions, **_):
+    """A user reward that cannot score the demo's subtraction prompts."""
+    if any("-" in p for p in prompts):
+        raise ValueError("no subtraction")
+    return [0.0] * len(completions)
+
+
+def test_a_reward_that_raises_on_the_cluster_stops_the_step_naming_it(local_ray):
+    """The rollout actor samples, the driver scores: a raising reward is reported as on one engine (the function,
+    the completion and its prompt), before any step is handed to the workers."""
+    cfg = load_run_config("jobs/configs/grpo_demo.yaml", [
+        "engine.device=cpu", "cluster.num_workers=2", "grpo.max_completion_length=4",
+        f"grpo.rewards=[{{name: '{__name__}:fails_on_a_minus'}}]"])
+    spec, tokenizer = load_model_and_tokenizer(cfg)
+    trainer = DataParallelTrainer(spec, cfg.engine, cfg.optimizer, 2, cfg.training.steps, weights=cfg.training.seed,
+                                  stage="grpo", grpo=cfg.grpo)
+    steps = GrpoSteps(cfg, trainer, spec, tokenizer)
+    try:
+        with pytest.raises(RewardError, match=r"^reward 'fails_on_a_minus' raised on completion \d+ \(prompt .*-.*\): "
+                                              "ValueError: no subtraction"):
+            next(steps)
+        assert trainer.step_idx == 0
+    finally:
+        steps.close()
+        trainer.close()
