@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("ray")
 
 from mt_ray.cluster import DataParallelTrainer, shard_batch  # noqa: E402
+from mt_ray.cluster.placement import RolloutPlace  # noqa: E402
 from mt_ray.config.run import load_run_config  # noqa: E402
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine  # noqa: E402
 from mt_ray.engine.grpo import GrpoConfig  # noqa: E402
@@ -141,3 +142,15 @@ def test_a_reward_that_raises_on_the_cluster_stops_the_step_naming_it(local_ray)
     finally:
         steps.close()
         trainer.close()
+
+
+def test_the_rollout_actor_shares_the_first_workers_gpu_unless_given_its_own():
+    """VERL's colocated layout by default: the first worker and the rollout actor reserve half of its GPU each (one
+    GPU runs both), nothing more is asked of the cluster; `cluster.rollout_gpus` gives the actor GPUs of its own."""
+    shared = RolloutPlace.resolve("grpo", None, 1.0)
+    assert (shared.gpus, shared.own_gpus) == (0.5, 0.0)
+    assert [shared.worker_gpus(r, 1.0) for r in range(3)] == [0.5, 1.0, 1.0]
+    own = RolloutPlace.resolve("grpo", 1.0, 1.0)
+    assert (own.gpus, own.own_gpus, own.worker_gpus(0, 1.0)) == (1.0, 1.0, 1.0)
+    assert RolloutPlace.resolve("grpo", None, 0.0).gpus == 0.0  # CPU workers: the actor on the CPU beside them
+    assert RolloutPlace.resolve("dpo", None, 1.0) is None
