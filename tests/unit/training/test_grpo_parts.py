@@ -37,7 +37,6 @@ def test_defaults_are_trls():
     ("grpo.loss_type=cispo", "grpo.loss_type: Input should be 'grpo', 'bnpo', 'dr_grpo' or 'dapo'"),
     ("grpo.rewards=[{name: nope}]", "'nope' is neither a built-in reward (accuracy, format) nor a 'module:function'"),
     ("data.val_size=8", "training.stage grpo has no held-out evaluation yet"),
-    ("cluster.num_workers=2", "training.stage grpo"),
     ("rollout.engine=sglang", "rollout.engine: Input should be 'transformers' or 'vllm'"),
 ])
 def test_bad_config_is_refused_in_one_line(override, message):
