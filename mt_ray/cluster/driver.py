@@ -140,7 +140,7 @@ class DataParallelTrainer:
                               "cluster.grad_reduce: host")
         self.landers = landers(self.workers_per_node, self.cluster.grad_reduce)
         self.sizing = size_cluster(self.spec, engine_cfg, opt_cfg, num_workers, nodes, self.cluster.grad_reduce,
-                                   self.cluster.grad_ring_mb, self.reference)
+                                   self.cluster.grad_ring_mb, self.reference, rollout=stage == "grpo")
         check_plan(self.sizing, engine_cfg, num_workers)
         self._started_ray = init_ray(self.cluster, self.sizing.object_store_bytes)
         self.gpus_per_worker = self._resolve_gpus_per_worker()
