@@ -8,11 +8,12 @@ from a row (rotary positions, image-token masks) is computed from that row alone
 stage's pair shares one row (chosen and rejected, packed or not), so no split cuts a pair; every
 worker normalises by the global batch's pair (or KTO example) count, and the driver adds the
 workers' metric sums before dividing by it. KTO's KL estimate is a mean over a whole micro-batch's
-twins, so its micro-batches go whole to the workers, as GRPO's do (its loss is normalised per micro-batch;
-mt_ray.cluster.stages); GRPO's completions come from a rollout actor the training side places beside node 0's
-workers (`rollout_options`), reading the weights from the node's arena (`arena_access`). Workers sit in a placement group, the same number
-on each node beside that node's coordinator shard (mt_ray.cluster.shard), which sums their
-gradients and owns one contiguous part of the fp32 state.
+twins, so its micro-batches go whole to the workers, as GRPO's do (its loss is normalised per
+micro-batch; mt_ray.cluster.stages). GRPO's completions come from a rollout actor the training side
+places beside node 0's workers (`rollout_options`), reading the weights from the node's arena
+(`arena_access`). Workers sit in a placement group, the same number on each node beside that
+node's coordinator shard (mt_ray.cluster.shard), which sums their gradients and owns one
+contiguous part of the fp32 state.
 
 A step: the workers run forward and backward; each shard reports the norm² of its summed
 units; the driver adds them (shard order) and hands the global norm back, which starts the

@@ -6,9 +6,9 @@ the single engine's `stream_master` does), once the unit's version word says the
 update is in; `LandingBuffers` are where its gradients land (the arena's slots, or this worker's
 ring there); `ArenaGrads` tells the node's coordinator shard where each landed. A preference
 stage's reference (and GRPO's, at β > 0) streams from the arena too (`ArenaReference`). A GRPO
-worker only trains: the completions come from the rollout actor beside it (training/grpo/remote.py). The worker holds no weights, no
-gradients and no optimizer state of its own, and nothing it does per step copies
-or puts anything model-sized. Every wait that is not the GPU's own work (a device->host copy,
+worker only trains: the completions come from the rollout actor beside it (training/grpo/remote.py).
+The worker holds no weights, no gradients and no optimizer state of its own, and nothing it does
+per step copies or puts anything model-sized. Every wait that is not the GPU's own work (a device->host copy,
 the shard's acknowledgement) runs on a helper thread, never on the thread that launches GPU work.
 """
 

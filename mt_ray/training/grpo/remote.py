@@ -18,7 +18,7 @@ from mt_ray.cluster.arena import ArenaAccess
 from mt_ray.engine.config import EngineConfig
 from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.host_store import unit_views
-from mt_ray.engine.pinning import register_pinned, unregister_pinned
+from mt_ray.engine.pinning import register_pinned
 from mt_ray.engine.sizing import rollout_bytes
 from mt_ray.training.grpo.rollout import PolicyCopy, Rollout, generation_eos
 
@@ -32,8 +32,8 @@ class RolloutActor:
         spec, self.arena = access.attach()
         cfg = EngineConfig(**engine_cfg)
         device = cfg.resolve_device()
-        # Page-locked once, as the workers do: each refresh's uploads are then DMAs from the arena.
-        self.pinned = register_pinned(self.arena.bytes) if device.type == "cuda" else None
+        if device.type == "cuda":  # page-locked for the actor's life, as the workers do: each refresh's uploads
+            register_pinned(self.arena.bytes)  # are then DMAs from the arena (the mapping goes with the process)
         weight_bytes, generation_bytes = rollout_bytes(spec, cfg, rows, tokens)
         self.copy = PolicyCopy(spec.config, device, cfg.dtype, weight_bytes, generation_bytes)
         self.units = spec.units
@@ -52,12 +52,6 @@ class RolloutActor:
 
     def generation_eos(self) -> list[int]:
         return generation_eos(self.copy.model)
-
-    def close(self) -> None:
-        self.copy = None
-        if self.pinned is not None:
-            unregister_pinned(self.pinned)
-            self.pinned = None
 
 
 class RemoteSampler:
@@ -81,7 +75,5 @@ class RemoteSampler:
         return ray.get(self.actor.generation_eos.remote())
 
     def close(self) -> None:
-        try:
-            ray.get(self.actor.close.remote())
-        finally:
-            ray.kill(self.actor, no_restart=True)
+        """End the actor: its copy, its mapping and its page-locking go with its process."""
+        ray.kill(self.actor, no_restart=True)

@@ -3,9 +3,10 @@ engine's micro-batches built from them.
 
 The copy (`PolicyCopy`) is the model's Hugging Face module in the engine's compute dtype, on the
 engine's device, built once and refreshed from the host master weights after each update; the
-refresh is timed (`rollout/refresh_s`). A single engine's copy lives in its process (`LocalSampler`); on the
-Ray cluster it lives in a rollout actor beside the workers (remote.py), the same class. A copy that does not fit the device beside the step is refused
-by name: generation that streams the layers as training does is not built yet.
+refresh is timed (`rollout/refresh_s`). A single engine's copy lives in its process (`LocalSampler`);
+on the Ray cluster the same class lives in a rollout actor beside the workers (remote.py). A copy that
+does not fit the device beside the step is refused by name: generation that streams the layers as
+training does is not built yet.
 
 A completion is its prompt's tokens followed by the sampled ones, cut after the first end-of-sequence
 token; one cut at `max_completion_length` (no end token) is truncated. In the engine's rows each is one
