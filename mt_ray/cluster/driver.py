@@ -449,10 +449,12 @@ class DataParallelTrainer:
         With clipping no unit is updated before every gradient of the step is in, so the step is
         redone, or completed if every gradient was in. Without clipping some units may already be
         updated: the snapshot is restored and the steps since it replayed; with no snapshot only
-        the newest checkpoint holds a consistent state.
+        the newest checkpoint holds a consistent state. A step whose answers are needed beside its
+        update (GRPO's first on a rollout: its log-probs are the old policy's) is never completed
+        without them: it is redone, or restored as an unclipped one.
         """
         reports = self._ask_shards([s.stop.remote(step) for s in self.shards])
-        if all(r["complete"] for r in reports):
+        if all(r["complete"] for r in reports) and not self._keeps_logps(step):
             norm_sq = sum(r["norm_sq"] for r in reports if r["norm_sq"] is not None)
             if any(r["norm_sq"] is not None for r in reports):
                 self._ask_shards([s.apply_norm.remote(step, norm_sq) for s in self.shards])
@@ -467,6 +469,10 @@ class DataParallelTrainer:
         # Every shard with a trained unit took its snapshot at the same step; one of frozen units alone takes none.
         snapshot = next(r["snapshot_step"] for r in reports if r["snapshot_step"] is not None)
         return snapshot, True, "units partly updated; restored snapshot"
+
+    def _keeps_logps(self, step: int) -> bool:
+        """Whether `step` is a GRPO rollout's first of several, whose workers' log-probs the next steps need."""
+        return self.stage == "grpo" and self.grpo.num_iterations > 1 and "old_logps" not in self._kept[step][0]
 
     def _sort_workers(self) -> tuple[list[int], list[int]]:
         """Ranks whose share of the failed step came back (healthy), and ranks whose actor died (lost)."""
