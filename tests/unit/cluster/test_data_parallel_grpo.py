@@ -126,12 +126,11 @@ def fails_on_a_minus(prompts, completions, **_):
 
 def test_a_reward_that_raises_on_the_cluster_stops_the_step_naming_it(local_ray):
     """The rollout actor samples, the driver scores: a raising reward is reported as on one engine (the function,
-    the completion and its prompt), before any step is handed to the workers."""
+    the completion and its prompt), before any step is handed to the workers (one here: the path is the same)."""
     cfg = load_run_config("jobs/configs/grpo_demo.yaml", [
-        "engine.device=cpu", "cluster.num_workers=2", "grpo.max_completion_length=4",
-        f"grpo.rewards=[{{name: '{__name__}:fails_on_a_minus'}}]"])
+        "engine.device=cpu", "grpo.max_completion_length=4", f"grpo.rewards=[{{name: '{__name__}:fails_on_a_minus'}}]"])
     spec, tokenizer = load_model_and_tokenizer(cfg)
-    trainer = DataParallelTrainer(spec, cfg.engine, cfg.optimizer, 2, cfg.training.steps, weights=cfg.training.seed,
+    trainer = DataParallelTrainer(spec, cfg.engine, cfg.optimizer, 1, cfg.training.steps, weights=cfg.training.seed,
                                   stage="grpo", grpo=cfg.grpo)
     steps = GrpoSteps(cfg, trainer, spec, tokenizer)
     try:
