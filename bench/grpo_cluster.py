@@ -10,6 +10,7 @@ Each measured step reports:
   refresh s          the copy's reload: the engine's from its host weights; the actor's from the node's arena
   update s, TFLOPS   the engine step (all workers), 6 x params x its tokens / its seconds per GPU
   step s             rollout + update; loss and reward, which match between the two while the completions do
+                     (with --num-iterations 2, an iteration-2 row repeats its rollout's columns: it samples nothing)
 
     python bench/grpo_cluster.py --shape qwen2.5-1.5b --prompts 16 --generations 8 --new-tokens 128
 
