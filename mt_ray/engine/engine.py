@@ -130,7 +130,7 @@ class StreamingEngine:
     host store, for a trainer that keeps the weights elsewhere (mt_ray.cluster); the engine
     then allocates no master weights or moments of its own. `stage` `dpo` or `kto` trains on
     preference rows with the `pref` loss (such a trainer passes the `reference` it keeps), `grpo` on
-    sampled completions with the `grpo` loss (a single engine only: mt_ray.cluster refuses it).
+    sampled completions with the `grpo` loss.
     """
 
     def __init__(self, spec: ModelSpec, cfg: EngineConfig, opt_cfg: OptimizerConfig, total_steps: int,
@@ -143,8 +143,8 @@ class StreamingEngine:
         the loaded weights in host memory."""
         if (grad_sink is None) != (weight_source is None):
             raise ValueError("grad_sink and weight_source are given together or not at all")
-        if stage != "sft" and ((grad_sink is not None and stage == "grpo") or spec.vision is not None):
-            raise ValueError(f"stage {stage} runs on a single engine and a text model, for now")
+        if stage != "sft" and spec.vision is not None:
+            raise ValueError(f"stage {stage} runs on a text model, for now")
         self.spec = spec
         self.cfg = cfg
         self.opt_cfg = opt_cfg
@@ -329,6 +329,11 @@ class StreamingEngine:
         with self.pref.collecting() as sums:
             self.evaluate(micro_batches)
             return list(sums)
+
+    def kept_logps(self) -> list[torch.Tensor]:
+        """GRPO above one iteration: each micro-batch's token log-probs [N] as the last step computed them, where
+        its batch carried no old ones (a rollout's first step: the sampling policy's, kept for the steps after)."""
+        return list(self.pref.step_logps)
 
     def set_attention(self, requested: str) -> str:
         """Switch the attention backend between steps, resolved as `EngineConfig.attn_implementation` is at

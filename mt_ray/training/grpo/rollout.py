@@ -3,8 +3,10 @@ engine's micro-batches built from them.
 
 The copy (`PolicyCopy`) is the model's Hugging Face module in the engine's compute dtype, on the
 engine's device, built once and refreshed from the host master weights after each update; the
-refresh is timed (`rollout/refresh_s`). A copy that does not fit the device beside the step is refused
-by name: generation that streams the layers as training does is not built yet.
+refresh is timed (`rollout/refresh_s`). A single engine's copy lives in its process (`LocalSampler`);
+on the Ray cluster the same class lives in a rollout actor beside the workers (remote.py). A copy that
+does not fit the device beside the step is refused by name: generation that streams the layers as
+training does is not built yet.
 
 A completion is its prompt's tokens followed by the sampled ones, cut after the first end-of-sequence
 token; one cut at `max_completion_length` (no end token) is truncated. In the engine's rows each is one
@@ -25,7 +27,9 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from mt_ray.data.packing import collate
 from mt_ray.data.schema import IGNORE_INDEX, ROLE_COMPLETION, TokenizedExample
 from mt_ray.engine.grpo import GrpoConfig
+from mt_ray.engine.sizing import rollout_bytes
 from mt_ray.errors import InsufficientMemoryError
+from mt_ray.models.discovery import ModelSpec
 
 GIB = 2**30
 
@@ -119,6 +123,37 @@ class PolicyCopy:
         completions, truncated = cut_completions(sampled, eos_ids, pad_id)
         prompts = [p for p in prompt_ids for _ in range(cfg.num_generations)]
         return Rollout(prompts, completions, truncated)
+
+
+class LocalSampler:
+    """A single engine's sampler: a `PolicyCopy` on the engine's device, refreshed from its host weights.
+    (On the Ray cluster, `training/grpo/remote.py`'s `RemoteSampler` has the same surface.)"""
+
+    def __init__(self, engine, spec: ModelSpec, rows: int, tokens: int):
+        """A copy sized for generating `rows` completions of up to `tokens` tokens (prompt and completion)."""
+        copy, generation = rollout_bytes(spec, engine.cfg, rows, tokens)
+        self.engine = engine
+        self.copy = PolicyCopy(spec.config, engine.device, engine.dtype, copy, generation)
+
+    def refresh(self) -> float:
+        """Load the weights after every update so far; the copy's seconds."""
+        return self.copy.refresh(self.engine.streamed_state_dict())  # waits for every update so far
+
+    def generate(self, prompt_ids: list[list[int]], cfg: GrpoConfig, eos_ids: set[int], pad_id: int,
+                 seed: int) -> Rollout:
+        return self.copy.generate(prompt_ids, cfg, eos_ids, pad_id, seed)
+
+    def generation_eos(self) -> list[int]:
+        return generation_eos(self.copy.model)
+
+    def close(self) -> None:
+        self.copy = None
+
+
+def generation_eos(model) -> list[int]:
+    """The end tokens `model`'s generation config names (besides the tokenizer's)."""
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 def _refuse_what_cannot_fit(device: torch.device, weight_bytes: int, generation_bytes: int) -> None:

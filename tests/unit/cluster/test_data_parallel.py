@@ -166,13 +166,6 @@ def test_unclipped_step_left_half_applied_without_a_snapshot_restarts_from_a_che
         data_parallel(opt, cluster=ClusterConfig(snapshot_every=0), after_launch=kill_worker_once_units_are_updated)
 
 
-def test_a_stage_the_cluster_cannot_train_is_refused_before_anything_is_built():
-    # No model, config or Ray: the refusal comes first, so nothing else is looked at.
-    with pytest.raises(ConfigError, match="^training.stage grpo does not run on the Ray cluster .* run it on the "
-                                          "single engine with `mt-ray train`"):
-        DataParallelTrainer(None, None, None, num_workers=2, total_steps=1, stage="grpo")
-
-
 def test_a_cluster_that_cannot_place_the_run_is_refused_naming_the_key(local_ray):
     with pytest.raises(ConfigError, match=r"cluster.num_workers=3 cannot spread evenly over cluster.num_nodes=2"):
         DataParallelTrainer(tiny_config("llama"), ENGINE, OPT, num_workers=3, total_steps=1,
