@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table, write_json  # noqa: E402
 from mt_ray.cluster import wire  # noqa: E402
-from mt_ray.cluster.shard import split_threads  # noqa: E402
+from mt_ray.cluster.shard_state import split_threads  # noqa: E402
 
 PIECE = 64 << 20  # elements: half of the default 256 MiB ring in bf16
 COLUMNS = ["kernel", "threads", "adam_threads", "alone_gelem_s", "beside_adam_gelem_s", "adam_gparam_s"]

@@ -186,7 +186,7 @@ def test_a_read_of_a_gradient_that_never_comes_ends_when_the_step_is_stopped(loc
     from types import SimpleNamespace
 
     from mt_ray.cluster.errors import StaleGenerationError
-    from mt_ray.cluster.shard import read_unless_stopped
+    from mt_ray.cluster.shard_state import read_unless_stopped
 
     @local_ray.remote(num_cpus=0)
     class Never:

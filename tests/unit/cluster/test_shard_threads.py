@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from mt_ray.cluster.shard import SUM_THREADS, split_threads
+from mt_ray.cluster.shard_state import SUM_THREADS, split_threads
 
 
 def test_a_shard_that_sums_splits_its_cores_between_two_disjoint_teams():
