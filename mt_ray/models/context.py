@@ -46,6 +46,7 @@ from torch.func import functional_call
 
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.discovery import ModelSpec, embed_module, meta_free_buffers_to, shallow_copy
+from mt_ray.models.nesting import check_hands_back, is_nested, numbers_own_positions
 from mt_ray.models.packing_probe import packed_differs, same_arguments
 from mt_ray.models.varlen import takes_document_bounds
 
@@ -173,11 +174,16 @@ class _StandIn(nn.Module):
 class _EmbeddingFeed(_StandIn):
     """Stands in for the input embedding: returns the output the engine computed with its weights."""
 
-    def __init__(self, original: nn.Module):
+    def __init__(self, original: nn.Module, model_type: str):
         super().__init__(original)
         self.pending: torch.Tensor | None = None
+        self.model_type = model_type
 
     def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if input_ids.shape != self.pending.shape[:-1]:
+            raise ModelNotSupportedError(
+                f"'{self.model_type}': its body embeds other tokens than the row's (CPM-Ant prepends prompt "
+                "tokens), which mt-ray's embedding does not compute; this family cannot be trained yet")
         return self.pending
 
 
@@ -279,21 +285,22 @@ class LayerContextBuilder:
     def __init__(self, spec: ModelSpec, device: torch.device):
         self.log: dict[int, tuple[torch.Tensor, LayerKwargs]] = {}
         body = spec.base
-        layers = getattr(body, spec.layers_attr)
+        layers = body.get_submodule(spec.layers_attr)
         self.stubs = stubs = nn.ModuleList(_RecordingLayer(i, self.log, layer) for i, layer in enumerate(layers))
         embed = spec.skeleton.get_input_embeddings()
-        # A shallow copy of the body with a feed for the embedding, stubs in place of layers and an
-        # identity final norm: the skeleton itself stays intact for export and templates.
-        self.body = shallow_copy(body)
-        self.feed = _EmbeddingFeed(embed)
-        self.body._modules[next(n for n, c in body.named_children() if c is embed)] = self.feed
-        self.body._modules[spec.layers_attr] = stubs
-        self.pre_layer = [_PreLayer(getattr(body, a), a, spec.config.model_type, self.log, device)
+        # A copy of the body with a feed for the embedding, stubs in place of layers and an identity final norm
+        # (and unread modules): the skeleton itself stays intact for export and templates.
+        self.feed = _EmbeddingFeed(embed, spec.config.model_type)
+        embed_path = next(n for n, m in body.named_modules() if m is embed)
+        self.body = with_submodules(body, {embed_path: self.feed, spec.layers_attr: stubs})
+        # A pre-layer container of the embedding (BERT's `embeddings`) runs around the feed.
+        self.pre_layer = [_PreLayer(self.body.get_submodule(a), a, spec.config.model_type, self.log, device)
                           for a in spec.embed_attrs]
-        self.body._modules.update({p.attr: p for p in self.pre_layer})
-        norm = getattr(body, spec.norm_attr) if spec.norm_attr is not None else None
-        if norm is not None and any(True for _ in norm.parameters()):  # a parameterless norm (NanoChat's, also run
-            self.body._modules[spec.norm_attr] = nn.Identity()          # before the layers) stays
+        norm = body.get_submodule(spec.norm_attr) if spec.norm_attr is not None else None
+        passed = [spec.norm_attr] if norm is not None and any(True for _ in norm.parameters()) else []  # a
+        # parameterless norm (NanoChat's, also run before the layers) stays
+        self.body = with_submodules(self.body, {**{p.attr: p for p in self.pre_layer},
+                                                **{a: nn.Identity() for a in (*passed, *spec.unread_attrs)}})
         self.probe_weights = _probe_weights(spec, device)
         self.vision = spec.vision
         self.images = _ImageFeatures()
@@ -311,12 +318,15 @@ class LayerContextBuilder:
         self.num_layers = len(layers)
         self.model_type = spec.config.model_type
         self.bounds_not_masks = takes_document_bounds(spec.config._attn_implementation)
+        self.nested, self.own_positions = is_nested(spec), False
         self._fit_stand_ins(spec, device)
         self.carried = self._carried_inputs(spec, device)
+        self.own_positions = self.nested and numbers_own_positions(partial(self._record, self.probe_weights),
+                                                                   embed.weight.shape[-1], device)
         exact = self._packed_rows_exact(spec, device)  # also runs the body around the stand-ins once
         if self.token_types:
             self._refuse_both_ways_text(spec, device)
-        self.isolate_documents = spec.isolate_documents or not exact
+        self.isolate_documents = spec.isolate_documents or not exact or self.own_positions
         if self.isolate_documents and spec.vision is not None:
             raise ModelNotSupportedError(
                 f"'{spec.config.model_type}': its documents must run through the layers one at a time, which "
@@ -505,7 +515,8 @@ class LayerContextBuilder:
         if self.token_types:
             extra["token_type_ids"] = (input_ids == self.vision.image_token_id).long()
         try:
-            self.body(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+            out = self.body(input_ids=input_ids, position_ids=None if self.own_positions else position_ids,
+                            use_cache=False, **extra)
         finally:
             self.feed.pending = self.images.pending = None
             for pre in self.pre_layer:
@@ -527,6 +538,8 @@ class LayerContextBuilder:
                 f"state to the next layer (`{handed[0][1]}`), which mt-ray does not replay; this family cannot be "
                 "trained yet"
             )
+        if self.nested:
+            check_hands_back(self.model_type, out, layer_hidden(self.log[self.num_layers - 1][0]))
         h0 = self.log[0][0]
         per_layer = [dict(self.log[i][1]) for i in range(self.num_layers)]
         for kw in per_layer:
@@ -545,7 +558,7 @@ def _probe_weights(spec: ModelSpec, device: torch.device) -> dict[str, torch.Ten
     saved = module.state_dict(keep_vars=True)
     return {p.local_name: (torch.randn(p.shape, generator=g) if saved[p.local_name].is_meta
                            else saved[p.local_name]).to(device)
-            for p in spec.unit("embed").params if p.local_name.split(".")[0] in spec.embed_attrs}
+            for p in spec.unit("embed").params if p.local_name.startswith(tuple(f"{a}." for a in spec.embed_attrs))}
 
 
 def _takes_grad(value: Any) -> bool:
@@ -600,3 +613,10 @@ def with_submodule(root: nn.Module, path: str, module: nn.Module) -> nn.Module:
     clone = shallow_copy(root)
     clone._modules[head] = with_submodule(root._modules[head], rest, module) if rest else module
     return clone
+
+
+def with_submodules(root: nn.Module, modules: dict[str, nn.Module]) -> nn.Module:
+    """A shallow copy of `root` with each module of `modules` at its dotted path (root is untouched)."""
+    for path, module in modules.items():
+        root = with_submodule(root, path, module)
+    return root
