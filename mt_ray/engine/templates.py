@@ -16,9 +16,8 @@ from torch import nn
 from torch.func import functional_call
 from transformers.modeling_outputs import MoeModelOutputWithPast
 
-from mt_ray.models.context import with_submodule
-from mt_ray.models.discovery import ModelSpec, ParamInfo, embed_module, meta_free_buffers_to, shallow_copy
-from mt_ray.models.nesting import head_extras
+from mt_ray.models.discovery import ModelSpec, ParamInfo, embed_module, meta_free_buffers_to
+from mt_ray.models.nesting import head_extras, shallow_copy, with_submodule
 
 Weights = dict[str, torch.Tensor]
 

@@ -45,8 +45,9 @@ from torch import nn
 from torch.func import functional_call
 
 from mt_ray.errors import ModelNotSupportedError
-from mt_ray.models.discovery import ModelSpec, embed_module, meta_free_buffers_to, shallow_copy
-from mt_ray.models.nesting import check_hands_back, is_nested, numbers_own_positions
+from mt_ray.models import nesting
+from mt_ray.models.discovery import ModelSpec, embed_module, meta_free_buffers_to
+from mt_ray.models.nesting import with_submodule
 from mt_ray.models.packing_probe import packed_differs, same_arguments
 from mt_ray.models.varlen import takes_document_bounds
 
@@ -288,19 +289,18 @@ class LayerContextBuilder:
         layers = body.get_submodule(spec.layers_attr)
         self.stubs = stubs = nn.ModuleList(_RecordingLayer(i, self.log, layer) for i, layer in enumerate(layers))
         embed = spec.skeleton.get_input_embeddings()
-        # A copy of the body with a feed for the embedding, stubs in place of layers and an identity final norm
-        # (and unread modules): the skeleton itself stays intact for export and templates.
+        # A copy of the body with a feed for the embedding, stubs in place of layers, the pre-layer modules run with
+        # the embed unit's weights (BERT's `embeddings` around the feed) and an identity final norm (a parameterless
+        # one, NanoChat's, also run before the layers, stays) and unread modules: the skeleton stays intact.
         self.feed = _EmbeddingFeed(embed, spec.config.model_type)
         embed_path = next(n for n, m in body.named_modules() if m is embed)
-        self.body = with_submodules(body, {embed_path: self.feed, spec.layers_attr: stubs})
-        # A pre-layer container of the embedding (BERT's `embeddings`) runs around the feed.
+        self.body = nesting.with_submodules(body, {embed_path: self.feed, spec.layers_attr: stubs})
         self.pre_layer = [_PreLayer(self.body.get_submodule(a), a, spec.config.model_type, self.log, device)
                           for a in spec.embed_attrs]
-        norm = body.get_submodule(spec.norm_attr) if spec.norm_attr is not None else None
-        passed = [spec.norm_attr] if norm is not None and any(True for _ in norm.parameters()) else []  # a
-        # parameterless norm (NanoChat's, also run before the layers) stays
-        self.body = with_submodules(self.body, {**{p.attr: p for p in self.pre_layer},
-                                                **{a: nn.Identity() for a in (*passed, *spec.unread_attrs)}})
+        weighed = spec.norm_attr is not None and any(True for _ in body.get_submodule(spec.norm_attr).parameters())
+        norm = [spec.norm_attr] if weighed else []
+        passed = {a: nn.Identity() for a in (*norm, *spec.unread_attrs)}
+        self.body = nesting.with_submodules(self.body, {**{p.attr: p for p in self.pre_layer}, **passed})
         self.probe_weights = _probe_weights(spec, device)
         self.vision = spec.vision
         self.images = _ImageFeatures()
@@ -318,11 +318,11 @@ class LayerContextBuilder:
         self.num_layers = len(layers)
         self.model_type = spec.config.model_type
         self.bounds_not_masks = takes_document_bounds(spec.config._attn_implementation)
-        self.nested, self.own_positions = is_nested(spec), False
+        self.nested, self.own_positions = nesting.is_nested(spec), False
         self._fit_stand_ins(spec, device)
         self.carried = self._carried_inputs(spec, device)
-        self.own_positions = self.nested and numbers_own_positions(partial(self._record, self.probe_weights),
-                                                                   embed.weight.shape[-1], device)
+        self.own_positions = self.nested and nesting.numbers_own_positions(
+            partial(self._record, self.probe_weights), embed.weight.shape[-1], device)
         exact = self._packed_rows_exact(spec, device)  # also runs the body around the stand-ins once
         if self.token_types:
             self._refuse_both_ways_text(spec, device)
@@ -539,7 +539,7 @@ class LayerContextBuilder:
                 "trained yet"
             )
         if self.nested:
-            check_hands_back(self.model_type, out, layer_hidden(self.log[self.num_layers - 1][0]))
+            nesting.check_hands_back(self.model_type, out, layer_hidden(self.log[self.num_layers - 1][0]))
         h0 = self.log[0][0]
         per_layer = [dict(self.log[i][1]) for i in range(self.num_layers)]
         for kw in per_layer:
@@ -605,18 +605,3 @@ def reads_device(module: nn.Module, device: torch.device) -> nn.Module:
 @cache
 def _on_device(cls: type[nn.Module]) -> type[nn.Module]:
     return type(cls.__name__, (cls,), {"device": property(lambda self: self.__dict__["_engine_device"])})
-
-
-def with_submodule(root: nn.Module, path: str, module: nn.Module) -> nn.Module:
-    """A shallow copy of `root` whose submodule at dotted `path` is `module` (root is untouched)."""
-    head, _, rest = path.partition(".")
-    clone = shallow_copy(root)
-    clone._modules[head] = with_submodule(root._modules[head], rest, module) if rest else module
-    return clone
-
-
-def with_submodules(root: nn.Module, modules: dict[str, nn.Module]) -> nn.Module:
-    """A shallow copy of `root` with each module of `modules` at its dotted path (root is untouched)."""
-    for path, module in modules.items():
-        root = with_submodule(root, path, module)
-    return root

@@ -29,15 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from mt_ray.errors import ModelNotSupportedError
-from mt_ray.models.nesting import (
-    BETWEEN,
-    UNREAD,
-    attach,
-    between_modules,
-    find_nested,
-    one_entry_each,
-    shared_ties,
-)
+from mt_ray.models import nesting
 from mt_ray.models.vision import (
     VISION_EMBED,
     VISION_PROJECTOR,
@@ -272,19 +264,20 @@ def discover(model: str | PretrainedConfig | dict, freeze_vision_tower: bool = T
     names = {id(m): n for n, m in skeleton.named_modules()}
     tied = _head_tied(skeleton, embed, head, names)
     vision = find_vision(skeleton, config, base) if is_vision_config(config) else None
-    between = between_modules(skeleton, base, head)
+    between = nesting.between_modules(skeleton, base, head)
     body_parts = [base.get_submodule(a) for a in (layers_attr, norm_attr, *embed_attrs, *unread) if a is not None]
     _reject_unknown_parameters(skeleton, [embed, head, *body_parts, *map(skeleton.get_submodule, between)], vision)
 
     layers = base.get_submodule(layers_attr)
-    ties = _layer_ties(skeleton, head, names, layers, shared_ties(skeleton, (names[id(head)], *between)))
+    ties = _layer_ties(skeleton, head, names, layers, nesting.shared_ties(skeleton, (names[id(head)], *between)))
     layer_kinds: dict[str, nn.Module] = {}
     units = _vision_units(vision, freeze_vision_tower, freeze_multi_modal_projector) if vision else []
     embed_params = _params(embed, names[id(embed)])
     for attr in embed_attrs:
         child = base.get_submodule(attr)
         embed_params += _params(child, names[id(child)], prefix=f"{attr}.")
-    embed_params = list({p.hf_name: p for p in reversed(embed_params)}.values())[::-1]  # a container repeats its embedding
+    # BERT's `embeddings` container holds the embedding again: one entry, the embedding's own (`weight`).
+    embed_params = list({p.hf_name: p for p in reversed(embed_params)}.values())[::-1]
     units.append(UnitSpec("embed", _decayed_first(embed_params), "embed"))
     layer_params = [_params(layer, names[id(layer)], ties=ties) for layer in layers]
     # A layer holding mirrors lays out its flat buffer apart from its owner's: a kind of its own.
@@ -295,10 +288,13 @@ def discover(model: str | PretrainedConfig | dict, freeze_vision_tower: bool = T
     # A tied head's matrix is the embedding's; anything else it has (CTRL's bias) is the head unit's own.
     head_params += [p for p in _params(head, names[id(head)], prefix="lm_head.")
                     if not (tied and p.local_name == "lm_head.weight")]
-    head_params += [p for a in between for p in _params(skeleton.get_submodule(a), a, prefix=f"{BETWEEN}.{a}.")]
-    head_params += [dataclasses.replace(p, trainable=False) for a in unread
-                    for p in _params(base.get_submodule(a), names[id(base.get_submodule(a))], prefix=f"{UNREAD}.{a}.")]
-    head_params = one_entry_each(skeleton, head_params, {p.hf_name for p in embed_params})
+    for a in between:  # BERT's prediction head (`cls`), run on the body's output before the LM head
+        head_params += _params(skeleton.get_submodule(a), a, prefix=f"{nesting.BETWEEN}.{a}.")
+    for a in unread:  # a pooler the LM head never reads (BigBird's): it loads and exports, untrained
+        module = base.get_submodule(a)
+        head_params += [dataclasses.replace(p, trainable=False)
+                        for p in _params(module, names[id(module)], prefix=f"{nesting.UNREAD}.{a}.")]
+    head_params = nesting.one_entry_each(skeleton, head_params, {p.hf_name for p in embed_params})
     # A tied head after a body without a final norm (BART's decoder) has no weights of its own: nothing to train.
     units.append(UnitSpec("head", _decayed_first(head_params), "head", frozen=not head_params))
     isolate = _carries_sequence_state(skeleton, layers)
@@ -310,7 +306,7 @@ def _body_layout(skeleton: nn.Module, embed: nn.Module, config: PretrainedConfig
                  ) -> tuple[nn.Module, str, str | None, tuple[str, ...], tuple[str, ...]]:
     """The body, its layer list, final norm, pre-layer modules and unread modules (paths under the body): read from a
     body holding its embedding and layer list as children, or nested in containers of it (`nesting`)."""
-    nested = None if is_vision_config(config) else find_nested(skeleton, embed, config)
+    nested = None if is_vision_config(config) else nesting.find_nested(skeleton, embed, config)
     if nested is not None:
         return nested.base, nested.layers_path, nested.norm, nested.pre, nested.unread
     base = _find_base(skeleton, embed)
@@ -325,9 +321,9 @@ def embed_module(spec: ModelSpec) -> nn.Module:
     embed = spec.skeleton.get_input_embeddings()
     if not spec.embed_attrs:
         return embed
-    module = shallow_copy(embed)
+    module = nesting.shallow_copy(embed)
     for attr in spec.embed_attrs:
-        attach(module, attr, spec.base.get_submodule(attr))
+        nesting.attach(module, attr, spec.base.get_submodule(attr))
     return module
 
 
@@ -603,13 +599,3 @@ def meta_free_buffers_to(module: nn.Module, device: torch.device) -> nn.Module:
             if buf is not None:
                 sub._buffers[name] = buf.to(device)
     return module
-
-
-def shallow_copy(module: nn.Module) -> nn.Module:
-    """A new module object sharing `module`'s attributes and children, whose children can be swapped."""
-    clone = module.__class__.__new__(module.__class__)
-    clone.__dict__ = dict(module.__dict__)
-    clone._modules = dict(module._modules)
-    clone._parameters = dict(module._parameters)
-    clone._buffers = dict(module._buffers)
-    return clone

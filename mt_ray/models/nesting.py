@@ -191,13 +191,17 @@ def is_nested(spec) -> bool:
 def numbers_own_positions(record: Callable[..., tuple[torch.Tensor, list[dict]]], hidden: int,
                           device: torch.device) -> bool:
     """Whether the body, given no position ids, numbers a document's tokens otherwise than 0, 1, ... (RoBERTa counts
-    from its padding token): the first layer's input or any layer's arguments differ from those with position ids.
-    transformers' model, called on a document, numbers it so: the engine then records each document alone, without
-    position ids."""
+    from its padding token): the first layer's input or any layer's arguments differ from those with position ids
+    (bar the position ids themselves, handed on as they came). transformers' model, called on a document, numbers it
+    so: the engine then records each document alone, without position ids."""
     embeds = torch.zeros(1, 4, hidden, device=device)
     ids = torch.full((1, 4), 3, dtype=torch.long, device=device)
-    h_given, given = record(embeds, ids, torch.arange(4, device=device)[None])
+    positions = torch.arange(4, device=device)[None]
+    h_given, given = record(embeds, ids, positions)
     h_own, own = record(embeds, ids, None)
+    handed_on = [{k for k, v in kw.items() if v is positions} for kw in given]
+    given, own = ([{k: v for k, v in kw.items() if k not in keys} for kw, keys in zip(side, handed_on, strict=True)]
+                  for side in (given, own))
     return not (torch.equal(h_given, h_own) and same_arguments(given, own, 4))
 
 
@@ -222,3 +226,28 @@ def head_extras(spec) -> dict[str, nn.Module]:
     if spec.unread_attrs:
         out[UNREAD] = tree(spec.base, spec.unread_attrs)
     return out
+
+
+def shallow_copy(module: nn.Module) -> nn.Module:
+    """A new module object sharing `module`'s attributes and children, whose children can be swapped."""
+    clone = module.__class__.__new__(module.__class__)
+    clone.__dict__ = dict(module.__dict__)
+    clone._modules = dict(module._modules)
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
+    return clone
+
+
+def with_submodule(root: nn.Module, path: str, module: nn.Module) -> nn.Module:
+    """A shallow copy of `root` whose submodule at dotted `path` is `module` (root is untouched)."""
+    head, _, rest = path.partition(".")
+    clone = shallow_copy(root)
+    clone._modules[head] = with_submodule(root._modules[head], rest, module) if rest else module
+    return clone
+
+
+def with_submodules(root: nn.Module, modules: dict[str, nn.Module]) -> nn.Module:
+    """A shallow copy of `root` with each module of `modules` at its dotted path (root is untouched)."""
+    for path, module in modules.items():
+        root = with_submodule(root, path, module)
+    return root
