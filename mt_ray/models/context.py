@@ -398,16 +398,17 @@ class LayerContextBuilder:
     @contextlib.contextmanager
     def _stand_ins_run(self) -> Iterator[None]:
         """A body that cannot run around the stand-ins (a config value its own code needs and the layers do not
-        read, a layer that takes unnamed arguments) is refused by name."""
+        read, a layer that takes unnamed arguments, a layer output read by field: Reformer's two streams) is refused
+        by name."""
         try:
             yield
         except ModelNotSupportedError:
             raise
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, AttributeError) as e:
             raise ModelNotSupportedError(
                 f"'{self.model_type}': its body does not run with mt-ray's layer stand-ins ({type(e).__name__}: {e}); "
-                "its decoder layers do not return what their annotation says, or take unnamed arguments; this "
-                "family cannot be trained yet"
+                "its decoder layers do not return what their annotation says (or what the body reads of it), or "
+                "take unnamed arguments; this family cannot be trained yet"
             ) from None
 
     def _carried_inputs(self, spec: ModelSpec, device: torch.device) -> list[tuple[str, ...]]:
@@ -439,7 +440,8 @@ class LayerContextBuilder:
             return False
         except ModelNotSupportedError:
             return True
-        except (TypeError, ValueError, IndexError, RuntimeError):  # RuntimeError: a tensor taken for a tuple
+        except (TypeError, ValueError, IndexError, RuntimeError, AttributeError):  # RuntimeError: a tensor taken
+            # for a tuple; AttributeError: a field read off what the layer returns
             return False
         return True
 

@@ -86,3 +86,14 @@ def test_block_sparse_attention_is_refused_by_name():
 def test_a_body_that_embeds_tokens_of_its_own_is_refused_before_any_state():
     with pytest.raises(ModelNotSupportedError, match="'cpmant': its body embeds other tokens than the row's"):
         StreamingEngine(discover(tiny_config("cpmant")), EngineConfig(device="cpu"), OPT, total_steps=1)
+
+
+def test_reversible_layers_are_refused_by_name():
+    """Reformer's encoder runs its layers inside a reversible function that reads two streams off each layer's
+    output (`attn_output`, `hidden_states`), which no stand-in returns (its default axial positions are refused even
+    before: they need rows of one fixed length)."""
+    config = tiny_config("reformer")
+    config.axial_pos_embds, config.attn_layers = False, ["local", "local"]
+    with pytest.raises(ModelNotSupportedError, match="'reformer': its body does not run with mt-ray's layer stand-ins "
+                                                     r"\(AttributeError: .*attn_output"):
+        StreamingEngine(discover(config), EngineConfig(device="cpu"), OPT, total_steps=1)
