@@ -19,7 +19,7 @@ import inspect
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from transformers.utils import ModelOutput
 
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.packing_probe import same_arguments
+
+if TYPE_CHECKING:  # discovery builds on this module: its spec is only named here
+    from mt_ray.models.discovery import ModelSpec
 
 T = TypeVar("T")
 
@@ -118,6 +121,7 @@ def _used_at(source: str, attr: str) -> int | None:
 
 
 def _is_norm(module: nn.Module) -> bool:
+    """A norm by its class, as `discovery._is_norm` reads one (kept apart: discovery builds on this module)."""
     return "norm" in type(module).__name__.lower() and not isinstance(module, nn.Embedding)
 
 
@@ -182,7 +186,7 @@ def one_entry_each(skeleton: nn.Module, params: list[T], elsewhere: set[str]) ->
     return out
 
 
-def is_nested(spec) -> bool:
+def is_nested(spec: ModelSpec) -> bool:
     """Whether the spec's body keeps its embedding or its layer list in a container (`find_nested` read it)."""
     embed = spec.skeleton.get_input_embeddings()
     return "." in spec.layers_attr or all(c is not embed for c in spec.base.children())
@@ -217,7 +221,7 @@ def check_hands_back(model_type: str, out: Any, last: torch.Tensor) -> None:
             "which mt-ray does not replay before the LM head; this family cannot be trained yet")
 
 
-def head_extras(spec) -> dict[str, nn.Module]:
+def head_extras(spec: ModelSpec) -> dict[str, nn.Module]:
     """The head unit's modules beyond its final norm and LM head, by their names' first part (`between.`, `unread.`),
     each a container holding them at their paths, so the unit's names bind through it."""
     out = {}
