@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.bert.modeling_bert import BertModel
 
@@ -97,3 +99,24 @@ def test_reversible_layers_are_refused_by_name():
     with pytest.raises(ModelNotSupportedError, match="'reformer': its body does not run with mt-ray's layer stand-ins "
                                                      r"\(AttributeError: .*attn_output"):
         StreamingEngine(discover(config), EngineConfig(device="cpu"), OPT, total_steps=1)
+
+
+def test_a_checkpoint_that_also_stores_the_tied_copies_loads(tmp_path):
+    """Older BERT checkpoints store the decoder's bias and matrix again beside `cls.predictions.bias` and the
+    embedding: the copies are the same tensors, and the state is the one tensor each."""
+    config = tiny_config("bert")
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert "cls.predictions.decoder.bias" not in tensors  # save_pretrained stores each tied tensor once
+    tensors["cls.predictions.decoder.bias"] = tensors["cls.predictions.bias"].clone()
+    tensors["cls.predictions.decoder.weight"] = tensors["bert.embeddings.word_embeddings.weight"].clone()
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    engine = StreamingEngine(discover(str(tmp_path)), EngineConfig(device="cpu"), OPT, total_steps=1)
+    try:
+        engine.load_pretrained(tmp_path)
+        state = engine.state_dict()
+    finally:
+        engine.close()
+    assert torch.equal(state["cls.predictions.bias"], model.cls.predictions.bias.detach())
+    assert "cls.predictions.decoder.bias" not in state
