@@ -484,9 +484,8 @@ def _find_layers(base: nn.Module, config: PretrainedConfig, skeleton: nn.Module)
         embed = next(name for name, m in skeleton.named_modules() if m is skeleton.get_input_embeddings())
         raise ModelNotSupportedError(
             f"'{config.model_type}': its decoder layers (`{nested[0]}`) and its input embedding (`{embed}`) are not "
-            "both children of one body module; mt-ray does not yet stream a layer list or an embedding nested in a "
-            "container of the body (with the container's other modules: position embeddings, norms); this family "
-            "cannot be trained yet"
+            "both children of one body module; mt-ray streams a layer list or an embedding nested in a container of "
+            "the body for text models only; this image-text family cannot be trained yet"
         )
     if len(lists) != 1:
         raise ModelNotSupportedError(
