@@ -277,7 +277,7 @@ def discover(model: str | PretrainedConfig | dict, freeze_vision_tower: bool = T
         child = base.get_submodule(attr)
         embed_params += _params(child, names[id(child)], prefix=f"{attr}.")
     # BERT's `embeddings` container holds the embedding again: one entry, the embedding's own (`weight`).
-    embed_params = list({p.hf_name: p for p in reversed(embed_params)}.values())[::-1]
+    embed_params = nesting.one_entry_each(skeleton, embed_params, set())
     units.append(UnitSpec("embed", _decayed_first(embed_params), "embed"))
     layer_params = [_params(layer, names[id(layer)], ties=ties) for layer in layers]
     # A layer holding mirrors lays out its flat buffer apart from its owner's: a kind of its own.

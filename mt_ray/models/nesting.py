@@ -174,9 +174,10 @@ def canonical(skeleton: nn.Module, name: str) -> str:
 
 
 def one_entry_each(skeleton: nn.Module, params: list[T], elsewhere: set[str]) -> list[T]:
-    """The head unit's entries (`discovery.ParamInfo`), each tensor once: under the name `save_pretrained` stores it
-    (a tie's source), with the local name met first (the LM head's own, which its forward reads); none that another
-    unit holds (`elsewhere`: the tied embedding matrix, which BERT's `cls` also reaches)."""
+    """A unit's entries (`discovery.ParamInfo`), each tensor once: under the name `save_pretrained` stores it (a tie's
+    source), with the local name met first (the embedding's own, not its container's; the LM head's, which its forward
+    reads, not the prediction head's); none that another unit holds (`elsewhere`: the tied embedding matrix, which
+    BERT's `cls` also reaches)."""
     out, seen = [], set(elsewhere)
     for p in params:
         name = canonical(skeleton, p.hf_name)
