@@ -15,9 +15,12 @@ from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.context import LayerContextBuilder
 from mt_ray.models.discovery import discover
 from tests.family_checks import OPT
-from tests.family_sweep import tiny_config
+from tests.family_sweep import save_tiny, tiny_config
 
 CPU = torch.device("cpu")
+ENCODER_FAMILIES = ["bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie",
+                    "megatron-bert", "modernbert-decoder", "rembert", "roberta", "roberta-prelayernorm", "roc_bert",
+                    "roformer", "xlm-roberta", "xlm-roberta-xl", "xmod"]
 
 
 def _hf_names(spec, unit: str) -> list[str]:
@@ -120,3 +123,19 @@ def test_a_checkpoint_that_also_stores_the_tied_copies_loads(tmp_path):
         engine.close()
     assert torch.equal(state["cls.predictions.bias"], model.cls.predictions.bias.detach())
     assert "cls.predictions.decoder.bias" not in state
+
+
+@pytest.mark.parametrize("model_type", ENCODER_FAMILIES)
+def test_a_checkpoint_loads_and_exports_as_save_pretrained_wrote_it(model_type, tmp_path):
+    """Every tensor of the folder, tied ones stored once (the decoder's bias as the prediction head's), comes back
+    under the same names with the same values."""
+    save_tiny(model_type, tmp_path / "saved")
+    engine = StreamingEngine(discover(str(tmp_path / "saved")), EngineConfig(device="cpu"), OPT, total_steps=1)
+    try:
+        engine.load_pretrained(tmp_path / "saved")
+        out = engine.export(tmp_path / "exported")
+    finally:
+        engine.close()
+    saved, exported = load_file(tmp_path / "saved/model.safetensors"), load_file(out / "model.safetensors")
+    assert saved.keys() == exported.keys()
+    assert all(torch.equal(saved[k], exported[k]) for k in saved)
