@@ -133,8 +133,9 @@ class ModelSpec:
     vision: VisionSpec | None = None
     """An image-text model's tower and projector (their units are named `vision.*`); None for a text model."""
     embed_attrs: tuple[str, ...] = ()
-    """The body's children it runs on the embedding's output before the first layer (GPT-2's learned positions,
-    BLOOM's embedding norm): their parameters are the embed unit's, under `<child>.` names."""
+    """The body's modules it runs on the embedding's output before the first layer (GPT-2's learned positions,
+    BLOOM's embedding norm; in a nested body, paths: BERT's `embeddings` container around the embedding, RemBERT's
+    `encoder.embedding_hidden_mapping_in`): their parameters are the embed unit's, under `<path>.` names."""
     between_attrs: tuple[str, ...] = ()
     """The causal LM's modules run on the body's output before the LM head (BERT's `cls`): the head unit's, under
     `between.<path>` names (`nesting.between_modules`)."""
