@@ -407,8 +407,8 @@ class LayerContextBuilder:
         except (TypeError, ValueError, AttributeError) as e:
             raise ModelNotSupportedError(
                 f"'{self.model_type}': its body does not run with mt-ray's layer stand-ins ({type(e).__name__}: {e}); "
-                "its decoder layers do not return what their annotation says (or what the body reads of it), or "
-                "take unnamed arguments; this family cannot be trained yet"
+                "its decoder layers do not return what their annotation says, or take unnamed arguments; this "
+                "family cannot be trained yet"
             ) from None
 
     def _carried_inputs(self, spec: ModelSpec, device: torch.device) -> list[tuple[str, ...]]:

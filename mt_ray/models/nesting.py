@@ -14,9 +14,11 @@ runs on the body's output (they join the head unit, under `between.`).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import re
+import textwrap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -126,20 +128,32 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 def between_modules(skeleton: nn.Module, body: nn.Module, head: nn.Module) -> tuple[str, ...]:
-    """The causal LM's children its forward runs on the body's output before the LM head (BERT's `cls`, RoBERTa's
-    `lm_head` container, ModernBERT's prediction head), holding parameters beyond the LM head's."""
-    body_name = next((n for n, c in skeleton.named_children() if c is body), None)
-    source = inspect.getsource(type(skeleton).forward)
-    body_at = _used_at(source, body_name) if body_name else None
+    """The causal LM's children that run on the body's output into the LM head, holding parameters beyond the LM
+    head's: the one holding the LM head (BERT's `cls`, RoBERTa's `lm_head` container) or one called in the statement
+    that calls it (ModernBERT's `self.decoder(self.lm_head(...))`). One whose output the logits never read (Gemma 4's
+    assistant's `post_projection`) is none of them."""
     own = {id(p) for p in head.parameters()}
-    found = []
-    for name, child in skeleton.named_children():
-        at = _used_at(source, name)
-        if child is body or body_at is None or at is None or at < body_at:
+    holder = next((n for n, c in skeleton.named_children() if any(m is head for m in c.modules())), None)
+    if holder is None or all(c is not body for c in skeleton.children()):
+        return ()
+    beside = _called_with(type(skeleton).forward, holder)
+    return tuple(name for name, child in skeleton.named_children()
+                 if child is not body and (name == holder or name in beside)
+                 and any(id(p) not in own for p in child.parameters()))
+
+
+def _called_with(forward: Callable[..., Any], attr: str) -> set[str]:
+    """The `self.<name>`s that `forward` names in a statement that names `self.<attr>`."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    found: set[str] = set()
+    for stmt in ast.walk(tree):
+        if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Expr, ast.Return)):
             continue
-        if any(id(p) not in own for p in child.parameters()):
-            found.append(name)
-    return tuple(found)
+        named = {n.attr for n in ast.walk(stmt) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                 and n.value.id == "self"}
+        if attr in named:
+            found |= named
+    return found
 
 
 def attach(root: nn.Module, path: str, module: nn.Module) -> None:
