@@ -30,6 +30,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models import nesting
+from mt_ray.models.nesting import shallow_copy
 from mt_ray.models.vision import (
     VISION_EMBED,
     VISION_PROJECTOR,
@@ -322,7 +323,7 @@ def embed_module(spec: ModelSpec) -> nn.Module:
     embed = spec.skeleton.get_input_embeddings()
     if not spec.embed_attrs:
         return embed
-    module = nesting.shallow_copy(embed)
+    module = shallow_copy(embed)
     for attr in spec.embed_attrs:
         nesting.attach(module, attr, spec.base.get_submodule(attr))
     return module
