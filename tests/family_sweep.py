@@ -113,6 +113,14 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "nemotron": {"num_key_value_heads": 2},  # None in the default, read as a number
     "qwen4_exp": _QWEN4_EXP,
     "qwen4_exp_text": _QWEN4_EXP,
+    # an encoder family's causal-LM class is a decoder only with is_decoder (as a user loading it for causal LM sets it)
+    **dict.fromkeys(["bert", "bert-generation", "camembert", "data2vec-text", "electra", "ernie",
+                     "megatron-bert", "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer",
+                     "xlm-roberta", "xlm-roberta-xl"], {"is_decoder": True}),
+    # block-sparse attention (the default) is refused; its causal LM trains with full attention
+    "big_bird": {"is_decoder": True, "attention_type": "original_full"},
+    # and its adapters need a language when the input names none
+    "xmod": {"is_decoder": True, "default_language": "en_XX"},
     # its causal-LM class requires is_decoder; axial position embeddings must sum to the hidden size
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": [16, 16], "axial_pos_shape": [8, 8],
                  "attention_head_size": 8, "feed_forward_size": 64, "attn_layers": ["local", "lsh"],
