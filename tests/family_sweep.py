@@ -34,7 +34,6 @@ from tests.family_checks import OPT, documents, packed_micro_batch, reference_st
 # What a matched outcome's reason notes (a mark each in the README's table).
 ALONE = "documents run alone"
 UNSHIFTED = "its own forward's loss is unshifted: scored on next-token prediction"
-TOWER_REFUSED = "trained tower refused"
 SWEEP_VOCAB = 128  # documents draw ids below 96 (tests.tiny_models.VOCAB): special and image ids sit above
 LAYERS = 2
 
@@ -331,8 +330,7 @@ def families_table(mappings: dict[str, dict[str, Outcome]]) -> str:
         lines += ["", f"**{mapping}** (`{summary_line(outcomes)}`)", "",
                   f"Trained at parity ({len(by('matched'))}; * each document of a packed row runs alone; † its "
                   "causal-LM class's own loss does not shift the labels, so it is checked on next-token prediction, "
-                  "transformers' `ForCausalLMLoss` of its logits; ‡ a trained vision tower is refused, as tensors its "
-                  f"`get_image_features` never reads would decay: it trains at parity frozen): {matched}.",
+                  f"transformers' `ForCausalLMLoss` of its logits): {matched}.",
                   "", "| refused `model_type` | why |", "|---|---|"]
         lines += [f"| `{t}` | {short_reason(outcomes[t])} |" for t in by("refused")]
         lines += ["", "| skipped `model_type` | reason outside mt-ray |", "|---|---|"]
@@ -341,8 +339,7 @@ def families_table(mappings: dict[str, dict[str, Outcome]]) -> str:
 
 
 def _marks(outcome: Outcome) -> str:
-    return ("*" if ALONE in outcome.reason else "") + ("†" if UNSHIFTED in outcome.reason else "") + (
-        "‡" if TOWER_REFUSED in outcome.reason else "")
+    return ("*" if ALONE in outcome.reason else "") + ("†" if UNSHIFTED in outcome.reason else "")
 
 
 def readme_table(readme: Path) -> str:
