@@ -248,7 +248,7 @@ def test_llava_with_a_trained_tower_equals_transformers(tmp_path):
 
 @pytest.mark.parametrize(("family", "reason"), [
     ("mllama", "has no get_image_features"), ("paligemma", "token_type_ids mark 0 attend to each other both ways"),
-    ("lfm2_vl", "is not trained yet: its images carry spatial shapes")])
+    ("llama4", "its language model is a whole causal LM (Llama4ForCausalLM at `language_model`")])
 def test_image_text_families_not_trained_are_refused_by_name_and_feature(family, reason):
     from tests.vlm_sweep import image_text_outcome
 
