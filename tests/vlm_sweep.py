@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import inspect
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from pathlib import Path
 
 import torch
@@ -38,6 +38,7 @@ _VISION_SIZES: dict[str, object] = dict(
     intermediate_size=32, num_attention_heads=2, head_dim=8, num_key_value_heads=2,
 )
 _SPECIAL = ("pad_token_id", "bos_token_id", "eos_token_id")
+_IMAGE_TOKEN = ("image_token_id", "image_token_index")
 
 # Per family: what its tiny model needs beyond the scaled sizes (each line says why).
 VLM_OVERRIDES: dict[str, dict] = {
@@ -48,12 +49,16 @@ VLM_OVERRIDES: dict[str, dict] = {
         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}}},
     "internvl": {"vision_config": {"image_size": [16, 16], "patch_size": [4, 4]}},  # (height, width) pairs
     "qianfan_ocr": {"vision_config": {"image_size": [16, 16], "patch_size": [4, 4]}},
+    "paddleocr_vl": {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                         "mrope_section": [2, 1, 1]}}},  # [16, 24, 24] where none
     "qwen2_5_vl": {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                        "mrope_section": [2, 1, 1]}}},
     # deepstack features from two of three blocks (the default's indexes lie past a tiny tower)
     **{f: {"vision_config": {"depth": 3, "deepstack_visual_indexes": [0, 2]}}
        for f in ("qwen3_vl", "qwen3_vl_moe", "cosmos3_omni")},
-    "vipllava": {"vision_feature_layers": [-2, -1]},  # the default reads five layers of a deeper tower
+    "vipllava": {"vision_feature_layers": [-2, -1]},
+    "kimi_k25": {"projection_hidden_size": 16},  # the projector's norm takes the tower's width (1152 by default)
+    "aria": {"projector_patch_to_query_dict": {16: 4}},  # 4 queries for the 16 patches of a picture  # the default reads five layers of a deeper tower
     # one resolution of 16x16 tiles: each image is its 16x16 overview and one tile
     "llava_next": {"image_grid_pinpoints": [[16, 16]]},
     "llava_next_video": {"image_grid_pinpoints": [[16, 16]]},
@@ -77,8 +82,8 @@ def tiny_vlm_config(model_type: str) -> PretrainedConfig:
         sub = getattr(default, key, None)
         if isinstance(sub, PretrainedConfig):
             kw[key] = _scaled_sub(sub, vision="vision" in key)
-    tokens = [k for k, v in default.to_dict().items()
-              if k.endswith(("_token_id", "_token_index")) and isinstance(v, int) and k not in _SPECIAL]
+    tokens = [k for k, v in default.to_dict().items() if k.endswith(("_token_id", "_token_index")) and k not in _SPECIAL
+              and (isinstance(v, int) or k in _IMAGE_TOKEN)]  # the image token even where it defaults to None
     kw.update({k: SWEEP_VOCAB - 1 - i for i, k in enumerate(tokens)})
     for key, value in VLM_OVERRIDES.get(model_type, {}).items():
         sub = kw.get(key)
@@ -110,24 +115,37 @@ def _head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _candidates(config: PretrainedConfig, g: torch.Generator, side: int) -> list[Images]:
-    """One image's inputs in each layout transformers' towers take, for `get_image_features` to pick from."""
+def _candidates(config: PretrainedConfig, takes: Container[str], g: torch.Generator, side: int) -> list[Images]:
+    """One image's inputs in each layout transformers' towers take (`takes`: what `get_image_features` names), for
+    it to pick from; each with the sizes its image processor returns beside the pixels."""
     v = config.vision_config
     size = getattr(v, "image_size", 16)
     size = size[0] if isinstance(size, (list, tuple)) else size
     channels = getattr(v, "num_channels", 3) or 3
     patch = getattr(v, "patch_size", 4)
+    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+    temporal = getattr(v, "temporal_patch_size", None) or 1
+    n, grid_hw = (side // patch) ** 2, torch.tensor([[side // patch, side // patch]])
     out: list[Images] = []
-    temporal = getattr(v, "temporal_patch_size", None)
-    if temporal is not None:  # Qwen-VL: the picture's patches flattened, with its (t, h, w) grid
+    if "image_grid_thw" in takes:  # patches with their (t, h, w) grid: flattened (Qwen-VL) or as small pictures
         grid = torch.tensor([[1, side // patch, side // patch]])
-        out.append({"pixel_values": torch.randn(int(grid.prod()), channels * temporal * patch * patch, generator=g),
-                    "image_grid_thw": grid})
+        merge = {"image_merge_sizes": torch.tensor([1])} if "image_merge_sizes" in takes else {}  # VideoLLaMA3's images
+        out += [{"pixel_values": torch.randn(n, *shape, generator=g), "image_grid_thw": grid, **merge}
+                for shape in ((channels * temporal * patch * patch,), (channels, patch, patch))]
+    if "spatial_shapes" in takes:  # NaFlex (LFM2-VL): a row of flattened patches, their grid, which of them are real
+        out.append({"pixel_values": torch.randn(1, n, channels * patch * patch, generator=g), "spatial_shapes": grid_hw,
+                    "pixel_attention_mask": torch.ones(1, n, dtype=torch.long)})
     picture = torch.randn(1, channels, size, size, generator=g)
     sizes = torch.tensor([[size, size]])
+    if "target_sizes" in takes:  # MiniCPM-V 4.6: the picture's patch grid
+        out.append({"pixel_values": picture, "target_sizes": torch.tensor([[size // patch, size // patch]])})
+    if "pixel_mask" in takes:  # Aria: which pixels are the picture's (all: it fills its square)
+        out.append({"pixel_values": picture, "pixel_mask": torch.ones(1, size, size, dtype=torch.bool)})
     out += [{"pixel_values": picture}, {"pixel_values": picture, "image_sizes": sizes},
             {"pixel_values": picture[:, None]},  # one tile of one image (Idefics)
-            {"pixel_values": picture[None].expand(1, 2, -1, -1, -1).clone(), "image_sizes": sizes}]  # LLaVA-NeXT
+            {"pixel_values": picture[None].expand(1, 2, -1, -1, -1).clone(), "image_sizes": sizes},  # LLaVA-NeXT
+            # Inkling: channels-last (t, p, p) patches, one token each
+            {"pixel_values": torch.randn(n, temporal, patch, patch, channels, generator=g)}]
     return out
 
 
@@ -135,7 +153,8 @@ def image_inputs(model: torch.nn.Module, g: torch.Generator, side: int = 16) -> 
     """One image's inputs the family's `get_image_features` takes, and how many image tokens it fills."""
     hidden = model.config.get_text_config().hidden_size
     errors = []
-    for inputs in _candidates(model.config, g, side):
+    takes = inspect.signature(model.model.get_image_features).parameters
+    for inputs in _candidates(model.config, takes, g, side):
         try:
             with torch.no_grad():
                 out = model.model.get_image_features(**inputs)
