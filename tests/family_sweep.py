@@ -66,7 +66,7 @@ _SIZES: dict[str, object] = dict(
     decoder_layers=LAYERS, encoder_layers=LAYERS, num_encoder_layers=LAYERS, num_decoder_layers=LAYERS,
 )
 _DERIVED = ("head_dim",)  # None in some defaults (derived from the hidden size), yet read as it is by the model
-_ZEROED = ("dropout", "pdrop", "jitter", "layerdrop")  # training-time noise: the reference must be deterministic
+_ZEROED = ("dropout", "pdrop", "jitter", "layerdrop", "drop_path")  # training-time noise (stochastic depth too): the reference must be deterministic
 
 # Gemma 4's global layers have their own head width (per-layer config), 512 in the default
 _GEMMA4_TEXT = dict(head_dim=8, global_head_dim=16, layer_types=["sliding_attention", "full_attention"])

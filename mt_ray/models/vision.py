@@ -40,11 +40,11 @@ NOT_YET: dict[str, str] = {
     "got_ocr2": "its SAM tower's blocks do not run with mt-ray's block stand-ins",
     "pp_chart2table": "its SAM tower's blocks do not run with mt-ray's block stand-ins",
     "janus": "a VQ image generator sits beside its understanding tower",
+    "minimax_m3_vl": "its tower attends across every image of a call (one sequence, no per-image mask), so a packed "
+                     "row's images would see other documents' images (mt-ray runs the tower once per micro-batch)",
     "muse_glimmer": "its tower has not been checked against transformers",
     "qwen2_5_omni_thinker": "an audio-visual thinker whose language model has no get_image_features",
     "qwen3_omni_moe_thinker": "an audio-visual thinker whose language model has no get_image_features",
-    "qianfan_ocr": "one step's loss differs from transformers' by 3.5e-5 relative (cause not yet found)",
-    "minimax_m3_vl": "one step's loss differs from transformers' by 1e-2 relative (cause not yet found)",
     "shieldgemma2": "its checkpoint nests a causal-LM class under model.language_model, which mt-ray's loader does not map",
 }
 
