@@ -57,6 +57,18 @@ VLM_OVERRIDES: dict[str, dict] = {
     **{f: {"vision_config": {"depth": 3, "deepstack_visual_indexes": [0, 2]}}
        for f in ("qwen3_vl", "qwen3_vl_moe", "cosmos3_omni")},
     "vipllava": {"vision_feature_layers": [-2, -1]},
+    "glm5_next": {"text_config": {"qk_rope_head_dim": 0, "qk_head_dim": 8}},  # its DSA layers are NoPE (0 rotary)
+    # rotary halves of 8-wide heads over (h, w, t) where the config names none ([22, 22, 20] of 128)
+    "ernie4_5_vl_moe": {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0,
+                                                            "mrope_section": [1, 1, 2]}}},
+    # its released language model (the default's Llama lacks the multipliers its body reads); one deepstack feature
+    # (the last vision layer into the first language layer), the spatial offset groups into the two language
+    # layers, 1/2-windowed Q-Former queries as wide as the tower, SigLIP's every patch (no CLS token to drop), one 16x16 resolution
+    "granite4_vision": {"text_config": {"model_type": "granite"}, "deepstack_layer_map": [[-1, 0]],
+                        "spatial_target_layers": [0, 1, 0, 1], "downsample_rate": "1/2",
+                        "vision_feature_select_strategy": "full", "image_grid_pinpoints": [[16, 16]],
+                        "projector_dropout": 0.0, "qformer_config": {"hidden_size": 16, "encoder_hidden_size": 16}},
+    "chameleon": {"vocabulary_map": {"<image>": SWEEP_VOCAB - 1}},  # its image token; None in the default
     "kimi_k25": {"projection_hidden_size": 16},  # the projector's norm takes the tower's width (1152 by default)
     "aria": {"projector_patch_to_query_dict": {16: 4}},  # 4 queries for the 16 patches of a picture  # the default reads five layers of a deeper tower
     # one resolution of 16x16 tiles: each image is its 16x16 overview and one tile
@@ -87,9 +99,12 @@ def tiny_vlm_config(model_type: str) -> PretrainedConfig:
     kw.update({k: SWEEP_VOCAB - 1 - i for i, k in enumerate(tokens)})
     for key, value in VLM_OVERRIDES.get(model_type, {}).items():
         sub = kw.get(key)
+        if isinstance(value, dict) and "model_type" in value:  # a sub-config of another class than the default's
+            sub = kw[key] = _scaled_sub(CONFIG_MAPPING[value["model_type"]](), vision="vision" in key)
         if isinstance(value, dict) and isinstance(sub, PretrainedConfig):
             for k, v in value.items():
-                setattr(sub, k, v)
+                if k != "model_type":
+                    setattr(sub, k, v)
         else:
             kw[key] = value
     return cls(**kw)
@@ -99,6 +114,9 @@ def _scaled_sub(config: PretrainedConfig, vision: bool) -> PretrainedConfig:
     scaled = copy.deepcopy(config)
     sizes = {**_scaled(config), **({k: v for k, v in _VISION_SIZES.items() if hasattr(config, k)} if vision else {})}
     for k, v in sizes.items():
+        default = getattr(config, k, None)
+        if isinstance(default, list) and isinstance(v, int):  # one size per kind (ERNIE's text and vision experts)
+            v = [v] * len(default)
         setattr(scaled, k, v)
     layers, scaled_layers = getattr(config, "num_hidden_layers", None), getattr(scaled, "num_hidden_layers", None)
     for k, v in vars(config).items():  # per-layer lists (`mlp_layer_types`) cut to the scaled layers
@@ -162,6 +180,8 @@ def image_inputs(model: torch.nn.Module, g: torch.Generator, side: int = 16) -> 
             errors.append(_short(e))
             continue
         features = getattr(out, "pooler_output", out)
+        if features is None:  # every feature enters a later layer (Granite 4 Vision): as many as the first layer's
+            features = out.deepstack_features[0][1]
         features = features if isinstance(features, (list, tuple)) else [features]
         return inputs, sum(f.numel() for f in features) // hidden
     raise ValueError(f"no image layout fits its get_image_features: {errors}")

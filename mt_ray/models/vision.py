@@ -48,6 +48,9 @@ NOT_YET: dict[str, str] = {
     "shieldgemma2": "its checkpoint nests a causal-LM class under model.language_model, which mt-ray's loader does not map",
 }
 
+# Per-token types the engine fills itself (`token_type_ids`) or needs no more (`mm_token_type_ids`: rotary positions).
+_CARRIED_TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")
+
 # A tower child that is the family's projector although the tower owns it (LLaMA-Factory's projector_key).
 _PROJECTOR_IN_TOWER = ("merger",)
 
@@ -88,9 +91,13 @@ def block_unit(i: int) -> str:
     return f"{VISION_BLOCK_PREFIX}{i}"
 
 
+_IMAGE_SUB_CONFIGS = ("vision_config", "vq_config")
+
+
 def is_vision_config(config: PretrainedConfig) -> bool:
-    """An image-text config: it has a vision sub-config beside its text one."""
-    return "vision_config" in (getattr(config, "sub_configs", None) or {})
+    """An image-text config: it has a vision sub-config (a tower's, or a VQ image tokenizer's: Chameleon's, whose body
+    discovery then refuses) beside its text one."""
+    return any(k in (getattr(config, "sub_configs", None) or {}) for k in _IMAGE_SUB_CONFIGS)
 
 
 def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: nn.Module) -> VisionSpec:
@@ -115,6 +122,7 @@ def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: n
             "do not become embeddings at image tokens (cross-attention to image states, as Mllama's); mt-ray cannot "
             "train this family yet"
         )
+    _refuse_unread_token_types(outer, family)
     tower_path = towers[0]
     blocks_path = f"{tower_path}.{_find_blocks(children[tower_path], config.vision_config, family)}"
     projectors = [n for n, c in children.items()
@@ -148,6 +156,20 @@ def _refuse_wrapped_language_model(outer: nn.Module, children: dict[str, nn.Modu
         "get_image_features returns projected features and whose language model is a decoder body; this family "
         "cannot be trained yet"
     )
+
+
+def _refuse_unread_token_types(outer: nn.Module, family: str) -> None:
+    """The engine marks image tokens in `token_type_ids` (where the body reads it) and numbers rotary positions from
+    them itself (`mm_token_type_ids`); a body that reads other per-token types from the processor (ERNIE-VL routes
+    image tokens and their start and end to vision experts by `moe_mm_token_type_ids`) would see none of them."""
+    unread = [n for n in inspect.signature(outer.forward).parameters
+              if n.endswith("token_type_ids") and n not in _CARRIED_TOKEN_TYPES]
+    if unread:
+        raise ModelNotSupportedError(
+            f"image-text family '{family}': its body reads per-token types {unread} from the processor (ERNIE-VL "
+            "routes image tokens to vision experts by them), which mt-ray's rows do not carry; this family cannot be "
+            "trained yet"
+        )
 
 
 def _find_blocks(tower: nn.Module, vision_config: PretrainedConfig, family: str) -> str:
