@@ -68,7 +68,7 @@ VLM_OVERRIDES: dict[str, dict] = {
                         "spatial_target_layers": [0, 1, 0, 1], "downsample_rate": "1/2",
                         "vision_feature_select_strategy": "full", "image_grid_pinpoints": [[16, 16]],
                         "projector_dropout": 0.0, "qformer_config": {"hidden_size": 16, "encoder_hidden_size": 16}},
-    "chameleon": {"vocabulary_map": {"<image>": SWEEP_VOCAB - 1}},  # its image token; None in the default
+    **{f: {"vocabulary_map": {"<image>": SWEEP_VOCAB - 1}} for f in ("chameleon", "emu3")},  # None in the default
     "kimi_k25": {"projection_hidden_size": 16},  # the projector's norm takes the tower's width (1152 by default)
     "aria": {"projector_patch_to_query_dict": {16: 4}},  # 4 queries for the 16 patches of a picture  # the default reads five layers of a deeper tower
     # one resolution of 16x16 tiles: each image is its 16x16 overview and one tile

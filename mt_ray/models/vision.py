@@ -95,8 +95,8 @@ _IMAGE_SUB_CONFIGS = ("vision_config", "vq_config")
 
 
 def is_vision_config(config: PretrainedConfig) -> bool:
-    """An image-text config: it has a vision sub-config (a tower's, or a VQ image tokenizer's: Chameleon's, whose body
-    discovery then refuses) beside its text one."""
+    """An image-text config: it has a vision sub-config (a tower's, or a VQ image tokenizer's: Chameleon, Emu3) beside
+    its text one."""
     return any(k in (getattr(config, "sub_configs", None) or {}) for k in _IMAGE_SUB_CONFIGS)
 
 
@@ -105,6 +105,12 @@ def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: n
     family = config.model_type
     if family in NOT_YET:
         raise ModelNotSupportedError(f"image-text family '{family}' is not trained yet: {NOT_YET[family]}")
+    if "vision_config" not in (getattr(config, "sub_configs", None) or {}):
+        raise ModelNotSupportedError(
+            f"image-text family '{family}': its images become discrete tokens of a VQ-VAE (vq_config) that its text "
+            "embedding embeds, not features of a vision tower; mt-ray trains image-text models with a tower "
+            "(vision_config) and cannot train this family yet"
+        )
     outer = skeleton.base_model
     outer_path = next(n for n, m in skeleton.named_modules() if m is outer)
     children = dict(outer.named_children())
