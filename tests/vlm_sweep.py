@@ -26,7 +26,7 @@ from mt_ray.engine import EngineConfig, StreamingEngine
 from mt_ray.errors import ConfigError, ModelNotSupportedError
 from mt_ray.models.discovery import discover
 from tests.family_checks import OPT
-from tests.family_sweep import SWEEP_VOCAB, Outcome, _difference, _scaled, _short, _trace
+from tests.family_sweep import FAMILY_OVERRIDES, SWEEP_VOCAB, Outcome, _difference, _scaled, _short, _trace
 from tests.tiny_models import reference_train
 
 IMAGE_TEXT = "image-text"
@@ -57,6 +57,8 @@ VLM_OVERRIDES: dict[str, dict] = {
     **{f: {"vision_config": {"depth": 3, "deepstack_visual_indexes": [0, 2]}}
        for f in ("qwen3_vl", "qwen3_vl_moe", "cosmos3_omni")},
     "vipllava": {"vision_feature_layers": [-2, -1]},
+    # their language models' own needs, as the causal-LM sweep gives them
+    **{f: {"text_config": FAMILY_OVERRIDES[f"{f}_text"]} for f in ("cohere_compass", "qwen4_exp")},
     "glm5_next": {"text_config": {"qk_rope_head_dim": 0, "qk_head_dim": 8}},  # its DSA layers are NoPE (0 rotary)
     # rotary halves of 8-wide heads over (h, w, t) where the config names none ([22, 22, 20] of 128)
     "ernie4_5_vl_moe": {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0,
