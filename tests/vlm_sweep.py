@@ -117,8 +117,8 @@ def _scaled_sub(config: PretrainedConfig, vision: bool) -> PretrainedConfig:
     sizes = {**_scaled(config), **({k: v for k, v in _VISION_SIZES.items() if hasattr(config, k)} if vision else {})}
     for k, v in sizes.items():
         default = getattr(config, k, None)
-        if isinstance(default, list) and isinstance(v, int):  # one size per kind (ERNIE's text and vision experts)
-            v = [v] * len(default)
+        if isinstance(default, (list, tuple)) and isinstance(v, int):  # one per kind (ERNIE's text, vision experts)
+            v = type(default)([v] * len(default))
         setattr(scaled, k, v)
     layers, scaled_layers = getattr(config, "num_hidden_layers", None), getattr(scaled, "num_hidden_layers", None)
     for k, v in vars(config).items():  # per-layer lists (`mlp_layer_types`) cut to the scaled layers
