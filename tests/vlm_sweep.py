@@ -57,6 +57,7 @@ VLM_OVERRIDES: dict[str, dict] = {
     **{f: {"vision_config": {"depth": 3, "deepstack_visual_indexes": [0, 2]}}
        for f in ("qwen3_vl", "qwen3_vl_moe", "cosmos3_omni")},
     "vipllava": {"vision_feature_layers": [-2, -1]},
+    "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},  # derived, and lost on reload
     # their language models' own needs, as the causal-LM sweep gives them
     **{f: {"text_config": FAMILY_OVERRIDES[f"{f}_text"]} for f in ("cohere_compass", "qwen4_exp")},
     "glm5_next": {"text_config": {"qk_rope_head_dim": 0, "qk_head_dim": 8}},  # its DSA layers are NoPE (0 rotary)
@@ -124,6 +125,10 @@ def _scaled_sub(config: PretrainedConfig, vision: bool) -> PretrainedConfig:
     for k, v in vars(config).items():  # per-layer lists (`mlp_layer_types`) cut to the scaled layers
         if isinstance(v, list) and layers and len(v) == layers != scaled_layers and k not in sizes:
             setattr(scaled, k, v[:scaled_layers])
+    for key in getattr(config, "sub_configs", None) or {}:  # nested (T5Gemma 2's encoder holds text and vision)
+        sub = getattr(config, key, None)
+        if isinstance(sub, PretrainedConfig):
+            setattr(scaled, key, _scaled_sub(sub, vision="vision" in key))
     rope = getattr(scaled, "rope_parameters", None)
     if isinstance(rope, dict) and "mrope_section" in rope:  # the rotary width over (t, h, w), scaled as the head
         width = sum(rope["mrope_section"]) * _head_dim(scaled) // _head_dim(config)

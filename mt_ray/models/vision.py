@@ -181,6 +181,12 @@ def _refuse_unread_token_types(outer: nn.Module, family: str) -> None:
 def _find_blocks(tower: nn.Module, vision_config: PretrainedConfig, family: str) -> str:
     """The one ModuleList in the tower with an entry per vision layer (`depth` or `num_hidden_layers`)."""
     n = getattr(vision_config, "depth", None) or getattr(vision_config, "num_hidden_layers", None)
+    if n is None:
+        raise ModelNotSupportedError(
+            f"image-text family '{family}': its vision config names no layer count (depth or num_hidden_layers), so "
+            f"the blocks of {type(tower).__name__} (towers of their own inside it) are not found; mt-ray cannot train "
+            "this family yet"
+        )
     lists = [name for name, m in tower.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n]
     if len(lists) != 1:
         raise ModelNotSupportedError(
