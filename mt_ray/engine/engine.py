@@ -215,6 +215,8 @@ class StreamingEngine:
         self.templates = build_templates(spec, self.device)
         self.layer_templates = [self.templates[u.kind] for u in spec.layer_units]
         # Layers holding or owning weights tied between layers, by index.
+        # Each unit's trainable tensors' sizes, in order: the slices of its gradient sum (`grad_sums.accumulate`).
+        self._grad_sizes = {u.name: [p.numel for p in u.params if p.trainable] for u in spec.units}
         self._tie_layers = {int(name.split(".")[1]) for unit, mirrors in spec.mirrors.items()
                             for name in (unit, *(m.owner for m in mirrors))}
         self.vision = VisionStage(spec, self.templates, self.device, self._weights, self._add_grad) if spec.vision else None
@@ -755,7 +757,7 @@ class StreamingEngine:
         """Add a micro-batch's gradients (None: that tensor got none) to the unit's sum; the final contribution
         ships it, with the tensors no contribution reached (a sum begun by `_grad_sum` counts as reaching all)."""
         prior = self._grad_sums.pop(unit, None)
-        sizes = [p.numel for p in self.spec.unit(unit).params if p.trainable]
+        sizes = self._grad_sizes[unit]
         acc, missing = accumulate(prior, grads, sizes, frozen_numel, self.device)
         ungraded = missing if prior is None else self._ungraded.pop(unit, set()) & missing
         if final:
