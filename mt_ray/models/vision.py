@@ -148,19 +148,18 @@ def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: n
 
 def _refuse_wrapped_language_model(outer: nn.Module, children: dict[str, nn.Module], language_model: nn.Module,
                                    family: str) -> None:
-    """Llama 4's body is the whole model: its language model is a causal LM with its own head, and its forward,
-    not `get_image_features`, applies the projector; mt-ray runs a body that scatters projected features into its
-    decoder body's input, so such a layout is named in the refusal."""
+    """Llama 4's (and Kosmos-2's) body is the whole model: its language model is a causal LM with its own head, and
+    Llama 4's forward, not `get_image_features`, applies the projector; mt-ray runs a body that scatters the features
+    into its decoder body's input, so such a layout is named in the refusal."""
     wrapper = next((n for n, c in children.items() if c is not language_model
                     and any(m is language_model for m in c.modules())), None)
     if wrapper is None or getattr(children[wrapper], "get_output_embeddings", lambda: None)() is None:
         return
     raise ModelNotSupportedError(
         f"image-text family '{family}': its language model is a whole causal LM ({type(children[wrapper]).__name__} "
-        f"at `{wrapper}`, with its own head) that {type(outer).__name__}.forward calls on the merged embeddings (Llama "
-        "4's forward also applies the projector, outside get_image_features); mt-ray streams a composite body whose "
-        "get_image_features returns projected features and whose language model is a decoder body; this family "
-        "cannot be trained yet"
+        f"at `{wrapper}`, with its own head) that {type(outer).__name__}.forward calls on the merged embeddings; "
+        "mt-ray streams a composite body whose language model is a decoder body and whose get_image_features returns "
+        "the features it scatters; this family cannot be trained yet"
     )
 
 
