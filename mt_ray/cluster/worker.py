@@ -38,6 +38,7 @@ from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.pinning import register_pinned, unregister_pinned
 from mt_ray.engine.preference import PreferenceConfig
 from mt_ray.engine.sizing import Stage
+from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.discovery import discover
 
 log = logging.getLogger(__name__)
@@ -181,9 +182,16 @@ class ArenaGrads:
         threading.Thread(target=self._ship_loop, name="mt-ray-grad-ship", daemon=True).start()
         threading.Thread(target=self._ack_loop, name="mt-ray-grad-ack", daemon=True).start()
 
-    def submit(self, unit: str, grad: torch.Tensor | None, landed: torch.cuda.Event | None, lr: float) -> None:
-        """`grad` None: this worker's rows did not use the unit (a vision unit, no image); the shard is told so."""
+    def submit(self, unit: str, grad: torch.Tensor | None, landed: torch.cuda.Event | None, lr: float,
+               skip: tuple[tuple[int, int], ...] = ()) -> None:
+        """`grad` None: this worker's rows did not use the unit (a vision unit, no image); the shard is told so.
+        `skip` (tensors of the unit without a gradient) is not carried to the shards: it is refused."""
         self._raise_if_failed()
+        if skip:
+            raise ModelNotSupportedError(
+                f"unit {unit} has tensors that got no gradient (a vision tower's tensors get_image_features never "
+                "reads); a data-parallel run does not yet leave them untouched as torch's AdamW does, it would decay "
+                "them; keep model.freeze_vision_tower: true, or train on one GPU")
         piece, where = self.landing.next_landed(unit) if grad is not None else (None, None)
         self._ship.put((self.step, unit, piece, where, landed))
 
