@@ -103,6 +103,7 @@ class PolicyCopy:
         else:
             with no_init_weights():  # the first refresh writes every weight: no random init of a model on the CPU
                 self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            self.model.tie_weights()  # skipped with the init; the master holds a tied head once, as its embedding
             layers = self.model.get_submodule(streamed_layers)
             self.streamer = LayerStreamer(layers, device, dtype)
             move_all_but(self.model, layers, device)

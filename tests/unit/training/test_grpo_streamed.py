@@ -28,7 +28,12 @@ PROMPTS = [[5, 9, 11, 3], [7, 8], [20, 21, 22]]
 
 
 def weights(family: str, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {k: v.to(dtype) for k, v in reference_model(tiny_config(family), seed).state_dict().items()}
+    """The weights as the engine's master gives them: a tied head once, as its embedding."""
+    cfg = tiny_config(family)
+    state = {k: v.to(dtype) for k, v in reference_model(cfg, seed).state_dict().items()}
+    if cfg.tie_word_embeddings:
+        del state["lm_head.weight"]
+    return state
 
 
 def copies(family: str, dtype: torch.dtype):
