@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from mt_ray.engine.pinning import host_empty, unregister_pinned
+from mt_ray.errors import ModelNotSupportedError
 
 
 class LayerStreamer:
@@ -31,6 +32,10 @@ class LayerStreamer:
         self.device = device
         self.cuda = device.type == "cuda"
         params = [_unique_params(layer) for layer in self.layers]
+        kept = sorted({str(p.dtype) for ps in params for p in ps if p.dtype != dtype})
+        if kept:  # a module the model keeps in fp32 (a router, say) would be cast in the one host buffer
+            raise ModelNotSupportedError(f"rollout.placement streamed: the decoder layers hold {', '.join(kept)} "
+                                         f"weights beside {dtype}; use rollout.placement: resident")
         sizes = [sum(p.numel() for p in ps) for ps in params]
         self.host_flat = host_empty(sum(sizes), dtype, pin=self.cuda)  # page-locked: the copies are async DMAs
         self.spans = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]  # each layer's part of host_flat
