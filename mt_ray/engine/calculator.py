@@ -112,6 +112,8 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
         out.update(rollout_placement=stage.rollout_placement, rollout_copy_gib=copy / GIB,
                    rollout_generation_gib=generation / GIB,
                    rollout_host_gib=rollout_host_bytes(spec, search.cfg, stage) / GIB)
+        if stage.rollout_streamed:  # each token step of the whole batch brings every decoder layer over the link
+            out["rollout_link_s_per_token_step"] = rollout_host_bytes(spec, search.cfg, stage) / (machine.h2d_gbps * 1e9)
     if machine.has_nvme:
         out.update(nvme_read_gbps=machine.nvme_read_gbps, nvme_write_gbps=machine.nvme_write_gbps,
                    nvme_mixed_gbps=machine.nvme_mixed_gbps)
@@ -342,6 +344,8 @@ def config_snippet(rec: dict, model: dict | None = None) -> str:
     sections["engine"] = {k: rec[k] for k in SEARCHED}
     if rec["state_placement"] != "host":
         sections["engine"]["nvme_path"] = rec.get("nvme_path") or "/path/on/nvme"
+    if "rollout_placement" in rec:
+        sections["rollout"] = {"placement": rec["rollout_placement"]}
     return yaml.safe_dump(sections, sort_keys=False)
 
 

@@ -12,7 +12,8 @@ tower: given the image tokens per sample, the block outputs a step keeps on the 
 block's, for every sample with images) and the tower's compute. A preference stage (`Stage`) adds
 what the engine runs for it: the policy's head once more forward (the sequence sums), and, with a
 reference to stream, the reference's host buffer, its hidden state, its upload and its forward. GRPO
-adds its rollout copy on the device, and what generation needs beyond what an update frees.
+adds its rollout copy on the device (or, streamed, its layer buffers there and its layers in host memory), and
+what generation needs beyond what an update frees.
 """
 
 from __future__ import annotations

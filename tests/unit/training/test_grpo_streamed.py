@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mt_ray.config.run import load_run_config
-from mt_ray.engine.calculator import GPU_HEADROOM, recommend
+from mt_ray.engine.calculator import GPU_HEADROOM, config_snippet, recommend
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.host_store import GIB
@@ -107,6 +107,8 @@ def test_the_calculator_says_which_copy_and_what_it_costs():
     layers = sum(u.numel for u in spec.layer_units)
     assert small["fits"] and small["rollout_placement"] == "streamed"
     assert small["rollout_host_gib"] * GIB == layers * 2
+    assert small["rollout_link_s_per_token_step"] == layers * 2 / 50e9  # the default machine's 50 GB/s link
+    assert "rollout:\n  placement: streamed" in config_snippet(small)
     assert small["rollout_copy_gib"] * GIB == (spec.num_params - layers + 2 * layers // 5) * 2
     c = cfg.model_copy(update={"schedule": "stream"})
     assert host_bytes(spec, c, OptimizerConfig(), 32, 8, streamed) - host_bytes(spec, c, OptimizerConfig(), 32, 8, auto) == layers * 2
