@@ -22,6 +22,12 @@ log-probs as the old policy's, so neither runs a forward pass of its own for the
     python bench/grpo_gpu.py --shape qwen2.5-7b --prompts 64 --generations 8 --new-tokens 256 \
         --out bench/results/grpo_7b.json
 
+The streamed copy against the resident one at the 1.5B shape (about 2 to 3 minutes on one H100; at 7B the
+engine's ~16 B/param and the streamed copy's 2 B/param of layers come near a 128 GiB host):
+
+    python bench/grpo_gpu.py --shape qwen2.5-1.5b --prompts 64 --generations 8 --new-tokens 256 --warmup 1 \
+        --steps 1 --rollout-placement resident,streamed --out bench/results/grpo_streamed_1.5b.json
+
 CPU smoke test of the same path: `python bench/grpo_gpu.py --shape tiny --device cpu --prompts 2 --generations 4
 --new-tokens 8 --micro 4 --steps 1 --out /tmp/grpo_tiny.json`.
 """
