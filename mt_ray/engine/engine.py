@@ -60,7 +60,7 @@ from mt_ray.engine.activations import build_activation_store, streamed_step_plan
 from mt_ray.engine.batch import MicroBatch, prepare_micro_batch
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.grad_sums import accumulate, spans_of
-from mt_ray.engine.grpo import GrpoConfig
+from mt_ray.engine.grpo import GrpoConfig, RolloutConfig
 from mt_ray.engine.host_store import HostStore, state_placement
 from mt_ray.engine.kept_blocks import KeptBlocks
 from mt_ray.engine.optimizer import Spans, UnitOptimizer, counts_behind, lr_at, restore_counts
@@ -137,11 +137,13 @@ class StreamingEngine:
     def __init__(self, spec: ModelSpec, cfg: EngineConfig, opt_cfg: OptimizerConfig, total_steps: int,
                  grad_sink: GradSink | None = None, weight_source: WeightSource | None = None,
                  grad_buffers: GradBuffers | None = None, stage: str = "sft", pref: PreferenceConfig | None = None,
-                 grpo: GrpoConfig | None = None, reference: ReferenceSource | None = None):
+                 grpo: GrpoConfig | None = None, reference: ReferenceSource | None = None,
+                 rollout: RolloutConfig | None = None):
         """`grad_buffers`: where gradients land on the host, given by a trainer whose buffers are shared memory
         (mt_ray.cluster); by default the engine allocates its own pinned ones. `reference`: a preference stage's
         reference weights, given by a trainer that keeps them (with `weight_source`); by default a snapshot of
-        the loaded weights in host memory."""
+        the loaded weights in host memory. `rollout`: GRPO's rollout copy, its placement resolved (what
+        `keep_activations: auto` leaves room for beside the step)."""
         if (grad_sink is None) != (weight_source is None):
             raise ValueError("grad_sink and weight_source are given together or not at all")
         if stage != "sft" and spec.vision is not None:
@@ -209,7 +211,7 @@ class StreamingEngine:
         self.streamer = WeightStreamer(source, self.streams, self.dtype, depth, hold, versions)
         self.outbox = Outbox(self.streams)
         # Block graphs the backward uses instead of a recompute, as many as fit beside what the stage holds.
-        self.kept = KeptBlocks(spec, self.streams, Stage.of(stage, pref, grpo))
+        self.kept = KeptBlocks(spec, self.streams, Stage.of(stage, pref, grpo, rollout))
         self.activations = build_activation_store(cfg.checkpoint_placement, self.streams, self.dtype,
                                                   cfg.host_memory_limit_gb)
         self.templates = build_templates(spec, self.device)

@@ -15,6 +15,7 @@ import torch
 from mt_ray.config.run import RunConfig
 from mt_ray.engine import EvalResult, StepResult, StreamingEngine
 from mt_ray.models.discovery import ModelSpec
+from mt_ray.training.auto_fit import rollout_placement
 from mt_ray.training.model_source import pretrained_weights
 
 if TYPE_CHECKING:
@@ -74,8 +75,10 @@ def build_backend(cfg: RunConfig, spec: ModelSpec) -> TrainingBackend:
         return DataParallelTrainer(spec, cfg.engine, cfg.optimizer, cfg.cluster.num_workers, steps,
                                    cluster=cfg.cluster, weights=weights, stage=cfg.training.stage, pref=cfg.pref,
                                    grpo=cfg.grpo)
+    rollout = cfg.rollout.model_copy(update={"placement": rollout_placement(cfg, spec)}) \
+        if cfg.training.stage == "grpo" else None  # the copy the step's kept graphs make room for
     engine = StreamingEngine(spec, cfg.engine, cfg.optimizer, total_steps=steps, stage=cfg.training.stage,
-                             pref=cfg.pref, grpo=cfg.grpo)
+                             pref=cfg.pref, grpo=cfg.grpo, rollout=rollout)
     if isinstance(weights, int):
         engine.load_random(seed=weights)
     else:

@@ -19,23 +19,23 @@ from mt_ray.engine.config import EngineConfig
 from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.host_store import unit_views
 from mt_ray.engine.pinning import register_pinned
-from mt_ray.engine.sizing import rollout_bytes
-from mt_ray.training.grpo.rollout import PolicyCopy, Rollout, generation_eos
+from mt_ray.training.grpo.rollout import Rollout, build_copy, generation_eos
 
 
 class RolloutActor:
     """A Ray actor: the policy's copy for generation, refreshed from its node's arena."""
 
-    def __init__(self, access: ArenaAccess, engine_cfg: dict, rows: int, tokens: int):
+    def __init__(self, access: ArenaAccess, engine_cfg: dict, rows: int, tokens: int, placement: str = "auto"):
         """`access`: the node's arena; `engine_cfg`: the run's (its device and compute dtype); a copy sized for
-        `rows` completions of up to `tokens` tokens, refused where the GPU cannot hold it beside the worker."""
+        `rows` completions of up to `tokens` tokens, placed as `placement` (`rollout.placement`; auto: resident
+        where the whole copy fits the GPU's free memory beside the worker, else streamed), refused where even
+        that cannot fit."""
         spec, self.arena = access.attach()
         cfg = EngineConfig(**engine_cfg)
         device = cfg.resolve_device()
         if device.type == "cuda":  # page-locked for the actor's life, as the workers do: each refresh's uploads
             register_pinned(self.arena.bytes)  # are then DMAs from the arena (the mapping goes with the process)
-        weight_bytes, generation_bytes = rollout_bytes(spec, cfg, rows, tokens)
-        self.copy = PolicyCopy(spec.config, device, cfg.dtype, weight_bytes, generation_bytes)
+        self.copy = build_copy(spec, cfg, device, rows, tokens, placement)
         self.units = spec.units
 
     def refresh(self, step: int, generation: int, timeout_s: float) -> float:
@@ -57,10 +57,10 @@ class RolloutActor:
 class RemoteSampler:
     """`LocalSampler`'s surface over a rollout actor placed by the data-parallel trainer (`rollout_options`)."""
 
-    def __init__(self, trainer, rows: int, tokens: int):
+    def __init__(self, trainer, rows: int, tokens: int, placement: str = "auto"):
         self.trainer = trainer
         self.actor = ray.remote(RolloutActor).options(**trainer.rollout_options()).remote(
-            trainer.arena_access(0), trainer.engine_cfg.model_dump(), rows, tokens)
+            trainer.arena_access(0), trainer.engine_cfg.model_dump(), rows, tokens, placement)
 
     def refresh(self) -> float:
         """The actor's copy of the weights after every step so far (it waits for their updates in the arena)."""

@@ -13,6 +13,7 @@ completions to the MLflow completions table. A checkpoint between a rollout's it
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -23,11 +24,14 @@ from mt_ray.config.run import RunConfig
 from mt_ray.data.loader import pad_token_id
 from mt_ray.engine import StreamingEngine
 from mt_ray.models.discovery import ModelSpec
+from mt_ray.training.auto_fit import rollout_placement
 from mt_ray.training.grpo.old_logps import keep_old_logps
 from mt_ray.training.grpo.prompts import PromptStream, read_prompts
 from mt_ray.training.grpo.rewards import advantages_and_metrics, load_rewards
 from mt_ray.training.grpo.rollout import LocalSampler, Rollout, completion_batches
 from mt_ray.training.grpo.scored import ScoredRollout
+
+log = logging.getLogger(__name__)
 
 
 class GrpoSteps:
@@ -42,7 +46,7 @@ class GrpoSteps:
         self.completions = t.micro_batch_size * t.grad_accum_steps
         self.stream = PromptStream(read_prompts(cfg.data, tokenizer, self.g.max_prompt_length), t.seed)
         self.rewards = load_rewards(self.g.rewards)  # a missing library or function is refused before the copy
-        self.sampler = build_sampler(engine, spec, self.completions,
+        self.sampler = build_sampler(cfg, engine, spec, self.completions,
                                      self.g.max_prompt_length + self.g.max_completion_length)
         self.pad_id = pad_token_id(tokenizer)
         self.eos_ids = {tokenizer.eos_token_id, *self.sampler.generation_eos()}
@@ -125,14 +129,17 @@ class GrpoSteps:
         self.sampler.close()
 
 
-def build_sampler(engine, spec: ModelSpec, rows: int, tokens: int):
-    """The rollout's sampler: a copy in this process beside a single engine, or a rollout actor beside the Ray
-    cluster's workers (Ray is imported only then)."""
+def build_sampler(cfg: RunConfig, engine, spec: ModelSpec, rows: int, tokens: int):
+    """The rollout's sampler: a copy in this process beside a single engine (placed by the device model), or a
+    rollout actor beside the Ray cluster's workers (Ray is imported only then; `auto` placed by the memory it
+    finds free)."""
     if isinstance(engine, StreamingEngine):
-        return LocalSampler(engine, spec, rows, tokens)
+        placement = rollout_placement(cfg, spec)
+        log.info("grpo rollouts: the %s copy (rollout.placement %s)", placement, cfg.rollout.placement)
+        return LocalSampler(engine, spec, rows, tokens, placement)
     from mt_ray.training.grpo.remote import RemoteSampler
 
-    return RemoteSampler(engine, rows, tokens)
+    return RemoteSampler(engine, rows, tokens, cfg.rollout.placement)
 
 
 def completion_metrics(rollout: Rollout) -> dict[str, float]:
