@@ -143,16 +143,26 @@ class DataParallelTrainer:
         self.sizing = size_cluster(self.spec, engine_cfg, opt_cfg, num_workers, nodes, self.cluster.grad_reduce,
                                    self.cluster.grad_ring_mb, self.reference, rollout=stage == "grpo")
         check_plan(self.sizing, engine_cfg, num_workers)
+        self.workers, self.shards, self.placement = [], [], None
         self._started_ray = init_ray(self.cluster, self.sizing.object_store_bytes)
+        try:
+            self._launch(weights)
+        except BaseException:
+            self.close()  # a failed start leaves no named placement group, actor or Ray of ours behind
+            raise
+
+    def _launch(self, weights: int | str | dict) -> None:
+        """Place and start the shards and workers on the Ray `__init__` joined."""
+        engine_cfg = self.engine_cfg
         self.gpus_per_worker = self._resolve_gpus_per_worker()
-        self.rollout = RolloutPlace.resolve(stage, self.cluster.rollout_gpus, self.gpus_per_worker)
+        self.rollout = RolloutPlace.resolve(self.stage, self.cluster.rollout_gpus, self.gpus_per_worker)
         self._check_cluster_resources()
         if engine_cfg.compute_dtype == "auto":
             # Decided once, from where the workers run: a shard on a CPU-only node would
             # otherwise pick fp32 while GPU workers send bf16 gradients.
             dtype = "bf16" if self.gpus_per_worker > 0 else "fp32"
             self.engine_cfg = engine_cfg = engine_cfg.model_copy(update={"compute_dtype": dtype})
-        self.plan = ShardPlan.build(self.spec, nodes)
+        self.plan = ShardPlan.build(self.spec, self.cluster.num_nodes)
         self.ring = ring_numel(self.spec, engine_cfg.grad_torch_dtype, self.cluster.grad_ring_mb)
         self.generation = 0
         self.placement = self._build_placement()

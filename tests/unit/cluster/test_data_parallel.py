@@ -211,3 +211,16 @@ def test_a_read_of_a_gradient_that_never_comes_ends_when_the_step_is_stopped(loc
     reader.join(10)
     local_ray.kill(never)
     assert not reader.is_alive() and "generation 7 was stopped" in str(outcome[0])
+
+
+def test_a_start_that_fails_after_placement_leaves_nothing_of_its_own_behind(local_ray, tmp_path):
+    """A run whose shards fail to load (here: a checkpoint folder with nothing in it) removes its named
+    placement group and actors, so the next run on the same Ray starts (it was refused: 'name already exists')."""
+    from ray.util import placement_group_table
+
+    with pytest.raises(Exception, match="safetensors|checkpoint|no such|not found"):
+        DataParallelTrainer(tiny_config("llama"), ENGINE, OPT, num_workers=2, total_steps=1, weights=str(tmp_path))
+    live = [g for g in placement_group_table().values() if g["name"] == "mt-ray-nodes" and g["state"] != "REMOVED"]
+    assert live == []
+    trainer = DataParallelTrainer(tiny_config("llama"), ENGINE, OPT, num_workers=2, total_steps=1, weights=0)
+    trainer.close()
