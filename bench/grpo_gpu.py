@@ -12,11 +12,21 @@ sample `--generations` completions of each of `--prompts` arithmetic prompts wit
                      host bytes/param
   kept blocks        block graphs `keep_activations` kept (auto: as many as fit beside the rollout copy)
 
+`--rollout-placement resident,streamed` measures each placement of the rollout copy in turn in the same process
+(a row each, `placement`): streamed keeps the decoder layers in page-locked host memory and streams them through
+two device buffers every token step, so its tokens/s is bound by the host link against resident's.
+
 With `--num-iterations 2` each rollout trains twice (rows: iteration 1, 2); the second takes the first's
 log-probs as the old policy's, so neither runs a forward pass of its own for them.
 
     python bench/grpo_gpu.py --shape qwen2.5-7b --prompts 64 --generations 8 --new-tokens 256 \
         --out bench/results/grpo_7b.json
+
+The streamed copy against the resident one at the 1.5B shape (about 2 to 3 minutes on one H100; at 7B the
+engine's ~16 B/param and the streamed copy's 2 B/param of layers come near a 128 GiB host):
+
+    python bench/grpo_gpu.py --shape qwen2.5-1.5b --prompts 64 --generations 8 --new-tokens 256 --warmup 1 \
+        --steps 1 --rollout-placement resident,streamed --out bench/results/grpo_streamed_1.5b.json
 
 CPU smoke test of the same path: `python bench/grpo_gpu.py --shape tiny --device cpu --prompts 2 --generations 4
 --new-tokens 8 --micro 4 --steps 1 --out /tmp/grpo_tiny.json`.
@@ -29,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table, write_json  # noqa: E402
@@ -38,7 +50,7 @@ from mt_ray.training.grpo.steps import GrpoSteps  # noqa: E402
 from mt_ray.training.model_source import load_model_and_tokenizer  # noqa: E402
 
 
-def run_config(args):
+def run_config(args, placement: str):
     completions = args.prompts * args.generations
     if completions % args.micro:
         raise SystemExit(f"--micro {args.micro} must divide prompts x generations ({completions})")
@@ -51,11 +63,14 @@ def run_config(args):
         f"engine.checkpoint_every={args.k}", f"engine.stream_master={args.stream_master}",
         f"engine.kernels={args.kernels}", f"engine.grad_dtype={args.grad_dtype}",
         f"engine.keep_activations={args.keep_activations}", f"grpo.num_iterations={args.num_iterations}",
+        f"rollout.placement={placement}",
     ])
 
 
-def measure(args) -> list[dict]:
-    cfg = run_config(args)
+def measure(args, placement: str) -> list[dict]:
+    cfg = run_config(args, placement)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()  # each placement's own peak (host RSS is the process's: list resident first)
     spec, tokenizer = load_model_and_tokenizer(cfg)
     engine = build_backend(cfg, spec)
     steps = GrpoSteps(cfg, engine, spec, tokenizer)
@@ -73,7 +88,7 @@ def measure(args) -> list[dict]:
                 continue
             m = steps.metrics
             rows.append({
-                "shape": args.shape, "prompts": args.prompts, "G": args.generations, "new_tokens": args.new_tokens,
+                "shape": args.shape, "placement": steps.sampler.copy.placement, "prompts": args.prompts, "G": args.generations, "new_tokens": args.new_tokens,
                 "rollout_tokens_per_s": m["rollout/tokens_per_s"], "generate_s": m["rollout/generate_s"],
                 "refresh_s": m["rollout/refresh_s"], "rollout_s": rollout_s, "update_s": update_s,
                 "update_tokens": result.num_tokens,
@@ -104,12 +119,14 @@ def main() -> None:
     p.add_argument("--keep-activations", default="auto", help="engine.keep_activations (auto: as many as fit beside "
                    "the rollout copy)")
     p.add_argument("--num-iterations", type=int, default=1, help="grpo.num_iterations: updates per rollout")
+    p.add_argument("--rollout-placement", default="auto", help="rollout.placement, or several comma-separated "
+                   "(resident,streamed) measured one after the other")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--out", default="bench/results/grpo_gpu.json")
     args = p.parse_args()
-    rows = measure(args)
-    print_table(rows, ["shape", "G", "new_tokens", "iteration", "kept_blocks", "rollout_tokens_per_s", "refresh_s",
+    rows = [row for placement in args.rollout_placement.split(",") for row in measure(args, placement)]
+    print_table(rows, ["shape", "placement", "G", "new_tokens", "iteration", "kept_blocks", "rollout_tokens_per_s", "refresh_s",
                        "update_tflops", "step_s", "gpu_mem_gib", "host_bytes_per_param"])
     write_json(args.out, {"args": vars(args), "rows": rows})
 

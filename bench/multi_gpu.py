@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import OPT as CLIPPED
 from bench.common import print_table, random_micro_batches, shape_config, write_json  # noqa: E402
 from mt_ray.cluster import ClusterConfig, DataParallelTrainer  # noqa: E402
-from mt_ray.cluster.driver import MIN_STORE  # noqa: E402
 from mt_ray.cluster.node_memory import NodeMemoryPeak  # noqa: E402
+from mt_ray.cluster.placement import MIN_STORE  # noqa: E402
 from mt_ray.cluster.sizing import size_cluster  # noqa: E402
 from mt_ray.cluster.store_settings import SYSTEM_CONFIG  # noqa: E402
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine  # noqa: E402

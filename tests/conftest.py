@@ -11,6 +11,10 @@ from mt_ray.cluster.store_settings import SYSTEM_CONFIG
 from mt_ray.training.callbacks import Callback
 
 ROOT = Path(__file__).resolve().parents[1]
+# Every Ray a test starts (fixtures, jobs.train's own, `ray start` heads) inherits this: Ray's memory monitor
+# kills workers once the *machine* is 95% used, so another process's memory failed tests (a fresh-clone run
+# beside other suites on 24 GiB: 3 tests, each a worker killed at 22.4-23.0 GB used). The kernel's limit stays.
+os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
 # Prestarted Ray workers import the engine in the background while a test does its own work.
 PRELOAD = {"preload_python_modules": ["mt_ray.cluster.worker"], **SYSTEM_CONFIG}
 

@@ -173,7 +173,8 @@ def _cluster_sizing(spec, args, stage):
     if args.workers % args.nodes:
         raise ConfigError(f"--workers {args.workers} cannot spread evenly over --nodes {args.nodes}")
     cfg = EngineConfig(device="cpu", compute_dtype="bf16", grad_dtype="compute")
-    return size_cluster(spec, cfg, OptimizerConfig(), args.workers, args.nodes, reference=stage.reference)
+    return size_cluster(spec, cfg, OptimizerConfig(), args.workers, args.nodes, reference=stage.reference,
+                        rollout=stage.rollout_tokens > 0)
 
 
 def _export(args) -> int:

@@ -13,17 +13,16 @@ from typing import Any
 from mt_ray.cluster.config import ClusterConfig
 from mt_ray.cluster.errors import ClusterError, ClusterLostError
 
-_DRIVER_NAMES = {
-    "DataParallelResult", "DataParallelTrainer", "FailureEvent", "count_loss_tokens", "run_data_parallel",
-    "shard_batch",
-}
+# Each lazily imported name, by the module that defines it (Ray is imported with the driver).
+_LAZY = {"DataParallelResult": "driver", "DataParallelTrainer": "driver", "FailureEvent": "driver",
+         "run_data_parallel": "run", "count_loss_tokens": "split", "shard_batch": "split"}
 
-__all__ = ["ClusterConfig", "ClusterError", "ClusterLostError", *sorted(_DRIVER_NAMES)]
+__all__ = ["ClusterConfig", "ClusterError", "ClusterLostError", *sorted(_LAZY)]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _DRIVER_NAMES:
-        from mt_ray.cluster import driver
+    if name in _LAZY:
+        import importlib
 
-        return getattr(driver, name)
+        return getattr(importlib.import_module(f"mt_ray.cluster.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'mt_ray.cluster' has no attribute {name!r}")

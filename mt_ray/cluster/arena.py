@@ -33,6 +33,7 @@ import mmap
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ from mt_ray.cluster.errors import ClusterError, StaleGenerationError
 from mt_ray.cluster.partition import ShardPlan
 from mt_ray.engine.host_store import GIB, available_host_bytes
 from mt_ray.errors import InsufficientMemoryError
-from mt_ray.models.discovery import ModelSpec
+from mt_ray.models.discovery import ModelSpec, discover
 
 ALIGN = 4096
 PRESENT = 1 << 62  # the version word of a frozen unit once its weights are in: any step may read it
@@ -251,3 +252,27 @@ class NodeArena:
                                    "hung; raise cluster.step_timeout_s if steps are this slow")
             time.sleep(pause)
             pause = min(2 * pause, POLL_S[1])
+
+
+@dataclass(frozen=True)
+class ArenaAccess:
+    """Everything an actor beside a node's workers needs to map that node's arena (GRPO's rollout actor): the
+    model and how it was discovered, the run's shard plan and dtypes, and the shard's handle."""
+
+    model: Any  # what `discover` takes: the driver's transformers config
+    freeze: dict[str, bool]
+    num_shards: int
+    shard: int
+    dtype: torch.dtype
+    grad_dtype: torch.dtype
+    num_local: int
+    ring: int
+    reference: bool
+    handle: ArenaHandle
+
+    def attach(self) -> tuple[ModelSpec, NodeArena]:
+        """The model's spec, found as the driver found it, and the node's arena mapped here."""
+        spec = discover(self.model, **self.freeze)
+        layout = ArenaLayout.build(spec, ShardPlan.build(spec, self.num_shards), self.shard, self.dtype,
+                                   self.grad_dtype, self.num_local, self.ring, self.reference)
+        return spec, NodeArena.attach(layout, self.handle)

@@ -6,8 +6,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from mt_ray.errors import ConfigError
-
 
 class ClusterConfig(BaseModel):
     """How the data-parallel trainer places its actors and survives a lost worker."""
@@ -51,6 +49,12 @@ class ClusterConfig(BaseModel):
         "or two layers', at most 256 MiB. Smaller saves host memory per worker; a ring the shard cannot keep up "
         "with holds the worker's GPU."
     )
+    rollout_gpus: float | None = Field(
+        None, ge=0, description="GPUs the GRPO rollout actor (the policy's copy that samples completions) reserves "
+        "on the first node, beside its workers. None: it shares the first worker's GPU (each reserves half of "
+        "it), or runs on the CPU beside CPU workers; a number: GPUs of its own (1: a whole GPU, as VERL's split "
+        "layout), added to that node's bundle."
+    )
     num_cpus: int | None = Field(None, ge=1, description="CPUs of an in-process Ray; None: all of them.")
     snapshot_every: int = Field(
         0, ge=0, description="Keep an in-memory copy of master weights and moments every N steps (12 B/param more "
@@ -78,12 +82,3 @@ class ClusterConfig(BaseModel):
         if v != "auto" and v <= 0:
             raise ValueError("must be 'auto' or a positive number of seconds")
         return v
-
-
-def check_cluster_stage(stage: str) -> None:
-    """Refuse a `training.stage` the cluster cannot train. Its workers' engines run SFT and the preference stages
-    (dpo, kto); grpo samples its completions on one engine's device copy of the policy."""
-    if stage not in ("sft", "dpo", "kto"):
-        raise ConfigError(f"training.stage {stage} does not run on the Ray cluster (cluster.num_workers > 1 trains "
-                          "sft, dpo and kto); run it on the single engine with `mt-ray train` and "
-                          "cluster.num_workers: 1")

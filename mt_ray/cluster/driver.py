@@ -8,9 +8,12 @@ from a row (rotary positions, image-token masks) is computed from that row alone
 stage's pair shares one row (chosen and rejected, packed or not), so no split cuts a pair; every
 worker normalises by the global batch's pair (or KTO example) count, and the driver adds the
 workers' metric sums before dividing by it. KTO's KL estimate is a mean over a whole micro-batch's
-twins, so its micro-batches go whole to the workers. Workers sit in a placement group, the same number
-on each node beside that node's coordinator shard (mt_ray.cluster.shard), which sums their
-gradients and owns one contiguous part of the fp32 state.
+twins, so its micro-batches go whole to the workers, as GRPO's do (its loss is normalised per
+micro-batch; mt_ray.cluster.stages). GRPO's completions come from a rollout actor the training side
+places beside node 0's workers (`rollout_options`), reading the weights from the node's arena
+(`arena_access`). Workers sit in a placement group, the same number on each node beside that
+node's coordinator shard (mt_ray.cluster.shard), which sums their gradients and owns one
+contiguous part of the fp32 state.
 
 A step: the workers run forward and backward; each shard reports the norm² of its summed
 units; the driver adds them (shard order) and hands the global norm back, which starts the
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -32,35 +34,36 @@ from pathlib import Path
 
 import ray
 import torch
-import torch.utils._pytree as pytree
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from mt_ray.cluster.arena import ring_numel
-from mt_ray.cluster.config import ClusterConfig, check_cluster_stage
+from mt_ray.cluster.arena import ArenaAccess, ring_numel
+from mt_ray.cluster.config import ClusterConfig
 from mt_ray.cluster.errors import ClusterError, ClusterLostError, StepTimeoutError
 from mt_ray.cluster.partition import ShardPlan
+from mt_ray.cluster.placement import RolloutPlace, check_nodes, check_plan, init_ray
 from mt_ray.cluster.shard import CoordinatorShard
-from mt_ray.cluster.sizing import GIB, ClusterSizing, landers, size_cluster
-from mt_ray.cluster.store_settings import SYSTEM_CONFIG
+from mt_ray.cluster.sizing import GIB, landers, size_cluster
+from mt_ray.cluster.split import Batch, count_loss_tokens, rows, shard_batch
+from mt_ray.cluster.stages import WHOLE_MICRO_BATCHES, stage_objective, summed_metrics
 from mt_ray.cluster.wire import from_numpy, to_numpy
 from mt_ray.cluster.worker import EngineWorker
-from mt_ray.engine.batch import IGNORE_INDEX, preference_counts
+from mt_ray.engine.batch import preference_counts
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.engine import EvalResult, StepResult
+from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.host_store import plan_layout
 from mt_ray.engine.optimizer import lr_at
-from mt_ray.engine.preference import Objective, PreferenceConfig, add_sums
+from mt_ray.engine.preference import PreferenceConfig
 from mt_ray.engine.sizing import Machine, Stage, predicted_step_seconds
-from mt_ray.errors import ConfigError, InsufficientMemoryError
+from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import ModelSpec, discover
 from mt_ray.models.vision import VISION_EMBED, VISION_PROJECTOR
 from mt_ray.models.weights import export_hf
 
 log = logging.getLogger(__name__)
 
-Batch = list[dict[str, torch.Tensor]]
 _LOST_WORKER = (RayActorError, GetTimeoutError, ObjectLostError, StepTimeoutError)
 # `cluster.step_timeout_s: auto`: this many times the calculator's step estimate, and at least the floor
 # (a first step also builds each worker's templates and maps its arena).
@@ -68,7 +71,6 @@ STEP_TIMEOUT_FACTOR = 10
 STEP_TIMEOUT_FLOOR_S = 600.0
 GPU_MACHINE = Machine()
 CPU_MACHINE = Machine(layer_tflops=0.02, h2d_gbps=5.0)  # a slow CPU's fp32 matmuls: a bound, not a prediction
-MIN_STORE = 256 << 20  # the object store of a Ray the driver starts: at least this (Ray's own minimum is 75 MiB)
 
 
 @dataclass
@@ -94,101 +96,24 @@ class DataParallelResult:
     step_seconds: list[float] = field(default_factory=list)  # driver wall time of each step, recoveries included
 
 
-def count_loss_tokens(batch: Batch) -> int:
-    """Tokens whose next-token label carries loss, counted as the engine counts them."""
-    return sum(int((mb.get("labels", mb["input_ids"])[:, 1:] != IGNORE_INDEX).sum()) for mb in batch)
-
-
-def shard_batch(batch: Batch, num_workers: int, whole: bool = False) -> list[Batch]:
-    """Split a global batch: whole micro-batches when they divide evenly, else rows of each. `whole`: whole
-    micro-batches always, as evenly as they go (a loss that depends on the whole micro-batch: KTO's KL estimate).
-
-    Every piece is a copy: a view (of the loader's step batch, say) would ship its whole storage.
-    """
-    m = len(batch)
-    if m % num_workers == 0 or whole:
-        if m < num_workers:
-            raise ClusterError(f"a global batch of {m} micro-batches cannot feed {num_workers} workers whole (stage "
-                               "kto's KL estimate is over each whole micro-batch); raise training.grad_accum_steps "
-                               "to at least cluster.num_workers")
-        bounds = _even_bounds(m, num_workers)
-        return [[_rows_of(mb, 0, _rows([mb])) for mb in batch[bounds[r] : bounds[r + 1]]] for r in range(num_workers)]
-    shards: list[Batch] = [[] for _ in range(num_workers)]
-    for mb in batch:
-        bounds = _even_bounds(_rows([mb]), num_workers)
-        for r in range(num_workers):
-            if bounds[r + 1] > bounds[r]:
-                shards[r].append(_rows_of(mb, bounds[r], bounds[r + 1]))
-    if any(not s for s in shards):
-        rows = sum(mb["input_ids"].shape[0] for mb in batch)
-        raise ClusterError(f"a global batch of {rows} rows cannot feed {num_workers} workers; "
-                           "lower cluster.num_workers or raise the batch (training.micro_batch_size x grad_accum_steps)")
-    return shards
-
-
-def check_plan(sizing: ClusterSizing, cfg: EngineConfig, num_workers: int) -> None:
-    """Refuse, before anything starts, a plan that a node's configured host memory cannot hold."""
-    limit = cfg.host_memory_limit_gb
-    if limit is None or sizing.node_host_bytes <= limit * GIB:
-        return
-    fix = "raise engine.host_memory_limit_gb if the hosts have more"
-    if sizing.num_nodes < num_workers:
-        fix = f"spread the state over more nodes (cluster.num_nodes, a divisor of {num_workers} workers), or " + fix
-    raise InsufficientMemoryError(
-        f"each node needs {sizing.node_host_bytes / GIB:.1f} GiB of host memory "
-        f"({sizing.node_host_bytes_per_param:.1f} B/param with cluster.num_nodes={sizing.num_nodes}: fp32 state "
-        f"{sizing.state_bytes / GIB:.1f} GiB, object store {sizing.object_store_bytes / GIB:.1f} GiB) but "
-        f"engine.host_memory_limit_gb is {limit:g}; {fix}")
-
-
-def init_ray(cfg: ClusterConfig, object_store_bytes: int) -> bool:
-    """Join the configured cluster, 'auto' under RAY_ADDRESS, else start a Ray of our own here (never a Ray
-    left running on this machine, which `ray.init()` alone would join). True if we started or joined it."""
-    if ray.is_initialized():
-        return False
-    address = cfg.address or ("auto" if os.environ.get("RAY_ADDRESS") else None)
-    if address is not None:
-        ray.init(address=address)
-        return True
-    store = int(cfg.object_store_memory_gb * GIB) if cfg.object_store_memory_gb else max(object_store_bytes, MIN_STORE)
-    ray.init(address="local", num_cpus=cfg.num_cpus, object_store_memory=store, include_dashboard=False,
-             _system_config=SYSTEM_CONFIG)
-    return True
-
-
-def check_nodes(nodes: list[dict], bundle: dict[str, float], num_nodes: int, cluster: ClusterConfig) -> None:
-    """Refuse, before a placement group waits for them, nodes that cannot host a bundle each: names the key."""
-    offers = [{k: n["Resources"].get(k, 0) for k in bundle} for n in nodes if n.get("Alive")]
-    fit = [o for o in offers if all(o[k] >= v for k, v in bundle.items())]
-    if len(fit) >= num_nodes:
-        return
-    keys = {"CPU": "cluster.cpus_per_worker", "GPU": "cluster.gpus_per_worker"}
-    short = [k for k, v in bundle.items() if sum(o[k] >= v for o in offers) < num_nodes]
-    key = keys[short[0]] if short else "cluster.num_nodes"
-    raise ConfigError(
-        f"cluster.num_nodes={num_nodes} node(s) must each host {bundle} for their workers, but only {len(fit)} of "
-        f"the cluster's nodes can ({offers}); lower {key} (now {getattr(cluster, key.split('.')[1], num_nodes)}), "
-        "or start nodes with more (ray start --num-cpus / --num-gpus)")
-
-
 class DataParallelTrainer:
     """Controller of one run: a coordinator shard per node, `num_workers` engine workers, the step loop.
 
     It trains like a `StreamingEngine` (`train_step`, `save_checkpoint`, `export`, ...), so the
     `Trainer` drives either. `after_launch(step, trainer)` runs right after a step's work is
     handed to the workers (a seam for tests and fault injection). `stage` is the run's `training.stage`
-    (`check_cluster_stage` says which run here), with its `pref` section; the reference a preference
-    stage streams is the starting weights, kept in each node's arena.
+    with its `pref` (or `grpo`) section; the reference a preference stage (or GRPO at β > 0) streams is the
+    starting weights, kept in each node's arena. GRPO's completions come from a rollout actor the training
+    side places beside the workers (`actor_options`, `arena_access`); the workers only train.
     """
 
     def __init__(self, model, engine_cfg: EngineConfig, opt_cfg: OptimizerConfig, num_workers: int,
                  total_steps: int, cluster: ClusterConfig | None = None, weights: int | str | dict = 0,
                  after_launch: Callable[[int, DataParallelTrainer], None] | None = None, stage: str = "sft",
-                 pref: PreferenceConfig | None = None):
-        check_cluster_stage(stage)  # before any state, Ray or actor is built
-        self.stage, self.pref = stage, pref or PreferenceConfig()
-        self.objective = Objective(stage, self.pref) if stage != "sft" else None
-        self.reference = Stage.of(stage, self.pref).reference  # each node's arena keeps the reference
+                 pref: PreferenceConfig | None = None, grpo: GrpoConfig | None = None):
+        self.stage, self.pref, self.grpo = stage, pref or PreferenceConfig(), grpo or GrpoConfig()
+        self.objective = stage_objective(stage, self.pref, self.grpo)
+        self.reference = Stage.of(stage, self.pref, self.grpo).reference  # each node's arena keeps the reference
         if engine_cfg.state_placement != "host":  # the shards keep master and moments in the node's shared memory
             raise ConfigError(f"engine.state_placement: {engine_cfg.state_placement} runs on a single engine for now; "
                               "use cluster.num_workers: 1, or state_placement: host")
@@ -203,6 +128,7 @@ class DataParallelTrainer:
         self.after_launch = after_launch
         self.events: list[FailureEvent] = []
         self.step_idx = 0
+        self._kept_logps: list[torch.Tensor] = []
         self._kept: dict[int, Batch] = {}  # batches a recovery may have to replay
         nodes = self.cluster.num_nodes
         if num_workers % nodes:
@@ -215,17 +141,28 @@ class DataParallelTrainer:
                               "cluster.grad_reduce: host")
         self.landers = landers(self.workers_per_node, self.cluster.grad_reduce)
         self.sizing = size_cluster(self.spec, engine_cfg, opt_cfg, num_workers, nodes, self.cluster.grad_reduce,
-                                   self.cluster.grad_ring_mb, self.reference)
+                                   self.cluster.grad_ring_mb, self.reference, rollout=stage == "grpo")
         check_plan(self.sizing, engine_cfg, num_workers)
+        self.workers, self.shards, self.placement = [], [], None
         self._started_ray = init_ray(self.cluster, self.sizing.object_store_bytes)
+        try:
+            self._launch(weights)
+        except BaseException:
+            self.close()  # a failed start leaves no named placement group, actor or Ray of ours behind
+            raise
+
+    def _launch(self, weights: int | str | dict) -> None:
+        """Place and start the shards and workers on the Ray `__init__` joined."""
+        engine_cfg = self.engine_cfg
         self.gpus_per_worker = self._resolve_gpus_per_worker()
+        self.rollout = RolloutPlace.resolve(self.stage, self.cluster.rollout_gpus, self.gpus_per_worker)
         self._check_cluster_resources()
         if engine_cfg.compute_dtype == "auto":
             # Decided once, from where the workers run: a shard on a CPU-only node would
             # otherwise pick fp32 while GPU workers send bf16 gradients.
             dtype = "bf16" if self.gpus_per_worker > 0 else "fp32"
             self.engine_cfg = engine_cfg = engine_cfg.model_copy(update={"compute_dtype": dtype})
-        self.plan = ShardPlan.build(self.spec, nodes)
+        self.plan = ShardPlan.build(self.spec, self.cluster.num_nodes)
         self.ring = ring_numel(self.spec, engine_cfg.grad_torch_dtype, self.cluster.grad_ring_mb)
         self.generation = 0
         self.placement = self._build_placement()
@@ -246,10 +183,13 @@ class DataParallelTrainer:
     def _check_cluster_resources(self) -> None:
         """Refuse a run the cluster cannot place: more GPU workers than GPUs, an object store too small."""
         have = ray.cluster_resources()
-        if self.gpus_per_worker and self.num_workers * self.gpus_per_worker > have.get("GPU", 0):
-            raise ConfigError(f"cluster.num_workers={self.num_workers} workers of {self.gpus_per_worker:g} GPU each "
-                              f"need {self.num_workers * self.gpus_per_worker:g} GPUs; the cluster has "
-                              f"{have.get('GPU', 0):g}. Lower cluster.num_workers or add GPU nodes")
+        own = self.rollout.own_gpus if self.rollout else 0.0
+        need = self.num_workers * self.gpus_per_worker + own
+        if need and need > have.get("GPU", 0):
+            rollout = f" and a rollout actor of {own:g} (cluster.rollout_gpus)" if own else ""
+            raise ConfigError(f"cluster.num_workers={self.num_workers} workers of {self.gpus_per_worker:g} GPU each"
+                              f"{rollout} need {need:g} GPUs; the cluster has {have.get('GPU', 0):g}. Lower "
+                              "cluster.num_workers or add GPU nodes")
         stores = sorted(n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n["Alive"])
         need = self.sizing.object_store_bytes
         usable = stores[-self.cluster.num_nodes:] if len(stores) >= self.cluster.num_nodes else []
@@ -270,7 +210,10 @@ class DataParallelTrainer:
             return None
         check_nodes(ray.nodes(), bundle, self.cluster.num_nodes, self.cluster)
         strategy = "STRICT_SPREAD" if self.cluster.num_nodes > 1 else "STRICT_PACK"
-        pg = placement_group([bundle] * self.cluster.num_nodes, strategy=strategy, name="mt-ray-nodes")
+        bundles = [dict(bundle) for _ in range(self.cluster.num_nodes)]
+        if self.rollout and self.rollout.own_gpus:  # the rollout actor's own GPUs, beside node 0's workers
+            bundles[0]["GPU"] = bundles[0].get("GPU", 0) + self.rollout.own_gpus
+        pg = placement_group(bundles, strategy=strategy, name="mt-ray-nodes")
         ready, _ = ray.wait([pg.ready()], timeout=self.cluster.placement_timeout_s)
         if not ready:
             remove_placement_group(pg)
@@ -311,13 +254,31 @@ class DataParallelTrainer:
         workers = {}
         for r in ranks:
             node = r // self.workers_per_node
-            workers[r] = cls.options(num_gpus=self.gpus_per_worker, num_cpus=self.cluster.cpus_per_worker,
+            gpus = self.rollout.worker_gpus(r, self.gpus_per_worker) if self.rollout else self.gpus_per_worker
+            workers[r] = cls.options(num_gpus=gpus, num_cpus=self.cluster.cpus_per_worker,
                                      max_restarts=0, **self._on_node(node)).remote(
                 r, self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps,
                 self.shards[node], node, self.cluster.num_nodes, self.landers, self.ring, self.arenas[node],
                 self.generation, start_step, self.cluster.placement_timeout_s, self.freeze, self.stage,
-                self.pref.model_dump())
+                self.pref.model_dump(), self.grpo.model_dump())
         return workers
+
+    def rollout_options(self) -> dict:
+        """Ray actor options that place GRPO's rollout actor in node 0's bundle with its GPUs (`RolloutPlace`)."""
+        return {"num_gpus": self.rollout.gpus, "num_cpus": 0, "max_restarts": 0, **self._on_node(0)}
+
+    def arena_access(self, node: int = 0) -> ArenaAccess:
+        """What an actor on `node` needs to map its arena and read the weights the workers stream (a rollout actor
+        refreshes its copy from it: nothing model-sized goes through Ray)."""
+        cfg = self.engine_cfg
+        return ArenaAccess(self.model, self.freeze, self.cluster.num_nodes, node, cfg.dtype, cfg.grad_torch_dtype,
+                           self.landers, self.ring, self.reference, self.arenas[node])
+
+    @property
+    def weights_timeout_s(self) -> float:
+        """How long a reader of the arena waits for a step's updates to land (`cluster.step_timeout_s`)."""
+        timeout = self.cluster.step_timeout_s
+        return STEP_TIMEOUT_FLOOR_S if timeout == "auto" else timeout
 
     @property
     def _grouped(self) -> bool:
@@ -378,7 +339,7 @@ class DataParallelTrainer:
         return result
 
     def _run_step(self, step: int, batch: Batch) -> StepResult:
-        shards = shard_batch(batch, self.num_workers, whole=self.stage == "kto")
+        shards = shard_batch(batch, self.num_workers, whole=self.stage in WHOLE_MICRO_BATCHES)
         n_global = count_loss_tokens(batch)
         counts = preference_counts(batch) if self.objective is not None else None
         timeout = self._step_timeout(batch)
@@ -395,8 +356,9 @@ class DataParallelTrainer:
         norm_sq = outs[0]["norm_sq"] if self.num_workers == 1 else shard_norm_sq
         self._ask_shards([s.apply_norm.remote(step, norm_sq) for s in self.shards])
         loss = sum(o["loss"] for o in outs)  # each worker's loss is its share of the global mean
+        self._kept_logps = [t for o in outs for t in o["kept_logps"]]  # rank order is micro-batch order
         aux = None if outs[0]["aux_loss"] is None else torch.tensor(sum(o["aux_loss"] for o in outs), dtype=torch.float64)
-        metrics = None if counts is None else self.objective.metrics(_summed(o["pref_sums"] for o in outs), counts)
+        metrics = None if counts is None else self.objective.metrics(summed_metrics(o["pref_sums"] for o in outs), counts)
         return StepResult(torch.tensor(loss, dtype=torch.float64), torch.tensor(norm_sq, dtype=torch.float32).sqrt(),
                           lr_at(step, self.opt_cfg, self.total_steps), sum(o["num_tokens"] for o in outs), n_global,
                           aux, metrics)
@@ -406,9 +368,9 @@ class DataParallelTrainer:
         the slowest device a worker may have, and never under STEP_TIMEOUT_FLOOR_S."""
         if self.cluster.step_timeout_s != "auto":
             return self.cluster.step_timeout_s
-        rows, seq = _rows(batch), max(mb["input_ids"].shape[1] for mb in batch)
+        seq = max(mb["input_ids"].shape[1] for mb in batch)
         machine = GPU_MACHINE if self.gpus_per_worker else CPU_MACHINE
-        estimate = predicted_step_seconds(self.spec, self.engine_cfg, seq, rows / self.num_workers, machine)
+        estimate = predicted_step_seconds(self.spec, self.engine_cfg, seq, rows(batch) / self.num_workers, machine)
         return max(STEP_TIMEOUT_FLOOR_S, STEP_TIMEOUT_FACTOR * estimate)
 
     def _wait_workers(self, step: int, timeout: float) -> list[dict]:
@@ -432,13 +394,13 @@ class DataParallelTrainer:
     def evaluate(self, micro_batches: Batch) -> EvalResult:
         """Held-out loss of `micro_batches` split across the workers, forward only (no gradient, no update); a
         preference stage's metric sums added over the workers, with the whole batch's counts."""
-        whole = self.stage == "kto"
-        parts = shard_batch(micro_batches, min(self.num_workers, len(micro_batches) if whole else _rows(micro_batches)),
+        whole = self.stage in WHOLE_MICRO_BATCHES
+        parts = shard_batch(micro_batches, min(self.num_workers, len(micro_batches) if whole else rows(micro_batches)),
                             whole)
         timeout = self._step_timeout(micro_batches)
         outs = ray.get([w.evaluate.remote(p, timeout) for w, p in zip(self.workers, parts, strict=False)],
                        timeout=timeout)  # fewer rows than workers: some idle
-        pref = (None, None) if self.objective is None else (_summed(o["pref_sums"] for o in outs),
+        pref = (None, None) if self.objective is None else (summed_metrics(o["pref_sums"] for o in outs),
                                                              preference_counts(micro_batches))
         return EvalResult(torch.tensor(sum(o["loss_sum"] for o in outs), dtype=torch.float64),
                           sum(o["num_loss_tokens"] for o in outs), sum(o["num_tokens"] for o in outs), *pref)
@@ -451,6 +413,11 @@ class DataParallelTrainer:
         outs = ray.get([w.sequence_logps.remote(p, timeout) for w, p in zip(self.workers, parts, strict=False)],
                        timeout=timeout)
         return [s for out in outs for s in out]  # rank order is micro-batch order
+
+    def kept_logps(self) -> list[torch.Tensor]:
+        """GRPO: each micro-batch's token log-probs as the last step's workers computed them (`StreamingEngine.
+        kept_logps`), in micro-batch order: the rollout's old policy's, without a pass of their own."""
+        return list(self._kept_logps)
 
     def _forget(self) -> None:
         """Drop batches no recovery can need: those before the snapshot before last."""
@@ -492,10 +459,12 @@ class DataParallelTrainer:
         With clipping no unit is updated before every gradient of the step is in, so the step is
         redone, or completed if every gradient was in. Without clipping some units may already be
         updated: the snapshot is restored and the steps since it replayed; with no snapshot only
-        the newest checkpoint holds a consistent state.
+        the newest checkpoint holds a consistent state. A step whose answers are needed beside its
+        update (GRPO's first on a rollout: its log-probs are the old policy's) is never completed
+        without them: it is redone, or restored as an unclipped one.
         """
         reports = self._ask_shards([s.stop.remote(step) for s in self.shards])
-        if all(r["complete"] for r in reports):
+        if all(r["complete"] for r in reports) and not self._keeps_logps(step):
             norm_sq = sum(r["norm_sq"] for r in reports if r["norm_sq"] is not None)
             if any(r["norm_sq"] is not None for r in reports):
                 self._ask_shards([s.apply_norm.remote(step, norm_sq) for s in self.shards])
@@ -510,6 +479,10 @@ class DataParallelTrainer:
         # Every shard with a trained unit took its snapshot at the same step; one of frozen units alone takes none.
         snapshot = next(r["snapshot_step"] for r in reports if r["snapshot_step"] is not None)
         return snapshot, True, "units partly updated; restored snapshot"
+
+    def _keeps_logps(self, step: int) -> bool:
+        """Whether `step` is a GRPO rollout's first of several, whose workers' log-probs the next steps need."""
+        return self.stage == "grpo" and self.grpo.num_iterations > 1 and "old_logps" not in self._kept[step][0]
 
     def _sort_workers(self) -> tuple[list[int], list[int]]:
         """Ranks whose share of the failed step came back (healthy), and ranks whose actor died (lost)."""
@@ -627,77 +600,7 @@ def freeze_options(spec: ModelSpec) -> dict[str, bool]:
             "freeze_multi_modal_projector": spec.unit(VISION_PROJECTOR).frozen}
 
 
-def _summed(parts: Iterable[dict[str, float]]) -> dict[str, torch.Tensor]:
-    """The workers' preference metric sums added up, key by key (in rank order)."""
-    total: dict[str, torch.Tensor] = {}
-    for part in parts:
-        add_sums(total, {k: torch.tensor(v, dtype=torch.float64) for k, v in part.items()})
-    return total
-
-
-def _even_bounds(n: int, parts: int) -> list[int]:
-    """torch.tensor_split's cut of `n` items into `parts`: the first n % parts pieces have one item more."""
-    return [r * (n // parts) + min(r, n % parts) for r in range(parts + 1)]
-
-
-def _rows(batch: Batch) -> int:
-    return sum(mb["input_ids"].shape[0] for mb in batch)
-
-
-def _rows_of(mb: dict, lo: int, hi: int) -> dict:
-    """Rows [lo, hi) of a micro-batch, copied: its [B, ...] tensors, and each row's list of images.
-
-    A value with no entry per row follows only a whole micro-batch; a part of one is refused,
-    naming the split that needs none.
-    """
-    rows = mb["input_ids"].shape[0]
-    piece = {}
-    for key, value in mb.items():
-        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
-            piece[key] = value[lo:hi].clone()
-        elif isinstance(value, list) and len(value) == rows:  # `images`: each row's, a dict of tensors per image
-            piece[key] = pytree.tree_map_only(torch.Tensor, torch.clone, value[lo:hi])
-        elif (lo, hi) == (0, rows):
-            piece[key] = pytree.tree_map_only(torch.Tensor, torch.clone, value)
-        else:
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ClusterError(f"micro-batch key {key!r} ({shape}) has no entry per row of its {rows} rows, so its "
-                               "rows cannot be split across workers; give each worker whole micro-batches: "
-                               "training.grad_accum_steps a multiple of cluster.num_workers")
-    return piece
-
-
 def _plan_pieces(name: str, numel: int, shard_bytes: int, cuts: list[int]):
     from mt_ray.tracking.ckpt_format import plan_pieces  # tracking is needed only when checkpointing
 
     return plan_pieces(name, torch.float32, [numel], shard_bytes, cuts)
-
-
-def run_data_parallel(model, engine_cfg: EngineConfig, opt_cfg: OptimizerConfig,
-                      batches: Iterable[Batch] | Callable[[], Iterable[Batch]], num_workers: int,
-                      total_steps: int | None = None, weights: int | str | dict = 0,
-                      cluster: ClusterConfig | None = None, return_state: bool = False,
-                      export_dir: str | Path | None = None) -> DataParallelResult:
-    """Train `model` data-parallel on `num_workers` engine workers (one per GPU, or CPU workers).
-
-    model: a ModelSpec, a transformers config, a config dict with model_type, or a local folder.
-    batches: global batches (each a list of micro-batches), or a factory returning them.
-    weights: a random-init seed, a safetensors folder, or a state dict by Hugging Face name.
-    Ray is started in-process unless already running, `cluster.address` is set, or RAY_ADDRESS is.
-    """
-    if callable(batches):
-        batches = batches()
-    if total_steps is None:
-        if not hasattr(batches, "__len__"):
-            raise ClusterError("total_steps is needed when the batches have no length (it sets the LR schedule)")
-        total_steps = len(batches)
-    trainer = DataParallelTrainer(model, engine_cfg, opt_cfg, num_workers, total_steps, cluster, weights)
-    try:
-        result = trainer.train(batches)
-        if return_state:
-            result.state_dict = trainer.state_dict()
-        if export_dir is not None:
-            trainer.export(export_dir)
-        return result
-    finally:
-        trainer.close()

@@ -25,8 +25,8 @@ units (or, with one worker in the run, takes the worker's own GPU norm, as the s
 does) and hands the global norm back (`apply_norm`); no unit is updated before every gradient
 of the step is in.
 
-Sums run on one reduce thread and Adam on the optimizer thread, with the intra-op thread count
-set once for the process (it is process-wide: Ray starts actors with OMP_NUM_THREADS=1).
+Sums run on one reduce thread and Adam on the optimizer thread, each with an intra-op team of its own
+(`shard_state.split_threads`: OpenMP's count is per thread; Ray starts actors with OMP_NUM_THREADS=1).
 """
 
 from __future__ import annotations
@@ -36,17 +36,23 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
 import ray
 import torch
-from ray.exceptions import GetTimeoutError
 
 from mt_ray.cluster.arena import ABSENT, FAILED, PRESENT, SLOT, STOPPED, ArenaHandle, ArenaLayout, NodeArena
 from mt_ray.cluster.errors import ClusterError, StaleGenerationError
 from mt_ray.cluster.node_memory import NodeMemoryPeak, process_bytes
 from mt_ray.cluster.partition import ShardPlan
+from mt_ray.cluster.shard_state import (
+    Generation,
+    GradSlots,
+    Landing,
+    Snapshot,
+    read_unless_stopped,
+    split_threads,
+)
 from mt_ray.cluster.wire import from_numpy, sum_in_order, to_numpy
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import HostStore, peak_rss_bytes
@@ -56,76 +62,7 @@ from mt_ray.models.discovery import discover
 from mt_ray.models.weights import init_random, load_safetensors
 
 PUBLISH_THREADS = 2  # casts and puts of updated units for other nodes, beside the optimizer (several nodes only)
-GET_POLL_S = 1.0  # how often a read of another node's object checks that its generation still runs
 PEER_WAIT_S = 600.0  # how long a message of a newer generation waits for this shard to start it
-
-
-@dataclass
-class _Snapshot:
-    """The flat state and each trained unit's Adam count after `step` steps: what a recovery restores."""
-
-    step: int
-    tensors: dict[str, torch.Tensor]
-    adam_counts: dict[str, int]
-
-
-@dataclass
-class _Landing:
-    """One unit's gradients of one step on this node, piece by piece, as its workers report them."""
-
-    got: dict[int, dict[int, int | None]]  # piece start -> local rank -> where it landed (SLOT, ring offset; None: unused)
-    ends: dict[int, int]  # piece start -> end
-    left: int  # pieces not yet summed
-    used: bool = False  # some worker's rows used the unit
-    norm_sq: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))  # of the fp32 sums
-
-    def ranks_in(self) -> list[int]:
-        """Local workers whose every piece is in."""
-        return sorted(set.intersection(*(set(g) for g in self.got.values())))
-
-
-@dataclass
-class _Generation:
-    """Everything one generation of workers may touch; a recovery or a restore starts a new one."""
-
-    number: int
-    step: int
-    opt: OptimizerWorker | None = None
-    local: dict[tuple[int, str], _Landing] = field(default_factory=dict)
-    local_norms: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # of a node's sum, several workers
-    remote: dict[tuple[int, str], dict[int, list[torch.Tensor]]] = field(default_factory=dict)
-    norms: dict[int, dict[str, torch.Tensor | None]] = field(default_factory=dict)  # None: the lone worker's GPU has it
-    forwarded: dict[int, list[ray.ObjectRef]] = field(default_factory=dict)
-    summed: dict[tuple, threading.Event] = field(default_factory=dict)  # (step, unit[, piece]): set once summed
-    advanced: dict[int, int] = field(default_factory=dict)  # version -> trained units updated to it
-    touched: set[int] = field(default_factory=set)
-    ended: set[int] = field(default_factory=set)
-    stopped: bool = False
-
-
-def read_unless_stopped(gen: _Generation, ref: ray.ObjectRef) -> np.ndarray:
-    """`ray.get(ref)`, given up (StaleGenerationError) once `gen` is stopped.
-
-    Another node's object is owned by that node's shard; should the owner die while the object
-    is read, Ray may wait for it forever (ray-project/ray#63694), and `stop` waits for the
-    reduce thread. Polling bounds that wait by the driver's decision to end the step.
-    """
-    while True:
-        try:
-            return ray.get(ref, timeout=GET_POLL_S)
-        except GetTimeoutError:
-            if gen.stopped:
-                raise StaleGenerationError(f"generation {gen.number} was stopped while reading a gradient") from None
-
-
-class _Slots:
-    """The `buffers` surface the optimizer releases gradients through: the arena's slots, reused every step."""
-
-    def __init__(self, numels: dict[str, int]):
-        self.numels = numels
-
-    def release(self, unit: str) -> None:
-        """Nothing to free: a slot is written again only after the unit's next upload, which waits for this update."""
 
 
 class CoordinatorShard:
@@ -141,8 +78,8 @@ class CoordinatorShard:
         self.spec = discover(model, **(freeze or {}))
         self.cfg = EngineConfig(**engine_cfg)
         self.opt_cfg = OptimizerConfig(**opt_cfg)
-        self.threads = self.cfg.optimizer_thread_count
-        torch.set_num_threads(self.threads)  # once, for every thread of this process
+        self.threads, sum_threads = split_threads(self.cfg.optimizer_thread_count, sums=num_local > 1 or num_shards > 1)
+        torch.set_num_threads(self.threads)  # Ray starts actors with OMP_NUM_THREADS=1
         self.total_steps = total_steps
         self.shard, self.num_shards = shard, num_shards
         self.num_local, self.num_workers = num_local, num_workers
@@ -164,16 +101,19 @@ class CoordinatorShard:
         # The configured limit is checked per node against the whole plan by the driver (check_plan).
         self.store = HostStore(self.spec, None, False, 0, None, units=self.owned, master=self.arena.master())
         self.optimizers = {name: UnitOptimizer(self.store, self.spec.unit(name), self.opt_cfg) for name in self.trained}
-        self.slots = _Slots({u.name: u.numel for u in self.spec.trainable_units})
+        self.slots = GradSlots({u.name: u.numel for u in self.spec.trainable_units})
         self._casts = self._build_casts()
         self._publisher = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="mt-ray-publish")
-        self._reducer = ThreadPoolExecutor(1, thread_name_prefix="mt-ray-reduce")
+        self._reducer = ThreadPoolExecutor(1, thread_name_prefix="mt-ray-reduce", initializer=torch.set_num_threads,
+                                           initargs=(sum_threads,))
+        self._reducer.submit(lambda: None).result()  # started now, with its own count (OpenMP's is per thread) ...
+        torch.set_num_threads(self.threads)  # ... then the process's, for this thread and every one started later
         self.peers: list = []
         self._cond = threading.Condition()
         self._copying = {u.name: threading.Lock() for u in self.spec.units if u.name not in self.owned_names}
-        self._snapshot: _Snapshot | None = None
+        self._snapshot: Snapshot | None = None
         self._error: BaseException | None = None
-        self.gen: _Generation | None = None
+        self.gen: Generation | None = None
         self.seconds = {"sum": 0.0, "publish": 0.0, "adam": 0.0}  # busy time, for the benchmark's time split
 
     def _build_casts(self) -> queue.Queue:
@@ -264,7 +204,7 @@ class CoordinatorShard:
             self.seconds["adam"] += old.opt.busy_seconds
         if restore_snapshot:
             step = self._restore_snapshot(step)
-        gen = _Generation(generation, step)
+        gen = Generation(generation, step)
         gen.opt = OptimizerWorker(self.store, self.optimizers, self.slots, self.trained, self.opt_cfg.max_grad_norm,
                                   self.threads, on_advance=lambda unit, version: self._on_advance(gen, unit, version),
                                   on_error=self._on_optimizer_error)
@@ -363,7 +303,7 @@ class CoordinatorShard:
             landing = gen.local.get((step, unit))
             if landing is None:
                 ends = self.pieces[unit]
-                landing = gen.local[(step, unit)] = _Landing({lo: {} for lo in ends}, ends, len(ends))
+                landing = gen.local[(step, unit)] = Landing({lo: {} for lo in ends}, ends, len(ends))
                 gen.summed.setdefault((step, unit), threading.Event())
             summed = gen.summed.setdefault((step, unit) if piece is None else (step, unit, piece), threading.Event())
             for lo in landing.ends if piece is None else [piece]:
@@ -412,7 +352,7 @@ class CoordinatorShard:
             self.arena.weights(unit).copy_(from_numpy(array, self.cfg.dtype))
             self.arena.set_version(unit, version)
 
-    def _generation_of(self, generation: int) -> _Generation | None:
+    def _generation_of(self, generation: int) -> Generation | None:
         """The running generation if it is `generation` (waiting, bounded, for this shard to start it), else None."""
         with self._cond:
             self._cond.wait_for(lambda: self.gen is not None and self.gen.number >= generation, timeout=PEER_WAIT_S)
@@ -444,7 +384,7 @@ class CoordinatorShard:
             return self.arena.grad(unit)[lo:hi]
         return self.arena.ring(rank)[where : where + hi - lo]
 
-    def _on_piece(self, gen: _Generation, step: int, unit: str, lo: int, landing: _Landing) -> None:
+    def _on_piece(self, gen: Generation, step: int, unit: str, lo: int, landing: Landing) -> None:
         """Every local worker's piece at `lo` of `unit` is in (lock held): a lone worker's gradient is its node's
         sum as it lies; several workers' pieces are summed into the slot on the reduce thread."""
         if self.num_local == 1:
@@ -453,7 +393,7 @@ class CoordinatorShard:
         else:
             self._reducer.submit(self._guarded, gen, (step, unit, lo), self._sum_piece, lo, landing)
 
-    def _sum_piece(self, gen: _Generation, step: int, unit: str, lo: int, landing: _Landing) -> None:
+    def _sum_piece(self, gen: Generation, step: int, unit: str, lo: int, landing: Landing) -> None:
         """Sum the local workers' piece at `lo` of `unit` into the slot, in rank order; the last piece's sum
         hands the node's sum on."""
         got, hi = landing.got[lo], landing.ends[lo]
@@ -467,7 +407,7 @@ class CoordinatorShard:
             if landing.left == 0 and gen.local.pop((step, unit), None) is landing:
                 self._on_local_sum(gen, step, unit, landing.used, landing.norm_sq.float())
 
-    def _on_local_sum(self, gen: _Generation, step: int, unit: str, used: bool, norm_sq: torch.Tensor | None) -> None:
+    def _on_local_sum(self, gen: Generation, step: int, unit: str, used: bool, norm_sq: torch.Tensor | None) -> None:
         """The node's sum of `unit` is in its slot, `used` by some worker's rows (lock held): add it as this node's
         part, or send it on to the unit's owner. `norm_sq`: the sum's, where several local workers made it."""
         parts = [self.arena.grad(unit)] if used else []  # none: no worker's rows used the unit
@@ -479,7 +419,7 @@ class CoordinatorShard:
         else:
             self._reducer.submit(self._guarded, gen, (step, unit), self._forward_partial, owner, parts)
 
-    def _add_contribution(self, gen: _Generation, step: int, unit: str, node: int, parts: list[torch.Tensor]) -> None:
+    def _add_contribution(self, gen: Generation, step: int, unit: str, node: int, parts: list[torch.Tensor]) -> None:
         """A node's contribution to an owned unit (lock held); the last one starts the sum."""
         gen.summed.setdefault((step, unit), threading.Event())
         got = gen.remote.setdefault((step, unit), {})
@@ -491,7 +431,7 @@ class CoordinatorShard:
         ordered = [t for n in range(self.num_shards) for t in got[n]]
         self._reducer.submit(self._guarded, gen, (step, unit), self._sum_owned, ordered)
 
-    def _guarded(self, gen: _Generation, key: tuple, fn: Callable, *args) -> None:
+    def _guarded(self, gen: Generation, key: tuple, fn: Callable, *args) -> None:
         """Run one sum on the reduce thread; whatever happens, the workers waiting on it (`key`: (step, unit), or
         (step, unit, piece start)) wake."""
         t0 = time.perf_counter()
@@ -509,7 +449,7 @@ class CoordinatorShard:
             if event is not None:
                 event.set()
 
-    def _forward_partial(self, gen: _Generation, step: int, unit: str, owner: int, parts: list[torch.Tensor]) -> None:
+    def _forward_partial(self, gen: Generation, step: int, unit: str, owner: int, parts: list[torch.Tensor]) -> None:
         """This node's sum of a unit another shard owns (in its slot; `parts` empty: unused) goes to the owner."""
         gen.local_norms.pop((step, unit), None)  # the owner takes the norm of the nodes' sum
         # The one copy of this node's gradient that crosses the network.
@@ -518,7 +458,7 @@ class CoordinatorShard:
         with self._cond:
             gen.forwarded.setdefault(step, []).append(call)
 
-    def _sum_owned(self, gen: _Generation, step: int, unit: str, parts: list[torch.Tensor]) -> None:
+    def _sum_owned(self, gen: Generation, step: int, unit: str, parts: list[torch.Tensor]) -> None:
         """Every node's sum of an owned unit is in (`parts`, node order; this node's is its slot)."""
         local_norm = gen.local_norms.pop((step, unit), None)
         if not parts:  # no worker's rows used the unit (a vision unit in a step without images): like torch with a
@@ -534,7 +474,7 @@ class CoordinatorShard:
         del parts  # other nodes' objects can be freed now
         self._to_optimizer(gen, step, unit, slot, norm_sq)
 
-    def _to_optimizer(self, gen: _Generation, step: int, unit: str, grad: torch.Tensor | None,
+    def _to_optimizer(self, gen: Generation, step: int, unit: str, grad: torch.Tensor | None,
                       norm_sq: torch.Tensor | None) -> None:
         """Queue the unit's update; `norm_sq` None: its gradient's norm is the lone worker's GPU's."""
         with self._cond:
@@ -559,7 +499,7 @@ class CoordinatorShard:
             self._cond.notify_all()
         self.arena.set_state(FAILED)
 
-    def _on_advance(self, gen: _Generation, unit: str, version: int) -> None:
+    def _on_advance(self, gen: Generation, unit: str, version: int) -> None:
         """On the optimizer thread, as `unit` reaches `version`: tell this node's workers, and the other nodes.
 
         The last trained unit to reach a snapshot's version takes the snapshot before its version is
@@ -576,7 +516,7 @@ class CoordinatorShard:
         if self.num_shards > 1 and not gen.stopped:
             self._publisher.submit(self._publish, gen, unit, version)
 
-    def _publish(self, gen: _Generation, unit: str, version: int) -> None:
+    def _publish(self, gen: Generation, unit: str, version: int) -> None:
         """Cast an owned unit to the compute dtype and send it to every other node's shard (several nodes)."""
         t0 = time.perf_counter()
         cast = self._casts.get()
@@ -601,7 +541,7 @@ class CoordinatorShard:
         tensors = self._snapshot.tensors if self._snapshot else {k: torch.empty_like(v) for k, v in live.items()}
         for name, buf in live.items():
             tensors[name].copy_(buf)
-        self._snapshot = _Snapshot(step, tensors, {u: opt.step_count() for u, opt in self.optimizers.items()})
+        self._snapshot = Snapshot(step, tensors, {u: opt.step_count() for u, opt in self.optimizers.items()})
 
     def _restore_snapshot(self, step: int) -> int:
         """Back to the snapshot; returns its step (`step` where there is none: a shard of frozen units

@@ -49,11 +49,14 @@ def sum_in_order(parts: list[torch.Tensor], out: torch.Tensor | None) -> torch.T
     numel = parts[0].numel()
     norm_sq = torch.zeros((), dtype=torch.float64)
     acc = torch.empty(min(SUM_CHUNK, numel), dtype=torch.float32)
+    # torch's add of a 16-bit tensor into an fp32 one takes its slow mixed-dtype path: each further part is cast
+    # up into `upcast` first (the same fp32 values), then added fp32 to fp32
+    upcast = torch.empty_like(acc) if any(v.dtype != torch.float32 for v in parts[1:]) else None
     for lo in range(0, numel, SUM_CHUNK):
         hi = min(lo + SUM_CHUNK, numel)
         chunk = acc[: hi - lo].copy_(parts[0][lo:hi])
         for v in parts[1:]:
-            chunk.add_(v[lo:hi])
+            chunk.add_(v[lo:hi] if v.dtype == torch.float32 else upcast[: hi - lo].copy_(v[lo:hi]))
         norm_sq += torch.linalg.vector_norm(chunk).square()
         if out is not None:
             out[lo:hi].copy_(chunk)

@@ -5,9 +5,10 @@ streams each unit straight from the arena (the owning shard's fp32 master, cast 
 the single engine's `stream_master` does), once the unit's version word says the previous step's
 update is in; `LandingBuffers` are where its gradients land (the arena's slots, or this worker's
 ring there); `ArenaGrads` tells the node's coordinator shard where each landed. A preference
-stage's reference streams from the arena too (`ArenaReference`). The worker holds no weights, no
-gradients and no optimizer state of its own, and nothing it does per step copies
-or puts anything model-sized. Every wait that is not the GPU's own work (a device->host copy,
+stage's reference (and GRPO's, at β > 0) streams from the arena too (`ArenaReference`). A GRPO
+worker only trains: the completions come from the rollout actor beside it (training/grpo/remote.py).
+The worker holds no weights, no gradients and no optimizer state of its own, and nothing it does
+per step copies or puts anything model-sized. Every wait that is not the GPU's own work (a device->host copy,
 the shard's acknowledgement) runs on a helper thread, never on the thread that launches GPU work.
 """
 
@@ -33,9 +34,11 @@ from mt_ray.cluster.node_memory import process_bytes
 from mt_ray.cluster.partition import ShardPlan
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.engine import StreamingEngine
+from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.pinning import register_pinned, unregister_pinned
 from mt_ray.engine.preference import PreferenceConfig
 from mt_ray.engine.sizing import Stage
+from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.discovery import discover
 
 log = logging.getLogger(__name__)
@@ -179,9 +182,16 @@ class ArenaGrads:
         threading.Thread(target=self._ship_loop, name="mt-ray-grad-ship", daemon=True).start()
         threading.Thread(target=self._ack_loop, name="mt-ray-grad-ack", daemon=True).start()
 
-    def submit(self, unit: str, grad: torch.Tensor | None, landed: torch.cuda.Event | None, lr: float) -> None:
-        """`grad` None: this worker's rows did not use the unit (a vision unit, no image); the shard is told so."""
+    def submit(self, unit: str, grad: torch.Tensor | None, landed: torch.cuda.Event | None, lr: float,
+               skip: tuple[tuple[int, int], ...] = ()) -> None:
+        """`grad` None: this worker's rows did not use the unit (a vision unit, no image); the shard is told so.
+        `skip` (tensors of the unit without a gradient) is not carried to the shards: it is refused."""
         self._raise_if_failed()
+        if skip:
+            raise ModelNotSupportedError(
+                f"unit {unit} has tensors that got no gradient (a vision tower's tensors get_image_features never "
+                "reads); a data-parallel run does not yet leave them untouched as torch's AdamW does, it would decay "
+                "them; keep model.freeze_vision_tower: true, or train on one GPU")
         piece, where = self.landing.next_landed(unit) if grad is not None else (None, None)
         self._ship.put((self.step, unit, piece, where, landed))
 
@@ -249,15 +259,16 @@ class EngineWorker:
     def __init__(self, rank: int, model, engine_cfg: dict, opt_cfg: dict, total_steps: int, shard, local_shard: int,
                  num_shards: int, num_local: int, ring: int, arena: ArenaHandle, generation: int, start_step: int,
                  timeout_s: float, freeze: dict[str, bool] | None = None, stage: str = "sft",
-                 pref: dict | None = None):
+                 pref: dict | None = None, grpo: dict | None = None):
         """Weights and gradients go through `arena`, the node of `local_shard` (`shard`, one of `num_shards`,
         with `num_local` workers landing gradients in it, rings of `ring` elements). `freeze`: the `discover`
-        options the driver's spec was found with. `stage` and `pref`: the run's preference stage (its reference,
-        where it streams one, is the arena's)."""
+        options the driver's spec was found with. `stage`, `pref` and `grpo`: the run's preference or GRPO stage
+        (its reference, where it streams one, is the arena's)."""
         spec = discover(model, **(freeze or {}))
         cfg = EngineConfig(**engine_cfg)
         pref_cfg = PreferenceConfig(**(pref or {}))
-        reference = Stage.of(stage, pref_cfg).reference
+        grpo_cfg = GrpoConfig(**(grpo or {}))
+        reference = Stage.of(stage, pref_cfg, grpo_cfg).reference
         layout = ArenaLayout.build(spec, ShardPlan.build(spec, num_shards), local_shard, cfg.dtype,
                                    cfg.grad_torch_dtype, num_local, ring, reference)
         self.rank = rank
@@ -273,7 +284,8 @@ class EngineWorker:
                                 [u.name for u in spec.units], timeout_s)
         self.engine = StreamingEngine(spec, cfg, OptimizerConfig(**opt_cfg), total_steps, grad_sink=self.grads,
                                       weight_source=self.weights, grad_buffers=self.landing, stage=stage,
-                                      pref=pref_cfg, reference=ArenaReference(self.arena) if reference else None)
+                                      pref=pref_cfg, grpo=grpo_cfg,
+                                      reference=ArenaReference(self.arena) if reference else None)
         self.engine.step_idx = start_step  # weight versions and the LR schedule follow the shards
 
     def train_step(self, step: int, micro_batches: list[dict[str, torch.Tensor]], loss_normaliser: int,
@@ -295,7 +307,7 @@ class EngineWorker:
         # The router loss's share, weighted by this worker's loss tokens over the global count like the loss.
         aux = None if result.aux_loss is None else float(result.aux_loss)
         return {"loss": loss, "num_tokens": result.num_tokens, "aux_loss": aux, "norm_sq": self.grads.norm_sq(),
-                "pref_sums": self._pref_sums()}
+                "pref_sums": self._pref_sums(), "kept_logps": self._kept_logps()}
 
     def evaluate(self, micro_batches: list[dict[str, torch.Tensor]], timeout_s: float) -> dict:
         """Summed loss of this worker's part of an evaluation batch under the current weights (forward only),
@@ -313,6 +325,11 @@ class EngineWorker:
     def _pref_sums(self) -> dict[str, float] | None:
         """The last step's (or evaluation's) preference metric sums over this worker's pairs or examples."""
         return None if self.engine.pref is None else {k: float(v) for k, v in self.engine.pref.sums.items()}
+
+    def _kept_logps(self) -> list[torch.Tensor]:
+        """GRPO's token log-probs of the step's micro-batches, where it keeps them (a rollout's first step, above
+        one iteration): a few bytes per loss token, for the driver to hand back as the old policy's."""
+        return [] if self.engine.pref is None else [t.cpu() for t in self.engine.kept_logps()]
 
     def _bound_waits(self, timeout_s: float) -> None:
         self.weights.timeout_s = self.landing.timeout_s = self.grads.timeout_s = timeout_s

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mt_ray.cluster.config import ClusterConfig, check_cluster_stage
+from mt_ray.cluster.config import ClusterConfig
 from mt_ray.data import DataConfig
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.grpo import GrpoConfig, RolloutConfig
@@ -168,8 +168,6 @@ class RunConfig(_Section):
     def _preference_stage_fits(self) -> RunConfig:
         stage = self.training.stage
         check_stage(stage, self.pref)
-        if self.cluster.num_workers > 1:
-            check_cluster_stage(stage)
         return self
 
     @model_validator(mode="after")
@@ -193,10 +191,10 @@ class RunConfig(_Section):
         """Mirror `shard_batch`: whole micro-batches per worker (always for kto), or every micro-batch cut into
         rows."""
         n, t = self.cluster.num_workers, self.training
-        if t.stage == "kto" and t.grad_accum_steps < n:
-            raise ValueError(f"cluster.num_workers: stage kto estimates its KL term over each whole micro-batch, so "
-                             f"each of the {n} workers needs whole ones; use a training.grad_accum_steps of at least "
-                             f"{n}")
+        if t.stage in ("kto", "grpo") and t.grad_accum_steps < n:
+            why = "estimates its KL term over" if t.stage == "kto" else "normalises its loss by"
+            raise ValueError(f"cluster.num_workers: stage {t.stage} {why} each whole micro-batch, so each of the {n} "
+                             f"workers needs whole ones; use a training.grad_accum_steps of at least {n}")
         if t.grad_accum_steps % n and n > t.micro_batch_size:
             raise ValueError(
                 f"cluster.num_workers: {n} workers cannot share a step of {t.grad_accum_steps} micro-batches of "

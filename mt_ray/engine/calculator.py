@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import yaml
@@ -37,6 +37,7 @@ from mt_ray.engine.sizing import (
     predicted_step_seconds,
     reference_host_bytes,
     rollout_bytes,
+    rollout_host_bytes,
     vision_sizes,
 )
 from mt_ray.errors import ConfigError
@@ -88,7 +89,13 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
     gradient dtype to prefer on a tie; `opt` decides whether clipping holds every gradient.
     `image_tokens`: an image-text model's image tokens per sample (part of `seq`), for its vision tower.
     `stage`: what a preference stage adds (the policy's head again, a streamed reference, GRPO's rollout copy).
+    GRPO's `rollout.placement: auto` takes the resident copy where any configuration fits beside it, else the
+    streamed one (`rollout_placement` says which).
     """
+    if stage.rollout_placement == "auto":
+        args = (spec, seq, global_batch, gpu_mem_gb, host_mem_gb, cfg, opt, machine, max_micro_tokens, image_tokens)
+        rec = recommend(*args, stage=replace(stage, rollout_placement="resident"))
+        return rec if rec["fits"] else recommend(*args, stage=replace(stage, rollout_placement="streamed"))
     search = _Search.build(spec, gpu_mem_gb, host_mem_gb, cfg, opt, machine, max_micro_tokens, image_tokens, stage)
     machine = search.machine
     out = {"params": spec.num_params, "seq": seq, "global_batch": global_batch, "gpu_mem_gb": gpu_mem_gb,
@@ -101,8 +108,12 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
         out.update(reference="stream" if stage.reference else "none",
                    reference_host_gib=reference_host_bytes(spec, search.cfg, stage) / GIB)
     if stage.rollout_tokens:  # GRPO's generation copy: held on the GPU beside every update
-        copy, generation = rollout_bytes(spec, search.cfg, global_batch, stage.rollout_tokens)
-        out.update(rollout_copy_gib=copy / GIB, rollout_generation_gib=generation / GIB)
+        copy, generation = rollout_bytes(spec, search.cfg, global_batch, stage.rollout_tokens, stage.rollout_streamed)
+        out.update(rollout_placement=stage.rollout_placement, rollout_copy_gib=copy / GIB,
+                   rollout_generation_gib=generation / GIB,
+                   rollout_host_gib=rollout_host_bytes(spec, search.cfg, stage) / GIB)
+        if stage.rollout_streamed:  # each token step of the whole batch brings every decoder layer over the link
+            out["rollout_link_s_per_token_step"] = rollout_host_bytes(spec, search.cfg, stage) / (machine.h2d_gbps * 1e9)
     if machine.has_nvme:
         out.update(nvme_read_gbps=machine.nvme_read_gbps, nvme_write_gbps=machine.nvme_write_gbps,
                    nvme_mixed_gbps=machine.nvme_mixed_gbps)
@@ -333,6 +344,8 @@ def config_snippet(rec: dict, model: dict | None = None) -> str:
     sections["engine"] = {k: rec[k] for k in SEARCHED}
     if rec["state_placement"] != "host":
         sections["engine"]["nvme_path"] = rec.get("nvme_path") or "/path/on/nvme"
+    if "rollout_placement" in rec:
+        sections["rollout"] = {"placement": rec["rollout_placement"]}
     return yaml.safe_dump(sections, sort_keys=False)
 
 

@@ -59,10 +59,11 @@ import torch
 from mt_ray.engine.activations import build_activation_store, streamed_step_plan
 from mt_ray.engine.batch import MicroBatch, prepare_micro_batch
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
-from mt_ray.engine.grpo import GrpoConfig
+from mt_ray.engine.grad_sums import accumulate, spans_of
+from mt_ray.engine.grpo import GrpoConfig, RolloutConfig
 from mt_ray.engine.host_store import HostStore, state_placement
 from mt_ray.engine.kept_blocks import KeptBlocks
-from mt_ray.engine.optimizer import UnitOptimizer, counts_behind, lr_at, restore_counts
+from mt_ray.engine.optimizer import Spans, UnitOptimizer, counts_behind, lr_at, restore_counts
 from mt_ray.engine.optimizer_worker import OptimizerWorker
 from mt_ray.engine.preference import PreferenceConfig
 from mt_ray.engine.reference import REF, WithReference, build_preference, eval_mode, forward_plan
@@ -131,21 +132,23 @@ class StreamingEngine:
     host store, for a trainer that keeps the weights elsewhere (mt_ray.cluster); the engine
     then allocates no master weights or moments of its own. `stage` `dpo` or `kto` trains on
     preference rows with the `pref` loss (such a trainer passes the `reference` it keeps), `grpo` on
-    sampled completions with the `grpo` loss (a single engine only: mt_ray.cluster refuses it).
+    sampled completions with the `grpo` loss.
     """
 
     def __init__(self, spec: ModelSpec, cfg: EngineConfig, opt_cfg: OptimizerConfig, total_steps: int,
                  grad_sink: GradSink | None = None, weight_source: WeightSource | None = None,
                  grad_buffers: GradBuffers | None = None, stage: str = "sft", pref: PreferenceConfig | None = None,
-                 grpo: GrpoConfig | None = None, reference: ReferenceSource | None = None):
+                 grpo: GrpoConfig | None = None, reference: ReferenceSource | None = None,
+                 rollout: RolloutConfig | None = None):
         """`grad_buffers`: where gradients land on the host, given by a trainer whose buffers are shared memory
         (mt_ray.cluster); by default the engine allocates its own pinned ones. `reference`: a preference stage's
         reference weights, given by a trainer that keeps them (with `weight_source`); by default a snapshot of
-        the loaded weights in host memory."""
+        the loaded weights in host memory. `rollout`: GRPO's rollout copy, its placement resolved (what
+        `keep_activations: auto` leaves room for beside the step)."""
         if (grad_sink is None) != (weight_source is None):
             raise ValueError("grad_sink and weight_source are given together or not at all")
-        if stage != "sft" and ((grad_sink is not None and stage == "grpo") or spec.vision is not None):
-            raise ValueError(f"stage {stage} runs on a single engine and a text model, for now")
+        if stage != "sft" and spec.vision is not None:
+            raise ValueError(f"stage {stage} runs on a text model, for now")
         self.spec = spec
         self.cfg = cfg
         self.opt_cfg = opt_cfg
@@ -209,12 +212,14 @@ class StreamingEngine:
         self.streamer = WeightStreamer(source, self.streams, self.dtype, depth, hold, versions)
         self.outbox = Outbox(self.streams)
         # Block graphs the backward uses instead of a recompute, as many as fit beside what the stage holds.
-        self.kept = KeptBlocks(spec, self.streams, Stage.of(stage, pref, grpo))
+        self.kept = KeptBlocks(spec, self.streams, Stage.of(stage, pref, grpo, rollout))
         self.activations = build_activation_store(cfg.checkpoint_placement, self.streams, self.dtype,
                                                   cfg.host_memory_limit_gb)
         self.templates = build_templates(spec, self.device, self.context.stream)
         self.layer_templates = [self.templates[u.kind] for u in spec.layer_units]
         # Layers holding or owning weights tied between layers, by index.
+        # Each unit's trainable tensors' sizes, in order: the slices of its gradient sum (`grad_sums.accumulate`).
+        self._grad_sizes = {u.name: [p.numel for p in u.params if p.trainable] for u in spec.units}
         self._tie_layers = {int(name.split(".")[1]) for unit, mirrors in spec.mirrors.items()
                             for name in (unit, *(m.owner for m in mirrors))}
         self.vision = VisionStage(spec, self.templates, self.device, self._weights, self._add_grad) if spec.vision else None
@@ -253,6 +258,7 @@ class StreamingEngine:
         self._norm_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         self._lr = lr
         self._grad_sums: dict[str, torch.Tensor] = {}
+        self._ungraded: dict[str, set[int]] = {}  # per unit: its tensors no contribution has reached yet
         self._kept: dict[str, torch.Tensor] = {}
         self._sent: set[str] = set()
         # Router loss: each micro-batch weighted by its share of the step's loss tokens.
@@ -330,6 +336,11 @@ class StreamingEngine:
         with self.pref.collecting() as sums:
             self.evaluate(micro_batches)
             return list(sums)
+
+    def kept_logps(self) -> list[torch.Tensor]:
+        """GRPO above one iteration: each micro-batch's token log-probs [N] as the last step computed them, where
+        its batch carried no old ones (a rollout's first step: the sampling policy's, kept for the steps after)."""
+        return list(self.pref.step_logps)
 
     def set_attention(self, requested: str) -> str:
         """Switch the attention backend between steps, resolved as `EngineConfig.attn_implementation` is at
@@ -755,15 +766,19 @@ class StreamingEngine:
             owner_sum[mirror.owner_offset : mirror.owner_offset + mirror.numel] += g.reshape(-1)
 
     def _add_grad(self, unit: str, grads, final: bool, frozen_numel: int = 0) -> None:
-        """Add a micro-batch's gradients to the unit's sum; the final contribution ships it."""
-        acc = _accumulate(self._grad_sums.pop(unit, None), grads, frozen_numel)
+        """Add a micro-batch's gradients (None: that tensor got none) to the unit's sum; the final contribution
+        ships it, with the tensors no contribution reached (a sum begun by `_grad_sum` counts as reaching all)."""
+        prior = self._grad_sums.pop(unit, None)
+        sizes = self._grad_sizes[unit]
+        acc, missing = accumulate(prior, grads, sizes, frozen_numel, self.device)
+        ungraded = missing if prior is None else self._ungraded.pop(unit, set()) & missing
         if final:
-            self._send_grad(unit, acc)
+            self._send_grad(unit, acc, spans_of(sizes, ungraded))
         else:
-            self._grad_sums[unit] = acc
+            self._grad_sums[unit], self._ungraded[unit] = acc, ungraded
 
-    def _send_grad(self, unit: str, acc: torch.Tensor) -> None:
-        """Ship a finished fp32 gradient to the host and queue its optimizer update."""
+    def _send_grad(self, unit: str, acc: torch.Tensor, skip: Spans = ()) -> None:
+        """Ship a finished fp32 gradient to the host and queue its optimizer update (`skip`: spans without one)."""
         self._sent.add(unit)
         if self.reduce_grad is not None and (acc := self.reduce_grad(unit, acc)) is None:
             return  # another engine ships the sum
@@ -776,7 +791,7 @@ class StreamingEngine:
                 self.streams.wait(self.streams.d2h, done_on_compute)  # gradient fully computed
                 host.copy_(grad[lo:hi], non_blocking=True)
                 landed = self.streams.record(self.streams.d2h)
-            self.worker.submit(unit, host, landed, self._lr)
+            self.worker.submit(unit, host, landed, self._lr, skip)
         self.outbox.add(grad, landed)  # keeps it alive until the last copy has read it
 
 
@@ -792,29 +807,6 @@ def _chunk_loss(head: UnitTemplate, weights: Weights, x_ND: torch.Tensor, target
     """Summed cross-entropy of one chunk of selected tokens, from fp32 logits that live only for this chunk."""
     logits_NV = head(weights, x_ND).float()
     return torch.nn.functional.cross_entropy(logits_NV, target_N, reduction="sum")
-
-
-def _accumulate(acc: torch.Tensor | None, grads, frozen_numel: int = 0) -> torch.Tensor:
-    """Sum a unit's parameter gradients into one flat fp32 buffer (micro-batches add up here);
-    the unit's frozen tail gets zeros, so the optimizer leaves it unchanged.
-
-    Each gradient is upcast as it is copied or added into its slice: no concatenated or upcast copy
-    of the whole unit beside the sum (at the embedding's backward, 3 GiB less at 7B). The sum is
-    the same to the bit: each element is upcast exactly and added once, in the same order.
-    """
-    first = acc is None
-    if first:
-        acc = torch.empty(sum(g.numel() for g in grads) + frozen_numel, dtype=torch.float32, device=grads[0].device)
-        acc[acc.numel() - frozen_numel:].zero_()
-    lo = 0
-    for g in grads:
-        part = acc[lo : lo + g.numel()]
-        if first:
-            part.copy_(g.reshape(-1))
-        else:
-            part.add_(g.reshape(-1))
-        lo += g.numel()
-    return acc
 
 
 __all__ = ["EvalResult", "StreamingEngine", "StepResult", "UnitTemplate", "Weights"]

@@ -134,6 +134,14 @@ class RolloutConfig(BaseModel):
     each update. `vllm` is refused for now: where vLLM is installed the weight push is not built yet, and where it
     is not, the refusal says how to install it."""
 
+    placement: Literal["auto", "resident", "streamed"] = "auto"
+    """Where the copy's weights are while it generates. `resident`: all on the GPU. `streamed`: the decoder
+    layers in page-locked host memory (2 B/param of them in bf16), brought to the GPU one at a time as each
+    token step runs them, the next one's copy overlapping the current one's compute; only the embedding, the
+    head, two layer buffers and the key/value cache stay on the GPU, and each token step of the whole batch
+    (every prompt x G) crosses the link once. `auto`: resident where the device model says the copy fits beside
+    the step on this GPU (`engine.gpu_memory_limit_gb`, or the device's memory), else streamed."""
+
     @field_validator("engine")
     @classmethod
     def _built_and_installed(cls, value: str) -> str:

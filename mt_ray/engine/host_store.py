@@ -280,12 +280,7 @@ class HostStore:
 
     def named_views(self, unit: UnitSpec, flat: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Hugging Face parameter name -> shaped view of the unit's flat weights `flat` (its master by default)."""
-        flat = self.master_of(unit.name) if flat is None else flat
-        views, off = {}, 0
-        for p in unit.params:
-            views[p.hf_name] = flat[off : off + p.numel].view(p.shape)
-            off += p.numel
-        return views
+        return unit_views(unit, self.master_of(unit.name) if flat is None else flat)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """All fp32 master weights by Hugging Face name (views, no copies; read from disk when the master is there)."""
@@ -441,3 +436,13 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return psutil.Process().memory_info().rss
+
+
+def unit_views(unit: UnitSpec, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Hugging Face parameter name -> shaped view of `flat`, a unit's weights in the store's (and an arena's)
+    layout: its parameters one after another."""
+    views, off = {}, 0
+    for p in unit.params:
+        views[p.hf_name] = flat[off : off + p.numel].view(p.shape)
+        off += p.numel
+    return views

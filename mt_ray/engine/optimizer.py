@@ -5,6 +5,10 @@ non-decayed slices, cut to the store's chunk size), whose parameters and Adam mo
 chunk by chunk as it steps, to the store's state (`HostStore.chunk`: views of its buffers, or a
 slot read from NVMe), so the optimizer allocates nothing and a checkpoint of the store is a
 checkpoint of the optimizer. It keeps only the step counts.
+
+A tensor that got no gradient in a step (`skip`: LLaVA's tower norm, which `get_image_features` never reads) is
+left as torch's AdamW leaves a parameter whose `.grad` is None: weights and moments untouched, no decay, and its
+own step count stays behind the unit's (`lags`), so its bias correction is its own when it trains later.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from mt_ray.engine.state_files import chunk_bounds
 from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import UnitSpec
 
+Spans = tuple[tuple[int, int], ...]
+"""[lo, hi) ranges of a unit's flat state, sorted and disjoint."""
+
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
     """Learning rate for optimizer step `step` (0-based), matching transformers' schedules."""
@@ -33,15 +40,23 @@ def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
 
 
 def counts_behind(optimizers: dict[str, UnitOptimizer], step: int) -> dict[str, int]:
-    """Each unit's Adam count where it is not `step`: a vision unit skips the steps without images, as torch's
-    AdamW skips a parameter whose gradient is None. A checkpoint stores these beside its step."""
-    return {unit: count for unit, opt in optimizers.items() if (count := opt.step_count()) != step}
+    """Each unit's Adam count where it is not `step` (a vision unit skips the steps without images, as torch's
+    AdamW skips a parameter whose gradient is None), and each span's lag behind its unit (`unit@lo:hi`).
+    A checkpoint stores these beside its step."""
+    behind = {unit: count for unit, opt in optimizers.items() if (count := opt.step_count()) != step}
+    return behind | {f"{unit}@{lo}:{hi}": lag for unit, opt in optimizers.items() for (lo, hi), lag in opt.span_lags().items()}
 
 
 def restore_counts(optimizers: dict[str, UnitOptimizer], step: int, behind: dict[str, int]) -> None:
-    """Set every unit's Adam count back to `step`, or to its count in `behind` (`counts_behind`)."""
+    """Set every unit's Adam count back to `step`, or to its count in `behind` (`counts_behind`), and its spans' lags."""
+    lags: dict[str, dict[tuple[int, int], int]] = {}
+    for key, lag in behind.items():
+        unit, _, span = key.partition("@")
+        if span:
+            lo, hi = span.split(":")
+            lags.setdefault(unit, {})[(int(lo), int(hi))] = lag
     for unit, opt in optimizers.items():
-        opt.set_step(behind.get(unit, step))
+        opt.set_step(behind.get(unit, step), lags.get(unit, {}))
 
 
 def deepspeed_available() -> bool:
@@ -67,31 +82,41 @@ class UnitOptimizer:
                    "weight_decay": cfg.weight_decay if decays else 0.0, "bounds": (lo, hi)}
                   for lo, hi, decays in chunk_bounds(unit, chunk_numel or store.chunk_numel)]
         self.opt = _build(groups, cfg, self.use_ds)
-        for g in self.opt.param_groups:
-            self.opt.state[g["params"][0]] = {"step": 0 if self.use_ds else torch.tensor(0.0)}
+        self.count = 0  # updates the unit has had
+        self.lags: dict[tuple[int, int], int] = {}  # spans that missed updates of their unit (`skip`), and how many
 
     def step(self, grad: torch.Tensor, lr: float, clip_coef: float = 1.0, scratch: torch.Tensor | None = None,
-             read_only: bool = False) -> None:
-        """One AdamW update from the unit's flat gradient, scaled by `clip_coef`.
+             read_only: bool = False, skip: Spans = ()) -> None:
+        """One AdamW update from the unit's flat gradient, scaled by `clip_coef`; the `skip` spans got no gradient.
 
         Chunks are stepped one at a time (torch skips parameters without a gradient), each
         bound to its state from the store and handed back to it after, and each reading its slice
         of `grad`; a compute-dtype gradient is upcast through `scratch` (fp32, at least the
         chunk's size), and so is a `read_only` one (fused AdamW writes the unscaled gradient back).
+        A chunk is stepped in runs that share a step count, the skipped ones left out.
         """
         for g in self.opt.param_groups:
             lo, hi = g["bounds"]
             g["lr"] = lr
             p = g["params"][0]
             chunk = self.store.chunk(self.unit, lo, hi)
-            p.data = chunk.master
-            self.opt.state[p].update(exp_avg=chunk.exp_avg, exp_avg_sq=chunk.exp_avg_sq)
-            part = grad[lo:hi]
-            p.grad = part if part.dtype == torch.float32 and not read_only else scratch[: hi - lo].copy_(part)
-            self._apply_clip(p.grad, clip_coef)
-            self.opt.step()
-            p.grad = None
+            for a, b, lag in _runs(lo, hi, skip, self.lags):
+                p.data = chunk.master[a - lo : b - lo]
+                self.opt.state[p] = {"step": self._count_state(self.count - lag),
+                                     "exp_avg": chunk.exp_avg[a - lo : b - lo],
+                                     "exp_avg_sq": chunk.exp_avg_sq[a - lo : b - lo]}
+                part = grad[a:b]
+                p.grad = part if part.dtype == torch.float32 and not read_only else scratch[: b - a].copy_(part)
+                self._apply_clip(p.grad, clip_coef)
+                self.opt.step()
+                p.grad = None
             self.store.chunk_updated(self.unit, lo, hi, chunk)
+        self.count += 1
+        for span in skip:
+            self.lags[span] = self.lags.get(span, 0) + 1
+
+    def _count_state(self, count: int) -> int | torch.Tensor:
+        return count if self.use_ds else torch.tensor(float(count))
 
     def _apply_clip(self, grad: torch.Tensor, coef: float) -> None:
         if self.use_ds:
@@ -104,13 +129,32 @@ class UnitOptimizer:
         self.opt.found_inf = None if coef == 1.0 else torch.tensor(0.0)
 
     def step_count(self) -> int:
-        """Updates applied so far: the bias-correction count (equal in every chunk of the unit)."""
-        return int(next(iter(self.opt.state.values()))["step"])
+        """Updates applied so far: the bias-correction count of every tensor that has not missed one (`lags`)."""
+        return self.count
 
-    def set_step(self, step: int) -> None:
-        """Restore the bias-correction step count (after loading a checkpoint)."""
-        for state in self.opt.state.values():
-            state["step"] = step if isinstance(state["step"], int) else torch.tensor(float(step))
+    def span_lags(self) -> dict[tuple[int, int], int]:
+        """The spans whose own count is behind the unit's, and by how many updates."""
+        return dict(self.lags)
+
+    def set_step(self, step: int, lags: dict[tuple[int, int], int] | None = None) -> None:
+        """Restore the bias-correction step count, and the spans' lags (after loading a checkpoint)."""
+        self.count = step
+        self.lags = dict(lags or {})
+
+
+def _runs(lo: int, hi: int, skip: Spans, lags: dict[tuple[int, int], int]) -> list[tuple[int, int, int]]:
+    """[a, b) runs of the chunk [lo, hi) outside `skip`, each with one lag (`UnitOptimizer.lags`)."""
+    cuts = sorted({lo, hi, *(x for s in (*skip, *lags) for x in s if lo < x < hi)})
+    runs: list[tuple[int, int, int]] = []
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        if any(s <= a and b <= e for s, e in skip):
+            continue
+        lag = next((n for (s, e), n in lags.items() if s <= a and b <= e), 0)
+        if runs and runs[-1][1] == a and runs[-1][2] == lag:
+            runs[-1] = (runs[-1][0], b, lag)
+        else:
+            runs.append((a, b, lag))
+    return runs
 
 
 def _build(groups: list[dict], cfg: OptimizerConfig, use_deepspeed: bool) -> torch.optim.Optimizer:

@@ -3,7 +3,8 @@
 Without clipping a unit is updated the moment its gradient arrives, overlapping the rest of
 the backward pass. A unit the step did not use (a vision unit in a step without images) is
 submitted without a gradient: like a parameter whose `.grad` is None in torch's AdamW, it is
-left unchanged and its step count stays, but its version advances. Frozen units are not the
+left unchanged and its step count stays, but its version advances; so is each tensor of a unit that got no
+gradient (`skip`, `UnitOptimizer.step`). Frozen units are not the
 worker's: waiting on one returns at once. With clipping, gradients wait in their buffers until the step's global
 norm is known; the worker then updates units in forward order, so the next step's forward can
 start on the embedding and layer 0 while later layers are still being updated.
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from mt_ray.engine.host_store import CHUNK_NUMEL, HostStore
-from mt_ray.engine.optimizer import UnitOptimizer
+from mt_ray.engine.optimizer import Spans, UnitOptimizer
 from mt_ray.engine.transfer import GradBuffers
 
 # How long a wait for an update may see no unit updated at all before it fails: far above any one unit's update
@@ -34,6 +35,7 @@ class _Grad:
     grad: torch.Tensor | None  # None: the step did not use the unit; it is not updated
     landed: torch.cuda.Event | None
     lr: float
+    skip: Spans = ()  # spans of the unit that got no gradient: left as they are
 
 
 @dataclass
@@ -82,9 +84,10 @@ class OptimizerWorker:
     def clips(self) -> bool:
         return self.max_grad_norm > 0
 
-    def submit(self, unit: str, grad: torch.Tensor | None, landed: torch.cuda.Event | None, lr: float) -> None:
+    def submit(self, unit: str, grad: torch.Tensor | None, landed: torch.cuda.Event | None, lr: float,
+               skip: Spans = ()) -> None:
         self._raise_if_failed()
-        self._queue.put(_Grad(unit, grad, landed, lr))
+        self._queue.put(_Grad(unit, grad, landed, lr, skip))
 
     def end_step(self, norm_sq: torch.Tensor, ready: torch.cuda.Event | None, lr: float) -> None:
         self._queue.put(_EndOfStep(norm_sq, ready, lr))
@@ -168,7 +171,8 @@ class OptimizerWorker:
         t0 = time.perf_counter()
         if (g.grad.dtype != torch.float32 or self.grads_read_only) and self._scratch is None:
             self._scratch = torch.empty(min(CHUNK_NUMEL, max(self.buffers.numels.values())))
-        self.optimizers[g.unit].step(g.grad, g.lr, coef, self._scratch, self.grads_read_only)  # refreshes the copy
+        self.optimizers[g.unit].step(g.grad, g.lr, coef, self._scratch, self.grads_read_only,  # refreshes the copy
+                                     g.skip)
         self.buffers.release(g.unit)
         self.busy_seconds += time.perf_counter() - t0
         self._advance(g.unit)

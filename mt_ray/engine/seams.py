@@ -17,10 +17,12 @@ class GradSink(Protocol):
 
     unit_order: list[str]
 
-    def submit(self, unit: str, grad: torch.Tensor | None, landed: torch.cuda.Event | None, lr: float) -> None:
+    def submit(self, unit: str, grad: torch.Tensor | None, landed: torch.cuda.Event | None, lr: float,
+               skip: tuple[tuple[int, int], ...] = ()) -> None:
         """`grad` is a host buffer that is valid once `landed` has completed (None on CPU), one call per piece of
         the engine's `grad_buffers.pieces(unit)`, in order; None (once) where the step did not use the unit (a
-        vision unit in a step without images): it is not updated."""
+        vision unit in a step without images): it is not updated. `skip`: the [lo, hi) spans of the whole unit's
+        state that got no gradient (a tower norm `get_image_features` never reads), left as they are."""
 
     def end_step(self, norm_sq: torch.Tensor, ready: torch.cuda.Event | None, lr: float) -> None:
         """Every unit of the step has been submitted; `norm_sq` is this engine's local norm squared."""

@@ -12,7 +12,8 @@ tower: given the image tokens per sample, the block outputs a step keeps on the 
 block's, for every sample with images) and the tower's compute. A preference stage (`Stage`) adds
 what the engine runs for it: the policy's head once more forward (the sequence sums), and, with a
 reference to stream, the reference's host buffer, its hidden state, its upload and its forward. GRPO
-adds its rollout copy on the device, and what generation needs beyond what an update frees.
+adds its rollout copy on the device (or, streamed, its layer buffers there and its layers in host memory), and
+what generation needs beyond what an update frees.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from mt_ray.engine.activations import host_placement_device_hiddens
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
-from mt_ray.engine.grpo import GrpoConfig
+from mt_ray.engine.grpo import GrpoConfig, RolloutConfig
 from mt_ray.engine.host_store import plan_layout, state_host_bytes, state_placement
 from mt_ray.engine.preference import Objective, PreferenceConfig
 from mt_ray.engine.state_files import FilePlan, plan_files
@@ -82,22 +83,33 @@ class Stage:
     hidden state per micro-batch (an activation slot) from its embedding to its head; the resident schedule
     keeps its units on the device beside the policy's. GRPO keeps a rollout copy of the policy on the device
     for the whole run, and between updates generates the step's completions of up to `rollout_tokens` tokens
-    (prompt and completion) with it (`rollout_bytes`).
+    (prompt and completion) with it (`rollout_bytes`). `rollout_placement` (`rollout.placement`): `resident`
+    holds every weight of the copy on the device; `streamed` only the layers' two buffers and the rest, its
+    decoder layers in host memory (`rollout_host_bytes`); `auto` is counted as resident here, and the calculator
+    and the trainer take streamed where that does not fit.
     """
 
     preference: bool = False
     reference: bool = False
     head_again: bool = False
     rollout_tokens: int = 0
+    rollout_placement: str = "resident"
+
+    @property
+    def rollout_streamed(self) -> bool:
+        return self.rollout_placement == "streamed"
 
     @classmethod
-    def of(cls, stage: str, pref: PreferenceConfig | None = None, grpo: GrpoConfig | None = None) -> Stage:
-        """The stage of `training.stage` with its `pref` (or `grpo`) section; GRPO streams a reference where β > 0."""
+    def of(cls, stage: str, pref: PreferenceConfig | None = None, grpo: GrpoConfig | None = None,
+           rollout: RolloutConfig | None = None) -> Stage:
+        """The stage of `training.stage` with its `pref` (or `grpo` and `rollout`) section; GRPO streams a reference
+        where β > 0."""
         if stage == "sft":
             return cls()
         if stage == "grpo":
             grpo = grpo or GrpoConfig()
-            return cls(True, grpo.beta != 0.0, rollout_tokens=grpo.max_prompt_length + grpo.max_completion_length)
+            return cls(True, grpo.beta != 0.0, rollout_tokens=grpo.max_prompt_length + grpo.max_completion_length,
+                       rollout_placement=(rollout or RolloutConfig()).placement)
         pref = pref or PreferenceConfig()
         return cls(True, pref.reference == "stream" and Objective(stage, pref).needs_reference, head_again=True)
 
@@ -145,7 +157,8 @@ def host_bytes(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, seq: in
     per_unit = grad_buffers_per_unit(cfg, opt)
     state = state_host_bytes(plan_layout(spec, copy), placement, state_files_plan(spec, cfg))
     state += grad_buffer_bytes(numels, cfg.grad_torch_dtype, per_unit, cfg.grad_slabs)
-    return state + reference_host_bytes(spec, cfg, stage) + activation_slab_bytes(spec, cfg, seq * global_batch, stage)
+    return (state + reference_host_bytes(spec, cfg, stage) + rollout_host_bytes(spec, cfg, stage)
+            + activation_slab_bytes(spec, cfg, seq * global_batch, stage))
 
 
 def state_files_plan(spec: ModelSpec, cfg: EngineConfig) -> FilePlan | None:
@@ -163,6 +176,11 @@ def disk_bytes(spec: ModelSpec, cfg: EngineConfig) -> int:
 def reference_host_bytes(spec: ModelSpec, cfg: EngineConfig, stage: Stage) -> int:
     """The streamed reference's frozen weights: every unit in the compute dtype (bf16: 2 B/param, fp32: 4)."""
     return plan_layout(spec, None).total * cfg.dtype.itemsize if stage.reference else 0
+
+
+def rollout_host_bytes(spec: ModelSpec, cfg: EngineConfig, stage: Stage) -> int:
+    """A streamed rollout copy's decoder layers, page-locked in the compute dtype (bf16: 2 B/param of them)."""
+    return sum(u.numel for u in spec.layer_units) * cfg.dtype.itemsize if stage.rollout_streamed else 0
 
 
 def activation_slab_bytes(spec: ModelSpec, cfg: EngineConfig, tokens: int, stage: Stage = SFT) -> int:
@@ -330,7 +348,7 @@ def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int,
         parts["vision_outputs"] = vision.kept_bytes(samples, cfg.dtype.itemsize)
         parts["total"] += parts["vision_outputs"]
     if stage.rollout_tokens:
-        copy, generation = rollout_bytes(spec, cfg, global_batch, stage.rollout_tokens)
+        copy, generation = rollout_bytes(spec, cfg, global_batch, stage.rollout_tokens, stage.rollout_streamed)
         parts["rollout_copy"] = copy
         # Generation runs between updates, in the memory an update frees: only what it needs beyond that counts.
         parts["rollout_generation_extra"] = max(0, generation - parts["total"])
@@ -338,12 +356,16 @@ def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int,
     return parts
 
 
-def rollout_bytes(spec: ModelSpec, cfg: EngineConfig, rows: int, tokens: int) -> tuple[int, int]:
-    """GRPO's rollout copy on the device (every weight in the compute dtype), and what its generation of `rows`
-    completions of up to `tokens` tokens adds: the key/value cache, and a decoding step's fp32 logits with the
-    nucleus sampler's sorted copy and indices (16 B per row and vocabulary entry)."""
+def rollout_bytes(spec: ModelSpec, cfg: EngineConfig, rows: int, tokens: int,
+                  streamed: bool = False) -> tuple[int, int]:
+    """GRPO's rollout copy on the device (every weight in the compute dtype; `streamed`: all but the decoder
+    layers, and two layer-sized buffers they stream through), and what its generation of `rows` completions of
+    up to `tokens` tokens adds: the key/value cache (on the device either way), and a decoding step's fp32 logits
+    with the nucleus sampler's sorted copy and indices (16 B per row and vocabulary entry)."""
     generation = kv_cache_bytes(spec.text_config, rows, tokens, cfg.dtype.itemsize)
-    return spec.num_params * cfg.dtype.itemsize, generation + rows * spec.text_config.vocab_size * 16
+    layers = [u.numel for u in spec.layer_units]
+    weights = spec.num_params - sum(layers) + 2 * max(layers) if streamed else spec.num_params
+    return weights * cfg.dtype.itemsize, generation + rows * spec.text_config.vocab_size * 16
 
 
 def kv_cache_bytes(config, rows: int, tokens: int, dtype_bytes: int) -> int:

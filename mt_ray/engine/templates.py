@@ -16,8 +16,8 @@ from torch import nn
 from torch.func import functional_call
 from transformers.modeling_outputs import MoeModelOutputWithPast
 
-from mt_ray.models.context import with_submodule
-from mt_ray.models.discovery import ModelSpec, ParamInfo, embed_module, meta_free_buffers_to, shallow_copy
+from mt_ray.models.discovery import ModelSpec, ParamInfo, embed_module, meta_free_buffers_to
+from mt_ray.models.nesting import head_extras, shallow_copy, with_submodule
 from mt_ray.models.stream_tail import Stream
 from mt_ray.models.tail_module import TailModule
 
@@ -86,24 +86,27 @@ class HeadModule(nn.Module):
     Running the family's forward (with the decoder body replaced by one that hands back the
     normed hidden states) gives whatever it does after the body exactly as transformers does:
     the LM head, Gemma's final logit soft-capping, Falcon-H1's `lm_head_multiplier`, Granite's
-    logit scaling. `norm` and `lm_head` are the skeleton's own modules, so weights bind by name.
+    logit scaling. `norm`, `lm_head` and the modules in between (`nesting.head_extras`) are the skeleton's own, so
+    weights bind by name.
     """
 
     def __init__(self, spec: ModelSpec, stream: Stream):
         super().__init__()
-        self.norm = getattr(spec.base, spec.norm_attr) if spec.norm_attr is not None else nn.Identity()
+        self.norm = spec.base.get_submodule(spec.norm_attr) if spec.norm_attr is not None else nn.Identity()
         # The body's code after its layers (`stream_tail`), kept out of `_modules`: its children (the norm too) are
         # registered here, where the head unit's weights bind to them by their names.
         self.__dict__["_tail"] = TailModule(spec, stream) if spec.tail_code is not None else None
         for attr in spec.tail_attrs:
             self.add_module(attr, getattr(spec.base, attr))
         self.lm_head = spec.skeleton.get_output_embeddings()
+        for name, module in head_extras(spec).items():  # BERT's prediction head, run by the family's forward
+            self.add_module(name, module)
         # An image-text model's forward calls its composite body, which embeds and scatters images itself.
         body = spec.vision.outer if spec.vision is not None else spec.base
         body_path = next(n for n, m in spec.skeleton.named_modules() if m is body)
         feeder = shallow_copy(body)  # keeps the body's attributes: the head may read them
         feeder.forward = self.__dict__["_hand_back"] = _HandBack()
-        # Kept out of `_modules`, so binding sees only norm and lm_head (which the copy shares).
+        # Kept out of `_modules`, so binding sees only the head unit's modules (which the copy shares).
         self.__dict__["_causal_lm"] = with_submodule(spec.skeleton, body_path, feeder)
 
     def use_stream(self, stream: Stream) -> None:

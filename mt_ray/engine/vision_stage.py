@@ -31,7 +31,6 @@ import torch.utils._pytree as pytree
 
 from mt_ray.engine.batch import MicroBatch
 from mt_ray.engine.templates import UnitTemplate, Weights
-from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.context import layer_hidden
 from mt_ray.models.discovery import ModelSpec
 from mt_ray.models.vision import VISION_EMBED, VISION_PROJECTOR, block_unit, is_vision_unit
@@ -56,7 +55,7 @@ class VisionStage:
     """Computes image features for the language model and sends the vision units' gradients.
 
     `weights(unit)` is the engine's next upload of a unit; `add_grad(unit, grads, final, frozen_numel)`
-    adds one contribution to the unit's gradient (the final one ships it).
+    adds one contribution to the unit's gradient (the final one ships it; a None gradient: that tensor got none).
     """
 
     def __init__(self, spec: ModelSpec, templates: dict[str, UnitTemplate], device: torch.device,
@@ -69,7 +68,6 @@ class VisionStage:
         self.tower_trains = not spec.unit(VISION_EMBED).frozen  # the blocks freeze with it
         self.projector_trains = not spec.unit(VISION_PROJECTOR).frozen
         self.trainable = [u.name for u in spec.trainable_units if is_vision_unit(u.name)]
-        self._embed_trainable = [p for p in spec.unit(VISION_EMBED).params if p.trainable]
         self.weights = weights
         self.add_grad = add_grad
 
@@ -112,25 +110,20 @@ class VisionStage:
                 used = [(t, g) for t, g in zip(flat, mb.feature_grads, strict=True) if g is not None and t.requires_grad]
                 inputs = [*p_leaves, *e_leaves, *(outs if self.tower_trains else [])]
                 gs = torch.autograd.grad([t for t, _ in used], inputs, [g for _, g in used], allow_unused=True)
-            raw = gs
-            if self.tower_trains:
-                unused = {p.local_name for p, g in zip(self._embed_trainable, gs[len(p_leaves):], strict=False) if g is None}
-            gs = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, gs, strict=True)]
             if self.projector_trains:
                 self.add_grad(VISION_PROJECTOR, gs[:len(p_leaves)], final and j == last, self.projector.frozen_numel)
             if self.tower_trains:  # vision.embed's part after the blocks; its part before them comes last
                 self.add_grad(VISION_EMBED, gs[len(p_leaves):len(p_leaves) + len(e_leaves)], False, self.embed.frozen_numel)
                 tape.outputs = [o.detach() for o in tape.outputs]
-                tape.grads = [None if g is None else g for g in raw[len(p_leaves) + len(e_leaves):]]
+                tape.grads = list(gs[len(p_leaves) + len(e_leaves):])
         if self.tower_trains:
-            self._backward_tower(mbs, tapes, final, unused)
+            self._backward_tower(mbs, tapes, final)
 
-    def _backward_tower(self, mbs: list[MicroBatch], tapes: list[VisionTape], final: bool, unused: set[str]) -> None:
+    def _backward_tower(self, mbs: list[MicroBatch], tapes: list[VisionTape], final: bool) -> None:
         """Each block from the last, recomputed from its kept input; then the tower's part before the blocks.
 
-        `unused`: the tower's parameters outside the blocks that what follows the blocks did not use; one
-        that what precedes them does not use either never gets a gradient in transformers (SigLIP's pooling
-        head under Gemma 3): torch's AdamW leaves it unchanged, a flat unit would decay it, so it is refused.
+        A gradient stays None where autograd finds none (SigLIP's pooling head under Gemma 3, read by neither
+        side of the blocks): the optimizer leaves such a tensor as torch's AdamW does (`grad_sums`).
         """
         last = len(tapes) - 1
         for i in reversed(range(len(self.blocks))):
@@ -154,13 +147,6 @@ class VisionStage:
             with torch.enable_grad():
                 h0 = self.runner.record(lambda mb=mb: self.embed(w, **mb.images)).h0
                 gs = torch.autograd.grad(h0, leaves, tape.h0_grad, allow_unused=True)
-            never = unused & {p.local_name for p, g in zip(self._embed_trainable, gs, strict=True) if g is None}
-            if never:
-                raise ModelNotSupportedError(
-                    f"the vision tower's parameters {sorted(never)[:4]} are not used by get_image_features, so they "
-                    "would not train in transformers but would decay here; keep model.freeze_vision_tower: true"
-                )
-            gs = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, gs, strict=True)]
             self.add_grad(VISION_EMBED, gs, final and j == last, self.embed.frozen_numel)
 
     def _bind_features(self, requires_grad: bool) -> Weights:

@@ -45,8 +45,10 @@ from torch import nn
 from torch.func import functional_call
 
 from mt_ray.errors import ModelNotSupportedError
-from mt_ray.models.discovery import ModelSpec, embed_module, meta_free_buffers_to, shallow_copy
+from mt_ray.models import nesting
+from mt_ray.models.discovery import ModelSpec, embed_module, meta_free_buffers_to
 from mt_ray.models.handoff import Handoff, hand_on, nested_handoff, plan_handoffs
+from mt_ray.models.nesting import with_submodule
 from mt_ray.models.packing_probe import packed_differs, same_arguments
 from mt_ray.models.side_channels import SideChannel, open_side_channels, side_channels
 from mt_ray.models.stream_tail import Stream, TailReached, capture, measure
@@ -192,11 +194,16 @@ class _StandIn(nn.Module):
 class _EmbeddingFeed(_StandIn):
     """Stands in for the input embedding: returns the output the engine computed with its weights."""
 
-    def __init__(self, original: nn.Module):
+    def __init__(self, original: nn.Module, model_type: str):
         super().__init__(original)
         self.pending: torch.Tensor | None = None
+        self.model_type = model_type
 
     def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if input_ids.shape != self.pending.shape[:-1]:
+            raise ModelNotSupportedError(
+                f"'{self.model_type}': its body embeds other tokens than the row's (CPM-Ant prepends prompt "
+                "tokens), which mt-ray's embedding does not compute; this family cannot be trained yet")
         return self.pending
 
 
@@ -299,21 +306,21 @@ class LayerContextBuilder:
     def __init__(self, spec: ModelSpec, device: torch.device):
         self.log: dict[int, tuple[torch.Tensor, LayerKwargs]] = {}
         body = spec.base
-        layers = getattr(body, spec.layers_attr)
+        layers = body.get_submodule(spec.layers_attr)
         self.stubs = stubs = nn.ModuleList(_RecordingLayer(i, self.log, layer) for i, layer in enumerate(layers))
         embed = spec.skeleton.get_input_embeddings()
-        # A shallow copy of the body with a feed for the embedding, stubs in place of layers and an
-        # identity final norm: the skeleton itself stays intact for export and templates.
-        self.body = shallow_copy(body)
-        self.feed = _EmbeddingFeed(embed)
-        self.body._modules[next(n for n, c in body.named_children() if c is embed)] = self.feed
-        self.body._modules[spec.layers_attr] = stubs
-        self.pre_layer = [_PreLayer(getattr(body, a), a, spec.config.model_type, self.log, device)
+        # A copy of the body with a feed for the embedding, stubs in place of layers, the pre-layer modules run with
+        # the embed unit's weights (BERT's `embeddings` around the feed) and an identity final norm (a parameterless
+        # one, NanoChat's, also run before the layers, stays) and unread modules: the skeleton stays intact.
+        self.feed = _EmbeddingFeed(embed, spec.config.model_type)
+        embed_path = next(n for n, m in body.named_modules() if m is embed)
+        self.body = nesting.with_submodules(body, {embed_path: self.feed, spec.layers_attr: stubs})
+        self.pre_layer = [_PreLayer(self.body.get_submodule(a), a, spec.config.model_type, self.log, device)
                           for a in spec.embed_attrs]
-        self.body._modules.update({p.attr: p for p in self.pre_layer})
-        norm = getattr(body, spec.norm_attr) if spec.norm_attr is not None else None
-        if norm is not None and any(True for _ in norm.parameters()):  # a parameterless norm (NanoChat's, also run
-            self.body._modules[spec.norm_attr] = nn.Identity()          # before the layers) stays
+        weighed = spec.norm_attr is not None and any(True for _ in body.get_submodule(spec.norm_attr).parameters())
+        norm = [spec.norm_attr] if weighed else []
+        passed = {a: nn.Identity() for a in (*norm, *spec.unread_attrs)}
+        self.body = nesting.with_submodules(self.body, {**{p.attr: p for p in self.pre_layer}, **passed})
         self.probe_weights = _probe_weights(spec, device)
         self.stream = Stream()
         if spec.tail_code is not None:  # take what the tail reads from the forward, and leave the rest to the head
@@ -335,14 +342,17 @@ class LayerContextBuilder:
         self.num_layers = len(layers)
         self.model_type = spec.config.model_type
         self.bounds_not_masks = takes_document_bounds(spec.config._attn_implementation)
+        self.nested, self.own_positions = nesting.is_nested(spec), False
         self._fit_stand_ins(spec, device)
         self.carried = self._carried_inputs(spec, device)
         if spec.tail_code is not None:
             check_per_token(spec, self.stream, device)
+        self.own_positions = self.nested and nesting.numbers_own_positions(
+            partial(self._record, self.probe_weights), embed.weight.shape[-1], device)
         exact = self._packed_rows_exact(spec, device)  # also runs the body around the stand-ins once
         if self.token_types:
             self._refuse_both_ways_text(spec, device)
-        self.isolate_documents = spec.isolate_documents or not exact
+        self.isolate_documents = spec.isolate_documents or not exact or self.own_positions
         if self.isolate_documents and spec.vision is not None:
             raise ModelNotSupportedError(
                 f"'{spec.config.model_type}': its documents must run through the layers one at a time, which "
@@ -417,12 +427,13 @@ class LayerContextBuilder:
     @contextlib.contextmanager
     def _stand_ins_run(self) -> Iterator[None]:
         """A body that cannot run around the stand-ins (a config value its own code needs and the layers do not
-        read, a layer that takes unnamed arguments) is refused by name."""
+        read, a layer that takes unnamed arguments, a layer output read by field: Reformer's two streams) is refused
+        by name."""
         try:
             yield
         except ModelNotSupportedError:
             raise
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, AttributeError) as e:
             raise ModelNotSupportedError(
                 f"'{self.model_type}': its body does not run with mt-ray's layer stand-ins ({type(e).__name__}: {e}); "
                 "its decoder layers do not return what their annotation says, or take unnamed arguments; this "
@@ -459,7 +470,8 @@ class LayerContextBuilder:
             return False
         except ModelNotSupportedError:
             return True
-        except (TypeError, ValueError, IndexError, RuntimeError):  # RuntimeError: a tensor taken for a tuple
+        except (TypeError, ValueError, IndexError, RuntimeError, AttributeError):  # RuntimeError: a tensor taken
+            # for a tuple; AttributeError: a field read off what the layer returns
             return False
         return True
 
@@ -535,8 +547,10 @@ class LayerContextBuilder:
         if self.token_types:
             extra["token_type_ids"] = (input_ids == self.vision.image_token_id).long()
         try:
-            with contextlib.suppress(TailReached):
-                self.body(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+            out = None
+            with contextlib.suppress(TailReached):  # a body with code after its layers stops at the last (`stream_tail`)
+                out = self.body(input_ids=input_ids, position_ids=None if self.own_positions else position_ids,
+                                use_cache=False, **extra)
         finally:
             self.feed.pending = self.images.pending = None
             for pre in self.pre_layer:
@@ -558,6 +572,8 @@ class LayerContextBuilder:
                 f"{handed[0][0]} inside a structure (`{handed[0][1]}`), which mt-ray does not replay; this family "
                 "cannot be trained yet"
             )
+        if self.nested and out is not None:
+            nesting.check_hands_back(self.model_type, out, layer_hidden(self.log[self.num_layers - 1][0]))
         h0 = self.log[0][0]
         per_layer = [dict(self.log[i][1]) for i in range(self.num_layers)]
         open_side_channels(per_layer)
@@ -577,7 +593,7 @@ def _probe_weights(spec: ModelSpec, device: torch.device) -> dict[str, torch.Ten
     saved = module.state_dict(keep_vars=True)
     return {p.local_name: (torch.randn(p.shape, generator=g) if saved[p.local_name].is_meta
                            else saved[p.local_name]).to(device)
-            for p in spec.unit("embed").params if p.local_name.split(".")[0] in spec.embed_attrs}
+            for p in spec.unit("embed").params if p.local_name.startswith(tuple(f"{a}." for a in spec.embed_attrs))}
 
 
 def _takes_grad(value: Any) -> bool:
@@ -618,11 +634,3 @@ def reads_device(module: nn.Module, device: torch.device) -> nn.Module:
 @cache
 def _on_device(cls: type[nn.Module]) -> type[nn.Module]:
     return type(cls.__name__, (cls,), {"device": property(lambda self: self.__dict__["_engine_device"])})
-
-
-def with_submodule(root: nn.Module, path: str, module: nn.Module) -> nn.Module:
-    """A shallow copy of `root` whose submodule at dotted `path` is `module` (root is untouched)."""
-    head, _, rest = path.partition(".")
-    clone = shallow_copy(root)
-    clone._modules[head] = with_submodule(root._modules[head], rest, module) if rest else module
-    return clone

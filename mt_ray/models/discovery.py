@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import dataclasses
 import inspect
 import json
 import re
@@ -28,8 +29,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from mt_ray.errors import ModelNotSupportedError
+from mt_ray.models import nesting
 from mt_ray.models.body_source import first_use
 from mt_ray.models.mask_modules import mask_only_children, selects_keys
+from mt_ray.models.nesting import shallow_copy
 from mt_ray.models.stream_tail import TailCode, split_tail
 from mt_ray.models.vision import (
     VISION_EMBED,
@@ -134,8 +137,15 @@ class ModelSpec:
     vision: VisionSpec | None = None
     """An image-text model's tower and projector (their units are named `vision.*`); None for a text model."""
     embed_attrs: tuple[str, ...] = ()
-    """The body's children it runs on the embedding's output before the first layer (GPT-2's learned positions,
-    BLOOM's embedding norm): their parameters are the embed unit's, under `<child>.` names."""
+    """The body's modules it runs on the embedding's output before the first layer (GPT-2's learned positions,
+    BLOOM's embedding norm; in a nested body, paths: BERT's `embeddings` container around the embedding, RemBERT's
+    `encoder.embedding_hidden_mapping_in`): their parameters are the embed unit's, under `<path>.` names."""
+    between_attrs: tuple[str, ...] = ()
+    """The causal LM's modules run on the body's output before the LM head (BERT's `cls`): the head unit's, under
+    `between.<path>` names (`nesting.between_modules`)."""
+    unread_attrs: tuple[str, ...] = ()
+    """Modules the body runs after its layers whose output the LM head never reads (BigBird's pooler): frozen entries of
+    the head unit, under `unread.<path>` names."""
     tail_attrs: tuple[str, ...] = ()
     """The body's parameterised children its code after the layers uses (DeepSeek-V4's hyper-connection head and
     final norm, `stream_tail.py`): their parameters are the head unit's, under `<child>.` names."""
@@ -258,43 +268,66 @@ def discover(model: str | PretrainedConfig | dict, freeze_vision_tower: bool = T
     skeleton = build_skeleton(config)
     embed = skeleton.get_input_embeddings()
     head = skeleton.get_output_embeddings()
-    base = _find_base(skeleton, embed)
-    layers_attr = _find_layers(base, config, skeleton)
-    norm_attr, embed_attrs, tail_attrs, tail = _split_body(base, embed, layers_attr, config.model_type)
+    base, layers_attr, norm_attr, embed_attrs, unread, tail_attrs, tail = _body_layout(skeleton, embed, config)
     if head is None or not isinstance(head, nn.Linear):
         raise ModelNotSupportedError(f"'{config.model_type}' has no linear LM head; it is not a causal LM")
     names = {id(m): n for n, m in skeleton.named_modules()}
     tied = _head_tied(skeleton, embed, head, names)
     vision = find_vision(skeleton, config, base) if is_vision_config(config) else None
-    body_parts = [getattr(base, a) for a in (layers_attr, norm_attr, *embed_attrs, *tail_attrs) if a is not None]
-    _reject_unknown_parameters(skeleton, [embed, head, *body_parts], vision)
+    between = nesting.between_modules(skeleton, base, head)
+    body_parts = [base.get_submodule(a) for a in (layers_attr, norm_attr, *embed_attrs, *unread, *tail_attrs) if a is not None]
+    _reject_unknown_parameters(skeleton, [embed, head, *body_parts, *map(skeleton.get_submodule, between)], vision)
 
-    layers = getattr(base, layers_attr)
-    ties = _layer_ties(skeleton, head, names, layers)
+    layers = base.get_submodule(layers_attr)
+    ties = _layer_ties(skeleton, head, names, layers, nesting.shared_ties(skeleton, (names[id(head)], *between)))
     layer_kinds: dict[str, nn.Module] = {}
     units = _vision_units(vision, freeze_vision_tower, freeze_multi_modal_projector) if vision else []
     embed_params = _params(embed, names[id(embed)])
     for attr in embed_attrs:
-        child = getattr(base, attr)
+        child = base.get_submodule(attr)
         embed_params += _params(child, names[id(child)], prefix=f"{attr}.")
+    # BERT's `embeddings` container holds the embedding again: one entry, the embedding's own (`weight`).
+    embed_params = nesting.one_entry_each(skeleton, embed_params, set())
     units.append(UnitSpec("embed", _decayed_first(embed_params), "embed"))
     layer_params = [_params(layer, names[id(layer)], ties=ties) for layer in layers]
     # A layer holding mirrors lays out its flat buffer apart from its owner's: a kind of its own.
     kinds = _kinds(layers, layer_kinds, [tuple(p.local_name for p in ps if p.tied_to) for ps in layer_params])
     units += [UnitSpec(f"layers.{i}", ps, kinds[i]) for i, ps in enumerate(layer_params)]
-    norm = getattr(base, norm_attr) if norm_attr is not None else None
+    norm = base.get_submodule(norm_attr) if norm_attr is not None else None
     head_params = _params(norm, names[id(norm)], prefix="norm.") if norm is not None else []
     for attr in tail_attrs:
         head_params += _params(getattr(base, attr), names[id(getattr(base, attr))], prefix=f"{attr}.")
     # A tied head's matrix is the embedding's; anything else it has (CTRL's bias) is the head unit's own.
     head_params += [p for p in _params(head, names[id(head)], prefix="lm_head.")
                     if not (tied and p.local_name == "lm_head.weight")]
+    for a in between:  # BERT's prediction head (`cls`), run on the body's output before the LM head
+        head_params += _params(skeleton.get_submodule(a), a, prefix=f"{nesting.BETWEEN}.{a}.")
+    for a in unread:  # a pooler the LM head never reads (BigBird's): it loads and exports, untrained
+        module = base.get_submodule(a)
+        head_params += [dataclasses.replace(p, trainable=False)
+                        for p in _params(module, names[id(module)], prefix=f"{nesting.UNREAD}.{a}.")]
+    head_params = nesting.one_entry_each(skeleton, head_params, {p.hf_name for p in embed_params})
     # A tied head after a body without a final norm (BART's decoder) has no weights of its own: nothing to train.
     units.append(UnitSpec("head", _decayed_first(head_params), "head", frozen=not head_params))
     _refuse_integer_buffers(skeleton, units)
     isolate = _carries_sequence_state(skeleton, layers)
     return ModelSpec(config, skeleton, base, layers_attr, norm_attr, tied, units, layer_kinds, isolate, vision,
-                     embed_attrs, tail_attrs, tail)
+                     embed_attrs, between, unread, tail_attrs, tail)
+
+
+def _body_layout(skeleton: nn.Module, embed: nn.Module, config: PretrainedConfig,
+                 ) -> tuple[nn.Module, str, str | None, tuple[str, ...], tuple[str, ...], tuple[str, ...],
+                            TailCode | None]:
+    """The body, its layer list, final norm, pre-layer modules, unread modules (paths under the body) and the modules
+    and code after its layers (`stream_tail`): read from a body holding its embedding and layer list as children, or
+    nested in containers of it (`nesting`)."""
+    nested = None if is_vision_config(config) else nesting.find_nested(skeleton, embed, config)
+    if nested is not None:
+        return nested.base, nested.layers_path, nested.norm, nested.pre, nested.unread, (), None
+    base = _find_base(skeleton, embed)
+    layers_attr = _find_layers(base, config, skeleton)
+    norm_attr, embed_attrs, tail_attrs, tail = _split_body(base, embed, layers_attr, config.model_type)
+    return base, layers_attr, norm_attr, embed_attrs, (), tail_attrs, tail
 
 
 def embed_module(spec: ModelSpec) -> nn.Module:
@@ -304,7 +337,8 @@ def embed_module(spec: ModelSpec) -> nn.Module:
     if not spec.embed_attrs:
         return embed
     module = shallow_copy(embed)
-    module._modules.update({a: getattr(spec.base, a) for a in spec.embed_attrs})
+    for attr in spec.embed_attrs:
+        nesting.attach(module, attr, spec.base.get_submodule(attr))
     return module
 
 
@@ -478,9 +512,8 @@ def _find_layers(base: nn.Module, config: PretrainedConfig, skeleton: nn.Module)
         embed = next(name for name, m in skeleton.named_modules() if m is skeleton.get_input_embeddings())
         raise ModelNotSupportedError(
             f"'{config.model_type}': its decoder layers (`{nested[0]}`) and its input embedding (`{embed}`) are not "
-            "both children of one body module; mt-ray does not yet stream a layer list or an embedding nested in a "
-            "container of the body (with the container's other modules: position embeddings, norms); this family "
-            "cannot be trained yet"
+            "both children of one body module; mt-ray streams a layer list or an embedding nested in a container of "
+            "the body for text models only; this image-text family cannot be trained yet"
         )
     if len(lists) != 1:
         raise ModelNotSupportedError(
@@ -519,14 +552,17 @@ def _named_at(source: str, attr: str) -> int | None:
     return found.start() if found else None
 
 
-def _layer_ties(skeleton: nn.Module, head: nn.Module, names: dict[int, str], layers: nn.ModuleList) -> dict[str, str]:
+def _layer_ties(skeleton: nn.Module, head: nn.Module, names: dict[int, str], layers: nn.ModuleList,
+                shared: set[str]) -> dict[str, str]:
     """Weights transformers ties between decoder layers (Zamba's and Zamba2's shared transformer block: one set of
     weights inside several layers, stored once by `save_pretrained`): each tied name -> the name it is.
 
     The owner must sit in an earlier layer than every mirror of it, so its gradient is complete when the backward
-    (last layer first) reaches it; any other tie (between the embedding and a layer, ...) is refused."""
+    (last layer first) reaches it; a tie within the head unit (`shared`: BERT's decoder bias) is one entry of it; any
+    other tie (between the embedding and a layer, ...) is refused."""
     head_weight = f"{names[id(head)]}.weight"
-    tied = {t: s for t, s in (getattr(skeleton, "all_tied_weights_keys", None) or {}).items() if t != head_weight}
+    tied = {t: s for t, s in (getattr(skeleton, "all_tied_weights_keys", None) or {}).items()
+            if t != head_weight and t not in shared}
     prefix = f"{names[id(layers)]}."
 
     def layer_of(name: str) -> int | None:
@@ -587,13 +623,3 @@ def meta_free_buffers_to(module: nn.Module, device: torch.device) -> nn.Module:
             if buf is not None:
                 sub._buffers[name] = buf.to(device)
     return module
-
-
-def shallow_copy(module: nn.Module) -> nn.Module:
-    """A new module object sharing `module`'s attributes and children, whose children can be swapped."""
-    clone = module.__class__.__new__(module.__class__)
-    clone.__dict__ = dict(module.__dict__)
-    clone._modules = dict(module._modules)
-    clone._parameters = dict(module._parameters)
-    clone._buffers = dict(module._buffers)
-    return clone

@@ -33,25 +33,23 @@ VISION_BLOCK_PREFIX = f"{VISION_PREFIX}blocks."
 # Image-text families that follow the common layout but that no parity check covers yet, each with what stands in
 # the way (tests/vlm_sweep.py checks every other one against transformers, tower frozen and trained).
 NOT_YET: dict[str, str] = {
-    "aria": "its projector's queries depend on each image's patch count (patch_to_query_dict)",
-    "cosmos3_edge": "its tower takes patches in a layout of its own",
+    "cosmos3_edge": "its language model takes three rows of rotary positions and builds its mask from the first "
+                    "(temporal) row: a packed row's text positions have no row of their own, so its documents would "
+                    "not be kept apart",
     "deepseek_vl_hybrid": "a second, high-resolution SAM tower runs beside its SigLIP tower",
     "got_ocr2": "its SAM tower's blocks do not run with mt-ray's block stand-ins",
     "pp_chart2table": "its SAM tower's blocks do not run with mt-ray's block stand-ins",
-    "inkling_mm_model": "its tower takes pictures in a layout of its own",
     "janus": "a VQ image generator sits beside its understanding tower",
-    "kimi_k25": "its tower takes patches with a grid in a layout of its own",
-    "paddleocr_vl": "its tower takes patches with a grid in a layout of its own",
-    "lfm2_vl": "its images carry spatial shapes and pixel masks",
-    "minicpmv4_6": "its images carry target sizes",
+    "minimax_m3_vl": "its tower attends across every image of a call (one sequence, no per-image mask), so a packed "
+                     "row's images would see other documents' images (mt-ray runs the tower once per micro-batch)",
     "muse_glimmer": "its tower has not been checked against transformers",
-    "video_llama_3": "its images carry per-image merge sizes",
     "qwen2_5_omni_thinker": "an audio-visual thinker whose language model has no get_image_features",
     "qwen3_omni_moe_thinker": "an audio-visual thinker whose language model has no get_image_features",
-    "qianfan_ocr": "one step's loss differs from transformers' by 3.5e-5 relative (cause not yet found)",
-    "minimax_m3_vl": "one step's loss differs from transformers' by 1e-2 relative (cause not yet found)",
     "shieldgemma2": "its checkpoint nests a causal-LM class under model.language_model, which mt-ray's loader does not map",
 }
+
+# Per-token types the engine fills itself (`token_type_ids`) or needs no more (`mm_token_type_ids`: rotary positions).
+_CARRIED_TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")
 
 # A tower child that is the family's projector although the tower owns it (LLaMA-Factory's projector_key).
 _PROJECTOR_IN_TOWER = ("merger",)
@@ -93,9 +91,13 @@ def block_unit(i: int) -> str:
     return f"{VISION_BLOCK_PREFIX}{i}"
 
 
+_IMAGE_SUB_CONFIGS = ("vision_config", "vq_config")
+
+
 def is_vision_config(config: PretrainedConfig) -> bool:
-    """An image-text config: it has a vision sub-config beside its text one."""
-    return "vision_config" in (getattr(config, "sub_configs", None) or {})
+    """An image-text config: it has a vision sub-config (a tower's, or a VQ image tokenizer's: Chameleon, Emu3) beside
+    its text one."""
+    return any(k in (getattr(config, "sub_configs", None) or {}) for k in _IMAGE_SUB_CONFIGS)
 
 
 def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: nn.Module) -> VisionSpec:
@@ -103,11 +105,18 @@ def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: n
     family = config.model_type
     if family in NOT_YET:
         raise ModelNotSupportedError(f"image-text family '{family}' is not trained yet: {NOT_YET[family]}")
+    if "vision_config" not in (getattr(config, "sub_configs", None) or {}):
+        raise ModelNotSupportedError(
+            f"image-text family '{family}': its images become discrete tokens of a VQ-VAE (vq_config) that its text "
+            "embedding embeds, not features of a vision tower; mt-ray trains image-text models with a tower "
+            "(vision_config) and cannot train this family yet"
+        )
     outer = skeleton.base_model
     outer_path = next(n for n, m in skeleton.named_modules() if m is outer)
     children = dict(outer.named_children())
     towers = [n for n, c in children.items()
               if isinstance(c, PreTrainedModel) and isinstance(c.config, type(config.vision_config))]
+    _refuse_wrapped_language_model(outer, children, language_model, family)
     if len(towers) != 1 or not any(c is language_model for c in children.values()):
         raise ModelNotSupportedError(
             f"image-text family '{family}': expected its body {type(outer).__name__} to own one vision tower and "
@@ -119,6 +128,7 @@ def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: n
             "do not become embeddings at image tokens (cross-attention to image states, as Mllama's); mt-ray cannot "
             "train this family yet"
         )
+    _refuse_unread_token_types(outer, family)
     tower_path = towers[0]
     blocks_path = f"{tower_path}.{_find_blocks(children[tower_path], config.vision_config, family)}"
     projectors = [n for n, c in children.items()
@@ -136,9 +146,46 @@ def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: n
                       rope_index=hasattr(outer, "get_rope_index"), own_tensors=own)
 
 
+def _refuse_wrapped_language_model(outer: nn.Module, children: dict[str, nn.Module], language_model: nn.Module,
+                                   family: str) -> None:
+    """Llama 4's (and Kosmos-2's) body is the whole model: its language model is a causal LM with its own head, and
+    Llama 4's forward, not `get_image_features`, applies the projector; mt-ray runs a body that scatters the features
+    into its decoder body's input, so such a layout is named in the refusal."""
+    wrapper = next((n for n, c in children.items() if c is not language_model
+                    and any(m is language_model for m in c.modules())), None)
+    if wrapper is None or getattr(children[wrapper], "get_output_embeddings", lambda: None)() is None:
+        return
+    raise ModelNotSupportedError(
+        f"image-text family '{family}': its language model is a whole causal LM ({type(children[wrapper]).__name__} "
+        f"at `{wrapper}`, with its own head) that {type(outer).__name__}.forward calls on the merged embeddings; "
+        "mt-ray streams a composite body whose language model is a decoder body and whose get_image_features returns "
+        "the features it scatters; this family cannot be trained yet"
+    )
+
+
+def _refuse_unread_token_types(outer: nn.Module, family: str) -> None:
+    """The engine marks image tokens in `token_type_ids` (where the body reads it) and numbers rotary positions from
+    them itself (`mm_token_type_ids`); a body that reads other per-token types from the processor (ERNIE-VL routes
+    image tokens and their start and end to vision experts by `moe_mm_token_type_ids`) would see none of them."""
+    unread = [n for n in inspect.signature(outer.forward).parameters
+              if n.endswith("token_type_ids") and n not in _CARRIED_TOKEN_TYPES]
+    if unread:
+        raise ModelNotSupportedError(
+            f"image-text family '{family}': its body reads per-token types {unread} from the processor (ERNIE-VL "
+            "routes image tokens to vision experts by them), which mt-ray's rows do not carry; this family cannot be "
+            "trained yet"
+        )
+
+
 def _find_blocks(tower: nn.Module, vision_config: PretrainedConfig, family: str) -> str:
     """The one ModuleList in the tower with an entry per vision layer (`depth` or `num_hidden_layers`)."""
     n = getattr(vision_config, "depth", None) or getattr(vision_config, "num_hidden_layers", None)
+    if n is None:
+        raise ModelNotSupportedError(
+            f"image-text family '{family}': its vision config names no layer count (depth or num_hidden_layers), so "
+            f"the blocks of {type(tower).__name__} (towers of their own inside it) are not found; mt-ray cannot train "
+            "this family yet"
+        )
     lists = [name for name, m in tower.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n]
     if len(lists) != 1:
         raise ModelNotSupportedError(

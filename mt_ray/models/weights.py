@@ -20,6 +20,7 @@ from torch import nn
 
 from mt_ray.models.conversion import SAFE_INDEX, SAFE_SINGLE, CheckpointReader, to_checkpoint_format
 from mt_ray.models.discovery import ModelSpec, UnitSpec, embed_module
+from mt_ray.models.nesting import head_extras
 from mt_ray.models.vision import VISION_BLOCK_PREFIX, is_vision_unit
 
 UnitSink = Callable[[UnitSpec, dict[str, torch.Tensor]], None]
@@ -35,12 +36,12 @@ def unit_module(spec: ModelSpec, unit: UnitSpec) -> nn.Module:
     if unit.name == "embed":
         return embed_module(spec)
     if unit.name == "head":
-        parts = {"norm": getattr(spec.base, spec.norm_attr)} if spec.norm_attr is not None else {}
+        parts = {"norm": spec.base.get_submodule(spec.norm_attr)} if spec.norm_attr is not None else {}
         parts.update({a: getattr(spec.base, a) for a in spec.tail_attrs})
         if not spec.tied or any(p.local_name.startswith("lm_head.") for p in unit.params):  # a tied head's bias
             parts["lm_head"] = spec.skeleton.get_output_embeddings()
-        return nn.ModuleDict(parts)
-    return getattr(spec.base, spec.layers_attr)[int(unit.name.split(".")[1])]
+        return nn.ModuleDict({**parts, **head_extras(spec)})
+    return spec.base.get_submodule(spec.layers_attr)[int(unit.name.split(".")[1])]
 
 
 def _owners(root: nn.Module, names: list[str]) -> nn.Module:

@@ -31,8 +31,23 @@ PROBE_BYTES = 1 << 30  # the disk probe's scratch file: long enough to read a dr
 def stage_shape(cfg: RunConfig) -> tuple[Stage, int]:
     """What the run's stage adds to the device and time models (a reference, GRPO's rollout copy), and the longest
     sequence a step trains: `data.max_seq_len`, or GRPO's longest prompt and completion."""
-    stage = Stage.of(cfg.training.stage, cfg.pref, cfg.grpo)
+    stage = Stage.of(cfg.training.stage, cfg.pref, cfg.grpo, cfg.rollout)
     return stage, stage.rollout_tokens or cfg.data.max_seq_len
+
+
+def rollout_placement(cfg: RunConfig, spec: ModelSpec) -> str:
+    """GRPO's rollout copy: `rollout.placement` as given, or for `auto` resident where the device model says the
+    step with the whole copy beside it fits this GPU (`engine.gpu_memory_limit_gb`, or the device's memory), else
+    streamed. With no GPU to plan for (the CPU, no limit) the copy is resident: host memory holds it either way."""
+    if cfg.rollout.placement != "auto":
+        return cfg.rollout.placement
+    engine, t = cfg.engine, cfg.training
+    if engine.resolve_device().type != "cuda" and engine.gpu_memory_limit_gb is None:
+        return "resident"
+    stage, seq = stage_shape(cfg)  # auto counts the copy as resident
+    planned = device_bytes(spec, engine, t.micro_batch_size, seq, t.micro_batch_size * t.grad_accum_steps,
+                           stage=stage)["total"]
+    return "resident" if planned <= _gpu_memory_gb(cfg) * GIB * GPU_HEADROOM else "streamed"
 
 
 def apply_auto_fit(cfg: RunConfig, spec: ModelSpec) -> RunConfig:
@@ -54,14 +69,17 @@ def apply_auto_fit(cfg: RunConfig, spec: ModelSpec) -> RunConfig:
     chosen = {k: rec[k] for k in SEARCHED}
     if chosen["prefetch_units"] == chosen["checkpoint_every"]:
         chosen["prefetch_units"] = None  # the default: K
+    rollout = ({"rollout": cfg.rollout.model_copy(update={"placement": rec["rollout_placement"]})}
+               if "rollout_placement" in rec else {})  # the copy the search fitted beside the step
     fitted = cfg.model_copy(update={
-        "engine": engine.model_validate({**engine.model_dump(), **chosen}),
+        **rollout, "engine": engine.model_validate({**engine.model_dump(), **chosen}),
         "training": t.model_copy(update={"micro_batch_size": rec["micro_batch_size"],
                                          "grad_accum_steps": rec["grad_accum_steps"]}),
     })
     choices = ", ".join([*(f"engine.{k}={rec[k]}" for k in SEARCHED),
                          f"training.micro_batch_size={rec['micro_batch_size']}",
-                         f"training.grad_accum_steps={rec['grad_accum_steps']}"])
+                         f"training.grad_accum_steps={rec['grad_accum_steps']}",
+                         *([f"rollout.placement={rec['rollout_placement']}"] if "rollout_placement" in rec else [])])
     message = (f"auto_fit for a {gpu_gb:.3g} GiB GPU and {host_gb:.3g} GiB of host memory: {choices} (predicted "
                f"{rec['device_gib']:.3g} GiB GPU, {rec['host_gib']:.3g} GiB host, {rec['predicted_step_s']:.3g} s/step)"
                + (f"; {rec['placement_reason']}" if "placement_reason" in rec else ""))
@@ -123,4 +141,4 @@ def _gpu_memory_gb(cfg: RunConfig) -> float:
     return total if limit is None else min(limit, total)
 
 
-__all__ = ["apply_auto_fit", "refuse_what_cannot_fit", "stage_shape"]
+__all__ = ["apply_auto_fit", "refuse_what_cannot_fit", "rollout_placement", "stage_shape"]

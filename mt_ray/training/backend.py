@@ -15,6 +15,7 @@ import torch
 from mt_ray.config.run import RunConfig
 from mt_ray.engine import EvalResult, StepResult, StreamingEngine
 from mt_ray.models.discovery import ModelSpec
+from mt_ray.training.auto_fit import rollout_placement
 from mt_ray.training.model_source import pretrained_weights
 
 if TYPE_CHECKING:
@@ -35,6 +36,9 @@ class TrainingBackend(Protocol):
 
     def sequence_logps(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """A preference stage's sequence log-prob sums of each micro-batch under the current weights (forward only)."""
+
+    def kept_logps(self) -> list[torch.Tensor]:
+        """GRPO: each micro-batch's token log-probs as the last step computed them (the rollout's old policy's)."""
 
     def synchronize(self) -> None:
         """Wait until every update so far is in the master weights."""
@@ -69,9 +73,12 @@ def build_backend(cfg: RunConfig, spec: ModelSpec) -> TrainingBackend:
         from mt_ray.cluster import DataParallelTrainer  # Ray is needed only here
 
         return DataParallelTrainer(spec, cfg.engine, cfg.optimizer, cfg.cluster.num_workers, steps,
-                                   cluster=cfg.cluster, weights=weights, stage=cfg.training.stage, pref=cfg.pref)
+                                   cluster=cfg.cluster, weights=weights, stage=cfg.training.stage, pref=cfg.pref,
+                                   grpo=cfg.grpo)
+    rollout = cfg.rollout.model_copy(update={"placement": rollout_placement(cfg, spec)}) \
+        if cfg.training.stage == "grpo" else None  # the copy the step's kept graphs make room for
     engine = StreamingEngine(spec, cfg.engine, cfg.optimizer, total_steps=steps, stage=cfg.training.stage,
-                             pref=cfg.pref, grpo=cfg.grpo)
+                             pref=cfg.pref, grpo=cfg.grpo, rollout=rollout)
     if isinstance(weights, int):
         engine.load_random(seed=weights)
     else:

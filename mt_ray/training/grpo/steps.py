@@ -2,7 +2,8 @@
 
 Every `num_iterations` steps it makes a rollout batch, as TRL's generation batch (one step's completions:
 micro_batch_size x grad_accum_steps, so prompts = that / G): refresh the device copy from the master
-weights (all updates so far landed), sample G completions per prompt, score them, turn rewards into
+weights (all updates so far landed; on the Ray cluster, the rollout actor's copy from its node's arena),
+sample G completions per prompt, score them, turn rewards into
 advantages, and build the engine's micro-batches. The steps in between train on the same batch, with the
 log-probs the rollout's first step computed as the old policy's (`keep_old_logps`).
 Each rollout's metrics (TRL's names, plus the refresh's and generation's times) ride along to the logs, and its
@@ -12,6 +13,7 @@ completions to the MLflow completions table. A checkpoint between a rollout's it
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -20,13 +22,16 @@ from transformers import PreTrainedTokenizerBase
 
 from mt_ray.config.run import RunConfig
 from mt_ray.data.loader import pad_token_id
-from mt_ray.engine.sizing import rollout_bytes
+from mt_ray.engine import StreamingEngine
 from mt_ray.models.discovery import ModelSpec
+from mt_ray.training.auto_fit import rollout_placement
 from mt_ray.training.grpo.old_logps import keep_old_logps
 from mt_ray.training.grpo.prompts import PromptStream, read_prompts
 from mt_ray.training.grpo.rewards import advantages_and_metrics, load_rewards
-from mt_ray.training.grpo.rollout import PolicyCopy, Rollout, completion_batches
+from mt_ray.training.grpo.rollout import LocalSampler, Rollout, completion_batches
 from mt_ray.training.grpo.scored import ScoredRollout
+
+log = logging.getLogger(__name__)
 
 
 class GrpoSteps:
@@ -41,11 +46,10 @@ class GrpoSteps:
         self.completions = t.micro_batch_size * t.grad_accum_steps
         self.stream = PromptStream(read_prompts(cfg.data, tokenizer, self.g.max_prompt_length), t.seed)
         self.rewards = load_rewards(self.g.rewards)  # a missing library or function is refused before the copy
-        copy, generation = rollout_bytes(spec, engine.cfg, self.completions,
-                                         self.g.max_prompt_length + self.g.max_completion_length)
-        self.copy = PolicyCopy(spec.config, engine.device, engine.dtype, copy, generation)
+        self.sampler = build_sampler(cfg, engine, spec, self.completions,
+                                     self.g.max_prompt_length + self.g.max_completion_length)
         self.pad_id = pad_token_id(tokenizer)
-        self.eos_ids = {tokenizer.eos_token_id, *_generation_eos(self.copy.model)}
+        self.eos_ids = {tokenizer.eos_token_id, *self.sampler.generation_eos()}
         self.scored: ScoredRollout | None = None
         self.batches: list[dict] | None = None
         self._step = 0
@@ -65,10 +69,10 @@ class GrpoSteps:
 
     def _rollout(self) -> None:
         g = self.g
-        refresh_s = self.copy.refresh(self.engine.streamed_state_dict())  # waits for every update so far
+        refresh_s = self.sampler.refresh()  # waits for every update so far
         prompts = self.stream.take(self.completions // g.num_generations)
         start = time.perf_counter()
-        rollout = self.copy.generate([p.ids for p in prompts], g, self.eos_ids, self.pad_id,
+        rollout = self.sampler.generate([p.ids for p in prompts], g, self.eos_ids, self.pad_id,
                                      seed=self.cfg.training.seed * 1_000_003 + self._step)
         generate_s = time.perf_counter() - start
         texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
@@ -122,7 +126,20 @@ class GrpoSteps:
                 batch["old_logps"] = logp_N
 
     def close(self) -> None:
-        self.copy = None
+        self.sampler.close()
+
+
+def build_sampler(cfg: RunConfig, engine, spec: ModelSpec, rows: int, tokens: int):
+    """The rollout's sampler: a copy in this process beside a single engine (placed by the device model), or a
+    rollout actor beside the Ray cluster's workers (Ray is imported only then; `auto` placed by the memory it
+    finds free)."""
+    if isinstance(engine, StreamingEngine):
+        placement = rollout_placement(cfg, spec)
+        log.info("grpo rollouts: the %s copy (rollout.placement %s)", placement, cfg.rollout.placement)
+        return LocalSampler(engine, spec, rows, tokens, placement)
+    from mt_ray.training.grpo.remote import RemoteSampler
+
+    return RemoteSampler(engine, rows, tokens, cfg.rollout.placement)
 
 
 def completion_metrics(rollout: Rollout) -> dict[str, float]:
@@ -135,8 +152,3 @@ def completion_metrics(rollout: Rollout) -> dict[str, float]:
             "completions/mean_terminated_length": ended.mean().item(),
             "completions/min_terminated_length": ended.min().item(),
             "completions/max_terminated_length": ended.max().item()}
-
-
-def _generation_eos(model) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)

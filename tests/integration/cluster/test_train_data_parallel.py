@@ -87,6 +87,30 @@ def test_dpo_on_two_workers_matches_one_engine_and_resumes_exactly(local_ray, tm
     assert_close_weights(resumed_weights, dp_weights, atol=0)
 
 
+def test_grpo_on_two_workers_matches_one_engine_and_resumes_exactly(local_ray, tmp_path):
+    """`jobs.train` with the GRPO demo, two iterations a rollout: the rollout actor beside the workers samples
+    from its copy, refreshed from the node's arena, what one engine's copy samples; the workers train on it as one
+    engine does. Resumed from the step-3 checkpoint (between the second rollout's iterations: the rollout and its
+    old log-probs kept in it), the run continues bit-identically."""
+    grpo = ("grpo.max_completion_length=8", "grpo.num_iterations=2", "checkpoint.every_steps=1",
+            "checkpoint.keep_last=4", "optimizer.warmup_steps=0")
+    demo = "jobs/configs/grpo_demo.yaml"
+    _, one_history, one_weights, _ = train(tmp_path, "grpo-one", 1, *grpo, config=demo)
+    _, dp_history, dp_weights, dp_ckpt = train(tmp_path, "grpo-dp", 2, *grpo, config=demo)
+    for name in ("reward", "rewards/digits/mean", "completions/mean_length", "frac_reward_zero_std"):
+        assert [h[name] for h in dp_history] == [h[name] for h in one_history], name
+    for name in ("loss", "grad_norm", "clip_ratio/region_mean"):
+        assert [h[name] for h in dp_history] == pytest.approx([h[name] for h in one_history], rel=1e-4, abs=1e-6), name
+    assert dp_history[3]["clip_ratio/region_mean"] > 0  # step 4 trained on step 3's log-probs, not its own
+    assert_close_weights(dp_weights, one_weights, atol=1e-5)
+
+    step3 = next(c for c in CheckpointManager(CheckpointConfig(uri=str(dp_ckpt))).list() if c.step == 3)
+    _, resumed_history, resumed_weights, _ = train(tmp_path, "grpo-resumed", 2, *grpo, f"training.resume={step3.uri}",
+                                                   config=demo)
+    assert [(h["loss"], h["reward"]) for h in resumed_history] == [(h["loss"], h["reward"]) for h in dp_history]
+    assert_close_weights(resumed_weights, dp_weights, atol=0)
+
+
 def test_an_image_text_model_trains_on_two_workers_as_on_one(local_ray, tmp_path):
     """The multimodal demo on the tiny Qwen2.5-VL, each micro-batch's rows split over two workers with their
     images. Freezing the other way round than by default (tower trained, projector frozen) shows the workers

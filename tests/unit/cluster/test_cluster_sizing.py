@@ -60,3 +60,10 @@ def test_a_node_grows_by_the_named_per_worker_figure_alone(spec_7b):
     assert sizes[1].ring_bytes == RING_CAP_MB << 20 < max(u.numel for u in spec_7b.units) * 2  # the embedding's
     assert sizes[1].per_worker_bytes == sizes[1].ring_bytes + WORKER_PROCESS_BYTES
     assert all(sizes[n].node_host_bytes_per_param <= 16 for n in (1, 2, 4, 8))
+
+
+def test_grpo_adds_its_rollout_actors_process_and_nothing_model_sized(spec_7b):
+    """The rollout actor's copy is on a GPU and refreshes from the arena it maps: the node holds its process alone."""
+    plain = size_cluster(spec_7b, CFG, OptimizerConfig(), 2, 1)
+    grpo = size_cluster(spec_7b, CFG, OptimizerConfig(), 2, 1, rollout=True)
+    assert grpo.node_host_bytes - plain.node_host_bytes == grpo.rollout_process_bytes == WORKER_PROCESS_BYTES

@@ -166,13 +166,6 @@ def test_unclipped_step_left_half_applied_without_a_snapshot_restarts_from_a_che
         data_parallel(opt, cluster=ClusterConfig(snapshot_every=0), after_launch=kill_worker_once_units_are_updated)
 
 
-def test_a_stage_the_cluster_cannot_train_is_refused_before_anything_is_built():
-    # No model, config or Ray: the refusal comes first, so nothing else is looked at.
-    with pytest.raises(ConfigError, match="^training.stage grpo does not run on the Ray cluster .* run it on the "
-                                          "single engine with `mt-ray train`"):
-        DataParallelTrainer(None, None, None, num_workers=2, total_steps=1, stage="grpo")
-
-
 def test_a_cluster_that_cannot_place_the_run_is_refused_naming_the_key(local_ray):
     with pytest.raises(ConfigError, match=r"cluster.num_workers=3 cannot spread evenly over cluster.num_nodes=2"):
         DataParallelTrainer(tiny_config("llama"), ENGINE, OPT, num_workers=3, total_steps=1,
@@ -193,7 +186,7 @@ def test_a_read_of_a_gradient_that_never_comes_ends_when_the_step_is_stopped(loc
     from types import SimpleNamespace
 
     from mt_ray.cluster.errors import StaleGenerationError
-    from mt_ray.cluster.shard import read_unless_stopped
+    from mt_ray.cluster.shard_state import read_unless_stopped
 
     @local_ray.remote(num_cpus=0)
     class Never:
@@ -218,3 +211,16 @@ def test_a_read_of_a_gradient_that_never_comes_ends_when_the_step_is_stopped(loc
     reader.join(10)
     local_ray.kill(never)
     assert not reader.is_alive() and "generation 7 was stopped" in str(outcome[0])
+
+
+def test_a_start_that_fails_after_placement_leaves_nothing_of_its_own_behind(local_ray, tmp_path):
+    """A run whose shards fail to load (here: a checkpoint folder with nothing in it) removes its named
+    placement group and actors, so the next run on the same Ray starts (it was refused: 'name already exists')."""
+    from ray.util import placement_group_table
+
+    with pytest.raises(Exception, match="safetensors|checkpoint|no such|not found"):
+        DataParallelTrainer(tiny_config("llama"), ENGINE, OPT, num_workers=2, total_steps=1, weights=str(tmp_path))
+    live = [g for g in placement_group_table().values() if g["name"] == "mt-ray-nodes" and g["state"] != "REMOVED"]
+    assert live == []
+    trainer = DataParallelTrainer(tiny_config("llama"), ENGINE, OPT, num_workers=2, total_steps=1, weights=0)
+    trainer.close()

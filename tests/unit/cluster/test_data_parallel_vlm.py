@@ -20,11 +20,21 @@ from mt_ray.cluster import ClusterError, DataParallelTrainer, count_loss_tokens,
 from mt_ray.cluster.partition import ShardPlan  # noqa: E402
 from mt_ray.data.packing import collate  # noqa: E402
 from mt_ray.engine import StreamingEngine  # noqa: E402
+from mt_ray.errors import ModelNotSupportedError  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
 from mt_ray.tracking import CheckpointConfig, CheckpointManager  # noqa: E402
 from tests.family_checks import OPT  # noqa: E402
 from tests.unit.cluster.test_data_parallel import ENGINE, assert_same_weights  # noqa: E402
-from tests.vlm_models import QWEN_IMAGE, image_document, make_image, qwen_example, save_qwen_vl  # noqa: E402
+from tests.unit.engine.test_vlm import hand_made, packed  # noqa: E402
+from tests.vlm_models import (  # noqa: E402
+    QWEN_IMAGE,
+    image_document,
+    llava_document,
+    make_image,
+    qwen_example,
+    save_llava,
+    save_qwen_vl,
+)
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +190,15 @@ def test_a_shard_leaves_an_unused_projector_and_its_snapshot_keeps_adam_counts(l
     finally:
         shard.close()
         torch.set_num_threads(threads)
+
+
+def test_a_trained_tower_with_tensors_get_image_features_never_reads_is_refused_data_parallel(local_ray, tmp_path):
+    """One engine leaves LLaVA's unread CLIP post-layernorm as torch does; the shards would decay it: refused."""
+    folder = save_llava(tmp_path)
+    spec = discover(str(folder), freeze_vision_tower=False)
+    trainer = DataParallelTrainer(spec, ENGINE, OPT, num_workers=2, total_steps=1, weights=str(folder))
+    try:
+        with pytest.raises(ModelNotSupportedError, match="got no gradient.*keep model.freeze_vision_tower: true"):
+            trainer.train_step([packed(hand_made(llava_document))] * 2)
+    finally:
+        trainer.close()

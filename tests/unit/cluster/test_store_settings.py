@@ -36,7 +36,7 @@ def _seconds_to_free() -> float:
 
 
 def test_the_driver_starts_ray_that_frees_deleted_objects_at_once():
-    from mt_ray.cluster.driver import init_ray
+    from mt_ray.cluster.placement import init_ray
 
     if ray.is_initialized():
         ray.shutdown()
@@ -57,7 +57,7 @@ def _idle_workers() -> int:
 
 
 def test_the_driver_starts_ray_without_an_idle_worker_per_cpu():
-    from mt_ray.cluster.driver import init_ray
+    from mt_ray.cluster.placement import init_ray
 
     if ray.is_initialized():
         ray.shutdown()

@@ -87,7 +87,7 @@ class RecordingSink:
         self.unit_order = unit_order
         self.calls: list[str] = []
 
-    def submit(self, unit, grad, landed, lr) -> None:
+    def submit(self, unit, grad, landed, lr, skip=()) -> None:
         self.calls.append(f"submit {unit}")
 
     def end_step(self, norm_sq, ready, lr) -> None:

@@ -6,7 +6,7 @@ from transformers import get_scheduler
 
 from mt_ray.engine.config import OptimizerConfig
 from mt_ray.engine.host_store import HostStore
-from mt_ray.engine.optimizer import UnitOptimizer, deepspeed_available, lr_at
+from mt_ray.engine.optimizer import UnitOptimizer, counts_behind, deepspeed_available, lr_at, restore_counts
 from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import discover
 from tests.tiny_models import tiny_config
@@ -89,3 +89,33 @@ def test_deepspeed_adam_without_deepspeed_says_how_to_fix():
     store, unit = HostStore(spec, None, pin=False), spec.unit("layers.0")
     with pytest.raises(ConfigError, match="pip install deepspeed.*impl: torch"):
         UnitOptimizer(store, unit, OptimizerConfig(impl="deepspeed"))
+
+
+@pytest.mark.parametrize("chunk", [None, 1000], ids=["one-chunk", "chunks-cutting-tensors"])
+def test_tensors_without_a_gradient_step_as_torch_adamw_skips_a_none_grad(chunk):
+    """Per step, some of a unit's tensors get no gradient (`skip`): as torch's AdamW with `.grad` None, their
+    weights and moments stay (no decay) and their own bias-correction count falls behind, so a later update of
+    theirs equals torch's. The counts survive a checkpoint's `counts_behind`/`restore_counts`."""
+    spec = discover(tiny_config("llama"))
+    unit = spec.unit("layers.0")
+    cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, impl="torch")
+    store = HostStore(spec, None, pin=False)
+    store.master.normal_(generator=torch.Generator().manual_seed(0))
+    opt = UnitOptimizer(store, unit, cfg, chunk_numel=chunk)
+    starts = [0, *torch.tensor([p.numel for p in unit.params]).cumsum(0).tolist()]
+    span = {k: (starts[k], starts[k + 1]) for k in range(len(unit.params))}
+    refs = [torch.nn.Parameter(t.clone()) for t in store.master_of("layers.0").split([p.numel for p in unit.params])]
+    ref = torch.optim.AdamW([{"params": [r], "weight_decay": 0.1 if p.decays else 0.0}
+                             for r, p in zip(refs, unit.params, strict=True)], lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for skipped in ({0, 2}, set(), {2, 5}, {0}):
+        grad = torch.randn(unit.numel, generator=g)
+        for k, r in enumerate(refs):
+            r.grad = None if k in skipped else grad[slice(*span[k])].clone()
+        ref.step()
+        opt.step(grad, lr=1e-2, skip=tuple(span[k] for k in sorted(skipped)))
+        behind = counts_behind({"layers.0": opt}, 4)
+        restore_counts({"layers.0": opt}, 4, behind)
+    torch.testing.assert_close(store.master_of("layers.0"), torch.cat([r.detach() for r in refs]), rtol=1e-6, atol=1e-7)
+    assert behind == {f"layers.0@{span[0][0]}:{span[0][1]}": 2, f"layers.0@{span[2][0]}:{span[2][1]}": 2,
+                      f"layers.0@{span[5][0]}:{span[5][1]}": 1}

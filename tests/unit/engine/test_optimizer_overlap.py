@@ -68,8 +68,11 @@ class _Gated:
     def step_count(self) -> int:
         return self.inner.step_count()
 
-    def set_step(self, step: int) -> None:
-        self.inner.set_step(step)
+    def span_lags(self) -> dict:
+        return self.inner.span_lags()
+
+    def set_step(self, step: int, lags: dict | None = None) -> None:
+        self.inner.set_step(step, lags)
 
 
 def run(engine_kw: dict, clip: float, serial: bool, gated: str | None = None) -> dict:

@@ -15,7 +15,7 @@ import torch
 
 from mt_ray.engine import EngineConfig, StreamingEngine
 from mt_ray.engine.sizing import vision_sizes
-from mt_ray.errors import ConfigError, ModelNotSupportedError
+from mt_ray.errors import ConfigError
 from mt_ray.models.attention import resolve_attention
 from mt_ray.models.discovery import discover
 from mt_ray.models.varlen import TOWER_VARLEN
@@ -204,12 +204,19 @@ def test_varlen_is_refused_where_image_tokens_attend_both_ways(tmp_path):
     assert resolve_attention(spec, "auto", torch.device("cuda"), torch.bfloat16) == "sdpa"
 
 
-def test_a_trained_tower_with_parameters_transformers_never_uses_is_refused(tmp_path, gemma3_documents):
-    """SigLIP's pooling head gets no gradient under Gemma 3: torch leaves it unchanged, a flat unit would decay it."""
+def test_a_trained_tower_leaves_what_get_image_features_never_reads_as_transformers(tmp_path, gemma3_documents):
+    """SigLIP's pooling head gets no gradient under Gemma 3: torch's AdamW leaves it unchanged (no decay), and so
+    does the engine, while the rest of the tower trains. Two steps: the projector starts at zero."""
     folder = save_gemma3(tmp_path, vision_use_head=True)
-    with pytest.raises(ModelNotSupportedError, match=r"parameters \['vision_tower.head.attention.in_proj_bias'.* are "
-                                                     "not used by get_image_features"):
-        engine_steps(folder, [[packed(gemma3_documents)]], (False, False))
+    losses, before, state, _ = engine_steps(folder, [[packed(gemma3_documents)]] * 2, (False, False))
+    ref = reference_model(folder, False, False)
+    ref_losses = reference_train(ref, [gemma3_documents] * 2, OPT)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_same_step(state, before, ref.state_dict(), losses[-1], ref_losses[-1])
+    head = [k for k in state if ".vision_tower.head." in k]
+    assert head and all(torch.equal(state[k], before[k]) for k in head)
+    [patches] = [k for k in state if k.endswith("patch_embedding.weight")]
+    assert not torch.equal(state[patches], before[patches])
 
 
 @pytest.mark.parametrize("engine_kw", [{}, {"attn_implementation": "varlen"}], ids=["auto", "varlen"])
@@ -225,15 +232,25 @@ def test_llava_step_equals_transformers(tmp_path, engine_kw):
     assert_same_step(state, before, ref.state_dict(), losses[-1], ref_losses[-1])
 
 
-def test_llava_with_a_trained_tower_is_refused(tmp_path):
-    """LLaVA never reads CLIP's post-layernorm (its features come before it): the same refusal."""
-    with pytest.raises(ModelNotSupportedError, match=r"\['vision_tower.post_layernorm.bias'"):
-        engine_steps(save_llava(tmp_path), [[packed(hand_made(llava_document))]], (False, False))
+def test_llava_with_a_trained_tower_equals_transformers(tmp_path):
+    """LLaVA never reads CLIP's post-layernorm nor its last layer (its features come before them): both stay as
+    they were, as in transformers, while the layers below train."""
+    folder = save_llava(tmp_path)
+    docs = hand_made(llava_document)
+    losses, before, state, _ = engine_steps(folder, [[packed(docs)]] * 2, (False, False))
+    ref = reference_model(folder, False, False)
+    ref_losses = reference_train(ref, [docs] * 2, OPT)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_same_step(state, before, ref.state_dict(), losses[-1], ref_losses[-1])
+    unread = [k for k in state if ".post_layernorm." in k or ".layers.2." in k]
+    assert unread and all(torch.equal(state[k], before[k]) for k in unread)
 
 
 @pytest.mark.parametrize(("family", "reason"), [
     ("mllama", "has no get_image_features"), ("paligemma", "token_type_ids mark 0 attend to each other both ways"),
-    ("lfm2_vl", "is not trained yet: its images carry spatial shapes")])
+    ("llama4", "its language model is a whole causal LM (Llama4ForCausalLM at `language_model`"),
+    ("ernie4_5_vl_moe", "reads per-token types ['moe_mm_token_type_ids']"),
+    ("emu3", "its images become discrete tokens of a VQ-VAE")])
 def test_image_text_families_not_trained_are_refused_by_name_and_feature(family, reason):
     from tests.vlm_sweep import image_text_outcome
 

@@ -78,10 +78,10 @@ def test_layers_that_carry_state_along_the_sequence_are_found(family, isolate):
 
 
 def test_model_without_decoder_only_layout_is_refused():
-    with pytest.raises(ModelNotSupportedError, match=r"'bert': its decoder layers \(`bert.encoder.layer`\) and its input embedding "
-                       r"\(`bert.embeddings.word_embeddings`\) are not both children of one body module"):
-        discover(AutoConfig.for_model("bert", hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                      intermediate_size=32, vocab_size=32))
+    """XLM keeps each layer's parts in lists of their own (attentions, norms, feed-forwards): no list of layers."""
+    with pytest.raises(ModelNotSupportedError, match=r"'xlm' does not have a decoder-only layout: expected one list "
+                       r"of 2 decoder layers"):
+        discover(AutoConfig.for_model("xlm", emb_dim=16, n_layers=2, n_heads=2, vocab_size=32))
 
 
 def test_an_engines_attention_choice_stays_off_the_callers_config():

@@ -176,10 +176,12 @@ def test_quantized_checkpoints_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen2-tied", "qwen3_moe", "mixtral", "deepseek_v3",
-                                    "qwen3_next", "gpt_oss", "gpt2", "bart"])
+                                    "qwen3_next", "gpt_oss", "gpt2", "bart", "bert", "big_bird", "electra",
+                                    "megatron-bert", "roberta", "modernbert-decoder"])
 def test_export_reloads_with_identical_logits(tmp_path, family):
     """The export holds what save_pretrained writes (experts one by one; GPT-2's learned positions, streamed with
-    the embedding; BART's decoder's untrained cross-attention) and loads back to the same logits."""
+    the embedding; BART's decoder's untrained cross-attention; BERT's embedding container and prediction head, its
+    decoder bias once, as `cls.predictions.bias`; BigBird's untrained pooler) and loads back to the same logits."""
     cfg = tiny_config(family) if family in FAMILIES else checkpoint_config(family) if family in CHECKPOINT_FAMILIES \
         else AutoModelForCausalLM.from_config(sweep_config(family)).config  # as saved: BART's as a decoder alone
     engine = make_engine(cfg)
@@ -198,8 +200,8 @@ def test_export_reloads_with_identical_logits(tmp_path, family):
     model = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").float().eval()
     embed = next(n for n, p in model.named_parameters() if p is model.get_input_embeddings().weight)
     for name, w in saved_state(model).items():
-        if "lm_head" in name and name not in state:  # tied: the embedding
-            name = embed
+        if name not in state:  # tied: the embedding (or BERT's decoder bias: `cls.predictions.bias`)
+            name = model.all_tied_weights_keys.get(name, embed if "lm_head" in name else name)
         assert torch.equal(w, state[name]), name
     ids = tiny_batches(n_micro=1)[0]["input_ids"]
     with torch.no_grad():

@@ -37,7 +37,6 @@ def test_defaults_are_trls():
     ("grpo.loss_type=cispo", "grpo.loss_type: Input should be 'grpo', 'bnpo', 'dr_grpo' or 'dapo'"),
     ("grpo.rewards=[{name: nope}]", "'nope' is neither a built-in reward (accuracy, format) nor a 'module:function'"),
     ("data.val_size=8", "training.stage grpo has no held-out evaluation yet"),
-    ("cluster.num_workers=2", "training.stage grpo"),
     ("rollout.engine=sglang", "rollout.engine: Input should be 'transformers' or 'vllm'"),
 ])
 def test_bad_config_is_refused_in_one_line(override, message):
@@ -146,3 +145,12 @@ def test_vllm_rollouts_are_refused_by_name():
     with pytest.raises(ConfigError) as e:
         load_run_config(None, [*GRPO, "rollout.engine=vllm"])
     assert expected in str(e.value) and "rollout.engine: transformers" in str(e.value)
+
+
+def test_grpo_on_the_cluster_needs_whole_micro_batches_per_worker():
+    """Its loss is normalised per micro-batch (grpo, bnpo, dr_grpo) and its clip extremes are per micro-batch: each
+    worker trains whole ones, so a step needs at least as many as there are workers, refused at load."""
+    load_run_config(None, [*GRPO, "cluster.num_workers=2", "training.grad_accum_steps=2"])
+    with pytest.raises(ConfigError, match="cluster.num_workers: stage grpo normalises its loss by each whole "
+                                          "micro-batch, .* training.grad_accum_steps of at least 4"):
+        load_run_config(None, [*GRPO, "cluster.num_workers=4", "training.grad_accum_steps=2"])
