@@ -209,7 +209,7 @@ def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2, kernels: s
     c = spec.text_config
     d = c.hidden_size
     q, kv = _attention_widths(c)
-    inter = getattr(c, "intermediate_size", None) or 4 * d
+    inter = _widest(c, "intermediate_size") or 4 * d
     attn = (d + 3 * q + 4 * kv + d) * dtype_bytes  # qkv, rotary temporaries, attention out, o_proj in
     if chunked:
         return attn + 2 * d * dtype_bytes
@@ -230,12 +230,13 @@ def _attention_widths(c) -> tuple[int, int]:
 
 
 def _widest(c, key: str) -> int | None:
-    """`c.key`, or its largest value over the layers where it varies by layer (Gemma 4's per-layer configs,
-    whose global read raises), or None."""
+    """`c.key`, or its largest value over the layers where it varies by layer (a list of one a layer, as Gemma 3n's
+    MLP widths; Gemma 4's per-layer configs, whose global read raises), or None."""
     try:
-        return getattr(c, key, None)
+        value = getattr(c, key, None)
     except Exception:  # transformers refuses a global read of a per-layer attribute
         return max(getattr(layer, key) for layer in c.per_layer_config)
+    return max(value) if isinstance(value, (list, tuple)) else value
 
 
 def layer_backward_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> int:
@@ -250,7 +251,7 @@ def layer_backward_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> 
     """
     c, size = spec.text_config, cfg.dtype.itemsize
     d = c.hidden_size
-    inter = getattr(c, "intermediate_size", None) or 4 * d
+    inter = _widest(c, "intermediate_size") or 4 * d
     if not _chunked(cfg, mb_tokens):
         return mb_tokens * inter * size * (1 if cfg.kernels == "liger" else 2)
     q, kv = _attention_widths(c)

@@ -170,11 +170,11 @@ def test_host_checkpoints_keep_device_memory_flat_as_the_step_grows():
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", "opt", "xlstm", "falcon_mamba", "bloom", "persimmon",
-                                        "gemma4_unified_text"])
+                                        "gemma4_unified_text", "gemma3n_text"])
 def test_the_device_model_sizes_families_without_grouped_keys_or_attention_heads(model_type):
     """`keep_activations: auto` sizes every block on CUDA: families whose configs name no key/value heads (GPT-2,
-    OPT, ...), no attention heads at all (xLSTM), or a head size per layer (Gemma 4) are sized too (on the H100 31
-    matched families failed here)."""
+    OPT, ...), no attention heads at all (xLSTM), a head size per layer (Gemma 4) or an MLP width per layer (Gemma 3n)
+    are sized too (on the H100 31 matched families failed here, then Gemma 3n)."""
     from tests.family_sweep import tiny_config as family_config
 
     spec = discover(family_config(model_type))
