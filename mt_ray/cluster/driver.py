@@ -34,7 +34,7 @@ from pathlib import Path
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
+from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -329,6 +329,11 @@ class DataParallelTrainer:
             except _LOST_WORKER as e:
                 self.step_idx = self._recover(self.step_idx, e)
                 continue
+            except RayTaskError:
+                # A lost shard can surface first as another shard's error through a worker (its peer died while it
+                # summed): that is the lost shard's ClusterLostError, and jobs.train restarts from a checkpoint.
+                self._ask_shards([s.ping.remote() for s in self.shards])
+                raise
             if self.step_idx == target:
                 result = outcome
             self.step_idx += 1
