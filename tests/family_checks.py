@@ -51,14 +51,26 @@ def save_checkpoint(family: str, folder, **overrides) -> None:
 
 def engine_step(folder, micro_batches, **engine_kw):
     """One step of the engine (default settings, on the CPU unless `engine_kw` says otherwise) from `folder`."""
+    _, result, state = stepped_engine(folder, micro_batches, **engine_kw)
+    return result, state
+
+
+def stepped_engine(folder, micro_batches, **engine_kw):
+    """`engine_step` with the (closed) engine beside its result and weights, for what it decided about the family."""
     cfg = EngineConfig(**{"device": "cpu", **engine_kw})
     engine = StreamingEngine(discover(str(folder)), cfg, OPT, total_steps=1)
     try:
         engine.load_pretrained(folder)
         result = engine.train_step(micro_batches)
-        return result, {k: v.clone() for k, v in engine.state_dict().items()}
+        return engine, result, {k: v.clone() for k, v in engine.state_dict().items()}
     finally:
         engine.close()
+
+
+def rows_apart(docs: list[TokenizedExample]) -> list[dict[str, torch.Tensor]]:
+    """The packed rows of `docs`, each its own micro-batch."""
+    packed = packed_micro_batch(docs)
+    return [{k: v[r:r + 1] for k, v in packed.items()} for r in range(packed["input_ids"].shape[0])]
 
 
 def eager_reference(folder, device: str = "cpu") -> torch.nn.Module:

@@ -7,10 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mt_ray.engine import EngineConfig, StreamingEngine
-from mt_ray.models.discovery import discover
 from mt_ray.models.side_channels import SideChannel, backward_terms, open_side_channels, take_grads
-from tests.family_checks import OPT, assert_same_step, documents, packed_micro_batch, reference_step
+from tests.family_checks import assert_same_step, documents, reference_step, rows_apart, stepped_engine
 from tests.family_sweep import save_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,15 +34,7 @@ def reference(folder):
 def test_kv_shared_layers_train_their_writers_as_transformers_does(folder, reference, engine_kw):
     """Each packed row its own micro-batch (each its own channel): the step's loss and every weight's update."""
     ref_loss, before, ref_state = reference
-    packed = packed_micro_batch(documents())
-    rows = [{k: v[r:r + 1] for k, v in packed.items()} for r in range(2)]
-    engine = StreamingEngine(discover(str(folder)), EngineConfig(device="cpu", **engine_kw), OPT, total_steps=1)
-    try:
-        engine.load_pretrained(folder)
-        result = engine.train_step(rows)
-        state = {k: v.clone() for k, v in engine.state_dict().items()}
-    finally:
-        engine.close()
+    engine, result, state = stepped_engine(folder, rows_apart(documents()), **engine_kw)
     assert not engine.context.isolate_documents  # shared keys of a packed row are each document's, masked apart
     assert_same_step(state, before, ref_state, result.loss.item(), ref_loss)
 

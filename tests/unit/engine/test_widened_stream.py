@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from mt_ray.engine import EngineConfig, StreamingEngine
-from mt_ray.models.discovery import discover
-from tests.family_checks import OPT, assert_same_step, documents, packed_micro_batch, reference_step
+from tests.family_checks import assert_same_step, documents, reference_step, rows_apart, stepped_engine
 from tests.family_sweep import save_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,14 +31,6 @@ def family(request, tmp_path_factory):
                                        {"schedule": "resident"}], ids=["stream", "K1-host", "resident"])
 def test_a_widened_stream_trains_as_transformers_does(family, engine_kw):
     model_type, folder, (ref_loss, before, ref_state) = family
-    packed = packed_micro_batch(documents())
-    rows = [{k: v[r:r + 1] for k, v in packed.items()} for r in range(2)]
-    engine = StreamingEngine(discover(str(folder)), EngineConfig(device="cpu", **engine_kw), OPT, total_steps=1)
-    try:
-        engine.load_pretrained(folder)
-        result = engine.train_step(rows)
-        state = {k: v.clone() for k, v in engine.state_dict().items()}
-    finally:
-        engine.close()
+    engine, result, state = stepped_engine(folder, rows_apart(documents()), **engine_kw)
     assert engine.context.stream.numel == 4 * engine.spec.text_config.hidden_size  # four copies of the stream
     assert_same_step(state, before, ref_state, result.loss.item(), ref_loss)
