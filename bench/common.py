@@ -201,3 +201,16 @@ def row_in_child(script: str, argv: list[str], failed: dict, timeout_s: float | 
         except subprocess.TimeoutExpired:
             failure = f"the run's process took over {timeout_s:g} s and was stopped"
         return json.loads(out.read_text()) if out.exists() else {**failed, "error": failure}
+
+
+def timed_grpo_steps(steps, backend, warmup: int, count: int):
+    """GRPO steps after `warmup`: (index, rollout seconds, update seconds, step result), each timed whole."""
+    for i in range(warmup + count):
+        start = time.perf_counter()
+        mbs = next(steps)  # refresh, generate, score, build (waits for the copy and the samples)
+        rollout_s = time.perf_counter() - start
+        start = time.perf_counter()
+        result = backend.train_step(mbs)
+        backend.synchronize()  # the update's time includes the optimizer's last layers
+        if i >= warmup:
+            yield i, rollout_s, time.perf_counter() - start, result

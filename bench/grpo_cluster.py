@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import device_name, print_table, write_json  # noqa: E402
+from bench.common import device_name, print_table, timed_grpo_steps, write_json  # noqa: E402
 from mt_ray.config.run import load_run_config  # noqa: E402
 from mt_ray.training.backend import build_backend  # noqa: E402
 from mt_ray.training.grpo.steps import GrpoSteps  # noqa: E402
@@ -75,16 +74,7 @@ def measure(args, workers: int) -> list[dict]:
     gpus = max(workers, 1) if args.device != "cpu" else 0
     rows = []
     try:
-        for i in range(args.warmup + args.steps):
-            start = time.perf_counter()
-            mbs = next(steps)  # refresh, generate, score, build (waits for the copy and the samples)
-            rollout_s = time.perf_counter() - start
-            start = time.perf_counter()
-            result = backend.train_step(mbs)
-            backend.synchronize()  # the update's time includes the optimizer's last layers
-            update_s = time.perf_counter() - start
-            if i < args.warmup:
-                continue
+        for i, rollout_s, update_s, result in timed_grpo_steps(steps, backend, args.warmup, args.steps):
             m = steps.metrics
             rows.append({
                 "system": "cluster" if workers else "engine", "workers": workers, "gpus": gpus,

@@ -36,14 +36,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, write_json  # noqa: E402
+from bench.common import print_table, timed_grpo_steps, write_json  # noqa: E402
 from mt_ray.config.run import load_run_config  # noqa: E402
 from mt_ray.training.backend import build_backend  # noqa: E402
 from mt_ray.training.grpo.steps import GrpoSteps  # noqa: E402
@@ -76,16 +75,7 @@ def measure(args, placement: str) -> list[dict]:
     steps = GrpoSteps(cfg, engine, spec, tokenizer)
     rows = []
     try:
-        for i in range(args.warmup + args.steps):
-            start = time.perf_counter()
-            mbs = next(steps)  # refresh, generate, score, build (waits for the copy and the samples)
-            rollout_s = time.perf_counter() - start
-            start = time.perf_counter()
-            result = engine.train_step(mbs)
-            engine.synchronize()  # the update's time includes the optimizer's last layers
-            update_s = time.perf_counter() - start
-            if i < args.warmup:
-                continue
+        for i, rollout_s, update_s, result in timed_grpo_steps(steps, engine, args.warmup, args.steps):
             m = steps.metrics
             rows.append({
                 "shape": args.shape, "placement": steps.sampler.copy.placement, "prompts": args.prompts, "G": args.generations, "new_tokens": args.new_tokens,
