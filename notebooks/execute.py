@@ -31,13 +31,17 @@ def kernel_env() -> dict[str, str]:
     return env
 
 
-def run_notebook(path: Path, timeout_s: int = 300) -> nbformat.NotebookNode:
-    """Execute `path` and return it with its outputs; a failing cell raises `nbclient.exceptions.CellExecutionError`."""
+def run_notebook(path: Path, timeout_s: int = 300, tmp_root: Path | None = None) -> nbformat.NotebookNode:
+    """Execute `path` and return it with its outputs; a failing cell raises `nbclient.exceptions.CellExecutionError`.
+
+    `tmp_root`: the temp folder of this run and its kernel (its TMPDIR), so that what a notebook leaves there is
+    its own, whatever other processes on the machine do in theirs."""
     nb = nbformat.read(path, as_version=4)
-    with tempfile.TemporaryDirectory(prefix="mt-ray-notebook-") as workdir:
+    env = kernel_env() | ({"TMPDIR": str(tmp_root)} if tmp_root is not None else {})
+    with tempfile.TemporaryDirectory(prefix="mt-ray-notebook-", dir=tmp_root) as workdir:
         client = NotebookClient(nb, timeout=timeout_s, kernel_name="python3",
                                 resources={"metadata": {"path": workdir}})
-        client.execute(env=kernel_env())
+        client.execute(env=env)
     return nb
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -29,21 +30,22 @@ def test_stored_notebook_is_valid_and_has_no_outputs(path):
     assert nb.metadata.kernelspec.name == "python3"
 
 
-def leftovers() -> tuple[str, set[Path]]:
-    """Changes to the checkout, and the notebooks' scratch folders still in the temp dir."""
-    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout
-    return status, set(Path(tempfile.gettempdir()).glob("mt-ray-notebook-*"))
+def checkout_changes() -> str:
+    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=ROOT,
+                          capture_output=True, text=True, check=True).stdout
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom_and_leaves_nothing(path):
-    before = leftovers()
-    nb = run_notebook(path)  # a failing cell raises CellExecutionError with its traceback
-    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
-    assert not [o for o in outputs if o.output_type == "error"]
-    assert any("image/png" in o.get("data", {}) for o in outputs), "every notebook draws at least one plot"
-    status, scratch = leftovers()
-    # Only new folders count: another test process on the machine may be running a notebook of its own.
-    assert status == before[0] and not scratch - before[1]
+    # The notebook's temp folder is this test's own (its kernel's TMPDIR): two test processes running the same
+    # notebook at once (three fresh clones did) each saw the other's scratch folders in the shared one.
+    tmp_root, before = Path(tempfile.mkdtemp(prefix="mtnb-")), checkout_changes()
+    try:
+        nb = run_notebook(path, tmp_root=tmp_root)  # a failing cell raises CellExecutionError with its traceback
+        outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+        assert not [o for o in outputs if o.output_type == "error"]
+        assert any("image/png" in o.get("data", {}) for o in outputs), "every notebook draws at least one plot"
+        assert checkout_changes() == before and not list(tmp_root.glob("mt-ray-notebook-*"))
+    finally:
+        shutil.rmtree(tmp_root, ignore_errors=True)
