@@ -256,8 +256,7 @@ class MlflowTracker:
     def close(self, status: RunStatus = "FINISHED") -> None:
         """End the run with ``status``; later calls do nothing."""
         if self._system_metrics is not None:
-            self._system_metrics.finish()  # flushes its last samples while the run is still open
-            self._system_metrics = None
+            self._stop_system_metrics()
         if self.active:
             self.client.set_terminated(self.run_id, status)
             self.run_id = None
@@ -293,8 +292,17 @@ class MlflowTracker:
 
         self._system_metrics = SystemMetricsMonitor(
             self.run_id, sampling_interval=self.config.system_metrics_interval_s, resume_logging=resumed,
-            tracking_uri=self.config.tracking_uri)
+            tracking_uri=self.client.tracking_uri)  # the store this run is in, whichever client made it
         self._system_metrics.start()
+
+    def _stop_system_metrics(self) -> None:
+        """Stop the sampler and log one closing sample while the run is still open: MLflow's sampler drops
+        its unfinished interval, so a run (or a resumed stretch) shorter than one interval would log none."""
+        monitor, self._system_metrics = self._system_metrics, None
+        monitor.finish()
+        monitor.collect_metrics()
+        monitor.publish_metrics(monitor.aggregate_metrics())
+        monitor.mlflow_logger.flush()
 
     def _experiment_id(self) -> str:
         from mlflow.exceptions import MlflowException
