@@ -24,7 +24,11 @@ def finished_trials(trials: Path) -> dict[Path, int]:
     return {p: p.stat().st_mtime_ns for p in trials.glob("*/summary.json")}
 
 
-def wait_until(condition, head, job_id: str, timeout_s: float = 300) -> None:
+# Bounds for a 2-core machine running another suite beside this one (each trial then takes minutes), not speed checks.
+BOUND_S = 900
+
+
+def wait_until(condition, head, job_id: str, timeout_s: float = BOUND_S) -> None:
     """Poll `condition` often; fail when the job ended first (its status is asked every few seconds: a CLI call)."""
     deadline = next_status = time.monotonic()
     deadline += timeout_s
@@ -57,7 +61,7 @@ def test_a_submitted_sweep_killed_after_two_trials_resumes_without_redoing_them(
     killed = [t.name for t in trials.glob("*") if not (t / "summary.json").exists() and any(t.glob("checkpoints/step-*"))]
 
     ray_head.submit("sweep-2", [*command, "--resume"], ENV)
-    logs = ray_head.logs("sweep-2", follow=True, timeout=400)
+    logs = ray_head.logs("sweep-2", follow=True, timeout=BOUND_S)
     assert "SUCCEEDED" in ray_head.status("sweep-2").upper(), logs[-3000:]
     assert "4 trials" in logs and "train it: mt-ray train --config" in logs
     after = finished_trials(trials)
