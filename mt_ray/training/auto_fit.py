@@ -57,12 +57,7 @@ def apply_auto_fit(cfg: RunConfig, spec: ModelSpec) -> RunConfig:
     if cfg.cluster.num_workers > 1:
         raise ConfigError("engine.auto_fit: fits a single engine (cluster.num_workers: 1); for data-parallel workers "
                           "run `mt-ray calc` for each worker's share of the global batch and set the keys it gives")
-    gpu_gb = _gpu_memory_gb(cfg)
-    host_gb = available_host_bytes(engine.host_memory_limit_gb) / GIB
-    global_batch = t.micro_batch_size * t.grad_accum_steps
-    stage, seq = stage_shape(cfg)
-    rec = recommend(spec, seq, global_batch, gpu_gb, host_gb, cfg=engine, opt=cfg.optimizer, machine=_machine(engine),
-                    stage=stage)
+    gpu_gb, host_gb, rec = _search(cfg, spec)
     if not rec["fits"]:
         raise InsufficientMemoryError(f"engine.auto_fit: nothing fits a {gpu_gb:.3g} GiB GPU and {host_gb:.3g} GiB of "
                                       f"host memory. {rec['reason']}")
@@ -88,6 +83,17 @@ def apply_auto_fit(cfg: RunConfig, spec: ModelSpec) -> RunConfig:
     return fitted
 
 
+def _search(cfg: RunConfig, spec: ModelSpec) -> tuple[float, float, dict]:
+    """The GPU and host GiB planned for, and the calculator's fastest fit of this run's global batch and sequence."""
+    engine, t = cfg.engine, cfg.training
+    gpu_gb = _gpu_memory_gb(cfg)
+    host_gb = available_host_bytes(engine.host_memory_limit_gb) / GIB
+    stage, seq = stage_shape(cfg)
+    rec = recommend(spec, seq, t.micro_batch_size * t.grad_accum_steps, gpu_gb, host_gb, cfg=engine,
+                    opt=cfg.optimizer, machine=_machine(engine), stage=stage)
+    return gpu_gb, host_gb, rec
+
+
 def _machine(engine: EngineConfig) -> Machine:
     """The default machine, with the disk under `engine.nvme_path` measured when one is set (the search may then
     move optimizer state there, only if the host cannot hold it)."""
@@ -109,12 +115,9 @@ def refuse_what_cannot_fit(cfg: RunConfig, spec: ModelSpec) -> None:
     engine, t = cfg.engine, cfg.training
     if cfg.cluster.num_workers > 1 or (engine.resolve_device().type != "cuda" and engine.gpu_memory_limit_gb is None):
         return
-    gpu_gb = _gpu_memory_gb(cfg)
-    host_gb = available_host_bytes(engine.host_memory_limit_gb) / GIB
+    gpu_gb, host_gb, rec = _search(cfg, spec)
     global_batch = t.micro_batch_size * t.grad_accum_steps
     stage, seq = stage_shape(cfg)
-    rec = recommend(spec, seq, global_batch, gpu_gb, host_gb, cfg=engine, opt=cfg.optimizer, machine=_machine(engine),
-                    stage=stage)
     if not rec["fits"]:
         raise InsufficientMemoryError(
             f"{_seq_name(stage, seq)} x {global_batch} sequences a step cannot train on a {gpu_gb:.3g} "
