@@ -13,7 +13,7 @@ import torch
 
 from mt_ray.engine.preference import Sequences, add_counts, sequences_of
 from mt_ray.models.context import Documents, document_spans
-from mt_ray.models.document_images import Image, ImagePlacement, collate
+from mt_ray.models.document_images import DocumentImages, Image, collate
 
 IGNORE_INDEX = -100
 
@@ -55,14 +55,14 @@ class MicroBatch:
 
 
 def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
-                        placement: ImagePlacement | None = None) -> MicroBatch:
+                        images_of: DocumentImages | None = None) -> MicroBatch:
     """Shift labels (token t predicts label t+1, as transformers does) and select the loss tokens.
 
     `batch["images"]`, where present, holds each row's images (a list per row of the processor's
     tensors for one image); they are concatenated in token order. Preference rows carry `seq_role` (and
     `segment_ids`; with a precomputed reference, `ref_logps`), from which each sequence is indexed; GRPO rows
     add `advantages` [B, W] and, when a rollout is trained on more than once, `old_logps` (each loss token's,
-    in loss-token order, as `evaluate` collected them). An image-text model's `placement` splits the images by
+    in loss-token order, as `evaluate` collected them). An image-text model's `images_of` splits the images by
     document where it needs to (its documents run alone) and gives a model with multi-dimensional rotary
     positions its [4, B, T] positions (host tensors).
     """
@@ -79,9 +79,9 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
     spans = document_spans(position_ids)
     cu_seq_lens = torch.tensor([s for s, _ in spans] + [B * T], dtype=torch.int32)
     listed = [image for row in batch.get("images") or [] for image in row]  # row after row, each in token order
-    split = placement.split(input_ids, spans, listed) if placement is not None else None
-    rope = placement.rope_positions(input_ids, position_ids, spans, split) if placement is not None else None
-    own = [collate(d) for d in split] if split is not None and placement.per_document else None
+    split = images_of.split(input_ids, spans, listed) if images_of is not None else None
+    rope = images_of.rope_positions(input_ids, position_ids, spans, split) if images_of is not None else None
+    own = [collate(d) for d in split] if split is not None and images_of.per_document else None
     images = collate(listed) if own is None else None  # documents that run alone take only their own
     seqs = sequences_of(batch["seq_role"], batch["segment_ids"], index, lambda t: _to(t, device, pin)) \
         if "seq_role" in batch else None

@@ -493,7 +493,7 @@ class StreamingEngine:
         return [range(s, min(s + K, L)) for s in range(0, L, K)]
 
     def _prepare(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[MicroBatch]:
-        return [prepare_micro_batch(b, self.device, self.context.placement) for b in micro_batches]
+        return [prepare_micro_batch(b, self.device, self.context.document_images) for b in micro_batches]
 
     def _upload_plan(self, mbs: list[MicroBatch]) -> list[str]:
         layers = [f"layers.{i}" for i in range(self.spec.num_layers)]

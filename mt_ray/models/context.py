@@ -48,7 +48,7 @@ from torch.func import functional_call
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models import nesting
 from mt_ray.models.discovery import ModelSpec, embed_module, meta_free_buffers_to
-from mt_ray.models.document_images import Image, ImagePlacement, Span
+from mt_ray.models.document_images import DocumentImages, Image, Span
 from mt_ray.models.handoff import Handoff, hand_on, nested_handoff, plan_handoffs
 from mt_ray.models.nesting import with_submodule
 from mt_ray.models.packing_probe import packed_differs, same_arguments
@@ -71,7 +71,7 @@ class Documents:
     max_length: int  # the longest document
     images: list[Image | None] | None = None
     """Each document's own images (None: it has none), where documents run alone through an image-text model's
-    layers (`ImagePlacement.per_document`)."""
+    layers (`DocumentImages.per_document`)."""
 
     def flash_kwargs(self) -> LayerKwargs:
         """The bounds as transformers' flash path (and the varlen backend) takes them from a layer's arguments."""
@@ -363,7 +363,7 @@ class LayerContextBuilder:
                 "adds deepstack features between layers, which mt-ray replays for whole rows only; this image-text "
                 "family cannot be trained yet"
             )
-        self.placement = ImagePlacement(spec.vision, self.isolate_documents) if spec.vision is not None else None
+        self.document_images = DocumentImages(spec.vision, self.isolate_documents) if spec.vision is not None else None
 
     def __call__(self, embeds_BTD: torch.Tensor, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
                  documents: Documents, images: Image | None = None, features: list[Any] | None = None,
@@ -373,7 +373,7 @@ class LayerContextBuilder:
         `embeds_BTD` is the input embedding's output, `embed_weights` the embed unit's bound weights (read by the
         modules the body runs before its first layer, `ModelSpec.embed_attrs`); `documents` says where the
         micro-batch's documents lie (`prepare_micro_batch` builds it). An image-text model takes [4, B, T] positions
-        (`ImagePlacement.rope_positions`) where it has multi-dimensional rotary positions, the micro-batch's image
+        (`DocumentImages.rope_positions`) where it has multi-dimensional rotary positions, the micro-batch's image
         inputs (`pixel_values`, `image_grid_thw`, ...) and `features`, what each `get_image_features` call returned:
         one call for the micro-batch, or, where documents run alone, one per document with images
         (`Documents.images`, in order).

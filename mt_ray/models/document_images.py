@@ -36,7 +36,7 @@ def image_runs(is_image: torch.Tensor) -> int:
 
 
 @dataclass(frozen=True)
-class ImagePlacement:
+class DocumentImages:
     """How an image-text model's images meet the documents of a packed row (host tensors in and out)."""
 
     vision: VisionSpec
@@ -60,14 +60,14 @@ class ImagePlacement:
         return out
 
     def rope_positions(self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, spans: list[Span],
-                       document_images: list[list[Image]] | None) -> torch.Tensor | None:
+                       split: list[list[Image]] | None) -> torch.Tensor | None:
         """[4, B, T] positions for a body with multi-dimensional rotary positions (None for others): the text
         positions, then the family's own `get_rope_index` of each document with images, alone."""
         if not self.vision.rope_index:
             return None
         rope_3BT = position_ids_BT[None].repeat(3, 1, 1)
         rope_3N, ids_N = rope_3BT.view(3, -1), input_ids_BT.reshape(-1)
-        for (s, e), images in zip(spans, document_images or [[]] * len(spans), strict=True):
+        for (s, e), images in zip(spans, split or [[]] * len(spans), strict=True):
             if images:
                 ids = ids_N[None, s:e]
                 rope, _ = self.vision.outer.get_rope_index(
