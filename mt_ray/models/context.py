@@ -22,12 +22,12 @@ Image-text models: the body is the composite model (`Qwen2_5_VLModel`, ...), who
 embeds the tokens, asks its `get_image_features` for the image features (here: a feed of what
 the engine's vision stage computed) and scatters them over the image tokens, exactly as
 transformers does; multi-dimensional rotary positions come from the family's own
-`get_rope_index`, document by document (`document_images`). Where documents run alone, each takes its own images
-and the features of its own `get_image_features` call to the body. A body that adds to the hidden state between its layers (Qwen3-VL's
-deepstack: features of intermediate vision blocks added at the image tokens after each of the first layers)
-has that addition taken out of the recording and handed to the engine as the context's `Injection`, which
-it runs with those layers (forward and recompute alike) and sends the injected tensors' gradients back
-through. Any other change between layers is refused: the engine would not replay it.
+`get_rope_index`, document by document (`document_images`). Where documents run alone, each takes its own
+images and the features of its own `get_image_features` call to the body. A body that adds to the hidden state
+between its layers (Qwen3-VL's deepstack: features of intermediate vision blocks added at the image tokens after
+each of the first layers) has that addition taken out of the recording and handed to the engine as the context's
+`Injection`, which it runs with those layers (forward and recompute alike) and sends the injected tensors'
+gradients back through. Any other change between layers is refused: the engine would not replay it.
 """
 
 from __future__ import annotations
