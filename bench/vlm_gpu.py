@@ -174,7 +174,7 @@ def prepare_seconds(engine: StreamingEngine, mbs: list[dict]) -> float:
     its mrope positions (`StreamingEngine._prepare`), and copied up."""
     with Timer() as t:
         for b in mbs:
-            prepare_micro_batch(b, engine.device, engine.context.rope_positions)
+            prepare_micro_batch(b, engine.device, engine.context.document_images)
     return t.seconds
 
 

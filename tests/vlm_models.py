@@ -47,7 +47,16 @@ QWEN3_VL = dict(
 )
 # Qwen3-VL whose language layers route each token to 2 of 4 experts.
 QWEN3_VL_MOE = dict(QWEN3_VL, text=dict(QWEN3_VL["text"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16))
-QWEN_VL = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL, "qwen3_vl_moe": QWEN3_VL_MOE}
+# Qwen3.5: a gated-delta linear-attention layer, then a full-attention one (so each document of a packed row runs
+# through the layers alone, with its own images); interleaved mrope over half of 12-dim heads; no deepstack.
+QWEN3_5 = dict(
+    processor="Qwen3VLProcessor",
+    text=dict(head_dim=12, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, rope_parameters={
+                  "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 1]}),
+    vision=dict(num_position_embeddings=16),
+)
+QWEN_VL = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL, "qwen3_vl_moe": QWEN3_VL_MOE, "qwen3_5": QWEN3_5}
 
 
 def qwen_vl_config(family: str, tokenizer, **text) -> PretrainedConfig:

@@ -29,6 +29,7 @@ from tests.family_checks import OPT
 from tests.family_sweep import (
     _COMPASS_ROPE,
     _QWEN4_EXP,
+    ALONE,
     FAMILY_OVERRIDES,
     SWEEP_VOCAB,
     Outcome,
@@ -252,9 +253,9 @@ def alone(doc: dict, forward: Callable, image_token: int) -> dict:
 
 
 def _step(folder: Path, model_type: str, docs: list[dict], freeze: tuple[bool, bool], device: str = "cpu",
-          tolerances: dict | None = None, **engine_kw) -> str | None:
+          tolerances: dict | None = None, **engine_kw) -> tuple[str | None, bool]:
     """One engine step on `device` and one reference step on the CPU, frozen alike: None where they agree, else the
-    difference."""
+    difference; and whether the engine ran each document alone."""
     spec = discover(str(folder), freeze_vision_tower=freeze[0], freeze_multi_modal_projector=freeze[1])
     frozen = {p.hf_name for u in spec.units if u.frozen for p in u.params}
     engine = StreamingEngine(spec, EngineConfig(device=device, **engine_kw), OPT, total_steps=1)
@@ -270,7 +271,8 @@ def _step(folder: Path, model_type: str, docs: list[dict], freeze: tuple[bool, b
         p.requires_grad_(p.requires_grad and name not in frozen)
     token = spec.vision.image_token_id
     [ref_loss] = reference_train(ref, [[alone(d, ref.forward, token) for d in docs]], OPT)
-    return _difference(state, before, ref.state_dict(), loss, ref_loss, **(tolerances or {}))
+    return (_difference(state, before, ref.state_dict(), loss, ref_loss, **(tolerances or {})),
+            engine.context.isolate_documents)
 
 
 def image_text_case(model_type: str, folder: Path, device: str = "cpu", tolerances: dict | None = None,
@@ -309,7 +311,7 @@ def image_text_case(model_type: str, folder: Path, device: str = "cpu", toleranc
         return Outcome(model_type, "error", f"no images made for it: {e}")
     for freeze in ((True, False), (False, False)):
         try:
-            problem = _step(folder, model_type, docs, freeze, device, tolerances, **engine_kw)
+            problem, alone = _step(folder, model_type, docs, freeze, device, tolerances, **engine_kw)
         except ModelNotSupportedError as e:
             if f"'{model_type}'" in str(e) or f"'{config.model_type}'" in str(e):
                 return Outcome(model_type, "refused", str(e))  # by the engine, before any state is built
@@ -318,7 +320,7 @@ def image_text_case(model_type: str, folder: Path, device: str = "cpu", toleranc
             return Outcome(model_type, "error", _trace(e))
         if problem is not None:
             return Outcome(model_type, "mismatch", f"tower {'frozen' if freeze[0] else 'trained'}: {problem}")
-    return Outcome(model_type, "matched", "")
+    return Outcome(model_type, "matched", ALONE if alone else "")
 
 
 def image_text_outcome(model_type: str) -> Outcome:

@@ -6,7 +6,6 @@ is computed here from CPU tensors, so the step never has to ask the device for a
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch
 
 from mt_ray.engine.preference import Sequences, add_counts, sequences_of
 from mt_ray.models.context import Documents, document_spans
+from mt_ray.models.document_images import DocumentImages, Image, collate
 
 IGNORE_INDEX = -100
 
@@ -29,10 +29,12 @@ class MicroBatch:
     num_loss_tokens: int
     num_tokens: int
     documents: Documents  # where each document lies in the flattened batch (position-id restarts)
-    images: dict[str, torch.Tensor] | None = None  # the image inputs (pixel_values, image_grid_thw, ...), in token order
+    images: Image | None = None  # the image inputs (pixel_values, image_grid_thw, ...), in token order; None where
+    # documents run alone (`documents.images`)
     rope_position_ids: torch.Tensor | None = None  # [4, B, T] text then multi-dimensional rotary positions (Qwen-VL)
-    image_features: Any = None  # what get_image_features returned for `images` (set by the vision stage)
-    feature_grads: list[torch.Tensor | None] | None = None  # their gradient (set by the embedding's backward)
+    image_features: list[Any] | None = None  # what each of `image_calls` returned (set by the vision stage)
+    feature_grads: list[list[torch.Tensor | None]] | None = None  # per call, its features' gradient (set by the
+    # embedding's backward)
     seqs: Sequences | None = None  # preference rows: where each chosen, rejected or KTO sequence is
     ref_logps: torch.Tensor | None = None  # [S] the reference's log-prob sum of each sequence; GRPO: [N] per token
     advantages: torch.Tensor | None = None  # [S] GRPO: each sequence slot's advantage (0 where no completion)
@@ -43,21 +45,26 @@ class MicroBatch:
         """The position ids the body takes: [4, B, T] where it has multi-dimensional rotary positions, else [B, T]."""
         return self.position_ids_BT if self.rope_position_ids is None else self.rope_position_ids
 
-
-RopePositions = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor | None]
+    @property
+    def image_calls(self) -> list[Image]:
+        """The inputs of each `get_image_features` call: each document's own images where documents run alone (as
+        transformers computes them for the document alone), else the micro-batch's in one call."""
+        if self.documents.images is not None:
+            return [images for images in self.documents.images if images is not None]
+        return [self.images] if self.images is not None else []
 
 
 def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
-                        rope_positions: RopePositions | None = None) -> MicroBatch:
+                        images_of: DocumentImages | None = None) -> MicroBatch:
     """Shift labels (token t predicts label t+1, as transformers does) and select the loss tokens.
 
     `batch["images"]`, where present, holds each row's images (a list per row of the processor's
     tensors for one image); they are concatenated in token order. Preference rows carry `seq_role` (and
     `segment_ids`; with a precomputed reference, `ref_logps`), from which each sequence is indexed; GRPO rows
     add `advantages` [B, W] and, when a rollout is trained on more than once, `old_logps` (each loss token's,
-    in loss-token order, as `evaluate` collected them). `rope_positions(input_ids,
-    position_ids, image_grid_thw)` gives a model with multi-dimensional rotary positions its
-    [4, B, T] positions (host tensors).
+    in loss-token order, as `evaluate` collected them). An image-text model's `images_of` splits the images by
+    document where it needs to (its documents run alone) and gives a model with multi-dimensional rotary
+    positions its [4, B, T] positions (host tensors).
     """
     input_ids = batch["input_ids"]
     if input_ids.dim() != 2:
@@ -71,8 +78,11 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
     pin = device.type == "cuda"
     spans = document_spans(position_ids)
     cu_seq_lens = torch.tensor([s for s, _ in spans] + [B * T], dtype=torch.int32)
-    images = _collate_images(batch.get("images"))
-    rope = rope_positions(input_ids, position_ids, (images or {}).get("image_grid_thw")) if rope_positions else None
+    listed = [image for row in batch.get("images") or [] for image in row]  # row after row, each in token order
+    split = images_of.split(input_ids, spans, listed) if images_of is not None else None
+    rope = images_of.rope_positions(input_ids, position_ids, spans, split) if images_of is not None else None
+    own = [collate(d) for d in split] if split is not None and images_of.per_document else None
+    images = collate(listed) if own is None else None  # documents that run alone take only their own
     seqs = sequences_of(batch["seq_role"], batch["segment_ids"], index, lambda t: _to(t, device, pin)) \
         if "seq_role" in batch else None
     ref, advantages, old = batch.get("ref_logps"), batch.get("advantages"), batch.get("old_logps")
@@ -85,8 +95,9 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
         loss_target=_to(flat[index], device, pin),
         num_loss_tokens=int(index.numel()),
         num_tokens=B * T,
-        documents=Documents(spans, _to(cu_seq_lens, device, pin), max(e - s for s, e in spans)),
-        images={k: _to(v, device, pin) for k, v in images.items()} if images else None,
+        documents=Documents(spans, _to(cu_seq_lens, device, pin), max(e - s for s, e in spans),
+                            [_images_to(d, device, pin) for d in own] if own is not None else None),
+        images=_images_to(images, device, pin),
         rope_position_ids=_to(rope, device, pin) if rope is not None else None,
         seqs=seqs,
         ref_logps=_to(ref.reshape(-1).float(), device, pin) if ref is not None else None,
@@ -115,12 +126,8 @@ def _loss_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return flat, (flat != IGNORE_INDEX).nonzero().squeeze(1)
 
 
-def _collate_images(rows: list[list[dict[str, torch.Tensor]]] | None) -> dict[str, torch.Tensor] | None:
-    """Every image of the micro-batch, row after row, each key's tensors concatenated (None without images)."""
-    images = [image for row in rows or [] for image in row]
-    if not images:
-        return None
-    return {k: torch.cat([image[k] for image in images]) for k in images[0]}
+def _images_to(images: Image | None, device: torch.device, pin: bool) -> Image | None:
+    return {k: _to(v, device, pin) for k, v in images.items()} if images else None
 
 
 def _to(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:

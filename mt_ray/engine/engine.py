@@ -269,7 +269,7 @@ class StreamingEngine:
             loss_sum = self._resident_step(mbs, 1.0 / n_norm, aux_weights)
         else:
             with self.kept.misses_reported(self.cfg, len(mbs), *mbs[0].input_ids_BT.shape):  # `auto` out of memory
-                imaged = [mb for mb in mbs if mb.images is not None]
+                imaged = [mb for mb in mbs if mb.image_calls]
                 tapes = self.vision.forward(imaged) if imaged else []
                 park, carry = self.activations, len(self._blocks())
                 park.start(streamed_step_plan(carry, len(mbs), True, self._streams_reference),
@@ -312,7 +312,7 @@ class StreamingEngine:
         where a training step's do: give as many as a training step holds.
         """
         mbs = self._prepare(micro_batches)
-        imaged = [mb for mb in mbs if mb.images is not None]
+        imaged = [mb for mb in mbs if mb.image_calls]
         if self.pref is not None:
             self.pref.start(mbs)
         plan = forward_plan(self._blocks(), self.spec.tied and not self.resident, self._streams_reference)
@@ -493,12 +493,11 @@ class StreamingEngine:
         return [range(s, min(s + K, L)) for s in range(0, L, K)]
 
     def _prepare(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[MicroBatch]:
-        rope = self.context.rope_positions if self.spec.vision is not None else None
-        return [prepare_micro_batch(b, self.device, rope) for b in micro_batches]
+        return [prepare_micro_batch(b, self.device, self.context.document_images) for b in micro_batches]
 
     def _upload_plan(self, mbs: list[MicroBatch]) -> list[str]:
         layers = [f"layers.{i}" for i in range(self.spec.num_layers)]
-        vision_fwd, vision_bwd = self.vision.plan() if any(mb.images is not None for mb in mbs) else ([], [])
+        vision_fwd, vision_bwd = self.vision.plan() if any(mb.image_calls for mb in mbs) else ([], [])
         if self.resident:
             ref = [REF + u for u in ["embed", *layers, "head"]] if self._streams_reference else []
             return [*dict.fromkeys(vision_fwd), *ref, "embed", *layers, "head"]
@@ -576,13 +575,13 @@ class StreamingEngine:
         ref_weights: dict[int, Weights] = {}  # the reference's layers (a preference stage), bound once too
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         head_grad: list[torch.Tensor] = []  # the head hands each micro-batch's gradient over here
-        last_imaged = max((j for j, mb in enumerate(mbs) if mb.images is not None), default=-1)
+        last_imaged = max((j for j, mb in enumerate(mbs) if mb.image_calls), default=-1)
         if last_imaged >= 0:  # the vision units arrive first (`_upload_plan`), whichever micro-batch has images
             for unit in dict.fromkeys(self.vision.plan()[0]):
                 self._weights(unit)
         for j, mb in enumerate(mbs):
             final = j == len(mbs) - 1
-            tapes = self.vision.forward([mb]) if mb.images is not None else []
+            tapes = self.vision.forward([mb]) if mb.image_calls else []
             if self._streams_reference:
                 self.pref.resident_reference(mb, ref_weights)
             h, ctx = self._embed(self.templates["embed"].bind(self._weights("embed")), mb)
@@ -740,14 +739,15 @@ class StreamingEngine:
         weights = embed.bind(self._weights("embed"), requires_grad=True)
         leaves = embed.leaves(weights)
         for j, (g, mb, done) in enumerate(zip(grads, mbs, contexts, strict=True)):
-            features, feature_leaves_ = feature_leaves(mb.image_features) if mb.images is not None else (None, [])
+            calls = [feature_leaves(f) for f in mb.image_features or ()]  # each get_image_features call's
+            features, flat = [f for f, _ in calls], [t for _, ts in calls for t in ts]
             with torch.enable_grad():
                 h0, ctx = self.context(embed(weights, mb.input_ids_BT), mb.input_ids_BT, mb.positions,
                                        mb.documents, mb.images, features, weights)
                 added, added_grads = ctx.injected_grads(done)
-                gs = torch.autograd.grad([h0, *added], [*leaves, *feature_leaves_], [g, *added_grads],
-                                         allow_unused=bool(feature_leaves_))
-            mb.feature_grads = list(gs[len(leaves):])  # the image features' gradient, for the vision stage
+                gs = torch.autograd.grad([h0, *added], [*leaves, *flat], [g, *added_grads], allow_unused=bool(flat))
+            grads = iter(gs[len(leaves):])  # the image features' gradient, call by call, for the vision stage
+            mb.feature_grads = [[next(grads) for _ in ts] for _, ts in calls]
             self._add_grad("embed", gs[:len(leaves)], final and j == len(mbs) - 1, embed.frozen_numel)
 
     # ------------------------------------------------------------------ gradients out

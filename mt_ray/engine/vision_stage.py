@@ -16,6 +16,8 @@ same passes one micro-batch at a time with every unit kept):
              the projector's gradient and the gradients into the kept block outputs; with a
              trainable tower, each block from the last recomputed from its kept input and run
              backward, then the record pass with autograd for `vision.embed`.
+Each pass runs `get_image_features` once per call: once per micro-batch, or, where documents run through the
+layers alone, once per document with images (`MicroBatch.image_calls`), each with a tape of its own.
 A frozen unit is uploaded for the forward only: it sends no gradient and is never updated.
 
 Tensor shape key: N patches (or image tokens), D vision hidden.
@@ -33,6 +35,7 @@ from mt_ray.engine.batch import MicroBatch
 from mt_ray.engine.templates import UnitTemplate, Weights
 from mt_ray.models.context import layer_hidden
 from mt_ray.models.discovery import ModelSpec
+from mt_ray.models.document_images import Image
 from mt_ray.models.vision import VISION_EMBED, VISION_PROJECTOR, block_unit, is_vision_unit
 from mt_ray.models.vision_context import VisionRunner, VisionTape
 
@@ -45,6 +48,11 @@ def feature_leaves(features: Any) -> tuple[Any, list[torch.Tensor]]:
     flat, structure = pytree.tree_flatten(features)
     leaves = [t.detach().requires_grad_() if _floating(t) else t for t in flat]
     return pytree.tree_unflatten(leaves, structure), [t for t in leaves if _floating(t)]
+
+
+def _calls(mbs: list[MicroBatch]) -> list[tuple[Image, list[torch.Tensor | None]]]:
+    """Each `get_image_features` call of the micro-batches, in the forward's order, with its features' gradient."""
+    return [call for mb in mbs for call in zip(mb.image_calls, mb.feature_grads, strict=True)]
 
 
 def _floating(t: Any) -> bool:
@@ -81,16 +89,20 @@ class VisionStage:
 
     @torch.no_grad()
     def forward(self, mbs: list[MicroBatch]) -> list[VisionTape]:
-        """Sets each micro-batch's `image_features`; returns the tapes the backward needs."""
+        """Sets each micro-batch's `image_features`; returns the tapes the backward needs, one per call
+        (`MicroBatch.image_calls`), micro-batch after micro-batch."""
         w = self.embed.bind(self.weights(VISION_EMBED))
-        tapes = [self.runner.record(lambda mb=mb: self.embed(w, **mb.images)) for mb in mbs]
+        calls = [images for mb in mbs for images in mb.image_calls]
+        tapes = [self.runner.record(lambda images=images: self.embed(w, **images)) for images in calls]
         for i, (unit, template) in enumerate(zip(self.blocks, self.block_templates, strict=True)):
             w = template.bind(self.weights(unit))
             for tape in tapes:
                 tape.outputs.append(layer_hidden(template(w, tape.block_input(i), *tape.args[i], **tape.kwargs[i])))
         weights = self._bind_features(requires_grad=False)
-        for mb, tape in zip(mbs, tapes, strict=True):
-            mb.image_features = self.runner.replay(lambda mb=mb: self.embed(weights, **mb.images), tape.outputs)
+        taped = iter(tapes)
+        for mb in mbs:
+            mb.image_features = [self.runner.replay(lambda images=images: self.embed(weights, **images),
+                                                    next(taped).outputs) for images in mb.image_calls]
         return tapes
 
     def backward(self, mbs: list[MicroBatch], tapes: list[VisionTape], final: bool = True) -> None:
@@ -100,14 +112,15 @@ class VisionStage:
         weights = self._bind_features(requires_grad=True)
         p_leaves = self.projector.leaves(weights) if self.projector_trains else []
         e_leaves = self.embed.leaves(weights) if self.tower_trains else []
-        last = len(mbs) - 1
-        for j, (mb, tape) in enumerate(zip(mbs, tapes, strict=True)):
+        calls = _calls(mbs)
+        last = len(calls) - 1
+        for j, ((images, feature_grads), tape) in enumerate(zip(calls, tapes, strict=True)):
             outs = [o.detach().requires_grad_(self.tower_trains) for o in tape.outputs]
             with torch.enable_grad():
-                features = self.runner.replay(lambda mb=mb: self.embed(weights, **mb.images), outs)
+                features = self.runner.replay(lambda images=images: self.embed(weights, **images), outs)
                 flat = [t for t in pytree.tree_flatten(features)[0] if _floating(t)]
                 # A frozen tower's deepstack features have a gradient but nothing trainable beneath them.
-                used = [(t, g) for t, g in zip(flat, mb.feature_grads, strict=True) if g is not None and t.requires_grad]
+                used = [(t, g) for t, g in zip(flat, feature_grads, strict=True) if g is not None and t.requires_grad]
                 inputs = [*p_leaves, *e_leaves, *(outs if self.tower_trains else [])]
                 gs = torch.autograd.grad([t for t, _ in used], inputs, [g for _, g in used], allow_unused=True)
             if self.projector_trains:
@@ -117,9 +130,9 @@ class VisionStage:
                 tape.outputs = [o.detach() for o in tape.outputs]
                 tape.grads = list(gs[len(p_leaves) + len(e_leaves):])
         if self.tower_trains:
-            self._backward_tower(mbs, tapes, final)
+            self._backward_tower([images for images, _ in calls], tapes, final)
 
-    def _backward_tower(self, mbs: list[MicroBatch], tapes: list[VisionTape], final: bool) -> None:
+    def _backward_tower(self, calls: list[Image], tapes: list[VisionTape], final: bool) -> None:
         """Each block from the last, recomputed from its kept input; then the tower's part before the blocks.
 
         A gradient stays None where autograd finds none (SigLIP's pooling head under Gemma 3, read by neither
@@ -143,10 +156,12 @@ class VisionStage:
                     tape.h0_grad = gs[0]
         w = self.embed.bind(self.weights(VISION_EMBED), requires_grad=True)
         leaves = self.embed.leaves(w)
-        for j, (mb, tape) in enumerate(zip(mbs, tapes, strict=True)):
+        for j, (images, tape) in enumerate(zip(calls, tapes, strict=True)):
             with torch.enable_grad():
-                h0 = self.runner.record(lambda mb=mb: self.embed(w, **mb.images)).h0
-                gs = torch.autograd.grad(h0, leaves, tape.h0_grad, allow_unused=True)
+                h0 = self.runner.record(lambda images=images: self.embed(w, **images)).h0
+                # Inkling's first block takes the pixels as they are: nothing before it to train.
+                gs = torch.autograd.grad(h0, leaves, tape.h0_grad, allow_unused=True) if h0.requires_grad \
+                    else [None] * len(leaves)
             self.add_grad(VISION_EMBED, gs, final and j == last, self.embed.frozen_numel)
 
     def _bind_features(self, requires_grad: bool) -> Weights:

@@ -22,11 +22,12 @@ Image-text models: the body is the composite model (`Qwen2_5_VLModel`, ...), who
 embeds the tokens, asks its `get_image_features` for the image features (here: a feed of what
 the engine's vision stage computed) and scatters them over the image tokens, exactly as
 transformers does; multi-dimensional rotary positions come from the family's own
-`get_rope_index`, document by document. A body that adds to the hidden state between its layers (Qwen3-VL's
-deepstack: features of intermediate vision blocks added at the image tokens after each of the first layers)
-has that addition taken out of the recording and handed to the engine as the context's `Injection`, which
-it runs with those layers (forward and recompute alike) and sends the injected tensors' gradients back
-through. Any other change between layers is refused: the engine would not replay it.
+`get_rope_index`, document by document (`document_images`). Where documents run alone, each takes its own
+images and the features of its own `get_image_features` call to the body. A body that adds to the hidden state
+between its layers (Qwen3-VL's deepstack: features of intermediate vision blocks added at the image tokens after
+each of the first layers) has that addition taken out of the recording and handed to the engine as the context's
+`Injection`, which it runs with those layers (forward and recompute alike) and sends the injected tensors'
+gradients back through. Any other change between layers is refused: the engine would not replay it.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from torch.func import functional_call
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models import nesting
 from mt_ray.models.discovery import ModelSpec, embed_module, meta_free_buffers_to
+from mt_ray.models.document_images import DocumentImages, Image, Span
 from mt_ray.models.handoff import Handoff, hand_on, nested_handoff, plan_handoffs
 from mt_ray.models.nesting import with_submodule
 from mt_ray.models.packing_probe import packed_differs, same_arguments
@@ -58,7 +60,6 @@ from mt_ray.models.varlen import takes_document_bounds
 logger = logging.getLogger(__name__)
 
 LayerKwargs = dict[str, Any]
-Span = tuple[int, int]  # [start, end) of one document in the flattened [B*T] batch
 
 
 @dataclass
@@ -68,6 +69,9 @@ class Documents:
     spans: list[Span]  # each document's [start, end), on the host
     cu_seq_lens: torch.Tensor  # int32 [documents + 1] on the device: each document's start, then B*T
     max_length: int  # the longest document
+    images: list[Image | None] | None = None
+    """Each document's own images (None: it has none), where documents run alone through an image-text model's
+    layers (`DocumentImages.per_document`)."""
 
     def flash_kwargs(self) -> LayerKwargs:
         """The bounds as transformers' flash path (and the varlen backend) takes them from a layer's arguments."""
@@ -353,37 +357,45 @@ class LayerContextBuilder:
         if self.token_types:
             self._refuse_both_ways_text(spec, device)
         self.isolate_documents = spec.isolate_documents or not exact or self.own_positions
-        if self.isolate_documents and spec.vision is not None:
+        if self.isolate_documents and self.inject is not None:
             raise ModelNotSupportedError(
-                f"'{spec.config.model_type}': its documents must run through the layers one at a time, which "
-                "mt-ray does not yet do with images; this image-text family cannot be trained yet"
+                f"'{spec.config.model_type}': its documents must run through the layers one at a time and its body "
+                "adds deepstack features between layers, which mt-ray replays for whole rows only; this image-text "
+                "family cannot be trained yet"
             )
+        self.document_images = DocumentImages(spec.vision, self.isolate_documents) if spec.vision is not None else None
 
     def __call__(self, embeds_BTD: torch.Tensor, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
-                 documents: Documents, images: dict[str, torch.Tensor] | None = None,
-                 features: Any = None, embed_weights: dict[str, torch.Tensor] | None = None,
-                 ) -> tuple[torch.Tensor, LayerContext]:
+                 documents: Documents, images: Image | None = None, features: list[Any] | None = None,
+                 embed_weights: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, LayerContext]:
         """The hidden state that enters layer 0 and the layers' context.
 
         `embeds_BTD` is the input embedding's output, `embed_weights` the embed unit's bound weights (read by the
         modules the body runs before its first layer, `ModelSpec.embed_attrs`); `documents` says where the
         micro-batch's documents lie (`prepare_micro_batch` builds it). An image-text model takes [4, B, T] positions
-        (`rope_positions`) where it has multi-dimensional rotary positions, the micro-batch's image
-        inputs (`pixel_values`, `image_grid_thw`, ...) and `features`, what `get_image_features` returns.
+        (`DocumentImages.rope_positions`) where it has multi-dimensional rotary positions, the micro-batch's image
+        inputs (`pixel_values`, `image_grid_thw`, ...) and `features`, what each `get_image_features` call returned:
+        one call for the micro-batch, or, where documents run alone, one per document with images
+        (`Documents.images`, in order).
         """
         weights = embed_weights or {}
         if not self.isolate_documents:
-            h0, per_layer = self._record(weights, embeds_BTD, input_ids_BT, position_ids_BT, images, features)
+            h0, per_layer = self._record(weights, embeds_BTD, input_ids_BT, position_ids_BT, images,
+                                         features[0] if features else None)
             if self.bounds_not_masks:  # one set of bounds for every layer: the body built no mask
                 per_layer = [{**kw, **documents.flash_kwargs()} for kw in per_layer]
             return self.stream.to_tokens(h0), LayerContext(whole=per_layer, injection=self._take_injection(),
                                                             carried=self.carried, stream=self.stream,
                                                             model_type=self.model_type)
         B, T, D = embeds_BTD.shape
-        flat = embeds_BTD.reshape(1, B * T, D), input_ids_BT.reshape(1, B * T), position_ids_BT.reshape(1, B * T)
+        embeds_1ND, ids_1N = embeds_BTD.reshape(1, B * T, D), input_ids_BT.reshape(1, B * T)
+        positions = position_ids_BT.reshape(*position_ids_BT.shape[:-2], 1, B * T)  # [1, N] or [4, 1, N]
+        own_images = documents.images or [None] * len(documents.spans)
+        own_features = iter(features or ())  # one call per document with images, in order
         h0s, per_document = [], []
-        for s, e in documents.spans:
-            h0, per_layer = self._record(weights, *(t[:, s:e] for t in flat))
+        for (s, e), own in zip(documents.spans, own_images, strict=True):
+            h0, per_layer = self._record(weights, embeds_1ND[:, s:e], ids_1N[:, s:e], positions[..., s:e], own,
+                                         next(own_features) if own is not None else None)
             h0s.append(self.stream.to_tokens(h0))
             per_document.append(((s, e), per_layer))
         return torch.cat(h0s, dim=1).view(B, T, *h0s[0].shape[2:]), LayerContext(
@@ -508,34 +520,8 @@ class LayerContextBuilder:
                 "not carry; this image-text family cannot be trained yet"
             )
 
-    def rope_positions(self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
-                       image_grid_thw: torch.Tensor | None) -> torch.Tensor | None:
-        """[4, B, T] positions for a body with multi-dimensional rotary positions (None for others): the
-        text positions, then the family's own `get_rope_index` of each document (host tensors in and out).
-
-        `get_rope_index` numbers one unpacked row; a packed row's documents each start at 0 and take
-        their own images, in order, so each goes through it alone.
-        """
-        if self.vision is None or not self.vision.rope_index:
-            return None
-        B, T = input_ids_BT.shape
-        rope_3BT = position_ids_BT[None].repeat(3, 1, 1)
-        is_image_BT = (input_ids_BT == self.vision.image_token_id).int()
-        image = 0
-        for s, e in document_spans(position_ids_BT):
-            b, lo, hi = s // T, s % T, s % T + (e - s)
-            types = is_image_BT[b, lo:hi]
-            runs = int(types[0]) + int(((types[1:] == 1) & (types[:-1] == 0)).sum())
-            if runs:
-                grids = image_grid_thw[image:image + runs]
-                rope, _ = self.vision.outer.get_rope_index(input_ids_BT[b:b + 1, lo:hi], mm_token_type_ids=types[None],
-                                                           image_grid_thw=grids)
-                rope_3BT[:, b, lo:hi] = rope[:, 0]
-                image += runs
-        return torch.cat([position_ids_BT[None], rope_3BT])
-
     def _record(self, weights: dict[str, torch.Tensor], embeds: torch.Tensor, input_ids: torch.Tensor,
-                position_ids: torch.Tensor, images: dict[str, torch.Tensor] | None = None,
+                position_ids: torch.Tensor, images: Image | None = None,
                 features: Any = None) -> tuple[torch.Tensor, list[LayerKwargs]]:
         self.log.clear()
         self.injected = None

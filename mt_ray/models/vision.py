@@ -40,6 +40,8 @@ NOT_YET: dict[str, str] = {
     "got_ocr2": "its SAM tower's blocks do not run with mt-ray's block stand-ins",
     "pp_chart2table": "its SAM tower's blocks do not run with mt-ray's block stand-ins",
     "janus": "a VQ image generator sits beside its understanding tower",
+    "minicpmv4_6": "its processor joins several images into one row of patches (pixel_values [1, channels, patch, "
+                   "every image's patches]), where mt-ray joins images along the first axis",
     "minimax_m3_vl": "its tower attends across every image of a call (one sequence, no per-image mask), so a packed "
                      "row's images would see other documents' images (mt-ray runs the tower once per micro-batch)",
     "muse_glimmer": "its tower has not been checked against transformers",

@@ -168,13 +168,16 @@ def test_router_aux_loss_is_added_as_transformers_adds_it(family, tmp_path):
     assert_same_step(state, before, ref.state_dict(), result.loss.item(), ref_loss)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen4_exp"])
-def test_a_family_the_layer_context_refuses_is_refused_before_any_state(model_type):
+@pytest.mark.parametrize(("model_type", "reason"), [
+    ("cpmant", "its body embeds other tokens than the row's"),
+    ("reformer", "its body does not run with mt-ray's layer stand-ins"),
+])
+def test_a_family_the_layer_context_refuses_is_refused_before_any_state(model_type, reason):
     """Refused by name before the host store is sized: with no host memory to spare, the refusal still comes
-    first, not an out-of-memory error for a model that could never train. (Image-text families whose documents
-    must run alone: the causal-LM families the layer context refused, RWKV and GLM-MoE-DSA, train now.)"""
-    from tests.vlm_sweep import tiny_vlm_config  # noqa: PLC0415 - the sweep's tiny configs, for these two only
+    first, not an out-of-memory error for a model that could never train. (The image-text families whose documents
+    must run alone, which it refused, train now with each document's own images.)"""
+    from tests.family_sweep import tiny_config  # noqa: PLC0415 - the sweep's tiny configs (Reformer's sizes)
 
-    spec = discover(tiny_vlm_config(model_type))
-    with pytest.raises(ModelNotSupportedError, match=f"'{model_type}': its documents must run through the layers one"):
+    spec = discover(tiny_config(model_type))
+    with pytest.raises(ModelNotSupportedError, match=f"'{model_type}': {reason}"):
         StreamingEngine(spec, EngineConfig(device="cpu", host_memory_limit_gb=1e-6), OPT, total_steps=1)

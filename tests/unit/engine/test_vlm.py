@@ -1,11 +1,11 @@
 """Image-text models train in the engine exactly as transformers' own model trains.
 
-A tiny Qwen-VL (2.5, 3, and 3 with MoE layers) is saved with `save_pretrained` beside its processor;
-documents with 0, 1 and 2 generated images go through the folder's own processor and are packed into one
-row (the engine), or run one by one (transformers' eager model, frozen as LLaMA-Factory freezes it). One
-step must give the same loss and the same update of every weight; a frozen tower stays bit-identical and
-holds no Adam moments. Qwen3-VL adds deepstack features after its first two layers, so its checkpoint
-boundaries (K=1) cut through them and a trained tower takes their gradient.
+A tiny Qwen-VL (2.5, 3, 3 with MoE layers, and 3.5, whose linear attention runs each document alone) is saved
+with `save_pretrained` beside its processor; documents with 0, 1 and 2 generated images go through the folder's
+own processor and are packed into one row (the engine), or run one by one (transformers' eager model, frozen as
+LLaMA-Factory freezes it). One step must give the same loss and the same update of every weight; a frozen tower
+stays bit-identical and holds no Adam moments. Qwen3-VL adds deepstack features after its first two layers, so
+its checkpoint boundaries (K=1) cut through them and a trained tower takes their gradient.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from mt_ray.engine import EngineConfig, StreamingEngine
+from mt_ray.engine.batch import prepare_micro_batch
 from mt_ray.engine.sizing import vision_sizes
 from mt_ray.errors import ConfigError
 from mt_ray.models.attention import resolve_attention
+from mt_ray.models.context import LayerContextBuilder
 from mt_ray.models.discovery import discover
 from mt_ray.models.varlen import TOWER_VARLEN
 from tests.family_checks import OPT, assert_same_step
@@ -32,7 +34,7 @@ from tests.vlm_models import (
     save_qwen_vl,
 )
 
-QWEN_FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
+QWEN_FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5"]
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -114,6 +116,19 @@ def test_micro_batches_with_and_without_images_step_as_one_batch(folder, documen
     ref = reference_model(folder, False, False)
     [ref_loss] = reference_train(ref, [documents], OPT)
     assert_same_step(state, before, ref.state_dict(), loss, ref_loss)
+
+
+def test_each_document_that_runs_alone_is_a_get_image_features_call_of_its_own(folder, documents):
+    """Qwen3.5's linear attention runs each document of a packed row alone: each document with images takes them to
+    the body and to a get_image_features call of its own (the step above equals transformers' on each document).
+    The others run the micro-batch's images in one call."""
+    spec = discover(str(folder))
+    context = LayerContextBuilder(spec, torch.device("cpu"))
+    mb = prepare_micro_batch(packed(documents), torch.device("cpu"), context.document_images)
+    alone = spec.config.model_type == "qwen3_5"
+    assert context.isolate_documents == alone
+    assert [len(images["image_grid_thw"]) for images in mb.image_calls] == ([1, 2] if alone else [3])
+    assert (mb.images is None) == alone and (mb.documents.images is not None) == alone
 
 
 def test_evaluate_scores_images_as_transformers_does(folder, documents):
