@@ -111,6 +111,7 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # one layer of each kind; the default lists 24
     # a short-convolution layer, then an attention layer with experts (layer kinds are None in the default)
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "lfm2": {"layer_types": ["conv", "full_attention"]},  # the default is all attention; LFM2's checkpoints are not
     "mamba2": {"num_heads": 8},  # heads x head_dim = expand x hidden
     "nemotron": {"num_key_value_heads": 2},  # None in the default, read as a number
     "qwen4_exp": _QWEN4_EXP,

@@ -71,6 +71,7 @@ VLM_OVERRIDES: dict[str, dict] = {
     "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},  # derived, and lost on reload
     # their language models' own needs, as the causal-LM sweep gives them
     **{f: {"text_config": FAMILY_OVERRIDES[f"{f}_text"]} for f in ("cohere_compass", "qwen4_exp")},
+    "lfm2_vl": {"text_config": FAMILY_OVERRIDES["lfm2"]},
     "glm5_next": {"text_config": {"qk_rope_head_dim": 0, "qk_head_dim": 8}},  # its DSA layers are NoPE (0 rotary)
     # rotary halves of 8-wide heads over (h, w, t) where the config names none ([22, 22, 20] of 128)
     "ernie4_5_vl_moe": {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0,
