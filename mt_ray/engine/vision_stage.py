@@ -9,7 +9,8 @@ same passes one micro-batch at a time with every unit kept):
              (what follows the blocks may read any of them: a feature layer, deepstack mergers).
   features   `vision.embed` and `vision.projector` up: `get_image_features` again, the blocks handing
              back their outputs; the result is what the language model's body scatters over the
-             image tokens.
+             image tokens (with the projector's weights, where the body's forward applies it itself:
+             Llama 4, `vision_feed.py`).
   ...        the language model's forward and backward; its embedding's backward yields the
              gradient of the image features.
   backward   unless tower and projector are both frozen: `features` again with autograd, giving
@@ -68,6 +69,7 @@ class VisionStage:
         self.tower_trains = not spec.unit(VISION_EMBED).frozen  # the blocks freeze with it
         self.projector_trains = not spec.unit(VISION_PROJECTOR).frozen
         self.trainable = [u.name for u in spec.trainable_units if is_vision_unit(u.name)]
+        self.handed = tuple(f"{p}." for p in spec.vision.forward_projectors)
         self.weights = weights
         self.add_grad = add_grad
 
@@ -90,7 +92,7 @@ class VisionStage:
                 tape.outputs.append(layer_hidden(template(w, tape.block_input(i), *tape.args[i], **tape.kwargs[i])))
         weights = self._bind_features(requires_grad=False)
         for mb, tape in zip(mbs, tapes, strict=True):
-            mb.image_features = self.runner.replay(lambda mb=mb: self.embed(weights, **mb.images), tape.outputs)
+            mb.image_features = self._features(weights, mb, tape.outputs)
         return tapes
 
     def backward(self, mbs: list[MicroBatch], tapes: list[VisionTape], final: bool = True) -> None:
@@ -104,7 +106,7 @@ class VisionStage:
         for j, (mb, tape) in enumerate(zip(mbs, tapes, strict=True)):
             outs = [o.detach().requires_grad_(self.tower_trains) for o in tape.outputs]
             with torch.enable_grad():
-                features = self.runner.replay(lambda mb=mb: self.embed(weights, **mb.images), outs)
+                features = self._features(weights, mb, outs)
                 flat = [t for t in pytree.tree_flatten(features)[0] if _floating(t)]
                 # A frozen tower's deepstack features have a gradient but nothing trainable beneath them.
                 used = [(t, g) for t, g in zip(flat, mb.feature_grads, strict=True) if g is not None and t.requires_grad]
@@ -148,6 +150,14 @@ class VisionStage:
                 h0 = self.runner.record(lambda mb=mb: self.embed(w, **mb.images)).h0
                 gs = torch.autograd.grad(h0, leaves, tape.h0_grad, allow_unused=True)
             self.add_grad(VISION_EMBED, gs, final and j == last, self.embed.frozen_numel)
+
+    def _features(self, weights: Weights, mb: MicroBatch, outputs: list[torch.Tensor]) -> Any:
+        """What `get_image_features` returns for the micro-batch's images; where the body's forward applies projectors
+        itself, with their weights, copied (the unit's buffer takes the next upload; the copy keeps the gradient)."""
+        features = self.runner.replay(lambda: self.embed(weights, **mb.images), outputs)
+        if not self.handed:
+            return features
+        return features, {k: w.clone() for k, w in weights.items() if k.startswith(self.handed)}
 
     def _bind_features(self, requires_grad: bool) -> Weights:
         """`vision.embed` and `vision.projector` bound together: get_image_features runs both."""
