@@ -109,6 +109,10 @@ VLM_OVERRIDES: dict[str, dict] = {
 }
 
 Images = dict[str, torch.Tensor]
+
+
+class _NotReloaded(Exception):  # noqa: N818 - an outcome, not an error of the sweep
+    """transformers' own `from_pretrained` does not load back what its `save_pretrained` wrote: no reference."""
 _SEPARATOR = 3  # a text token after each image's tokens
 
 
@@ -267,6 +271,7 @@ def _step(folder: Path, model_type: str, docs: list[dict], freeze: tuple[bool, b
     frozen = {p.hf_name for u in spec.units if u.frozen for p in u.params}
     engine = StreamingEngine(spec, EngineConfig(device=device, **engine_kw), OPT, total_steps=1)
     try:
+        _check_reloads(folder)  # after the engine's own refusals
         engine.load_pretrained(folder)
         before = {k: v.clone() for k, v in engine.state_dict().items()}
         loss = engine.train_step([packed(docs)]).loss.item()
@@ -279,6 +284,19 @@ def _step(folder: Path, model_type: str, docs: list[dict], freeze: tuple[bool, b
     token = spec.vision.image_token_id
     [ref_loss] = reference_train(ref, [[alone(d, ref.forward, token) for d in docs]], OPT)
     return _difference(state, before, ref.state_dict(), loss, ref_loss, **(tolerances or {}))
+
+
+def _check_reloads(folder: Path) -> None:
+    """Raises `_NotReloaded` where transformers leaves out of its model what its `save_pretrained` wrote to `folder`
+    (ShieldGemma 2's conversion mapping, written for its classifier, nests the language model a level deeper on save)."""
+    try:
+        _, info = AutoModelForImageTextToText.from_pretrained(folder, output_loading_info=True)
+    except Exception as e:  # noqa: BLE001 - anything transformers raises loading its own checkpoint
+        raise _NotReloaded(f"transformers does not load back what it saved: {_short(e)}") from None
+    missing, unexpected = sorted(info["missing_keys"]), sorted(info["unexpected_keys"])
+    if missing or unexpected:
+        raise _NotReloaded(f"transformers does not load back what it saved: {len(missing)} tensors missing "
+                           f"({', '.join(missing[:2])}), {len(unexpected)} unexpected")
 
 
 def image_text_case(model_type: str, folder: Path, device: str = "cpu", tolerances: dict | None = None,
@@ -312,9 +330,6 @@ def image_text_case(model_type: str, folder: Path, device: str = "cpu", toleranc
         AutoConfig.from_pretrained(folder)  # transformers reads back the config it wrote
     except Exception as e:  # noqa: BLE001 - anything transformers raises building its own model
         return Outcome(model_type, "skipped", f"transformers cannot build it tiny: {_short(e)}")
-    lost = _not_reloaded(folder)
-    if lost:
-        return Outcome(model_type, "skipped", f"transformers does not load back what it saved: {lost}")
     try:
         docs = vlm_documents(model)
     except ValueError as e:
@@ -322,6 +337,8 @@ def image_text_case(model_type: str, folder: Path, device: str = "cpu", toleranc
     for freeze in ((True, False), (False, False)):
         try:
             problem = _step(folder, model_type, docs, freeze, device, tolerances, **engine_kw)
+        except _NotReloaded as e:
+            return Outcome(model_type, "skipped", str(e))
         except ModelNotSupportedError as e:
             if f"'{model_type}'" in str(e) or f"'{config.model_type}'" in str(e):
                 return Outcome(model_type, "refused", str(e))  # by the engine, before any state is built
@@ -331,17 +348,6 @@ def image_text_case(model_type: str, folder: Path, device: str = "cpu", toleranc
         if problem is not None:
             return Outcome(model_type, "mismatch", f"tower {'frozen' if freeze[0] else 'trained'}: {problem}")
     return Outcome(model_type, "matched", "")
-
-
-def _not_reloaded(folder: Path) -> str:
-    """What transformers' own `from_pretrained` leaves out of the model `save_pretrained` wrote to `folder` (ShieldGemma
-    2's conversion mapping, written for its classifier, nests its language model one level deeper on save); "" if
-    nothing."""
-    _, info = AutoModelForImageTextToText.from_pretrained(folder, output_loading_info=True)
-    missing, unexpected = sorted(info["missing_keys"]), sorted(info["unexpected_keys"])
-    if not missing and not unexpected:
-        return ""
-    return f"{len(missing)} tensors missing ({', '.join(missing[:2])}), {len(unexpected)} unexpected"
 
 
 def image_text_outcome(model_type: str) -> Outcome:

@@ -85,6 +85,8 @@ class _BlockStandIn(nn.Module):
 def _returns_tuple_literal(block_class: type[nn.Module]) -> bool:
     """A block whose forward names no return type yet returns a tuple it builds (Llama 4's `outputs = (hidden_state,)`,
     whose tower reads `layer_outputs[0]`)."""
+    if inspect.signature(block_class.forward).return_annotation is not inspect.Signature.empty:
+        return False
     tree = ast.parse(textwrap.dedent(inspect.getsource(block_class.forward)))
     tuples = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Tuple)
               for t in n.targets if isinstance(t, ast.Name)}
