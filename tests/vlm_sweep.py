@@ -25,6 +25,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from mt_ray.engine import EngineConfig, StreamingEngine
 from mt_ray.errors import ConfigError, ModelNotSupportedError
 from mt_ray.models.discovery import discover
+from mt_ray.models.vision_context import image_features_of
 from tests.family_checks import OPT
 from tests.family_sweep import (
     _COMPASS_ROPE,
@@ -84,6 +85,10 @@ VLM_OVERRIDES: dict[str, dict] = {
                         "vision_feature_select_strategy": "full", "image_grid_pinpoints": [[16, 16]],
                         "projector_dropout": 0.0, "qformer_config": {"hidden_size": 16, "encoder_hidden_size": 16}},
     **{f: {"vocabulary_map": {"<image>": SWEEP_VOCAB - 1}} for f in ("chameleon", "emu3")},  # None in the default
+    # its pixel shuffle (ratio 1/2) widens each token fourfold into its adapter's MLP, whose width the projector reads
+    # (4096 and 7680 in the default)
+    "llama4": {"vision_config": {"intermediate_size": 64, "projector_input_dim": 32, "projector_output_dim": 32,
+                                 "vision_output_dim": 32}},
     "kimi_k25": {"projection_hidden_size": 16},  # the projector's norm takes the tower's width (1152 by default)
     "aria": {"projector_patch_to_query_dict": {16: 4}},  # 4 queries for the 16 patches of a picture  # the default reads five layers of a deeper tower
     # one resolution of 16x16 tiles: each image is its 16x16 overview and one tile
@@ -106,6 +111,10 @@ VLM_OVERRIDES: dict[str, dict] = {
 }
 
 Images = dict[str, torch.Tensor]
+
+
+class _NotReloaded(Exception):  # noqa: N818 - an outcome, not an error of the sweep
+    """transformers' own `from_pretrained` does not load back what its `save_pretrained` wrote: no reference."""
 _SEPARATOR = 3  # a text token after each image's tokens
 
 
@@ -199,17 +208,20 @@ def image_inputs(model: torch.nn.Module, g: torch.Generator, side: int = 16) -> 
     """One image's inputs the family's `get_image_features` takes, and how many image tokens it fills."""
     hidden = model.config.get_text_config().hidden_size
     errors = []
-    takes = inspect.signature(model.model.get_image_features).parameters
+    body = model.base_model  # the composite body (Llama 4's is the model itself)
+    takes = inspect.signature(body.get_image_features).parameters
     for inputs in _candidates(model.config, takes, g, side):
         try:
             with torch.no_grad():
-                out = model.model.get_image_features(**inputs)
+                out = image_features_of(body)(**inputs)
         except Exception as e:  # noqa: BLE001 - a layout this tower does not take
             errors.append(_short(e))
             continue
         features = getattr(out, "pooler_output", out)
-        if features is None:  # every feature enters a later layer (Granite 4 Vision): as many as the first layer's
-            features = out.deepstack_features[0][1]
+        if features is None and getattr(out, "deepstack_features", None) is not None:
+            features = out.deepstack_features[0][1]  # every feature enters a later layer (Granite 4 Vision)
+        elif features is None:  # the forward projects each row itself (Llama 4): a token per row
+            return inputs, out.last_hidden_state[..., 0].numel()
         features = features if isinstance(features, (list, tuple)) else [features]
         return inputs, sum(f.numel() for f in features) // hidden
     raise ValueError(f"no image layout fits its get_image_features: {errors}")
@@ -261,6 +273,7 @@ def _step(folder: Path, model_type: str, docs: list[dict], freeze: tuple[bool, b
     frozen = {p.hf_name for u in spec.units if u.frozen for p in u.params}
     engine = StreamingEngine(spec, EngineConfig(device=device, **engine_kw), OPT, total_steps=1)
     try:
+        _check_reloads(folder)  # after the engine's own refusals
         engine.load_pretrained(folder)
         before = {k: v.clone() for k, v in engine.state_dict().items()}
         loss = engine.train_step([packed(docs)]).loss.item()
@@ -276,12 +289,26 @@ def _step(folder: Path, model_type: str, docs: list[dict], freeze: tuple[bool, b
             engine.context.isolate_documents)
 
 
-def image_text_case(model_type: str, folder: Path, device: str = "cpu", tolerances: dict | None = None,
-                    **engine_kw) -> Outcome:
-    """Build, save, train (tower frozen, then everything trained) and compare one image-text model type; the engine
-    on `device` with `engine_kw` (tests/gpu/test_families_cuda.py's), `tolerances` as `_difference`'s."""
+def _check_reloads(folder: Path) -> None:
+    """Raises `_NotReloaded` where transformers leaves out of its model what its `save_pretrained` wrote to `folder`
+    (ShieldGemma 2's conversion mapping, written for its classifier, nests the language model a level deeper on save)."""
     try:
-        config = tiny_vlm_config(model_type)
+        _, info = AutoModelForImageTextToText.from_pretrained(folder, output_loading_info=True)
+    except Exception as e:  # noqa: BLE001 - anything transformers raises loading its own checkpoint
+        raise _NotReloaded(f"transformers does not load back what it saved: {_short(e)}") from None
+    missing, unexpected = sorted(info["missing_keys"]), sorted(info["unexpected_keys"])
+    if missing or unexpected:
+        raise _NotReloaded(f"transformers does not load back what it saved: {len(missing)} tensors missing "
+                           f"({', '.join(missing[:2])}), {len(unexpected)} unexpected")
+
+
+def image_text_case(model_type: str, folder: Path, device: str = "cpu", tolerances: dict | None = None,
+                    config: PretrainedConfig | None = None, **engine_kw) -> Outcome:
+    """Build, save, train (tower frozen, then everything trained) and compare one image-text model type (`config`,
+    else `tiny_vlm_config`'s); the engine on `device` with `engine_kw` (tests/gpu/test_families_cuda.py's),
+    `tolerances` as `_difference`'s."""
+    try:
+        config = config or tiny_vlm_config(model_type)
     except Exception as e:  # noqa: BLE001 - anything transformers raises building its own config
         return Outcome(model_type, "skipped", f"transformers cannot build its config tiny: {_short(e)}")
     try:
@@ -313,6 +340,8 @@ def image_text_case(model_type: str, folder: Path, device: str = "cpu", toleranc
     for freeze in ((True, False), (False, False)):
         try:
             problem, alone = _step(folder, model_type, docs, freeze, device, tolerances, **engine_kw)
+        except _NotReloaded as e:
+            return Outcome(model_type, "skipped", str(e))
         except ModelNotSupportedError as e:
             if f"'{model_type}'" in str(e) or f"'{config.model_type}'" in str(e):
                 return Outcome(model_type, "refused", str(e))  # by the engine, before any state is built

@@ -101,13 +101,12 @@ class HeadModule(nn.Module):
         self.lm_head = spec.skeleton.get_output_embeddings()
         for name, module in head_extras(spec).items():  # BERT's prediction head, run by the family's forward
             self.add_module(name, module)
-        # An image-text model's forward calls its composite body, which embeds and scatters images itself.
-        body = spec.vision.outer if spec.vision is not None else spec.base
-        body_path = next(n for n, m in spec.skeleton.named_modules() if m is body)
+        causal_lm, body = _logits_forward(spec)
+        body_path = next(n for n, m in causal_lm.named_modules() if m is body)
         feeder = shallow_copy(body)  # keeps the body's attributes: the head may read them
         feeder.forward = self.__dict__["_hand_back"] = _HandBack()
         # Kept out of `_modules`, so binding sees only the head unit's modules (which the copy shares).
-        self.__dict__["_causal_lm"] = with_submodule(spec.skeleton, body_path, feeder)
+        self.__dict__["_causal_lm"] = with_submodule(causal_lm, body_path, feeder)
 
     def use_stream(self, stream: Stream) -> None:
         """The layer context's stream (a new one after the attention backend changes), which the tail reads."""
@@ -123,6 +122,18 @@ class HeadModule(nn.Module):
             self._hand_back.hidden = None
         tokens = h_ND.shape[:-1] if self._tail is None else h_ND.shape[:1]  # a widened stream: [N, ...] in
         return logits.view(*tokens, -1)
+
+
+def _logits_forward(spec: ModelSpec) -> tuple[nn.Module, nn.Module]:
+    """The module whose forward computes the logits, and the body it calls there: the causal LM and its decoder body;
+    an image-text model and its composite body (which embeds and scatters images itself); or, where the composite
+    body's language model is a whole causal LM (Llama 4's), that causal LM and the decoder body inside it."""
+    vision = spec.vision
+    if vision is None:
+        return spec.skeleton, spec.base
+    if vision.causal_lm_path is None:
+        return spec.skeleton, vision.outer
+    return vision.outer.get_submodule(vision.causal_lm_path), spec.base
 
 
 def build_templates(spec: ModelSpec, device: torch.device, stream: Stream | None = None) -> dict[str, UnitTemplate]:

@@ -9,7 +9,8 @@ same passes one micro-batch at a time with every unit kept):
              (what follows the blocks may read any of them: a feature layer, deepstack mergers).
   features   `vision.embed` and `vision.projector` up: `get_image_features` again, the blocks handing
              back their outputs; the result is what the language model's body scatters over the
-             image tokens.
+             image tokens (with the projector's weights, where the body's forward applies it itself:
+             Llama 4, `vision_feed.py`).
   ...        the language model's forward and backward; its embedding's backward yields the
              gradient of the image features.
   backward   unless tower and projector are both frozen: `features` again with autograd, giving
@@ -76,6 +77,7 @@ class VisionStage:
         self.tower_trains = not spec.unit(VISION_EMBED).frozen  # the blocks freeze with it
         self.projector_trains = not spec.unit(VISION_PROJECTOR).frozen
         self.trainable = [u.name for u in spec.trainable_units if is_vision_unit(u.name)]
+        self.handed = tuple(f"{p}." for p in spec.vision.forward_projectors)
         self.weights = weights
         self.add_grad = add_grad
 
@@ -101,8 +103,7 @@ class VisionStage:
         weights = self._bind_features(requires_grad=False)
         taped = iter(tapes)
         for mb in mbs:
-            mb.image_features = [self.runner.replay(lambda images=images: self.embed(weights, **images),
-                                                    next(taped).outputs) for images in mb.image_calls]
+            mb.image_features = [self._features(weights, images, next(taped).outputs) for images in mb.image_calls]
         return tapes
 
     def backward(self, mbs: list[MicroBatch], tapes: list[VisionTape], final: bool = True) -> None:
@@ -117,7 +118,7 @@ class VisionStage:
         for j, ((images, feature_grads), tape) in enumerate(zip(calls, tapes, strict=True)):
             outs = [o.detach().requires_grad_(self.tower_trains) for o in tape.outputs]
             with torch.enable_grad():
-                features = self.runner.replay(lambda images=images: self.embed(weights, **images), outs)
+                features = self._features(weights, images, outs)
                 flat = [t for t in pytree.tree_flatten(features)[0] if _floating(t)]
                 # A frozen tower's deepstack features have a gradient but nothing trainable beneath them.
                 used = [(t, g) for t, g in zip(flat, feature_grads, strict=True) if g is not None and t.requires_grad]
@@ -163,6 +164,14 @@ class VisionStage:
                 gs = torch.autograd.grad(h0, leaves, tape.h0_grad, allow_unused=True) if h0.requires_grad \
                     else [None] * len(leaves)
             self.add_grad(VISION_EMBED, gs, final and j == last, self.embed.frozen_numel)
+
+    def _features(self, weights: Weights, images: dict[str, Any], outputs: list[torch.Tensor]) -> Any:
+        """What `get_image_features` returns for one call's `images`; where the body's forward applies projectors
+        itself, with their weights, copied (the unit's buffer takes the next upload; the copy keeps the gradient)."""
+        features = self.runner.replay(lambda: self.embed(weights, **images), outputs)
+        if not self.handed:
+            return features
+        return features, {k: w.clone() for k, w in weights.items() if k.startswith(self.handed)}
 
     def _bind_features(self, requires_grad: bool) -> Weights:
         """`vision.embed` and `vision.projector` bound together: get_image_features runs both."""

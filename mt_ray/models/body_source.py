@@ -21,6 +21,13 @@ def first_use(cls: type, attr: str) -> int | None:
     return min(uses, default=None)
 
 
+def applied_beside(cls: type, attr: str, method: str) -> bool:
+    """Whether `cls.forward` uses `self.<attr>` itself while `cls.<method>` never reaches it: Llama 4's forward applies
+    its projector to what its `get_image_features` returns, where LLaVA's `get_image_features` applies it."""
+    source = _source(cls, "forward") or ""
+    return re.search(rf"self\.{re.escape(attr)}\b", source) is not None and attr not in _reaches(cls, method)
+
+
 @cache
 def _reaches(cls: type, method: str) -> frozenset[str]:
     """Every `self.<name>` that `cls.<method>` names, directly or through the methods it calls."""

@@ -38,7 +38,7 @@ import logging
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import cache, partial
+from functools import partial
 from typing import Any
 
 import torch
@@ -50,12 +50,12 @@ from mt_ray.models import nesting
 from mt_ray.models.discovery import ModelSpec, embed_module, meta_free_buffers_to
 from mt_ray.models.document_images import DocumentImages, Image, Span
 from mt_ray.models.handoff import Handoff, hand_on, nested_handoff, plan_handoffs
-from mt_ray.models.nesting import with_submodule
 from mt_ray.models.packing_probe import packed_differs, same_arguments
 from mt_ray.models.side_channels import SideChannel, open_side_channels, side_channels
 from mt_ray.models.stream_tail import Stream, TailReached, capture, measure
 from mt_ray.models.tail_module import check_per_token
 from mt_ray.models.varlen import takes_document_bounds
+from mt_ray.models.vision_feed import ImageFeatures, language_side
 
 logger = logging.getLogger(__name__)
 
@@ -240,16 +240,6 @@ class _PreLayer(_StandIn):
         self.weights = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
 
 
-class _ImageFeatures:
-    """Stands in for the composite body's `get_image_features`: returns what the vision stage computed."""
-
-    def __init__(self) -> None:
-        self.pending: Any = None
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.pending
-
-
 class _HiddenChanged(ModelNotSupportedError):
     """The body changes the hidden state between two layers (or a stand-in returned what it does not take)."""
 
@@ -331,16 +321,13 @@ class LayerContextBuilder:
             stubs[-1].after = partial(capture, spec.tail_code, type(body).forward, self.stream.tail_values,
                                       spec.config.model_type)
         self.vision = spec.vision
-        self.images = _ImageFeatures()
+        self.images = ImageFeatures(spec.vision.forward_projectors if spec.vision is not None else [])
         self.injected: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         self.inject = body._deepstack_process if _takes_deepstack(body) else None
         if self.inject is not None:  # the engine adds the deepstack features with the layers: record them instead
             self.body.forward = partial(self._without_deepstack, type(body).forward.__get__(self.body))
         if spec.vision is not None:  # the composite body around the language model runs the image scatter
-            outer = spec.vision.outer
-            self.body = reads_device(with_submodule(outer, next(n for n, m in outer.named_modules() if m is body),
-                                                    self.body), device)
-            self.body.get_image_features = self.images
+            self.body = language_side(spec, self.body, self.images, device)
         self.token_types = spec.vision is not None and spec.vision.image_tokens_attend_both_ways
         meta_free_buffers_to(self.body, device)
         self.num_layers = len(layers)
@@ -526,7 +513,7 @@ class LayerContextBuilder:
         self.log.clear()
         self.injected = None
         self.feed.pending = embeds
-        self.images.pending = features
+        self.images.feed(features)
         for pre in self.pre_layer:
             pre.bind(weights)
         extra = dict(images or {})
@@ -538,7 +525,8 @@ class LayerContextBuilder:
                 out = self.body(input_ids=input_ids, position_ids=None if self.own_positions else position_ids,
                                 use_cache=False, **extra)
         finally:
-            self.feed.pending = self.images.pending = None
+            self.feed.pending = None
+            self.images.feed(None)
             for pre in self.pre_layer:
                 pre.weights = {}
         if len(self.log) != self.num_layers:
@@ -605,18 +593,3 @@ def document_spans(position_ids_BT: torch.Tensor) -> list[Span]:
     starts_BT[:, 1:] = position_ids_BT[:, 1:] != position_ids_BT[:, :-1] + 1
     starts = [*starts_BT.reshape(-1).nonzero().squeeze(1).tolist(), B * T]
     return list(zip(starts[:-1], starts[1:], strict=True))
-
-
-def reads_device(module: nn.Module, device: torch.device) -> nn.Module:
-    """`module` (a shallow copy of a model with weightless parameters), its `device` the engine's: a body that moves
-    its embeddings to `self.device` (Idefics3's) would otherwise move them to the meta device."""
-    cls = type(module)
-    if isinstance(getattr(cls, "device", None), property):
-        module.__class__ = _on_device(cls)
-        module.__dict__["_engine_device"] = device
-    return module
-
-
-@cache
-def _on_device(cls: type[nn.Module]) -> type[nn.Module]:
-    return type(cls.__name__, (cls,), {"device": property(lambda self: self.__dict__["_engine_device"])})

@@ -371,20 +371,20 @@ def _vision_units(vision: VisionSpec, freeze_tower: bool, freeze_projector: bool
 
     `vision.embed` and the projector are bound together to the composite body (names relative to it),
     which runs the family's own `get_image_features` around the blocks."""
-    outer, path = vision.outer, vision.outer_path
+    outer, path = vision.outer, f"{vision.outer_path}." if vision.outer_path else ""  # "": the body is the model
     saved = outer.state_dict(keep_vars=True)
     projector = tuple(f"{p}." for p in vision.projector_paths)
     blocks = f"{vision.blocks_path}."
 
     def entries(keep) -> list[ParamInfo]:
-        return _decayed_first([ParamInfo(f"{path}.{n}", n, tuple(t.shape), isinstance(t, nn.Parameter) and t.requires_grad)
+        return _decayed_first([ParamInfo(f"{path}{n}", n, tuple(t.shape), isinstance(t, nn.Parameter) and t.requires_grad)
                                for n, t in saved.items() if keep(n)])
 
     tower = entries(lambda n: n.startswith(f"{vision.tower_path}.") and not n.startswith((*projector, blocks)))
     units = [UnitSpec(VISION_EMBED, tower, VISION_EMBED, frozen=freeze_tower)]
     names = _kinds(vision.blocks, vision.block_kinds, prefix="vision:")
     for i, block in enumerate(vision.blocks):
-        units.append(UnitSpec(block_unit(i), _params(block, f"{path}.{blocks}{i}"), names[i], frozen=freeze_tower))
+        units.append(UnitSpec(block_unit(i), _params(block, f"{path}{blocks}{i}"), names[i], frozen=freeze_tower))
     own = set(vision.own_tensors)
     units.append(UnitSpec(VISION_PROJECTOR, entries(lambda n: n.startswith(projector) or n in own), VISION_PROJECTOR,
                           frozen=freeze_projector))

@@ -21,6 +21,7 @@ import re
 import textwrap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import cache
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -270,3 +271,18 @@ def with_submodules(root: nn.Module, modules: dict[str, nn.Module]) -> nn.Module
     for path, module in modules.items():
         root = with_submodule(root, path, module)
     return root
+
+
+def reads_device(module: nn.Module, device: torch.device) -> nn.Module:
+    """`module` (a shallow copy of a model with weightless parameters), its `device` the engine's: a body that moves
+    its embeddings to `self.device` (Idefics3's) would otherwise move them to the meta device."""
+    cls = type(module)
+    if isinstance(getattr(cls, "device", None), property):
+        module.__class__ = _on_device(cls)
+        module.__dict__["_engine_device"] = device
+    return module
+
+
+@cache
+def _on_device(cls: type[nn.Module]) -> type[nn.Module]:
+    return type(cls.__name__, (cls,), {"device": property(lambda self: self.__dict__["_engine_device"])})

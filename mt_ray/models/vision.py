@@ -13,6 +13,13 @@ where the family keeps its projector inside the tower (Qwen2-VL, Qwen2.5-VL, Qwe
 `visual.merger`); Qwen3-VL's deepstack mergers stay with the tower, as LLaMA-Factory keeps them. Tensors the
 composite body holds itself (LLaVA-NeXT's `image_newline`, appended to each image's projected rows) are the
 projector's too.
+
+Llama 4's composite body is the whole model: its language model is a causal LM with its own head
+(`Llama4ForCausalLM`), which the body's forward calls on the merged embeddings. The decoder body inside it
+streams as any other, its final norm and LM head are the head unit, and the head runs that causal LM's forward
+(`VisionSpec.causal_lm_path`). Its forward also applies the projector itself, to what `get_image_features`
+returns: such a projector runs there, with the projector unit's weights handed over with the image features
+(`VisionSpec.forward_projectors`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from mt_ray.errors import ModelNotSupportedError
+from mt_ray.models.body_source import applied_beside
 
 VISION_PREFIX = "vision."  # every vision unit's name starts so
 VISION_EMBED = f"{VISION_PREFIX}embed"
@@ -47,7 +55,6 @@ NOT_YET: dict[str, str] = {
     "muse_glimmer": "its tower has not been checked against transformers",
     "qwen2_5_omni_thinker": "an audio-visual thinker whose language model has no get_image_features",
     "qwen3_omni_moe_thinker": "an audio-visual thinker whose language model has no get_image_features",
-    "shieldgemma2": "its checkpoint nests a causal-LM class under model.language_model, which mt-ray's loader does not map",
 }
 
 # Per-token types the engine fills itself (`token_type_ids`) or needs no more (`mm_token_type_ids`: rotary positions).
@@ -73,6 +80,12 @@ class VisionSpec:
     block_kinds: dict[str, nn.Module] = field(default_factory=dict)
     own_tensors: list[str] = field(default_factory=list)
     """Parameters and saved buffers of the composite body itself (not of a child): they join the projector."""
+    causal_lm_path: str | None = None
+    """The composite body's child that is a whole causal LM around the decoder body (Llama 4's `language_model`,
+    with its own head): its forward is what the head runs. None where the child is the decoder body itself."""
+    forward_projectors: list[str] = field(default_factory=list)
+    """Projector children the body's forward applies itself to what `get_image_features` returns (Llama 4's
+    `multi_modal_projector`): they run there, with the projector unit's weights handed over with the features."""
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -118,12 +131,15 @@ def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: n
     children = dict(outer.named_children())
     towers = [n for n, c in children.items()
               if isinstance(c, PreTrainedModel) and isinstance(c.config, type(config.vision_config))]
-    _refuse_wrapped_language_model(outer, children, language_model, family)
-    if len(towers) != 1 or not any(c is language_model for c in children.values()):
+    text = _language_model_child(skeleton, children, language_model)
+    if len(towers) != 1 or text is None:
         raise ModelNotSupportedError(
             f"image-text family '{family}': expected its body {type(outer).__name__} to own one vision tower and "
             f"the language model, found children {list(children)}; mt-ray cannot train this family yet"
         )
+    _refuse_own_image_merge(children[text], language_model, family)
+    _refuse_text_to_tower(outer, family)
+    _refuse_images_required(outer, family)
     if not callable(getattr(outer, "get_image_features", None)):
         raise ModelNotSupportedError(
             f"image-text family '{family}': its body {type(outer).__name__} has no get_image_features, so its images "
@@ -133,8 +149,7 @@ def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: n
     _refuse_unread_token_types(outer, family)
     tower_path = towers[0]
     blocks_path = f"{tower_path}.{_find_blocks(children[tower_path], config.vision_config, family)}"
-    projectors = [n for n, c in children.items()
-                  if n != tower_path and c is not language_model and any(True for _ in c.parameters())]
+    projectors = [n for n, c in children.items() if n not in (tower_path, text) and any(True for _ in c.parameters())]
     projectors += [f"{tower_path}.{n}" for n in _PROJECTOR_IN_TOWER if hasattr(children[tower_path], n)]
     if not projectors:
         raise ModelNotSupportedError(f"image-text family '{family}': no projector found beside the vision tower "
@@ -145,24 +160,57 @@ def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: n
     own = [n for n, _ in outer.named_parameters(recurse=False)]
     own += [n for n, _ in outer.named_buffers(recurse=False) if n in outer.state_dict()]
     return VisionSpec(outer, outer_path, tower_path, blocks_path, projectors, image_token_id,
-                      rope_index=hasattr(outer, "get_rope_index"), own_tensors=own)
+                      rope_index=hasattr(outer, "get_rope_index"), own_tensors=own,
+                      causal_lm_path=text if children[text] is not language_model else None,
+                      forward_projectors=[p for p in projectors
+                                          if applied_beside(type(outer), p, "get_image_features")])
 
 
-def _refuse_wrapped_language_model(outer: nn.Module, children: dict[str, nn.Module], language_model: nn.Module,
-                                   family: str) -> None:
-    """Llama 4's (and Kosmos-2's) body is the whole model: its language model is a causal LM with its own head, and
-    Llama 4's forward, not `get_image_features`, applies the projector; mt-ray runs a body that scatters the features
-    into its decoder body's input, so such a layout is named in the refusal."""
-    wrapper = next((n for n, c in children.items() if c is not language_model
-                    and any(m is language_model for m in c.modules())), None)
-    if wrapper is None or getattr(children[wrapper], "get_output_embeddings", lambda: None)() is None:
-        return
-    raise ModelNotSupportedError(
-        f"image-text family '{family}': its language model is a whole causal LM ({type(children[wrapper]).__name__} "
-        f"at `{wrapper}`, with its own head) that {type(outer).__name__}.forward calls on the merged embeddings; "
-        "mt-ray streams a composite body whose language model is a decoder body and whose get_image_features returns "
-        "the features it scatters; this family cannot be trained yet"
-    )
+def _language_model_child(skeleton: nn.Module, children: dict[str, nn.Module], language_model: nn.Module) -> str | None:
+    """The composite body's child that runs the language model: the decoder body itself, or a whole causal LM around
+    it whose head is the model's (Llama 4's `language_model`); None where neither is a child."""
+    for name, child in children.items():
+        if child is language_model:
+            return name
+        head = getattr(child, "get_output_embeddings", lambda: None)()
+        if head is not None and head is skeleton.get_output_embeddings() and any(m is language_model for m in child.modules()):
+            return name
+    return None
+
+
+def _refuse_own_image_merge(text: nn.Module, language_model: nn.Module, family: str) -> None:
+    """Kosmos-2's language model takes the image embeddings itself and places them at the positions its processor
+    marks in `image_embeds_position_mask`: no scatter at image tokens that mt-ray's rows could carry."""
+    takes = [m for m in (text, language_model) if "image_embeds" in inspect.signature(type(m).forward).parameters]
+    if takes:
+        raise ModelNotSupportedError(
+            f"image-text family '{family}': its language model ({type(takes[0]).__name__}) places the image embeddings "
+            "itself, where the processor's `image_embeds_position_mask` says, which mt-ray's rows do not carry; this "
+            "family cannot be trained yet"
+        )
+
+
+def _refuse_text_to_tower(outer: nn.Module, family: str) -> None:
+    """InstructBLIP's Q-Former reads the prompt too, tokenized for it apart (`qformer_input_ids`): a second row of
+    tokens per document that mt-ray's rows do not carry."""
+    for method in ("get_image_features", "get_video_features"):
+        read = [n for n in inspect.signature(getattr(outer, method, lambda: None)).parameters if n.endswith("input_ids")]
+        if read:
+            raise ModelNotSupportedError(
+                f"image-text family '{family}': its {method} reads text tokens of its own ({read}, the prompt "
+                "tokenized for its Q-Former), which mt-ray's rows do not carry; this family cannot be trained yet"
+            )
+
+
+def _refuse_images_required(outer: nn.Module, family: str) -> None:
+    """BLIP-2's forward requires `pixel_values`: transformers' model runs no document without an image, and mt-ray's
+    rows and micro-batches may hold none."""
+    pixels = inspect.signature(type(outer).forward).parameters.get("pixel_values")
+    if pixels is not None and pixels.default is pixels.empty:
+        raise ModelNotSupportedError(
+            f"image-text family '{family}': its forward requires pixel_values, so it runs no document without an image, "
+            "which mt-ray's rows may hold; this family cannot be trained yet"
+        )
 
 
 def _refuse_unread_token_types(outer: nn.Module, family: str) -> None:

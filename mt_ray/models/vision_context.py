@@ -12,7 +12,10 @@ the real outputs, with gradients reaching them).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
@@ -22,8 +25,9 @@ import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
-from mt_ray.models.context import LayerKwargs, reads_device, returns_tuple, with_submodule
+from mt_ray.models.context import LayerKwargs, returns_tuple
 from mt_ray.models.discovery import ModelSpec, meta_free_buffers_to
+from mt_ray.models.nesting import reads_device, with_submodule
 
 
 class _Recorded(Exception):
@@ -57,9 +61,12 @@ class _BlockStandIn(nn.Module):
         nn.Module.__init__(self)  # not the block's constructor: the stand-in has no weights
         self.index = index
         self.runner = runner
-        self.returns_tuple = returns_tuple(template)
+        self.returns_tuple = returns_tuple(template) or _returns_tuple_literal(type(template))
+        self.hidden_name = list(inspect.signature(type(template).forward).parameters)[1]  # after self
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # The hidden state comes first, or by name (Llama 4's tower hands its blocks `hidden_state=`).
+        hidden_states, args = (args[0], args[1:]) if args else (kwargs.pop(self.hidden_name), ())
         tape = self.runner.tape
         if self.runner.replaying:
             out = tape.outputs[self.index]
@@ -72,6 +79,20 @@ class _BlockStandIn(nn.Module):
                 raise _Recorded
             out = hidden_states
         return (out,) if self.returns_tuple else out
+
+
+@cache
+def _returns_tuple_literal(block_class: type[nn.Module]) -> bool:
+    """A block whose forward names no return type yet returns a tuple it builds (Llama 4's `outputs = (hidden_state,)`,
+    whose tower reads `layer_outputs[0]`)."""
+    if inspect.signature(block_class.forward).return_annotation is not inspect.Signature.empty:
+        return False
+    tree = ast.parse(textwrap.dedent(inspect.getsource(block_class.forward)))
+    tuples = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Tuple)
+              for t in n.targets if isinstance(t, ast.Name)}
+    returns = [n.value for n in ast.walk(tree) if isinstance(n, ast.Return) and n.value is not None]
+    return bool(returns) and all(isinstance(r, ast.Tuple) or isinstance(r, ast.Name) and r.id in tuples
+                                 for r in returns)
 
 
 def _stand_in(block_class: type[nn.Module]) -> type[_BlockStandIn]:
@@ -90,7 +111,7 @@ class VisionRunner:
         self.num_blocks = len(vision.blocks)
         stand_ins = nn.ModuleList(_stand_in(type(b))(i, self, b) for i, b in enumerate(vision.blocks))
         self.module = reads_device(with_submodule(vision.outer, vision.blocks_path, stand_ins), device)
-        self.module.forward = self.module.get_image_features  # the copy's own, so it sees the stand-ins
+        self.module.forward = image_features_of(self.module)  # the copy's own, so it sees the stand-ins
         meta_free_buffers_to(self.module, device)
         self.tape = VisionTape()
         self.replaying = False
@@ -113,6 +134,15 @@ class VisionRunner:
             return _fielded(run())
         finally:
             self.tape, self.replaying = VisionTape(), False
+
+
+def image_features_of(body: nn.Module) -> Callable[..., Any]:
+    """`body.get_image_features`, with each argument it requires and the images do not give passed as None: as the
+    body's forward passes its own (Llama 4's `vision_feature_select_strategy`, None unless its caller gives one)."""
+    function = body.get_image_features
+    unset = [n for n, p in inspect.signature(function).parameters.items()
+             if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return lambda **images: function(**{**dict.fromkeys(unset), **images})
 
 
 def _fielded(out: Any) -> Any:

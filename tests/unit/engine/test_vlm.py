@@ -263,7 +263,7 @@ def test_llava_with_a_trained_tower_equals_transformers(tmp_path):
 
 @pytest.mark.parametrize(("family", "reason"), [
     ("mllama", "has no get_image_features"), ("paligemma", "token_type_ids mark 0 attend to each other both ways"),
-    ("llama4", "its language model is a whole causal LM (Llama4ForCausalLM at `language_model`"),
+    ("kosmos-2", "places the image embeddings itself"), ("instructblip", "reads text tokens of its own"),
     ("ernie4_5_vl_moe", "reads per-token types ['moe_mm_token_type_ids']"),
     ("emu3", "its images become discrete tokens of a VQ-VAE")])
 def test_image_text_families_not_trained_are_refused_by_name_and_feature(family, reason):
