@@ -70,6 +70,14 @@ VLM_OVERRIDES: dict[str, dict] = {
        for f in ("qwen3_vl", "qwen3_vl_moe", "cosmos3_omni")},
     "vipllava": {"vision_feature_layers": [-2, -1]},
     "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},  # derived, and lost on reload
+    # its body always builds a sliding-window mask (no window in the default, so transformers' own model fails); a
+    # sliding layer of its own head count and a full one, a dense MLP then experts, as the released checkpoint; its
+    # tower's MLP width is derived from `mlp_ratio` on reload
+    "step3p7": {"vision_config": {"mlp_ratio": 2.0}, "text_config": {
+        "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"],
+        "num_sliding_attention_heads": 2, "per_layer_config": {0: {"num_attention_heads": 2}},
+        "rope_parameters": {t: {"rope_type": "default", "rope_theta": 10000.0}
+                            for t in ("sliding_attention", "full_attention")}}},
     # their language models' own needs, as the causal-LM sweep gives them
     **{f: {"text_config": FAMILY_OVERRIDES[f"{f}_text"]} for f in ("cohere_compass", "qwen4_exp")},
     "lfm2_vl": {"text_config": FAMILY_OVERRIDES["lfm2"]},
