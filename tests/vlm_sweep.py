@@ -69,6 +69,10 @@ VLM_OVERRIDES: dict[str, dict] = {
     **{f: {"vision_config": {"depth": 3, "deepstack_visual_indexes": [0, 2]}}
        for f in ("qwen3_vl", "qwen3_vl_moe", "cosmos3_omni")},
     "vipllava": {"vision_feature_layers": [-2, -1]},
+    # a picture no larger than 16x16 (its position table covers 2048x2048 pixels); four XD-RoPE axes over the 8-wide
+    # heads' rotary halves (the default names none, so transformers' own rotary table fails)
+    "hunyuan_vl": {"vision_config": {"max_image_size": 16}, "text_config": {"rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 1, 1]}}},
     "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},  # derived, and lost on reload
     # its body always builds a sliding-window mask (no window in the default, so transformers' own model fails); a
     # sliding layer of its own head count and a full one, a dense MLP then experts, as the released checkpoint; its

@@ -31,7 +31,7 @@ class MicroBatch:
     documents: Documents  # where each document lies in the flattened batch (position-id restarts)
     images: Image | None = None  # the image inputs (pixel_values, image_grid_thw, ...), in token order; None where
     # documents run alone (`documents.images`)
-    rope_position_ids: torch.Tensor | None = None  # [4, B, T] text then multi-dimensional rotary positions (Qwen-VL)
+    rope_position_ids: torch.Tensor | None = None  # [R, B, T] (text then) multi-dimensional rotary positions (Qwen-VL)
     image_features: list[Any] | None = None  # what each of `image_calls` returned (set by the vision stage)
     feature_grads: list[list[torch.Tensor | None]] | None = None  # per call, its features' gradient (set by the
     # embedding's backward)
@@ -42,7 +42,7 @@ class MicroBatch:
 
     @property
     def positions(self) -> torch.Tensor:
-        """The position ids the body takes: [4, B, T] where it has multi-dimensional rotary positions, else [B, T]."""
+        """The position ids the body takes: [R, B, T] where it has multi-dimensional rotary positions, else [B, T]."""
         return self.position_ids_BT if self.rope_position_ids is None else self.rope_position_ids
 
     @property
@@ -64,7 +64,7 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
     add `advantages` [B, W] and, when a rollout is trained on more than once, `old_logps` (each loss token's,
     in loss-token order, as `evaluate` collected them). An image-text model's `images_of` splits the images by
     document where it needs to (its documents run alone) and gives a model with multi-dimensional rotary
-    positions its [4, B, T] positions (host tensors).
+    positions its [R, B, T] positions (host tensors).
     """
     input_ids = batch["input_ids"]
     if input_ids.dim() != 2:

@@ -340,6 +340,7 @@ class LayerContextBuilder:
             check_per_token(spec, self.stream, device)
         self.own_positions = self.nested and nesting.numbers_own_positions(
             partial(self._record, self.probe_weights), embed.weight.shape[-1], device)
+        self.rope_axes = self._rope_axes(embed.weight.shape[-1], device)
         exact = self._packed_rows_exact(spec, device)  # also runs the body around the stand-ins once
         if self.token_types:
             self._refuse_both_ways_text(spec, device)
@@ -350,7 +351,8 @@ class LayerContextBuilder:
                 "adds deepstack features between layers, which mt-ray replays for whole rows only; this image-text "
                 "family cannot be trained yet"
             )
-        self.document_images = DocumentImages(spec.vision, self.isolate_documents) if spec.vision is not None else None
+        self.document_images = None if spec.vision is None else DocumentImages(
+            spec.vision, self.isolate_documents, text_row=self.rope_axes > spec.vision.rope_rows)
 
     def __call__(self, embeds_BTD: torch.Tensor, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
                  documents: Documents, images: Image | None = None, features: list[Any] | None = None,
@@ -359,7 +361,7 @@ class LayerContextBuilder:
 
         `embeds_BTD` is the input embedding's output, `embed_weights` the embed unit's bound weights (read by the
         modules the body runs before its first layer, `ModelSpec.embed_attrs`); `documents` says where the
-        micro-batch's documents lie (`prepare_micro_batch` builds it). An image-text model takes [4, B, T] positions
+        micro-batch's documents lie (`prepare_micro_batch` builds it). An image-text model takes [R, B, T] positions
         (`DocumentImages.rope_positions`) where it has multi-dimensional rotary positions, the micro-batch's image
         inputs (`pixel_values`, `image_grid_thw`, ...) and `features`, what each `get_image_features` call returned:
         one call for the micro-batch, or, where documents run alone, one per document with images
@@ -376,7 +378,7 @@ class LayerContextBuilder:
                                                             model_type=self.model_type)
         B, T, D = embeds_BTD.shape
         embeds_1ND, ids_1N = embeds_BTD.reshape(1, B * T, D), input_ids_BT.reshape(1, B * T)
-        positions = position_ids_BT.reshape(*position_ids_BT.shape[:-2], 1, B * T)  # [1, N] or [4, 1, N]
+        positions = position_ids_BT.reshape(*position_ids_BT.shape[:-2], 1, B * T)  # [1, N] or [R, 1, N]
         own_images = documents.images or [None] * len(documents.spans)
         own_features = iter(features or ())  # one call per document with images, in order
         h0s, per_document = [], []
@@ -474,13 +476,21 @@ class LayerContextBuilder:
             return False
         return True
 
+    def _rope_axes(self, hidden: int, device: torch.device) -> int:
+        """The rows of positions the body takes (0: [B, T]): text positions, where it reads them (Qwen-VL: they keep
+        packed documents apart; HunYuan-VL refuses them), then the rows of `get_rope_index`."""
+        rows = self.vision.rope_rows if self.vision is not None else 0
+        row = (torch.zeros(1, 2, hidden, device=device), torch.zeros(1, 2, dtype=torch.long, device=device),
+               torch.arange(2, device=device).expand(rows + 1, 1, 2))
+        return rows + 1 if rows and self._records(row) else rows
+
     def _packed_rows_exact(self, spec: ModelSpec, device: torch.device) -> bool:
         """Whether a packed row's documents reach the layers as they would alone (`packing_probe`)."""
-        rope_axes = 4 if self.vision is not None and self.vision.rope_index else 0
         hidden = spec.skeleton.get_input_embeddings().weight.shape[-1]
         with self._stand_ins_run():
             differs = packed_differs(lambda *row: self._record(self.probe_weights, *row), spec.config, hidden, device,
-                                     rope_axes, masks=not self.bounds_not_masks, learned_positions=bool(self.pre_layer))
+                                     self.rope_axes, masks=not self.bounds_not_masks,
+                                     learned_positions=bool(self.pre_layer))
         if differs is not None:
             logger.info("'%s': %s differs for a document packed after another, so each document runs alone",
                         self.model_type, differs)
@@ -491,9 +501,8 @@ class LayerContextBuilder:
         ways); a body that changes a text-only row's layer arguments once they are marked reads them otherwise
         (PaliGemma: 0 marks the prefix, image and prompt, which attends both ways): refused, never trained causal."""
         hidden = spec.skeleton.get_input_embeddings().weight.shape[-1]
-        rope_axes = 4 if self.vision.rope_index else 0
         row = (torch.zeros(1, 4, hidden, device=device), torch.zeros(1, 4, dtype=torch.long, device=device),
-               torch.arange(4, device=device).expand(*([rope_axes, 1] if rope_axes else [1]), 4))
+               torch.arange(4, device=device).expand(*([self.rope_axes, 1] if self.rope_axes else [1]), 4))
         _, marked = self._record(self.probe_weights, *row)
         self.token_types = False
         try:

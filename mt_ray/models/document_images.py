@@ -42,6 +42,9 @@ class DocumentImages:
     vision: VisionSpec
     per_document: bool
     """Documents run through the layers alone: each takes its own images (`Documents.images`)."""
+    text_row: bool = True
+    """The body takes the text positions as a row before the rotary rows (Qwen-VL: they keep packed documents apart);
+    HunYuan-VL's language model takes the rotary rows alone."""
 
     def split(self, input_ids_BT: torch.Tensor, spans: list[Span], images: list[Image]) -> list[list[Image]] | None:
         """Each document's images, in span order; None where nothing reads the split (no images, or documents that
@@ -61,17 +64,19 @@ class DocumentImages:
 
     def rope_positions(self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, spans: list[Span],
                        split: list[list[Image]] | None) -> torch.Tensor | None:
-        """[4, B, T] positions for a body with multi-dimensional rotary positions (None for others): the text
-        positions, then the family's own `get_rope_index` of each document with images, alone."""
-        if not self.vision.rope_index:
+        """[R, B, T] positions for a body with multi-dimensional rotary positions (None for others): the text
+        positions where it takes them as a row (`text_row`), then the family's own `get_rope_index` of each document
+        with images, alone (`VisionSpec.rope_rows` rows)."""
+        rows = self.vision.rope_rows
+        if not rows:
             return None
-        rope_3BT = position_ids_BT[None].repeat(3, 1, 1)
-        rope_3N, ids_N = rope_3BT.view(3, -1), input_ids_BT.reshape(-1)
+        rope_RBT = position_ids_BT[None].repeat(rows, 1, 1)
+        rope_RN, ids_N = rope_RBT.view(rows, -1), input_ids_BT.reshape(-1)
         for (s, e), images in zip(spans, split or [[]] * len(spans), strict=True):
             if images:
                 ids = ids_N[None, s:e]
                 rope, _ = self.vision.outer.get_rope_index(
                     ids, mm_token_type_ids=(ids == self.vision.image_token_id).int(),
                     image_grid_thw=collate(images)["image_grid_thw"])
-                rope_3N[:, s:e] = rope[:, 0]
-        return torch.cat([position_ids_BT[None], rope_3BT])
+                rope_RN[:, s:e] = rope[:, 0]
+        return torch.cat([position_ids_BT[None], rope_RBT]) if self.text_row else rope_RBT

@@ -10,7 +10,7 @@ embedding, blocks, norms) is frozen by `freeze_vision_tower`, the *projector* by
 `freeze_multi_modal_projector`. The projector is every parameterised child of the composite body
 beside the tower and the language model (`multi_modal_projector`), and the tower's own `merger`
 where the family keeps its projector inside the tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: LLaMA-Factory's
-`visual.merger`); Qwen3-VL's deepstack mergers stay with the tower, as LLaMA-Factory keeps them. Tensors the
+`visual.merger`; HunYuan-VL's `patch_merger`); Qwen3-VL's deepstack mergers stay with the tower, as LLaMA-Factory keeps them. Tensors the
 composite body holds itself (LLaVA-NeXT's `image_newline`, appended to each image's projected rows) are the
 projector's too.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
@@ -61,7 +62,7 @@ NOT_YET: dict[str, str] = {
 _CARRIED_TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")
 
 # A tower child that is the family's projector although the tower owns it (LLaMA-Factory's projector_key).
-_PROJECTOR_IN_TOWER = ("merger",)
+_PROJECTOR_IN_TOWER = ("merger", "patch_merger")
 
 
 @dataclass
@@ -74,9 +75,10 @@ class VisionSpec:
     blocks_path: str
     projector_paths: list[str]
     image_token_id: int
-    rope_index: bool
-    """The body computes multi-dimensional rotary positions (`get_rope_index`, Qwen-VL): positions are
-    [4, B, T], the text positions first (they keep packed documents apart) then temporal, height, width."""
+    rope_rows: int
+    """The rows of multi-dimensional rotary positions the body's `get_rope_index` numbers (Qwen-VL's temporal, height
+    and width; HunYuan-VL's four XD-RoPE axes); 0 for a body without. The body takes them after a row of text
+    positions where it reads one (they keep packed documents apart: `LayerContextBuilder.rope_axes`)."""
     block_kinds: dict[str, nn.Module] = field(default_factory=dict)
     own_tensors: list[str] = field(default_factory=list)
     """Parameters and saved buffers of the composite body itself (not of a child): they join the projector."""
@@ -86,6 +88,11 @@ class VisionSpec:
     forward_projectors: list[str] = field(default_factory=list)
     """Projector children the body's forward applies itself to what `get_image_features` returns (Llama 4's
     `multi_modal_projector`): they run there, with the projector unit's weights handed over with the features."""
+
+    @property
+    def rope_index(self) -> bool:
+        """The body computes multi-dimensional rotary positions (`get_rope_index`)."""
+        return self.rope_rows > 0
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -160,10 +167,19 @@ def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: n
     own = [n for n, _ in outer.named_parameters(recurse=False)]
     own += [n for n, _ in outer.named_buffers(recurse=False) if n in outer.state_dict()]
     return VisionSpec(outer, outer_path, tower_path, blocks_path, projectors, image_token_id,
-                      rope_index=hasattr(outer, "get_rope_index"), own_tensors=own,
+                      rope_rows=_rope_rows(outer, image_token_id), own_tensors=own,
                       causal_lm_path=text if children[text] is not language_model else None,
                       forward_projectors=[p for p in projectors
                                           if applied_beside(type(outer), p, "get_image_features")])
+
+
+def _rope_rows(outer: nn.Module, image_token_id: int) -> int:
+    """How many rows of rotary positions the body's own `get_rope_index` numbers a text-only row with (0 without)."""
+    if not hasattr(outer, "get_rope_index"):
+        return 0
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    rope, _ = outer.get_rope_index(ids, mm_token_type_ids=(ids == image_token_id).int())
+    return rope.shape[0]
 
 
 def _language_model_child(skeleton: nn.Module, children: dict[str, nn.Module], language_model: nn.Module) -> str | None:
