@@ -24,8 +24,8 @@ the engine's vision stage computed) and scatters them over the image tokens, exa
 transformers does; multi-dimensional rotary positions come from the family's own
 `get_rope_index`, document by document (`document_images`). Where documents run alone, each takes its own
 images and the features of its own `get_image_features` call to the body. A body that adds to the hidden state
-between its layers (Qwen3-VL's deepstack: features of intermediate vision blocks added at the image tokens after
-each of the first layers) has that addition taken out of the recording and handed to the engine as the context's
+between its layers (deepstack: features of intermediate vision blocks added at the image tokens after each of
+Qwen3-VL's first layers, before chosen layers of Granite 4 Vision) has that addition taken out of the recording and handed to the engine as the context's
 `Injection`, which it runs with those layers (forward and recompute alike) and sends the injected tensors'
 gradients back through. Any other change between layers is refused: the engine would not replay it.
 """
@@ -47,6 +47,7 @@ from torch.func import functional_call
 
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models import nesting
+from mt_ray.models.deepstack import Injection, deepstack_tap
 from mt_ray.models.discovery import ModelSpec, embed_module, meta_free_buffers_to
 from mt_ray.models.document_images import DocumentImages, Image, Span
 from mt_ray.models.handoff import Handoff, hand_on, nested_handoff, plan_handoffs
@@ -80,26 +81,12 @@ class Documents:
 
 
 @dataclass
-class Injection:
-    """What the body adds to the hidden state right after each of its first layers (Qwen3-VL's deepstack).
-
-    `add(hidden, mask, embeds)` is the body's own function (`_deepstack_process`); `embeds[i]` (the image
-    tokens' rows, in token order) follows layer i; `grads[i]` is its gradient, set by layer i's backward.
-    """
-
-    add: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-    mask_BT: torch.Tensor
-    embeds: list[torch.Tensor]
-    grads: dict[int, torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass
 class LayerContext:
     """What the decoder layers of one micro-batch are called with.
 
     `whole[i]`: layer i's keyword arguments for the whole [B, T] batch; or, when documents run
     alone, `documents`: each document's span in the flattened batch and its per-layer arguments.
-    `injection`: what the body adds after the first layers (None for most bodies).
+    `injection`: what the body adds between its layers (`deepstack`; None for most bodies).
     """
 
     whole: list[LayerKwargs] | None = None
@@ -135,7 +122,7 @@ class LayerContext:
         return torch.cat(outs, dim=1).view_as(x_BTD)
 
     def injects(self, i: int) -> bool:
-        return self.injection is not None and i < len(self.injection.embeds)
+        return self.injection is not None and i in self.injection.embeds
 
     def track_injection(self, i: int) -> torch.Tensor | None:
         """What is added after layer i, made a leaf that takes a gradient (for layer i's backward); None if nothing is."""
@@ -322,10 +309,9 @@ class LayerContextBuilder:
                                       spec.config.model_type)
         self.vision = spec.vision
         self.images = ImageFeatures(spec.vision.forward_projectors if spec.vision is not None else [])
-        self.injected: tuple[torch.Tensor, list[torch.Tensor]] | None = None
-        self.inject = body._deepstack_process if _takes_deepstack(body) else None
-        if self.inject is not None:  # the engine adds the deepstack features with the layers: record them instead
-            self.body.forward = partial(self._without_deepstack, type(body).forward.__get__(self.body))
+        self.deepstack = deepstack_tap(body, len(layers))
+        if self.deepstack is not None:  # the engine adds the deepstack features with the layers: record them instead
+            self.body.forward = partial(self.deepstack, type(body).forward.__get__(self.body))
         if spec.vision is not None:  # the composite body around the language model runs the image scatter
             self.body = language_side(spec, self.body, self.images, device)
         self.token_types = spec.vision is not None and spec.vision.image_tokens_attend_both_ways
@@ -345,7 +331,7 @@ class LayerContextBuilder:
         if self.token_types:
             self._refuse_both_ways_text(spec, device)
         self.isolate_documents = spec.isolate_documents or not exact or self.own_positions
-        if self.isolate_documents and self.inject is not None:
+        if self.isolate_documents and self.deepstack is not None:
             raise ModelNotSupportedError(
                 f"'{spec.config.model_type}': its documents must run through the layers one at a time and its body "
                 "adds deepstack features between layers, which mt-ray replays for whole rows only; this image-text "
@@ -391,18 +377,7 @@ class LayerContextBuilder:
             documents=per_document, carried=self.carried, stream=self.stream, model_type=self.model_type)
 
     def _take_injection(self) -> Injection | None:
-        """What the last recording's body would have added after its first layers (the rest it never adds)."""
-        if self.injected is None:
-            return None
-        (mask_BT, embeds), self.injected = self.injected, None
-        return Injection(self.inject, mask_BT, list(embeds[:self.num_layers]))
-
-    def _without_deepstack(self, forward: Callable[..., Any], *args: Any, visual_pos_masks: torch.Tensor | None = None,
-                           deepstack_visual_embeds: list[torch.Tensor] | None = None, **kwargs: Any) -> Any:
-        """The language model's forward, its deepstack features recorded (`injected`) rather than added."""
-        if deepstack_visual_embeds is not None:
-            self.injected = (visual_pos_masks, deepstack_visual_embeds)
-        return forward(*args, **kwargs)
+        return self.deepstack.take() if self.deepstack is not None else None
 
     def _fit_stand_ins(self, spec: ModelSpec, device: torch.device) -> None:
         """Stand-ins return what their layer's annotation says. Where a layer has none (Falcon's, RWKV's), or the
@@ -520,7 +495,8 @@ class LayerContextBuilder:
                 position_ids: torch.Tensor, images: Image | None = None,
                 features: Any = None) -> tuple[torch.Tensor, list[LayerKwargs]]:
         self.log.clear()
-        self.injected = None
+        if self.deepstack is not None:
+            self.deepstack.take()  # what an earlier recording left
         self.feed.pending = embeds
         self.images.feed(features)
         for pre in self.pre_layer:
@@ -585,12 +561,6 @@ def _takes_grad(value: Any) -> bool:
     if isinstance(value, (tuple, list)):
         return any(_takes_grad(v) for v in value)
     return isinstance(value, torch.Tensor) and value.requires_grad
-
-
-def _takes_deepstack(body: nn.Module) -> bool:
-    """Qwen3-VL's language model takes features to add at the image tokens after its first layers (deepstack)."""
-    params = inspect.signature(type(body).forward).parameters
-    return {"visual_pos_masks", "deepstack_visual_embeds"} <= params.keys() and hasattr(body, "_deepstack_process")
 
 
 def document_spans(position_ids_BT: torch.Tensor) -> list[Span]:
