@@ -46,8 +46,6 @@ NOT_YET: dict[str, str] = {
                     "(temporal) row: a packed row's text positions have no row of their own, so its documents would "
                     "not be kept apart",
     "deepseek_vl_hybrid": "a second, high-resolution SAM tower runs beside its SigLIP tower",
-    "got_ocr2": "its SAM tower's blocks do not run with mt-ray's block stand-ins",
-    "pp_chart2table": "its SAM tower's blocks do not run with mt-ray's block stand-ins",
     "janus": "a VQ image generator sits beside its understanding tower",
     "minicpmv4_6": "its processor joins several images into one row of patches (pixel_values [1, channels, patch, "
                    "every image's patches]), where mt-ray joins images along the first axis",

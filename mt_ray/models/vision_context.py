@@ -67,6 +67,12 @@ class _BlockStandIn(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # The hidden state comes first, or by name (Llama 4's tower hands its blocks `hidden_state=`).
         hidden_states, args = (args[0], args[1:]) if args else (kwargs.pop(self.hidden_name), ())
+        if isinstance(hidden_states, tuple) and self.index and self.returns_tuple:
+            # The tower hands the block before's output on as it is: its blocks return a tensor, whatever their
+            # annotation says (GOT-OCR2's SAM blocks are annotated a tuple)
+            hidden_states = hidden_states[0]
+            for stand_in in self.runner.stand_ins:
+                stand_in.returns_tuple = False
         tape = self.runner.tape
         if self.runner.replaying:
             out = tape.outputs[self.index]
@@ -109,8 +115,9 @@ class VisionRunner:
     def __init__(self, spec: ModelSpec, device: torch.device):
         vision = spec.vision
         self.num_blocks = len(vision.blocks)
-        stand_ins = nn.ModuleList(_stand_in(type(b))(i, self, b) for i, b in enumerate(vision.blocks))
-        self.module = reads_device(with_submodule(vision.outer, vision.blocks_path, stand_ins), device)
+        self.stand_ins = [_stand_in(type(b))(i, self, b) for i, b in enumerate(vision.blocks)]
+        self.module = reads_device(with_submodule(vision.outer, vision.blocks_path, nn.ModuleList(self.stand_ins)),
+                                   device)
         self.module.forward = image_features_of(self.module)  # the copy's own, so it sees the stand-ins
         meta_free_buffers_to(self.module, device)
         self.tape = VisionTape()
