@@ -245,10 +245,14 @@ def _find_blocks(tower: nn.Module, vision_config: PretrainedConfig, family: str)
     """The one ModuleList in the tower with an entry per vision layer (`depth` or `num_hidden_layers`)."""
     n = getattr(vision_config, "depth", None) or getattr(vision_config, "num_hidden_layers", None)
     if n is None:
+        inner = [k for k in getattr(vision_config, "sub_configs", None) or {}
+                 if getattr(getattr(vision_config, k, None), "num_hidden_layers", None)]
+        why = (f"{type(tower).__name__} runs towers of their own in turn ({', '.join(inner)}), each with its own list "
+               "of blocks, and mt-ray streams one list of vision blocks" if inner
+               else f"the blocks of {type(tower).__name__} are not found")
         raise ModelNotSupportedError(
-            f"image-text family '{family}': its vision config names no layer count (depth or num_hidden_layers), so "
-            f"the blocks of {type(tower).__name__} (towers of their own inside it) are not found; mt-ray cannot train "
-            "this family yet"
+            f"image-text family '{family}': its vision config names no layer count (depth or num_hidden_layers): "
+            f"{why}; mt-ray cannot train this family yet"
         )
     lists = [name for name, m in tower.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n]
     if len(lists) != 1:
