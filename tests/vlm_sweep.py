@@ -51,6 +51,7 @@ _VISION_SIZES: dict[str, object] = dict(
 )
 _SPECIAL = ("pad_token_id", "bos_token_id", "eos_token_id")
 _IMAGE_TOKEN = ("image_token_id", "image_token_index")
+_VISION_START = SWEEP_VOCAB - 16  # below the ids `tiny_vlm_config` gives the default's special tokens
 
 # Per family: what its tiny model needs beyond the scaled sizes (each line says why).
 VLM_OVERRIDES: dict[str, dict] = {
@@ -69,6 +70,15 @@ VLM_OVERRIDES: dict[str, dict] = {
     **{f: {"vision_config": {"depth": 3, "deepstack_visual_indexes": [0, 2]}}
        for f in ("qwen3_vl", "qwen3_vl_moe", "cosmos3_omni")},
     "vipllava": {"vision_feature_layers": [-2, -1]},
+    # the released thinker configs name the vision-start token their get_rope_index finds each image by (the
+    # default config does not, so transformers' own rotary positions fail); an id no other special token takes
+    "qwen2_5_omni_thinker": {"vision_start_token_id": _VISION_START, "text_config": {"rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}}},  # [16, 24, 24] where none
+    # four blocks, where three would be as many as the modules of each merger's MLP list (two deepstack mergers); its
+    # audio tower's convolutions narrowed (480 channels) and its output as wide as the language model (3584)
+    "qwen3_omni_moe_thinker": {"vision_start_token_id": _VISION_START,
+                               "vision_config": {"depth": 4, "deepstack_visual_indexes": [0, 2]},
+                               "audio_config": {"downsample_hidden_size": 16, "output_dim": 32}},
     # a picture no larger than 16x16 (its position table covers 2048x2048 pixels); four XD-RoPE axes over the 8-wide
     # heads' rotary halves (the default names none, so transformers' own rotary table fails)
     "hunyuan_vl": {"vision_config": {"max_image_size": 16}, "text_config": {"rope_parameters": {
@@ -240,14 +250,16 @@ def image_inputs(model: torch.nn.Module, g: torch.Generator, side: int = 16) -> 
 
 
 def vlm_documents(model: torch.nn.Module, seed: int = 0) -> list[dict]:
-    """One image, then text only, then two images: each image's tokens and a separator (as a processor closes an
-    image), then text; the images and the first two text tokens carry no loss."""
+    """One image, then text only, then two images: each image's tokens, opened by the vision-start token where the
+    config names one (as Qwen-VL's processors write `<|vision_start|>`) and closed by a separator, then text; the
+    images and the first two text tokens carry no loss."""
     g = torch.Generator().manual_seed(seed)
     token = model.config.image_token_id if hasattr(model.config, "image_token_id") else model.config.image_token_index
+    start = [s] if (s := getattr(model.config, "vision_start_token_id", None)) is not None else []
     docs = []
     for images, text in ((1, 7), (0, 6), (2, 5)):
         made = [image_inputs(model, g) for _ in range(images)]
-        ids = [t for _, n in made for t in [token] * n + [_SEPARATOR]]
+        ids = [t for _, n in made for t in start + [token] * n + [_SEPARATOR]]
         ids += torch.randint(3, 96, (text,), generator=g).tolist()
         labels = [-100] * (len(ids) - text + 2) + ids[len(ids) - text + 2:]
         docs.append({"input_ids": torch.tensor([ids]), "labels": torch.tensor([labels]),
@@ -264,8 +276,9 @@ def packed(docs: list[dict]) -> dict:
 
 
 def alone(doc: dict, forward: Callable, image_token: int) -> dict:
-    """One document as transformers' model takes it: its images' tensors joined, token types where it reads them."""
-    out = {"input_ids": doc["input_ids"], "labels": doc["labels"]}
+    """One document as transformers' model takes it: its images' tensors joined, token types where it reads them, and
+    the attention mask a processor returns (the Omni thinkers number rotary positions only with one)."""
+    out = {"input_ids": doc["input_ids"], "labels": doc["labels"], "attention_mask": torch.ones_like(doc["input_ids"])}
     if doc["images"]:
         out |= {k: torch.cat([image[k] for image in doc["images"]]) for k in doc["images"][0]}
     takes = inspect.signature(forward).parameters

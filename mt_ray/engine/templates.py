@@ -107,6 +107,9 @@ class HeadModule(nn.Module):
         feeder.forward = self.__dict__["_hand_back"] = _HandBack()
         # Kept out of `_modules`, so binding sees only the head unit's modules (which the copy shares).
         self.__dict__["_causal_lm"] = with_submodule(causal_lm, body_path, feeder)
+        # A composite body that holds the head embeds the tokens itself unless handed embeddings: it is handed the
+        # hidden states, which its decoder body's stand-in ignores.
+        self._handed_embeddings = spec.vision is not None and spec.vision.holds_head
 
     def use_stream(self, stream: Stream) -> None:
         """The layer context's stream (a new one after the attention backend changes), which the tail reads."""
@@ -117,7 +120,8 @@ class HeadModule(nn.Module):
         normed = self.norm(h_ND) if self._tail is None else self._tail(h_ND)  # the tail: [N, ...] stream in
         self._hand_back.hidden = normed.reshape(1, -1, normed.shape[-1])  # as one row of N tokens
         try:
-            logits = self._causal_lm(use_cache=False).logits
+            embeds = {"inputs_embeds": self._hand_back.hidden} if self._handed_embeddings else {}
+            logits = self._causal_lm(use_cache=False, **embeds).logits
         finally:
             self._hand_back.hidden = None
         tokens = h_ND.shape[:-1] if self._tail is None else h_ND.shape[:1]  # a widened stream: [N, ...] in
@@ -127,7 +131,8 @@ class HeadModule(nn.Module):
 def _logits_forward(spec: ModelSpec) -> tuple[nn.Module, nn.Module]:
     """The module whose forward computes the logits, and the body it calls there: the causal LM and its decoder body;
     an image-text model and its composite body (which embeds and scatters images itself); or, where the composite
-    body's language model is a whole causal LM (Llama 4's), that causal LM and the decoder body inside it."""
+    body's language model is a whole causal LM (Llama 4's) or the composite body holds the head itself (the Omni
+    thinkers), that causal LM and the decoder body inside it."""
     vision = spec.vision
     if vision is None:
         return spec.skeleton, spec.base

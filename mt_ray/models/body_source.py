@@ -28,6 +28,13 @@ def applied_beside(cls: type, attr: str, method: str) -> bool:
     return re.search(rf"self\.{re.escape(attr)}\b", source) is not None and attr not in _reaches(cls, method)
 
 
+def read_apart(cls: type, attr: str, method: str) -> bool:
+    """Whether `cls.forward` never names `self.<attr>` itself and `cls.<method>` never reaches it: the Omni thinkers'
+    audio tower, read only through their `get_audio_features`, where `get_image_features` reads the vision tower."""
+    source = _source(cls, "forward") or ""
+    return re.search(rf"self\.{re.escape(attr)}\b", source) is None and attr not in _reaches(cls, method)
+
+
 @cache
 def _reaches(cls: type, method: str) -> frozenset[str]:
     """Every `self.<name>` that `cls.<method>` names, directly or through the methods it calls."""

@@ -380,7 +380,9 @@ def _vision_units(vision: VisionSpec, freeze_tower: bool, freeze_projector: bool
         return _decayed_first([ParamInfo(f"{path}{n}", n, tuple(t.shape), isinstance(t, nn.Parameter) and t.requires_grad)
                                for n, t in saved.items() if keep(n)])
 
+    held = tuple(f"{p}." for p in vision.held_paths)
     tower = entries(lambda n: n.startswith(f"{vision.tower_path}.") and not n.startswith((*projector, blocks)))
+    tower += [dataclasses.replace(p, trainable=False) for p in entries(lambda n: n.startswith(held))] if held else []
     units = [UnitSpec(VISION_EMBED, tower, VISION_EMBED, frozen=freeze_tower)]
     names = _kinds(vision.blocks, vision.block_kinds, prefix="vision:")
     for i, block in enumerate(vision.blocks):
@@ -590,7 +592,8 @@ def _reject_unknown_parameters(skeleton: nn.Module, owners: list[nn.Module], vis
     """Parameters outside the units' modules (`owners`) would silently never train, and saved buffers outside
     them would never load: refuse such a model instead."""
     if vision is not None:
-        owners += [vision.outer.get_submodule(p) for p in (vision.tower_path, *vision.projector_paths)]
+        owners += [vision.outer.get_submodule(p)
+                   for p in (vision.tower_path, *vision.projector_paths, *vision.held_paths)]
     known = {id(t) for m in owners for t in (*m.parameters(), *m.buffers())}
     if vision is not None:
         known |= {id(t) for t in (*vision.outer.parameters(recurse=False), *vision.outer.buffers(recurse=False))}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mt_ray.models.vision import VisionSpec
+from mt_ray.models.vision import VisionSpec, rope_index
 
 Image = dict[str, torch.Tensor]  # one image's (or a call's joined) processor tensors: pixel_values, image_grid_thw, ...
 Span = tuple[int, int]  # [start, end) of one document in the flattened [B*T] batch
@@ -74,9 +74,7 @@ class DocumentImages:
         rope_RN, ids_N = rope_RBT.view(rows, -1), input_ids_BT.reshape(-1)
         for (s, e), images in zip(spans, split or [[]] * len(spans), strict=True):
             if images:
-                ids = ids_N[None, s:e]
-                rope, _ = self.vision.outer.get_rope_index(
-                    ids, mm_token_type_ids=(ids == self.vision.image_token_id).int(),
-                    image_grid_thw=collate(images)["image_grid_thw"])
+                rope = rope_index(self.vision.outer, ids_N[None, s:e], self.vision.image_token_id,
+                                  collate(images)["image_grid_thw"])
                 rope_RN[:, s:e] = rope[:, 0]
         return torch.cat([position_ids_BT[None], rope_RBT]) if self.text_row else rope_RBT

@@ -20,6 +20,10 @@ streams as any other, its final norm and LM head are the head unit, and the head
 (`VisionSpec.causal_lm_path`). Its forward also applies the projector itself, to what `get_image_features`
 returns: such a projector runs there, with the projector unit's weights handed over with the image features
 (`VisionSpec.forward_projectors`).
+
+The Omni thinkers (Qwen2.5-Omni's, Qwen3-Omni's) are composite bodies that hold the LM head themselves
+(`VisionSpec.holds_head`) and an audio tower beside the vision tower: image-text training gives no audio, so the
+audio tower is held, loaded and exported untrained (`VisionSpec.held_paths`), as transformers leaves it.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from mt_ray.errors import ModelNotSupportedError
-from mt_ray.models.body_source import applied_beside
+from mt_ray.models.body_source import applied_beside, read_apart
 
 VISION_PREFIX = "vision."  # every vision unit's name starts so
 VISION_EMBED = f"{VISION_PREFIX}embed"
@@ -52,8 +56,6 @@ NOT_YET: dict[str, str] = {
     "minimax_m3_vl": "its tower attends across every image of a call (one sequence, no per-image mask), so a packed "
                      "row's images would see other documents' images (mt-ray runs the tower once per micro-batch)",
     "muse_glimmer": "its tower has not been checked against transformers",
-    "qwen2_5_omni_thinker": "an audio-visual thinker whose language model has no get_image_features",
-    "qwen3_omni_moe_thinker": "an audio-visual thinker whose language model has no get_image_features",
 }
 
 # Per-token types the engine fills itself (`token_type_ids`) or needs no more (`mm_token_type_ids`: rotary positions).
@@ -82,7 +84,12 @@ class VisionSpec:
     """Parameters and saved buffers of the composite body itself (not of a child): they join the projector."""
     causal_lm_path: str | None = None
     """The composite body's child that is a whole causal LM around the decoder body (Llama 4's `language_model`,
-    with its own head): its forward is what the head runs. None where the child is the decoder body itself."""
+    with its own head): its forward is what the head runs; "" where the composite body holds the LM head itself (the
+    Omni thinkers). None where the head lies outside the composite body."""
+    held_paths: list[str] = field(default_factory=list)
+    """Towers of another modality beside the vision tower, which only that modality's inputs reach (the Omni
+    thinkers' audio tower, read by `get_audio_features` alone): their tensors load and export with `vision.embed`,
+    untrained, as transformers leaves them when no audio is given."""
     forward_projectors: list[str] = field(default_factory=list)
     """Projector children the body's forward applies itself to what `get_image_features` returns (Llama 4's
     `multi_modal_projector`): they run there, with the projector unit's weights handed over with the features."""
@@ -91,6 +98,11 @@ class VisionSpec:
     def rope_index(self) -> bool:
         """The body computes multi-dimensional rotary positions (`get_rope_index`)."""
         return self.rope_rows > 0
+
+    @property
+    def holds_head(self) -> bool:
+        """The composite body is the causal LM: its forward embeds the tokens itself unless handed embeddings."""
+        return self.causal_lm_path == ""
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -154,7 +166,11 @@ def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: n
     _refuse_unread_token_types(outer, family)
     tower_path = towers[0]
     blocks_path = f"{tower_path}.{_find_blocks(children[tower_path], config.vision_config, family)}"
-    projectors = [n for n, c in children.items() if n not in (tower_path, text) and any(True for _ in c.parameters())]
+    head = skeleton.get_output_embeddings()
+    beside = {n: c for n, c in children.items() if n not in (tower_path, text) and c is not head}
+    held = [n for n, c in beside.items()
+            if isinstance(c, PreTrainedModel) and read_apart(type(outer), n, "get_image_features")]
+    projectors = [n for n, c in beside.items() if n not in held and any(True for _ in c.parameters())]
     projectors += [f"{tower_path}.{n}" for n in _PROJECTOR_IN_TOWER if hasattr(children[tower_path], n)]
     if not projectors:
         raise ModelNotSupportedError(f"image-text family '{family}': no projector found beside the vision tower "
@@ -166,7 +182,7 @@ def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: n
     own += [n for n, _ in outer.named_buffers(recurse=False) if n in outer.state_dict()]
     return VisionSpec(outer, outer_path, tower_path, blocks_path, projectors, image_token_id,
                       rope_rows=_rope_rows(outer, image_token_id), own_tensors=own,
-                      causal_lm_path=text if children[text] is not language_model else None,
+                      causal_lm_path=_causal_lm_path(children, text, language_model, head), held_paths=held,
                       forward_projectors=[p for p in projectors
                                           if applied_beside(type(outer), p, "get_image_features")])
 
@@ -175,9 +191,27 @@ def _rope_rows(outer: nn.Module, image_token_id: int) -> int:
     """How many rows of rotary positions the body's own `get_rope_index` numbers a text-only row with (0 without)."""
     if not hasattr(outer, "get_rope_index"):
         return 0
-    ids = torch.zeros(1, 2, dtype=torch.long)
-    rope, _ = outer.get_rope_index(ids, mm_token_type_ids=(ids == image_token_id).int())
-    return rope.shape[0]
+    return rope_index(outer, torch.zeros(1, 2, dtype=torch.long), image_token_id).shape[0]
+
+
+def rope_index(outer: nn.Module, ids_1T: torch.Tensor, image_token_id: int,
+               image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+    """[R, 1, T] rotary positions of one unpadded document by the body's own `get_rope_index`. Qwen-VL reads the
+    image tokens off `mm_token_type_ids`; the Omni thinkers find each image by the processor's vision-start token
+    before it and number a row without images from its attention mask (audio stays absent: no audio lengths, and
+    `use_audio_in_video` keeps its default, False)."""
+    kw = {"attention_mask": torch.ones_like(ids_1T), "image_grid_thw": image_grid_thw}
+    if "mm_token_type_ids" in inspect.signature(outer.get_rope_index).parameters:
+        kw["mm_token_type_ids"] = (ids_1T == image_token_id).int()
+    return outer.get_rope_index(ids_1T, **kw)[0]
+
+
+def _causal_lm_path(children: dict[str, nn.Module], text: str, language_model: nn.Module, head: nn.Module) -> str | None:
+    """`VisionSpec.causal_lm_path`: the language model child where it is a whole causal LM, "" where the composite
+    body holds the head itself, else None."""
+    if children[text] is not language_model:
+        return text
+    return "" if any(c is head for c in children.values()) else None
 
 
 def _language_model_child(skeleton: nn.Module, children: dict[str, nn.Module], language_model: nn.Module) -> str | None:
