@@ -388,8 +388,9 @@ def _vision_units(vision: VisionSpec, freeze_tower: bool, freeze_projector: bool
     for i, block in enumerate(vision.blocks):
         units.append(UnitSpec(block_unit(i), _params(block, f"{path}{blocks}{i}"), names[i], frozen=freeze_tower))
     own = set(vision.own_tensors)
-    units.append(UnitSpec(VISION_PROJECTOR, entries(lambda n: n.startswith(projector) or n in own), VISION_PROJECTOR,
-                          frozen=freeze_projector))
+    # A tower whose output enters the language model as it is (Inkling's) has no projector: nothing to train.
+    projected = entries(lambda n: n.startswith(projector) or n in own)
+    units.append(UnitSpec(VISION_PROJECTOR, projected, VISION_PROJECTOR, frozen=freeze_projector or not projected))
     return units
 
 

@@ -172,9 +172,6 @@ def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: n
             if isinstance(c, PreTrainedModel) and read_apart(type(outer), n, "get_image_features")]
     projectors = [n for n, c in beside.items() if n not in held and any(True for _ in c.parameters())]
     projectors += [f"{tower_path}.{n}" for n in _PROJECTOR_IN_TOWER if hasattr(children[tower_path], n)]
-    if not projectors:
-        raise ModelNotSupportedError(f"image-text family '{family}': no projector found beside the vision tower "
-                                     f"of {type(outer).__name__}; mt-ray cannot train this family yet")
     image_token_id = getattr(config, "image_token_id", None)
     if image_token_id is None:
         image_token_id = getattr(config, "image_token_index", None)
