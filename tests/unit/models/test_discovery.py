@@ -11,6 +11,7 @@ from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.discovery import discover
 from tests.family_sweep import tiny_config as sweep_config
 from tests.tiny_models import checkpoint_config, tiny_config
+from tests.vlm_sweep import tiny_vlm_config
 
 
 def test_units_cover_every_parameter_once():
@@ -123,3 +124,11 @@ def test_a_head_transformers_keeps_apart_is_not_tied():
     """BigBird-Pegasus' decoder says `tie_word_embeddings` but transformers ties nothing (and saves the head)."""
     config = _as_saved("bigbird_pegasus")
     assert config.tie_word_embeddings and not discover(config).tied
+
+
+def test_an_omni_thinkers_audio_tower_travels_untrained_with_the_tower_and_its_body_holds_the_head():
+    spec = discover(tiny_vlm_config("qwen2_5_omni_thinker"), freeze_vision_tower=False)
+    assert spec.vision.held_paths == ["audio_tower"] and spec.vision.holds_head
+    assert spec.vision.projector_paths == ["visual.merger"]  # neither the audio tower nor the LM head
+    audio = [p for p in spec.unit("vision.embed").params if p.hf_name.startswith("audio_tower.")]
+    assert audio and not any(p.trainable for p in audio)
