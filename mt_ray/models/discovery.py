@@ -10,15 +10,13 @@ image-text model adds its vision tower and projector (`vision.py`) as units of t
 
 from __future__ import annotations
 
-import ast
 import copy
 import dataclasses
 import inspect
 import json
 import re
-import textwrap
 from dataclasses import dataclass, field
-from functools import cache, cached_property
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -33,6 +31,7 @@ from mt_ray.models import nesting
 from mt_ray.models.body_source import first_use
 from mt_ray.models.mask_modules import mask_only_children, selects_keys
 from mt_ray.models.nesting import shallow_copy
+from mt_ray.models.no_grad_paths import reached_with_encoder_only, runs_without_grad
 from mt_ray.models.stream_tail import TailCode, split_tail
 from mt_ray.models.vision import (
     VISION_EMBED,
@@ -403,8 +402,8 @@ def _params(module: nn.Module, path: str, prefix: str = "", ties: dict[str, str]
     indexer), that is reached only with an encoder's hidden states (the cross-attention of BART's decoder layers,
     which a causal LM never has) or that only builds the attention mask (Qwen4-Exp's indexer, `mask_modules`):
     transformers never computes their gradient and torch's optimizer skips them."""
-    no_grad = {id(p) for m in module.modules() if _runs_without_grad(m) for p in m.parameters()}
-    no_grad |= {id(p) for m in module.modules() for a in _reached_with_encoder_only(type(m)) | mask_only_children(type(m))
+    no_grad = {id(p) for m in module.modules() if runs_without_grad(m) for p in m.parameters()}
+    no_grad |= {id(p) for m in module.modules() for a in reached_with_encoder_only(type(m)) | mask_only_children(type(m))
                 if isinstance(getattr(m, a, None), nn.Module) for p in getattr(m, a).parameters()}
     ties = ties or {}
     infos = []
@@ -432,56 +431,6 @@ def _refuse_integer_buffers(skeleton: nn.Module, units: list[UnitSpec]) -> None:
             "stream as floating-point values; this family cannot be trained yet")
 
 
-def _runs_without_grad(module: nn.Module) -> bool:
-    """Whether the module's forward is decorated with `torch.no_grad` (or inference mode): no gradient reaches
-    its parameters. The decorator keeps the context's factory in its wrapper's closure."""
-    cells = getattr(type(module).forward, "__closure__", None) or ()
-    return any(isinstance(getattr(_cell(c), "__self__", None), (torch.no_grad, torch.inference_mode)) for c in cells)
-
-
-@cache
-def _reached_with_encoder_only(cls: type) -> frozenset[str]:
-    """The attributes `cls.forward` names only under `if encoder_hidden_states is not None:` (a decoder layer's
-    cross-attention and its norm): a causal LM, which has no encoder, never runs them."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError):  # a builtin or generated forward: nothing to read
-        return frozenset()
-    named: dict[bool, set[str]] = {True: set(), False: set()}
-
-    def visit(node: ast.AST, guarded: bool) -> None:
-        if isinstance(node, ast.If) and _needs_encoder(node.test):
-            visit(node.test, guarded)
-            for child in node.body:
-                visit(child, True)
-            for child in node.orelse:
-                visit(child, guarded)
-            return
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
-            named[guarded].add(node.attr)
-        for child in ast.iter_child_nodes(node):
-            visit(child, guarded)
-
-    visit(tree, False)
-    return frozenset(named[True] - named[False])
-
-
-def _needs_encoder(test: ast.expr) -> bool:
-    """`encoder_hidden_states is not None`, alone or as one term of an `and`."""
-    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
-        return any(_needs_encoder(v) for v in test.values)
-    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "encoder_hidden_states"
-            and len(test.ops) == 1 and isinstance(test.ops[0], ast.IsNot)
-            and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None)
-
-
-def _cell(cell) -> object:
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell
-        return None
-
-
 def _decayed_first(infos: list[ParamInfo]) -> list[ParamInfo]:
     """Decayed parameters first, so each unit's flat buffer splits into two optimizer groups; frozen
     entries last, so a unit's gradient is its trainable prefix followed by zeros."""
@@ -494,7 +443,7 @@ def _carries_sequence_state(skeleton: nn.Module, layers: nn.ModuleList) -> bool:
     causal Conv1d (LFM2's short convolution is not marked stateful). Or outside the masks: a sparse-attention
     indexer picks each query's keys inside the layer, over the whole row (`selects_keys`)."""
     has_conv = any(isinstance(m, nn.Conv1d) for m in layers.modules())
-    return has_conv or bool(getattr(type(skeleton), "_is_stateful", False)) or selects_keys(layers, _runs_without_grad)
+    return has_conv or bool(getattr(type(skeleton), "_is_stateful", False)) or selects_keys(layers, runs_without_grad)
 
 
 def _find_base(skeleton: nn.Module, embed: nn.Module) -> nn.Module:
