@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 from mt_ray.data.packing import collate
 from mt_ray.data.schema import IGNORE_INDEX, TokenizedExample
 from mt_ray.engine import OptimizerConfig
-from mt_ray.engine.sizing import attention_flops
+from mt_ray.engine.step_time import attention_flops
 from mt_ray.models.presets import preset_config
 
 # Every benchmark's optimizer: AdamW as in fine-tuning, global-norm clipping on.

@@ -36,7 +36,8 @@ from bench.common import (  # noqa: E402
 )
 from bench.engine_gpu import add_run_args, build_engine, measure  # noqa: E402
 from mt_ray.engine.preference import PreferenceConfig  # noqa: E402
-from mt_ray.engine.sizing import Stage, attention_flops  # noqa: E402
+from mt_ray.engine.sizing import Stage  # noqa: E402
+from mt_ray.engine.step_time import attention_flops  # noqa: E402
 
 STAGES = ("sft", "dpo")
 

@@ -45,7 +45,8 @@ from bench.common import (  # noqa: E402
 )
 from mt_ray.engine import EngineConfig, StreamingEngine  # noqa: E402
 from mt_ray.engine.preference import PreferenceConfig  # noqa: E402
-from mt_ray.engine.sizing import SFT, Stage, device_bytes, predicted_step_seconds  # noqa: E402
+from mt_ray.engine.sizing import SFT, Stage, device_bytes  # noqa: E402
+from mt_ray.engine.step_time import predicted_step_seconds  # noqa: E402
 from mt_ray.errors import InsufficientMemoryError  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
 

@@ -39,7 +39,8 @@ from bench.common import (  # noqa: E402
 from mt_ray.engine import EngineConfig, StreamingEngine  # noqa: E402
 from mt_ray.engine.calculator import longest_context  # noqa: E402
 from mt_ray.engine.host_store import available_host_bytes  # noqa: E402
-from mt_ray.engine.sizing import GIB, device_bytes, predicted_step_seconds  # noqa: E402
+from mt_ray.engine.sizing import GIB, device_bytes  # noqa: E402
+from mt_ray.engine.step_time import predicted_step_seconds  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
 
 

@@ -38,7 +38,8 @@ from bench.common import (  # noqa: E402,E501
 )
 from mt_ray.engine import EngineConfig, StreamingEngine  # noqa: E402
 from mt_ray.engine.direct_io import measure_disk  # noqa: E402
-from mt_ray.engine.sizing import Machine, disk_bytes, host_bytes, predicted_step_seconds, rss_bytes  # noqa: E402
+from mt_ray.engine.sizing import disk_bytes, host_bytes, rss_bytes  # noqa: E402
+from mt_ray.engine.step_time import Machine, predicted_step_seconds  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
 
 GIB = 2**30

@@ -98,7 +98,8 @@ def _calc(args) -> int:
     )
     from mt_ray.engine.config import EngineConfig
     from mt_ray.engine.host_store import GIB, available_host_bytes
-    from mt_ray.engine.sizing import SFT, Machine
+    from mt_ray.engine.sizing import SFT
+    from mt_ray.engine.step_time import Machine
     from mt_ray.training.auto_fit import stage_shape
 
     for flag in ("seq", "global_batch", "gpu_mem_gb", "host_mem_gb", "h2d_gbps", "gpu_tflops", "nvme_gbps",

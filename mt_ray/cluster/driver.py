@@ -56,7 +56,8 @@ from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.host_store import plan_layout
 from mt_ray.engine.optimizer import lr_at
 from mt_ray.engine.preference import PreferenceConfig
-from mt_ray.engine.sizing import Machine, Stage, predicted_step_seconds
+from mt_ray.engine.sizing import Stage
+from mt_ray.engine.step_time import Machine, predicted_step_seconds
 from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import ModelSpec, discover
 from mt_ray.models.vision import VISION_EMBED, VISION_PROJECTOR

@@ -2,8 +2,8 @@
 
 The search covers every memory knob of the engine: schedule, K, micro-batch, checkpoint
 placement, prefetch depth, loss chunk, stream_master and gradient dtype, judged with the memory
-and time models of sizing.py. Under `keep_activations: auto` each streamed configuration keeps as
-many block graphs as fit its GPU budget beside its own peak (`max_kept`), which lowers its predicted time. Of the configurations that fit both the GPU (90% of it: the
+and time models of sizing.py and step_time.py. Under `keep_activations: auto` each streamed
+configuration keeps as many block graphs as fit its GPU budget beside its own peak (`max_kept`), which lowers its predicted time. Of the configurations that fit both the GPU (90% of it: the
 allocator and the CUDA context need the rest) and the host, it takes the fastest predicted; among
 those within 2% of it, the first in preference order (larger micro-batches, K=4, checkpoints on
 the device, deeper prefetch, larger loss chunks, the given stream_master and gradient dtype),
@@ -26,7 +26,6 @@ from mt_ray.engine.sizing import (
     GIB,
     PROCESS_RSS_BYTES,
     SFT,
-    Machine,
     Stage,
     activation_slab_bytes,
     device_bytes,
@@ -34,12 +33,12 @@ from mt_ray.engine.sizing import (
     host_bytes,
     kept_count,
     max_kept,
-    predicted_step_seconds,
     reference_host_bytes,
     rollout_bytes,
     rollout_host_bytes,
     vision_sizes,
 )
+from mt_ray.engine.step_time import Machine, predicted_step_seconds
 from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import ModelSpec
 

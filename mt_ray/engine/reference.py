@@ -139,7 +139,7 @@ def eval_mode(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
 class PreferenceSteps:
     """What a preference stage adds to a `StreamingEngine` step: the reference's passes and the preference head.
 
-    It drives the engine's own loop pieces (`_weights`, `_embed`, `_layer`, `_bind_head`, the activation
+    It drives the engine's own loop pieces (`_weights`, `_embed`, `_layer`, `head.bind`, the activation
     store); the engine calls it at the points where a step differs from SFT.
     """
 
@@ -218,7 +218,7 @@ class PreferenceSteps:
 
     def head(self, mbs: list[MicroBatch]) -> None:
         """Each micro-batch's reference log-prob sums, from the reference's last hidden state."""
-        head, weights = self.e.templates["head"], self.e._bind_head(False, REF)
+        head, weights = self.e.templates["head"], self.e.head.bind(False, REF)
         for j, mb in enumerate(mbs):
             mb.ref_logps = self.objective.reference_of(self._logps(head, weights, self.e.activations.get((self.slot, j)),
                                                                    mb), mb)
@@ -232,7 +232,7 @@ class PreferenceSteps:
                     weights[i] = self.e.layer_templates[i].bind(self.e._weights(f"{REF}layers.{i}"))
                 x = self.e._layer(i, weights[i], x, ctx)[0]
             mb.ref_logps = self.objective.reference_of(
-                self._logps(self.e.templates["head"], self.e._bind_head(False, REF), x, mb), mb)
+                self._logps(self.e.templates["head"], self.e.head.bind(False, REF), x, mb), mb)
 
     # ------------------------------------------------------------------ the policy's head
 

@@ -20,7 +20,8 @@ from mt_ray.engine.calculator import GPU_HEADROOM, SEARCHED, local_gpu_memory_gb
 from mt_ray.engine.config import EngineConfig
 from mt_ray.engine.direct_io import measure_disk
 from mt_ray.engine.host_store import GIB, available_host_bytes
-from mt_ray.engine.sizing import Machine, Stage, device_bytes
+from mt_ray.engine.sizing import Stage, device_bytes
+from mt_ray.engine.step_time import Machine
 from mt_ray.errors import ConfigError, InsufficientMemoryError
 from mt_ray.models.discovery import ModelSpec
 

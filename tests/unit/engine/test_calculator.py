@@ -10,7 +10,8 @@ from mt_ray.cli.main import main
 from mt_ray.config.run import load_run_config
 from mt_ray.engine.calculator import SEARCHED, config_snippet, longest_context, recommend
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
-from mt_ray.engine.sizing import GIB, Machine, device_bytes, host_bytes
+from mt_ray.engine.sizing import GIB, device_bytes, host_bytes
+from mt_ray.engine.step_time import Machine
 from mt_ray.models.discovery import discover
 from mt_ray.models.presets import preset_config
 

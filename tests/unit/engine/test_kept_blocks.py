@@ -8,7 +8,8 @@ import torch
 from mt_ray.engine import EngineConfig
 from mt_ray.engine.calculator import recommend
 from mt_ray.engine.kept_blocks import KeptBlocks, kept_within, resolve_kept
-from mt_ray.engine.sizing import device_bytes, predicted_step_seconds
+from mt_ray.engine.sizing import device_bytes
+from mt_ray.engine.step_time import predicted_step_seconds
 from mt_ray.engine.transfer import StreamSet
 from mt_ray.errors import InsufficientMemoryError
 from mt_ray.models.discovery import discover

@@ -8,15 +8,8 @@ import pytest
 from mt_ray.cli.main import main
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.direct_io import DiskSpeed, measure_disk
-from mt_ray.engine.sizing import (
-    PROCESS_RSS_BYTES,
-    Machine,
-    disk_bytes,
-    host_bytes,
-    predicted_step_seconds,
-    rss_bytes,
-    state_files_plan,
-)
+from mt_ray.engine.sizing import PROCESS_RSS_BYTES, disk_bytes, host_bytes, rss_bytes, state_files_plan
+from mt_ray.engine.step_time import Machine, predicted_step_seconds
 from mt_ray.models.discovery import discover
 from mt_ray.models.presets import preset_config
 

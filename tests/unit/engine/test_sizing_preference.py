@@ -13,17 +13,8 @@ from mt_ray.engine.calculator import GPU_HEADROOM
 from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.kept_blocks import kept_within
 from mt_ray.engine.preference import PreferenceConfig
-from mt_ray.engine.sizing import (
-    SFT,
-    Machine,
-    Stage,
-    attention_flops,
-    device_bytes,
-    host_bytes,
-    max_kept,
-    predicted_step_seconds,
-    rollout_bytes,
-)
+from mt_ray.engine.sizing import SFT, Stage, device_bytes, host_bytes, max_kept, rollout_bytes
+from mt_ray.engine.step_time import Machine, attention_flops, predicted_step_seconds
 from mt_ray.models.discovery import discover
 from mt_ray.models.presets import preset_config
 from tests.conftest import ROOT
