@@ -48,6 +48,22 @@ class RayHead:
                 pytest.fail(f"ray job submit failed:\n{done.stdout}\n{done.stderr[-3000:]}")
             time.sleep(2)
 
+    def stop(self, job_id: str) -> None:
+        """Stop the job through the job server's REST API, at once: the `ray job stop` CLI starts a Python process
+        first, seconds on a loaded machine, in which a short job may finish."""
+        headers = {"Authorization": f"Bearer {self.auth['RAY_AUTH_TOKEN']}"}
+        request = urllib.request.Request(f"{self.address}/api/jobs/{job_id}/stop", method="POST", headers=headers)
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.load(response).get("stopped"), f"job {job_id} had already ended"
+        deadline = time.monotonic() + 120  # as `ray job stop` does: return once the job has ended
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(urllib.request.Request(f"{self.address}/api/jobs/{job_id}", headers=headers),
+                                        timeout=60) as response:
+                if json.load(response)["status"] in ("STOPPED", "SUCCEEDED", "FAILED"):
+                    return
+            time.sleep(0.5)
+        pytest.fail(f"job {job_id} did not end within 120 s of being stopped")
+
     def status(self, job_id: str) -> str:
         return self.cli("job", "status", f"--address={self.address}", job_id, check=False).stdout
 

@@ -56,7 +56,7 @@ def test_a_submitted_sweep_killed_after_two_trials_resumes_without_redoing_them(
 
     wait_until(third_trial_checkpointed, ray_head, "sweep-1")
     kept = finished_trials(trials)
-    ray_head.cli("job", "stop", f"--address={ray_head.address}", "sweep-1", timeout=120, check=False)
+    ray_head.stop("sweep-1")
     assert "SUCCEEDED" not in ray_head.status("sweep-1").upper()
     killed = [t.name for t in trials.glob("*") if not (t / "summary.json").exists() and any(t.glob("checkpoints/step-*"))]
 
