@@ -4,9 +4,11 @@ tests/unit/engine/test_families.py (CPU) and tests/gpu/test_families_cuda.py (CU
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -107,3 +109,18 @@ def assert_same_step(state, before, ref_state, loss, ref_loss, rel=1e-5, rtol=1e
     for name, w in ref_state.items():
         if name in state:  # a tied head is the embedding
             torch.testing.assert_close(state[name] - before[name], w - before[name], rtol=rtol, atol=atol, msg=name)
+
+
+def assert_exports_as_saved(saved: Path, exported: Path) -> None:
+    """`saved` (a `save_pretrained` folder) loaded into an engine and exported to `exported`: every tensor comes back
+    under its saved name with its saved value (tied ones stored once, as transformers stores them)."""
+    engine = StreamingEngine(discover(str(saved)), EngineConfig(device="cpu"), OPT, total_steps=1)
+    try:
+        engine.load_pretrained(saved)
+        out = engine.export(exported)
+    finally:
+        engine.close()
+    before, after = load_file(saved / "model.safetensors"), load_file(out / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+

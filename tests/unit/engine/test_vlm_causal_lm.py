@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
-from mt_ray.engine import EngineConfig, StreamingEngine
 from mt_ray.models.discovery import discover
-from tests.family_checks import OPT
+from tests.family_checks import assert_exports_as_saved
 from tests.vlm_sweep import image_text_case, tiny_vlm_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -49,12 +47,4 @@ def test_the_wrapped_causal_lm_streams_its_decoder_body_and_its_head(config):
 def test_a_checkpoint_loads_and_exports_tensor_for_tensor(tmp_path, config):
     torch.manual_seed(0)
     AutoModelForImageTextToText.from_config(config).save_pretrained(tmp_path / "saved")
-    engine = StreamingEngine(discover(str(tmp_path / "saved")), EngineConfig(device="cpu"), OPT, total_steps=1)
-    try:
-        engine.load_pretrained(tmp_path / "saved")
-        out = engine.export(tmp_path / "exported")
-    finally:
-        engine.close()
-    saved, exported = load_file(tmp_path / "saved/model.safetensors"), load_file(out / "model.safetensors")
-    assert saved.keys() == exported.keys()
-    assert all(torch.equal(saved[k], exported[k]) for k in saved)
+    assert_exports_as_saved(tmp_path / "saved", tmp_path / "exported")

@@ -14,7 +14,7 @@ from mt_ray.engine import EngineConfig, StreamingEngine
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.context import LayerContextBuilder
 from mt_ray.models.discovery import discover
-from tests.family_checks import OPT
+from tests.family_checks import OPT, assert_exports_as_saved
 from tests.family_sweep import save_tiny, tiny_config
 
 CPU = torch.device("cpu")
@@ -130,12 +130,4 @@ def test_a_checkpoint_loads_and_exports_as_save_pretrained_wrote_it(model_type, 
     """Every tensor of the folder, tied ones stored once (the decoder's bias as the prediction head's), comes back
     under the same names with the same values."""
     save_tiny(model_type, tmp_path / "saved")
-    engine = StreamingEngine(discover(str(tmp_path / "saved")), EngineConfig(device="cpu"), OPT, total_steps=1)
-    try:
-        engine.load_pretrained(tmp_path / "saved")
-        out = engine.export(tmp_path / "exported")
-    finally:
-        engine.close()
-    saved, exported = load_file(tmp_path / "saved/model.safetensors"), load_file(out / "model.safetensors")
-    assert saved.keys() == exported.keys()
-    assert all(torch.equal(saved[k], exported[k]) for k in saved)
+    assert_exports_as_saved(tmp_path / "saved", tmp_path / "exported")
