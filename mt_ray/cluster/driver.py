@@ -51,11 +51,11 @@ from mt_ray.cluster.wire import from_numpy, to_numpy
 from mt_ray.cluster.worker import EngineWorker
 from mt_ray.engine.batch import preference_counts
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
-from mt_ray.engine.engine import EvalResult, StepResult
 from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.host_store import plan_layout
 from mt_ray.engine.optimizer import lr_at
 from mt_ray.engine.preference import PreferenceConfig
+from mt_ray.engine.results import EvalResult, StepResult
 from mt_ray.engine.sizing import Stage
 from mt_ray.engine.step_time import Machine, predicted_step_seconds
 from mt_ray.errors import ConfigError
