@@ -61,6 +61,7 @@ from mt_ray.engine.activations import build_activation_store, streamed_step_plan
 from mt_ray.engine.batch import MicroBatch, prepare_micro_batch
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.engine_parts import (
+    StepWeights,
     apply_model_options,
     build_grad_path,
     build_streamer,
@@ -135,6 +136,7 @@ class StreamingEngine(WeightsIO):
         source, versions = (self.store, self.worker) if local else (weight_source, weight_source)
         self.streamer = build_streamer(spec, cfg, self.streams, source, versions,
                                        self.pref.reference if self._streams_reference else None)
+        self._weights = StepWeights(self.streamer, self.resident)
         self.grads = StepGrads(spec, self.device, self.grad_dtype, self.streams, self.grad_buffers, self.worker, pin)
         # Block graphs the backward uses instead of a recompute, as many as fit beside what the stage holds.
         self.kept = KeptBlocks(spec, self.streams, Stage.of(stage, pref, grpo, rollout))
@@ -181,7 +183,7 @@ class StreamingEngine(WeightsIO):
         self.kept.start(self.cfg, len(self._blocks()), len(mbs), *mbs[0].input_ids_BT.shape)
         self.streamer.start(self._upload_plan(mbs), version=self.step_idx)
         self.grads.start(lr)
-        self._kept: dict[str, torch.Tensor] = {}
+        self._weights.clear()
         # Router loss: each micro-batch weighted by its share of the step's loss tokens.
         self._aux_sum = torch.zeros((), dtype=torch.float32, device=self.device) if self.router_loss else None
         aux_weights = [mb.num_loss_tokens / n_norm for mb in mbs]
@@ -203,7 +205,7 @@ class StreamingEngine(WeightsIO):
                 self._backward_embed(self._carried(len(mbs)), mbs, contexts, final=True)
                 if imaged:
                     self.vision.backward(imaged, tapes)
-        self._kept.clear()
+        self._weights.clear()
         self.kept.clear()
         self.grads.finish(self.vision.trainable if self.vision else ())
         self.step_idx += 1
@@ -228,7 +230,7 @@ class StreamingEngine(WeightsIO):
             self.pref.start(mbs)
         plan = forward_plan(self._blocks(), self.spec.tied and not self.resident, self._streams_reference)
         self.streamer.start((self.vision.plan()[0] if imaged else []) + plan, version=self.step_idx)
-        self._kept = {}
+        self._weights.clear()
         self.activations.start(streamed_step_plan(len(self._blocks()), len(mbs), False, self._streams_reference),
                                self._hidden_numels(mbs))
         modules = [t.module for t in self.templates.values()] + ([self.vision.embed.module] if self.vision else [])
@@ -237,7 +239,7 @@ class StreamingEngine(WeightsIO):
                 self.vision.forward(imaged)
             self._forward(mbs)
             loss_sum = self.head.eval(self._carried(len(mbs)), mbs)
-        self._kept.clear()
+        self._weights.clear()
         pref = (self.pref.sums, self.pref.norm) if self.pref is not None else (None, None)
         return EvalResult(loss_sum, sum(mb.num_loss_tokens for mb in mbs), sum(mb.num_tokens for mb in mbs), *pref)
 
@@ -304,15 +306,6 @@ class StreamingEngine(WeightsIO):
         for b, block in reversed(list(enumerate(self._blocks()))):
             plan += [] if self.kept.whole(b) else [f"layers.{i}" for i in block]
         return plan + ["embed"] + vision_bwd
-
-    def _weights(self, unit: str) -> torch.Tensor:
-        """The unit's flat device weights: the next upload, or the step's kept copy when resident."""
-        flat = self._kept.get(unit)
-        if flat is None:
-            flat = self.streamer.next(unit)
-            if self.resident:
-                self._kept[unit] = flat
-        return flat
 
     def _hidden_numels(self, mbs: list[MicroBatch]) -> list[int]:
         return [mb.input_ids_BT.numel() * self.context.stream.numel for mb in mbs]

@@ -103,3 +103,29 @@ def build_streamer(spec: ModelSpec, cfg: EngineConfig, streams: StreamSet, sourc
     hold = len(spec.units) * (1 if reference is None else 2) if cfg.schedule == "resident" \
         else max(cfg.checkpoint_every, 2)
     return WeightStreamer(source, streams, cfg.dtype, cfg.prefetch_units or cfg.checkpoint_every, hold, versions)
+
+
+class StepWeights:
+    """A unit's flat device weights in a step: its next upload, or, when resident, the step's kept copy.
+
+    A part of its own, not an engine method, so that the parts it is handed to (the head, the vision stage)
+    hold no reference back to the engine: a closed engine is then freed, device memory included, as soon as
+    its last reference goes, not whenever the garbage collector next runs.
+    """
+
+    def __init__(self, streamer: WeightStreamer, resident: bool):
+        self.streamer = streamer
+        self.resident = resident
+        self._kept: dict[str, torch.Tensor] = {}
+
+    def __call__(self, unit: str) -> torch.Tensor:
+        flat = self._kept.get(unit)
+        if flat is None:
+            flat = self.streamer.next(unit)
+            if self.resident:
+                self._kept[unit] = flat
+        return flat
+
+    def clear(self) -> None:
+        """Drop the step's kept copies (at a step's start and end)."""
+        self._kept.clear()

@@ -22,6 +22,7 @@ Shape key: B batch, T tokens, D hidden, N selected (loss) tokens, S sequences.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 
@@ -107,7 +108,8 @@ def build_preference(engine, stage: str, cfg: PreferenceConfig, grpo: GrpoConfig
         raise ValueError(f"stage {stage} streams a reference: an engine without a host store (a data-parallel "
                          "worker's) needs its trainer's, as `reference`")
     reference = (given or ReferenceWeights(engine.store.layout, engine.dtype, pin)) if streamed else None
-    return PreferenceSteps(engine, objective, reference)
+    # A weak reference back: the engine owns its stage, and a closed engine is freed without the garbage collector.
+    return PreferenceSteps(weakref.proxy(engine), objective, reference)
 
 
 def forward_plan(blocks: list[range], tied: bool, reference: bool) -> list[str]:

@@ -1,5 +1,8 @@
 """The streamed engine must train exactly like ordinary in-memory PyTorch."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -138,3 +141,22 @@ def test_step_without_loss_tokens_is_refused():
             engine.train_step([mb])
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("schedule", ["stream", "resident"])
+def test_a_closed_engine_is_freed_with_its_last_reference(schedule):
+    """No reference cycle keeps a closed engine's device and host memory until the garbage collector runs:
+    a notebook or process that builds a second engine has the first one's memory back at once."""
+    cfg = tiny_config("llama")
+    gc.collect()
+    gc.disable()
+    try:
+        engine = StreamingEngine(discover(cfg), EngineConfig(device="cpu", schedule=schedule), OPT, 1)
+        engine.load_random()
+        engine.train_step(tiny_batches())
+        engine.close()
+        freed = weakref.ref(engine)
+        del engine
+        assert freed() is None
+    finally:
+        gc.enable()

@@ -9,7 +9,9 @@ then take one plain torch AdamW step, which the engine's update must equal.
 from __future__ import annotations
 
 import copy
+import gc
 import os
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -154,6 +156,26 @@ def test_dpo_equals_trl(loss, layout):
     types, weights = ([loss, "sft"], [1.0, ftx]) if ftx else ([loss], [1.0])
     theirs = trl_dpo(policy, ref, pairs, types, weights, beta=0.5)
     assert_same(ours, theirs, DPO_METRICS)
+
+
+def test_a_closed_engine_that_streams_a_reference_is_freed_with_its_last_reference():
+    """The stage refers back to its engine weakly: no cycle keeps the engine's memory until the collector runs."""
+    cfg, policy, ref = models()
+    groups = [[preference_sequence(p["prompt_ids"], p["chosen_ids"], ROLE_CHOSEN),
+               preference_sequence(p["prompt_ids"], p["rejected_ids"], ROLE_REJECTED)] for p in make_pairs()]
+    gc.collect()
+    gc.disable()
+    try:
+        engine = StreamingEngine(discover(cfg), EngineConfig(device="cpu"), OPT, 1, stage="dpo", pref=PreferenceConfig())
+        engine.load_state_dict(policy.state_dict())
+        engine.load_reference(ref.state_dict())
+        engine.train_step(micro_batches(groups, packed=True))
+        engine.close()
+        freed = weakref.ref(engine)
+        del engine
+        assert freed() is None
+    finally:
+        gc.enable()
 
 
 # ---------------------------------------------------------------------------------------------- ORPO, SimPO
