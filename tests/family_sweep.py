@@ -282,7 +282,10 @@ def _difference(state, before, ref_state, loss, ref_loss, rel=1e-5, rtol=1e-4, a
         if name not in state:
             continue  # a tied head is the embedding
         try:
-            torch.testing.assert_close(state[name] - before[name], w - before[name], rtol=rtol, atol=atol)
+            if before[name].isfinite().all():
+                torch.testing.assert_close(state[name] - before[name], w - before[name], rtol=rtol, atol=atol)
+            else:  # an unbounded clip of Gemma 4's towers (no update: inf - inf is nan), equal as it is
+                torch.testing.assert_close(state[name], w, rtol=0, atol=0)
         except AssertionError as e:
             return f"update of {name}: {_short(e)}"
     return None

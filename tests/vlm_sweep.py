@@ -53,6 +53,10 @@ _SPECIAL = ("pad_token_id", "bos_token_id", "eos_token_id")
 _IMAGE_TOKEN = ("image_token_id", "image_token_index")
 _VISION_START = SWEEP_VOCAB - 16  # below the ids `tiny_vlm_config` gives the default's special tokens
 
+# Gemma 4's tower scaled down (None in the default config: no tower at all); a 64-entry position table per axis
+_GEMMA4_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64)
+
 # Per family: what its tiny model needs beyond the scaled sizes (each line says why).
 VLM_OVERRIDES: dict[str, dict] = {
     "gemma3": {"mm_tokens_per_image": 4},  # 2x2 pooled tokens of the 4x4 patches (256 of 64x64 in the default)
@@ -127,9 +131,12 @@ VLM_OVERRIDES: dict[str, dict] = {
                                        "rope_parameters": _COMPASS_ROPE}},
     # its layers always hold experts (None in the default); its model always builds the tower the default leaves None
     "diffusion_gemma": {"text_config": {"num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 16},
-                        "vision_config": {"model_type": "gemma4_vision", "hidden_size": 16, "intermediate_size": 32,
-                                          "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
-                                          "head_dim": 8, "patch_size": 4}},
+                        "vision_config": {"model_type": "gemma4_vision", **_GEMMA4_VISION}},
+    # the tower the default leaves None (the released checkpoints have one), pooling 2x2 patches into a token
+    "gemma4": {"text_config": {**FAMILY_OVERRIDES["gemma4"]["text_config"], "use_bidirectional_attention": "vision"},
+               "vision_config": {"model_type": "gemma4_vision", **_GEMMA4_VISION, "pooling_kernel_size": 2},
+               "audio_config": {"model_type": "gemma4_audio", "subsampling_conv_channels": [8, 4],
+                                "output_proj_dims": 32}},
 }
 
 Images = dict[str, torch.Tensor]
@@ -162,7 +169,17 @@ def tiny_vlm_config(model_type: str) -> PretrainedConfig:
                     setattr(sub, k, v)
         else:
             kw[key] = value
+    kw = {k: _derived_again(v) if isinstance(v, PretrainedConfig) else v for k, v in kw.items()}
     return cls(**kw)
+
+
+def _derived_again(config: PretrainedConfig) -> PretrainedConfig:
+    """`config` built anew from its fields where its constructor derives a per-layer table from them (Gemma 4's
+    `per_layer_config`, by layer index from the layer types): the scaled copy still holds the default's."""
+    fields = config.to_dict()
+    if fields.pop("per_layer_config", None) is None:
+        return config
+    return type(config)(**fields)
 
 
 def _scaled_sub(config: PretrainedConfig, vision: bool) -> PretrainedConfig:
@@ -212,6 +229,8 @@ def _candidates(config: PretrainedConfig, takes: Container[str], g: torch.Genera
     if "spatial_shapes" in takes:  # NaFlex (LFM2-VL): a row of flattened patches, their grid, which of them are real
         out.append({"pixel_values": torch.randn(1, n, channels * patch * patch, generator=g), "spatial_shapes": grid_hw,
                     "pixel_attention_mask": torch.ones(1, n, dtype=torch.long)})
+    if "image_position_ids" in takes:  # Gemma 4: a row of flattened patches, their (x, y), padded as its processor pads
+        out.append(_positioned_patches(v, side, channels, g))
     picture = torch.randn(1, channels, size, size, generator=g)
     sizes = torch.tensor([[size, size]])
     if "target_sizes" in takes:  # MiniCPM-V 4.6: the picture's patch grid
@@ -224,6 +243,17 @@ def _candidates(config: PretrainedConfig, takes: Container[str], g: torch.Genera
             # Inkling: channels-last (t, p, p) patches, one token each
             {"pixel_values": torch.randn(n, temporal, patch, patch, channels, generator=g)}]
     return out
+
+
+def _positioned_patches(v: PretrainedConfig, side: int, channels: int, g: torch.Generator) -> Images:
+    """One picture as Gemma 4's processor gives it: its patches (of the merged size where the family merges them
+    before its embedding) in rows, each one's (x, y), and a pooled token's worth of padding patches at (-1, -1)."""
+    patch = getattr(v, "model_patch_size", v.patch_size)
+    n, pad = (side // patch) ** 2, getattr(v, "pooling_kernel_size", 1) ** 2
+    xy = torch.stack(torch.meshgrid(torch.arange(side // patch), torch.arange(side // patch), indexing="xy"), -1)
+    positions = torch.cat([xy.reshape(n, 2), torch.full((pad, 2), -1)])
+    patches = torch.cat([torch.randn(n, channels * patch * patch, generator=g), torch.zeros(pad, channels * patch * patch)])
+    return {"pixel_values": patches[None], "image_position_ids": positions[None]}
 
 
 def image_inputs(model: torch.nn.Module, g: torch.Generator, side: int = 16) -> tuple[Images, int]:

@@ -188,7 +188,13 @@ class _EmbeddingFeed(_StandIn):
     def __init__(self, original: nn.Module, model_type: str):
         super().__init__(original)
         self.pending: torch.Tensor | None = None
+        self.bound: torch.Tensor | None = None
         self.model_type = model_type
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The embed unit's weight while recording, where the body reads rows off it (Gemma 4's pad embedding)."""
+        return self.bound if self.bound is not None else self._original.weight
 
     def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if input_ids.shape != self.pending.shape[:-1]:
@@ -314,7 +320,7 @@ class LayerContextBuilder:
             self.body.forward = partial(self.deepstack, type(body).forward.__get__(self.body))
         if spec.vision is not None:  # the composite body around the language model runs the image scatter
             self.body = language_side(spec, self.body, self.images, device)
-        self.token_types = spec.vision is not None and spec.vision.image_tokens_attend_both_ways
+        self.token_types = spec.vision.image_marks if spec.vision is not None else ()
         meta_free_buffers_to(self.body, device)
         self.num_layers = len(layers)
         self.model_type = spec.config.model_type
@@ -479,16 +485,16 @@ class LayerContextBuilder:
         row = (torch.zeros(1, 4, hidden, device=device), torch.zeros(1, 4, dtype=torch.long, device=device),
                torch.arange(4, device=device).expand(*([self.rope_axes, 1] if self.rope_axes else [1]), 4))
         _, marked = self._record(self.probe_weights, *row)
-        self.token_types = False
+        marks, self.token_types = self.token_types, ()
         try:
             _, plain = self._record(self.probe_weights, *row)
         finally:
-            self.token_types = True
+            self.token_types = marks
         if not same_arguments(marked, plain, 4):
             raise ModelNotSupportedError(
-                f"'{self.model_type}': its body lets the text tokens that token_type_ids mark 0 attend to each other "
-                "both ways (a prefix of image and prompt, as PaliGemma's processor marks it), which mt-ray's rows do "
-                "not carry; this image-text family cannot be trained yet"
+                f"'{self.model_type}': its body lets the text tokens that {' and '.join(marks)} mark 0 attend to each "
+                "other both ways (a prefix of image and prompt, as PaliGemma's processor marks it), which mt-ray's rows "
+                "do not carry; this image-text family cannot be trained yet"
             )
 
     def _record(self, weights: dict[str, torch.Tensor], embeds: torch.Tensor, input_ids: torch.Tensor,
@@ -497,20 +503,20 @@ class LayerContextBuilder:
         self.log.clear()
         if self.deepstack is not None:
             self.deepstack.take()  # what an earlier recording left
-        self.feed.pending = embeds
+        self.feed.pending, self.feed.bound = embeds, weights.get("weight")
         self.images.feed(features)
         for pre in self.pre_layer:
             pre.bind(weights)
         extra = dict(images or {})
-        if self.token_types:
-            extra["token_type_ids"] = (input_ids == self.vision.image_token_id).long()
+        if self.token_types:  # image tokens marked 1, as the processors mark them
+            extra.update(dict.fromkeys(self.token_types, (input_ids == self.vision.image_token_id).long()))
         try:
             out = None
             with contextlib.suppress(TailReached):  # a body with code after its layers stops at the last (`stream_tail`)
                 out = self.body(input_ids=input_ids, position_ids=None if self.own_positions else position_ids,
                                 use_cache=False, **extra)
         finally:
-            self.feed.pending = None
+            self.feed.pending = self.feed.bound = None
             self.images.feed(None)
             for pre in self.pre_layer:
                 pre.weights = {}
@@ -546,13 +552,16 @@ class LayerContextBuilder:
 
 def _probe_weights(spec: ModelSpec, device: torch.device) -> dict[str, torch.Tensor]:
     """Weights for the pre-layer modules while probing: random, so that a position they add shows (saved buffers
-    are the skeleton's own, real ones)."""
+    are the skeleton's own, real ones); the embedding's own weight as zeros that take no memory (a body may read a
+    row of it: `_EmbeddingFeed.weight`)."""
     g = torch.Generator().manual_seed(0)
     module = embed_module(spec)
     saved = module.state_dict(keep_vars=True)
-    return {p.local_name: (torch.randn(p.shape, generator=g) if saved[p.local_name].is_meta
-                           else saved[p.local_name]).to(device)
-            for p in spec.unit("embed").params if p.local_name.startswith(tuple(f"{a}." for a in spec.embed_attrs))}
+    table = spec.skeleton.get_input_embeddings().weight
+    return {"weight": torch.zeros((), dtype=table.dtype, device=device).expand(table.shape)} | {
+        p.local_name: (torch.randn(p.shape, generator=g) if saved[p.local_name].is_meta
+                       else saved[p.local_name]).to(device)
+        for p in spec.unit("embed").params if p.local_name.startswith(tuple(f"{a}." for a in spec.embed_attrs))}
 
 
 def _takes_grad(value: Any) -> bool:

@@ -58,7 +58,9 @@ NOT_YET: dict[str, str] = {
     "muse_glimmer": "its tower has not been checked against transformers",
 }
 
-# Per-token types the engine fills itself (`token_type_ids`) or needs no more (`mm_token_type_ids`: rotary positions).
+# Per-token types the engine fills itself, image tokens marked 1 as the processors mark them: Gemma 3 (`token_type_ids`)
+# and Gemma 4 (`mm_token_type_ids`) let an image's tokens attend to each other both ways; Qwen-VL numbers rotary
+# positions from `mm_token_type_ids`, which the engine does itself (`rope_index`).
 _CARRIED_TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")
 
 # A tower child that is the family's projector although the tower owns it (LLaMA-Factory's projector_key).
@@ -112,6 +114,12 @@ class VisionSpec:
     def image_tokens_attend_both_ways(self) -> bool:
         """Gemma 3 lets an image's tokens attend to each other both ways: its body reads them off token_type_ids."""
         return "token_type_ids" in inspect.signature(self.outer.forward).parameters
+
+    @property
+    def image_marks(self) -> tuple[str, ...]:
+        """The per-token types the body's forward takes that the engine fills, image tokens marked 1."""
+        takes = inspect.signature(self.outer.forward).parameters
+        return tuple(n for n in _CARRIED_TOKEN_TYPES if n in takes)
 
 
 def is_vision_unit(name: str) -> bool:
