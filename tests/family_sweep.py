@@ -70,6 +70,11 @@ _ZEROED = ("dropout", "pdrop", "jitter", "layerdrop", "drop_path")  # training-t
 
 # Gemma 4's global layers have their own head width (per-layer config), 512 in the default
 _GEMMA4_TEXT = dict(head_dim=8, global_head_dim=16, layer_types=["sliding_attention", "full_attention"])
+# Gemma 4's vision tower (None in the default config, so no tower at all; the released checkpoints have one), pooling
+# 2x2 patches into a token; a 64-entry position table per axis
+GEMMA4_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=2,
+                     position_embedding_size=64)
 # a drafter on a Gemma 4 text model without per-layer inputs (the default has no text config)
 _GEMMA4_ASSISTANT = dict(backbone_hidden_size=32, num_centroids=8, centroid_intermediate_top_k=2, text_config=dict(
     model_type="gemma4_text", vocab_size=SWEEP_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
@@ -98,7 +103,7 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "gemma3n_text": {"layer_types": ["sliding_attention", "full_attention"] * 2, "num_hidden_layers": 4,
                      "num_kv_shared_layers": 2, "laurel_rank": 4, "altup_num_inputs": 2,
                      "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0], "intermediate_size": 64},
-    "gemma4": {"text_config": _GEMMA4_TEXT},
+    "gemma4": {"text_config": _GEMMA4_TEXT, "vision_config": GEMMA4_VISION},
     "gemma4_assistant": _GEMMA4_ASSISTANT,
     "gemma4_text": _GEMMA4_TEXT,
     "gemma4_unified": {"text_config": _GEMMA4_TEXT},

@@ -32,6 +32,7 @@ from tests.family_sweep import (
     _QWEN4_EXP,
     ALONE,
     FAMILY_OVERRIDES,
+    GEMMA4_VISION,
     SWEEP_VOCAB,
     Outcome,
     _difference,
@@ -52,10 +53,6 @@ _VISION_SIZES: dict[str, object] = dict(
 _SPECIAL = ("pad_token_id", "bos_token_id", "eos_token_id")
 _IMAGE_TOKEN = ("image_token_id", "image_token_index")
 _VISION_START = SWEEP_VOCAB - 16  # below the ids `tiny_vlm_config` gives the default's special tokens
-
-# Gemma 4's tower scaled down (None in the default config: no tower at all); a 64-entry position table per axis
-_GEMMA4_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64)
 
 # Per family: what its tiny model needs beyond the scaled sizes (each line says why).
 VLM_OVERRIDES: dict[str, dict] = {
@@ -131,10 +128,11 @@ VLM_OVERRIDES: dict[str, dict] = {
                                        "rope_parameters": _COMPASS_ROPE}},
     # its layers always hold experts (None in the default); its model always builds the tower the default leaves None
     "diffusion_gemma": {"text_config": {"num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 16},
-                        "vision_config": {"model_type": "gemma4_vision", **_GEMMA4_VISION}},
-    # the tower the default leaves None (the released checkpoints have one), pooling 2x2 patches into a token
+                        "vision_config": {**GEMMA4_VISION, "pooling_kernel_size": 3}},
+    # the causal-LM sweep's tower, its image tokens attending to each other both ways (as the larger released
+    # checkpoints' do), and an audio tower (None in the default too) that image-text training leaves untrained
     "gemma4": {"text_config": {**FAMILY_OVERRIDES["gemma4"]["text_config"], "use_bidirectional_attention": "vision"},
-               "vision_config": {"model_type": "gemma4_vision", **_GEMMA4_VISION, "pooling_kernel_size": 2},
+               "vision_config": GEMMA4_VISION,
                "audio_config": {"model_type": "gemma4_audio", "subsampling_conv_channels": [8, 4],
                                 "output_proj_dims": 32}},
 }
