@@ -75,6 +75,10 @@ _GEMMA4_TEXT = dict(head_dim=8, global_head_dim=16, layer_types=["sliding_attent
 GEMMA4_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                      num_attention_heads=2, num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=2,
                      position_embedding_size=64)
+# Gemma 4 Unified's encoder-free image embedder (None in the default too) on 4x4 patches, 2x2 merged from 2x2-pixel
+# ones, its width the projection's input
+GEMMA4_UNIFIED_VISION = dict(model_type="gemma4_unified_vision", patch_size=2, pooling_kernel_size=2, mm_embed_dim=16,
+                             output_proj_dims=16, mm_posemb_size=16)
 # a drafter on a Gemma 4 text model without per-layer inputs (the default has no text config)
 _GEMMA4_ASSISTANT = dict(backbone_hidden_size=32, num_centroids=8, centroid_intermediate_top_k=2, text_config=dict(
     model_type="gemma4_text", vocab_size=SWEEP_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
@@ -106,7 +110,7 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "gemma4": {"text_config": _GEMMA4_TEXT, "vision_config": GEMMA4_VISION},
     "gemma4_assistant": _GEMMA4_ASSISTANT,
     "gemma4_text": _GEMMA4_TEXT,
-    "gemma4_unified": {"text_config": _GEMMA4_TEXT},
+    "gemma4_unified": {"text_config": _GEMMA4_TEXT, "vision_config": GEMMA4_UNIFIED_VISION},
     "gemma4_unified_assistant": {**_GEMMA4_ASSISTANT, "text_config": {
         **_GEMMA4_ASSISTANT["text_config"], "model_type": "gemma4_unified_text"}},
     "gemma4_unified_text": _GEMMA4_TEXT,

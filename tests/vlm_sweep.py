@@ -135,6 +135,9 @@ VLM_OVERRIDES: dict[str, dict] = {
                "vision_config": GEMMA4_VISION,
                "audio_config": {"model_type": "gemma4_audio", "subsampling_conv_channels": [8, 4],
                                 "output_proj_dims": 32}},
+    # the causal-LM sweep's image embedder, and an audio embedder of 8-sample frames (None in the default too)
+    "gemma4_unified": {**FAMILY_OVERRIDES["gemma4_unified"],
+                       "audio_config": {"model_type": "gemma4_unified_audio", "audio_embed_dim": 8}},
 }
 
 Images = dict[str, torch.Tensor]

@@ -263,7 +263,8 @@ def vision_sizes(spec: ModelSpec, image_tokens: int) -> VisionSizes | None:
     projector = spec.unit(VISION_PROJECTOR)
     merge = getattr(vc, "spatial_merge_size", 1) ** 2
     return VisionSizes(image_tokens * merge, sum(u.numel for u in tower), not tower[0].frozen, _merged_params(spec),
-                       projector.numel, not projector.frozen, vc.hidden_size, len(spec.vision.blocks))
+                       projector.numel, not projector.frozen, vc.hidden_size if spec.vision.blocks else 0,
+                       len(spec.vision.blocks))
 
 
 def _merged_params(spec: ModelSpec) -> int:
@@ -272,6 +273,8 @@ def _merged_params(spec: ModelSpec) -> int:
     vision = spec.vision
     projectors = [vision.outer.get_submodule(p) for p in vision.projector_paths]
     kinds = tuple({type(m) for m in projectors})
+    if vision.tower_path is None:
+        return 0
     tower = vision.outer.get_submodule(vision.tower_path)
     return sum(p.numel() for m in tower.modules() if isinstance(m, kinds) and all(m is not q for q in projectors)
                for p in m.parameters())

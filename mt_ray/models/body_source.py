@@ -35,6 +35,11 @@ def read_apart(cls: type, attr: str, method: str) -> bool:
     return re.search(rf"self\.{re.escape(attr)}\b", source) is None and attr not in _reaches(cls, method)
 
 
+def reached_by(cls: type, attr: str, method: str) -> bool:
+    """Whether `cls.<method>` uses `self.<attr>`, directly or through the methods it calls."""
+    return attr in _reaches(cls, method)
+
+
 @cache
 def _reaches(cls: type, method: str) -> frozenset[str]:
     """Every `self.<name>` that `cls.<method>` names, directly or through the methods it calls."""

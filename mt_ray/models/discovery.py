@@ -380,9 +380,11 @@ def _vision_units(vision: VisionSpec, freeze_tower: bool, freeze_projector: bool
                                for n, t in saved.items() if keep(n)])
 
     held = tuple(f"{p}." for p in vision.held_paths)
-    tower = entries(lambda n: n.startswith(f"{vision.tower_path}.") and not n.startswith((*projector, blocks)))
+    tower = entries(lambda n: n.startswith(f"{vision.tower_path}.") and not n.startswith((*projector, blocks))
+                    ) if vision.tower_path is not None else []
     tower += [dataclasses.replace(p, trainable=False) for p in entries(lambda n: n.startswith(held))] if held else []
-    units = [UnitSpec(VISION_EMBED, tower, VISION_EMBED, frozen=freeze_tower)]
+    # Without a tower (Gemma 4 Unified's encoder-free embedder is the projector) nothing here trains.
+    units = [UnitSpec(VISION_EMBED, tower, VISION_EMBED, frozen=freeze_tower or vision.tower_path is None)]
     names = _kinds(vision.blocks, vision.block_kinds, prefix="vision:")
     for i, block in enumerate(vision.blocks):
         units.append(UnitSpec(block_unit(i), _params(block, f"{path}{blocks}{i}"), names[i], frozen=freeze_tower))
@@ -543,7 +545,7 @@ def _reject_unknown_parameters(skeleton: nn.Module, owners: list[nn.Module], vis
     them would never load: refuse such a model instead."""
     if vision is not None:
         owners += [vision.outer.get_submodule(p)
-                   for p in (vision.tower_path, *vision.projector_paths, *vision.held_paths)]
+                   for p in (vision.tower_path, *vision.projector_paths, *vision.held_paths) if p is not None]
     known = {id(t) for m in owners for t in (*m.parameters(), *m.buffers())}
     if vision is not None:
         known |= {id(t) for t in (*vision.outer.parameters(recurse=False), *vision.outer.buffers(recurse=False))}

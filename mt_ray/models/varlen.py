@@ -163,7 +163,7 @@ def register_tower_varlen() -> str:
 def bounds_attention_by_cu_seqlens(blocks: torch.nn.ModuleList) -> bool:
     """Whether a vision tower's blocks take `cu_seqlens` (Qwen-VL's: images and windows bounded by them), so
     `TOWER_VARLEN` runs their attention as one kernel call."""
-    return "cu_seqlens" in inspect.signature(type(blocks[0]).forward).parameters
+    return len(blocks) > 0 and "cu_seqlens" in inspect.signature(type(blocks[0]).forward).parameters
 
 
 def takes_document_bounds(attn_implementation: str) -> bool:

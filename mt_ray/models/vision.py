@@ -21,6 +21,11 @@ streams as any other, its final norm and LM head are the head unit, and the head
 returns: such a projector runs there, with the projector unit's weights handed over with the image features
 (`VisionSpec.forward_projectors`).
 
+Gemma 4 Unified has no tower: its `get_image_features` runs each picture's patches through an embedder beside the
+language model (norms, a projection, positions, a projection into the language model's width), with no blocks.
+Such an encoder-free embedder is the projector (`VisionSpec.tower_path` is None): it maps the patches into the
+language model's space, and trains unless `freeze_multi_modal_projector` says otherwise.
+
 The Omni thinkers (Qwen2.5-Omni's, Qwen3-Omni's) are composite bodies that hold the LM head themselves
 (`VisionSpec.holds_head`) and an audio tower beside the vision tower: image-text training gives no audio, so the
 audio tower is held, loaded and exported untrained (`VisionSpec.held_paths`), as transformers leaves it.
@@ -36,7 +41,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from mt_ray.errors import ModelNotSupportedError
-from mt_ray.models.body_source import applied_beside, read_apart
+from mt_ray.models.body_source import applied_beside, reached_by, read_apart
 
 VISION_PREFIX = "vision."  # every vision unit's name starts so
 VISION_EMBED = f"{VISION_PREFIX}embed"
@@ -73,8 +78,9 @@ class VisionSpec:
 
     outer: nn.Module
     outer_path: str
-    tower_path: str
-    blocks_path: str
+    tower_path: str | None
+    """None where the body has no tower (an encoder-free embedder, Gemma 4 Unified's: the projector, no blocks)."""
+    blocks_path: str | None
     projector_paths: list[str]
     image_token_id: int
     rope_rows: int
@@ -89,9 +95,10 @@ class VisionSpec:
     with its own head): its forward is what the head runs; "" where the composite body holds the LM head itself (the
     Omni thinkers). None where the head lies outside the composite body."""
     held_paths: list[str] = field(default_factory=list)
-    """Towers of another modality beside the vision tower, which only that modality's inputs reach (the Omni
-    thinkers' audio tower, read by `get_audio_features` alone): their tensors load and export with `vision.embed`,
-    untrained, as transformers leaves them when no audio is given."""
+    """Towers of another modality beside the vision tower and their embedders, which only that modality's inputs
+    reach (the Omni thinkers' audio tower, Gemma 4's audio tower and `embed_audio`, read by `get_audio_features`
+    alone): their tensors load and export with `vision.embed`, untrained, as transformers leaves them when no audio
+    is given."""
     forward_projectors: list[str] = field(default_factory=list)
     """Projector children the body's forward applies itself to what `get_image_features` returns (Llama 4's
     `multi_modal_projector`): they run there, with the projector unit's weights handed over with the features."""
@@ -108,7 +115,8 @@ class VisionSpec:
 
     @property
     def blocks(self) -> nn.ModuleList:
-        return self.outer.get_submodule(self.blocks_path)
+        """The tower's blocks (none without a tower)."""
+        return nn.ModuleList() if self.blocks_path is None else self.outer.get_submodule(self.blocks_path)
 
     @property
     def image_tokens_attend_both_ways(self) -> bool:
@@ -157,10 +165,15 @@ def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: n
     towers = [n for n, c in children.items()
               if isinstance(c, PreTrainedModel) and isinstance(c.config, type(config.vision_config))]
     text = _language_model_child(skeleton, children, language_model)
-    if len(towers) != 1 or text is None:
+    head = skeleton.get_output_embeddings()
+    beside = {n: c for n, c in children.items() if n not in (*towers, text) and c is not head}
+    encoder_free = not towers and any(_weighs(c) and reached_by(type(outer), n, "get_image_features")
+                                      for n, c in beside.items())
+    if len(towers) + encoder_free != 1 or text is None:
         raise ModelNotSupportedError(
-            f"image-text family '{family}': expected its body {type(outer).__name__} to own one vision tower and "
-            f"the language model, found children {list(children)}; mt-ray cannot train this family yet"
+            f"image-text family '{family}': expected its body {type(outer).__name__} to own one vision tower (or an "
+            f"image embedder its get_image_features runs instead) and the language model, found children "
+            f"{list(children)}; mt-ray cannot train this family yet"
         )
     _refuse_own_image_merge(children[text], language_model, family)
     _refuse_text_to_tower(outer, family)
@@ -172,14 +185,11 @@ def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: n
             "train this family yet"
         )
     _refuse_unread_token_types(outer, family)
-    tower_path = towers[0]
-    blocks_path = f"{tower_path}.{_find_blocks(children[tower_path], config.vision_config, family)}"
-    head = skeleton.get_output_embeddings()
-    beside = {n: c for n, c in children.items() if n not in (tower_path, text) and c is not head}
-    held = [n for n, c in beside.items()
-            if isinstance(c, PreTrainedModel) and read_apart(type(outer), n, "get_image_features")]
-    projectors = [n for n, c in beside.items() if n not in held and any(True for _ in c.parameters())]
-    projectors += [f"{tower_path}.{n}" for n in _PROJECTOR_IN_TOWER if hasattr(children[tower_path], n)]
+    tower_path = towers[0] if towers else None
+    blocks_path = f"{tower_path}.{_find_blocks(children[tower_path], config.vision_config, family)}" if towers else None
+    held = [n for n, c in beside.items() if _weighs(c) and read_apart(type(outer), n, "get_image_features")]
+    projectors = [n for n, c in beside.items() if n not in held and _weighs(c)]
+    projectors += [f"{tower_path}.{n}" for n in _PROJECTOR_IN_TOWER if towers and hasattr(children[tower_path], n)]
     image_token_id = getattr(config, "image_token_id", None)
     if image_token_id is None:
         image_token_id = getattr(config, "image_token_index", None)
@@ -190,6 +200,10 @@ def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: n
                       causal_lm_path=_causal_lm_path(children, text, language_model, head), held_paths=held,
                       forward_projectors=[p for p in projectors
                                           if applied_beside(type(outer), p, "get_image_features")])
+
+
+def _weighs(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
 
 
 def _rope_rows(outer: nn.Module, image_token_id: int) -> int:

@@ -27,7 +27,7 @@ from transformers.utils import ModelOutput
 
 from mt_ray.models.context import LayerKwargs, returns_tuple
 from mt_ray.models.discovery import ModelSpec, meta_free_buffers_to
-from mt_ray.models.nesting import reads_device, with_submodule
+from mt_ray.models.nesting import reads_device, shallow_copy, with_submodule
 
 
 class _Recorded(Exception):
@@ -116,15 +116,19 @@ class VisionRunner:
         vision = spec.vision
         self.num_blocks = len(vision.blocks)
         self.stand_ins = [_stand_in(type(b))(i, self, b) for i, b in enumerate(vision.blocks)]
-        self.module = reads_device(with_submodule(vision.outer, vision.blocks_path, nn.ModuleList(self.stand_ins)),
-                                   device)
+        copy = shallow_copy(vision.outer) if vision.blocks_path is None else \
+            with_submodule(vision.outer, vision.blocks_path, nn.ModuleList(self.stand_ins))
+        self.module = reads_device(copy, device)
         self.module.forward = image_features_of(self.module)  # the copy's own, so it sees the stand-ins
         meta_free_buffers_to(self.module, device)
         self.tape = VisionTape()
         self.replaying = False
 
     def record(self, run: Callable[[], Any]) -> VisionTape:
-        """Run `run` (a call of `module`) up to the last block; returns block 0's input and every block's arguments."""
+        """Run `run` (a call of `module`) up to the last block; returns block 0's input and every block's arguments.
+        Without blocks (no tower) nothing comes before them: `replay` runs the whole call."""
+        if not self.num_blocks:
+            return VisionTape()
         self.tape, self.replaying = VisionTape(), False
         try:
             run()
