@@ -136,11 +136,12 @@ def varlen_problem(spec: ModelSpec, device: torch.device, dtype: torch.dtype) ->
         return f"needs a family whose attention transformers runs with flash kernels, which '{config.model_type}' is not"
     if getattr(config, "attention_dropout", 0.0):
         return "has no attention dropout (config.attention_dropout is not 0)"
-    if getattr(config, "use_bidirectional_attention", False):
-        return f"computes causal attention only, and this '{config.model_type}' attends both ways"
-    if spec.vision is not None and spec.vision.image_tokens_attend_both_ways:
+    both_ways = getattr(config, "use_bidirectional_attention", None)  # "vision": an image's tokens only (Gemma 4)
+    if both_ways == "vision" or spec.vision is not None and spec.vision.image_tokens_attend_both_ways:
         return (f"computes causal attention only, and '{spec.config.model_type}' lets an image's tokens attend to "
                 "each other both ways")
+    if both_ways:
+        return f"computes causal attention only, and this '{config.model_type}' attends both ways"
     return None
 
 

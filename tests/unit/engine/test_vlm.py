@@ -219,6 +219,15 @@ def test_varlen_is_refused_where_image_tokens_attend_both_ways(tmp_path):
     assert resolve_attention(spec, "auto", torch.device("cuda"), torch.bfloat16) == "sdpa"
 
 
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_unified"])
+def test_varlen_is_refused_where_gemma4s_image_tokens_attend_both_ways(family):
+    from tests.vlm_sweep import tiny_vlm_config
+
+    spec = discover(tiny_vlm_config(family))
+    with pytest.raises(ConfigError, match=f"'varlen' computes causal attention only, and '{family}' lets an image's"):
+        resolve_attention(spec, "varlen", torch.device("cuda"), torch.bfloat16)
+
+
 def test_a_trained_tower_leaves_what_get_image_features_never_reads_as_transformers(tmp_path, gemma3_documents):
     """SigLIP's pooling head gets no gradient under Gemma 3: torch's AdamW leaves it unchanged (no decay), and so
     does the engine, while the rest of the tower trains. Two steps: the projector starts at zero."""
@@ -302,3 +311,26 @@ def test_the_loaders_packed_image_rows_train_as_transformers_on_each_document(fo
     [loss], _, _, _ = engine_steps(folder, [[row]])
     [ref_loss] = reference_train(reference_model(folder), [docs], OPT)
     assert loss == pytest.approx(ref_loss, rel=1e-5)
+
+
+# Gemma 4's released layouts beyond the sweep's tiny one: keys and values shared across layers, with per-layer
+# inputs (E2B, E4B); experts beside each MLP (26B-A4B); keys as values on the global layers and no per-layer
+# inputs (31B)
+GEMMA4_LAYOUTS = {
+    "kv_shared": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                      num_kv_shared_layers=2),
+    "experts": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16),
+    "keys_as_values": dict(attention_k_eq_v=True, num_global_key_value_heads=1, hidden_size_per_layer_input=0),
+}
+
+
+@pytest.mark.parametrize("layout", GEMMA4_LAYOUTS)
+def test_gemma4s_released_layouts_train_at_parity(tmp_path, layout):
+    """Tower frozen and trained, image tokens attending to each other both ways, the audio tower held."""
+    from tests.vlm_sweep import image_text_case, tiny_vlm_config
+
+    config = tiny_vlm_config("gemma4")
+    fields = {k: v for k, v in config.text_config.to_dict().items() if k != "per_layer_config"}
+    config.text_config = type(config.text_config)(**{**fields, "global_head_dim": 16, **GEMMA4_LAYOUTS[layout]})
+    outcome = image_text_case("gemma4", tmp_path, config=config)
+    assert outcome.status == "matched", outcome.reason
