@@ -271,10 +271,10 @@ def _merged_params(spec: ModelSpec) -> int:
     """Parameters of the tower's modules of the projector's class (Qwen3-VL's deepstack mergers): like the
     projector, they run on merged image tokens."""
     vision = spec.vision
-    projectors = [vision.outer.get_submodule(p) for p in vision.projector_paths]
-    kinds = tuple({type(m) for m in projectors})
     if vision.tower_path is None:
         return 0
+    projectors = [vision.outer.get_submodule(p) for p in vision.projector_paths]
+    kinds = tuple({type(m) for m in projectors})
     tower = vision.outer.get_submodule(vision.tower_path)
     return sum(p.numel() for m in tower.modules() if isinstance(m, kinds) and all(m is not q for q in projectors)
                for p in m.parameters())

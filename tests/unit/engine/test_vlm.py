@@ -334,3 +334,21 @@ def test_gemma4s_released_layouts_train_at_parity(tmp_path, layout):
     config.text_config = type(config.text_config)(**{**fields, "global_head_dim": 16, **GEMMA4_LAYOUTS[layout]})
     outcome = image_text_case("gemma4", tmp_path, config=config)
     assert outcome.status == "matched", outcome.reason
+
+
+def test_an_image_embedder_without_a_tower_trains_at_parity_resident(tmp_path):
+    """Gemma 4 Unified's vision side is its projector alone: no record pass, no blocks (the sweep streams it)."""
+    from tests.vlm_sweep import image_text_case
+
+    outcome = image_text_case("gemma4_unified", tmp_path, schedule="resident")
+    assert outcome.status == "matched", outcome.reason
+
+
+def test_an_image_embedder_without_a_tower_is_sized_as_a_projector():
+    """No blocks keep outputs on the device; the embedder runs on image tokens, trained as the projector."""
+    from tests.vlm_sweep import tiny_vlm_config
+
+    spec = discover(tiny_vlm_config("gemma4_unified"))
+    sizes = vision_sizes(spec, 16)
+    assert (sizes.depth, sizes.kept_bytes(4, 2), sizes.merged_params, sizes.tower_trains) == (0, 0, 0, False)
+    assert sizes.projector_trains and sizes.projector_params == spec.unit("vision.projector").numel > 0
