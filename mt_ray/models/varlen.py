@@ -139,8 +139,8 @@ def varlen_problem(spec: ModelSpec, device: torch.device, dtype: torch.dtype) ->
     if getattr(config, "use_bidirectional_attention", False):
         return f"computes causal attention only, and this '{config.model_type}' attends both ways"
     if spec.vision is not None and spec.vision.image_tokens_attend_both_ways:
-        return (f"computes causal attention only, and '{spec.config.model_type}' lets an image's tokens attend to "
-                "each other both ways")
+        return (f"computes causal attention only, and '{spec.config.model_type}' lets some tokens (an image's, or a "
+                "prefix of image and prompt) attend to each other both ways")
     return None
 
 

@@ -16,7 +16,7 @@ import torch
 from mt_ray.engine import EngineConfig, StreamingEngine
 from mt_ray.engine.batch import prepare_micro_batch
 from mt_ray.engine.sizing import vision_sizes
-from mt_ray.errors import ConfigError
+from mt_ray.errors import ConfigError, DatasetError
 from mt_ray.models.attention import resolve_attention
 from mt_ray.models.context import LayerContextBuilder
 from mt_ray.models.discovery import discover
@@ -28,9 +28,12 @@ from tests.vlm_models import (
     image_document,
     llava_document,
     make_image,
+    paligemma_document,
+    paligemma_processor,
     reference_model,
     save_gemma3,
     save_llava,
+    save_paligemma,
     save_qwen_vl,
 )
 
@@ -214,7 +217,7 @@ def test_gemma3_step_equals_transformers(tmp_path, gemma3_documents, engine_kw, 
 def test_varlen_is_refused_where_image_tokens_attend_both_ways(tmp_path):
     """Gemma 3's image blocks are bidirectional, which varlen's causal kernel would drop: `auto` keeps SDPA's mask."""
     spec = discover(str(save_gemma3(tmp_path, vision_use_head=False)))
-    with pytest.raises(ConfigError, match="'varlen' computes causal attention only, and 'gemma3' lets an image's"):
+    with pytest.raises(ConfigError, match="'varlen' computes causal attention only, and 'gemma3' lets some tokens"):
         resolve_attention(spec, "varlen", torch.device("cuda"), torch.bfloat16)
     assert resolve_attention(spec, "auto", torch.device("cuda"), torch.bfloat16) == "sdpa"
 
@@ -232,6 +235,105 @@ def test_a_trained_tower_leaves_what_get_image_features_never_reads_as_transform
     assert head and all(torch.equal(state[k], before[k]) for k in head)
     [patches] = [k for k in state if k.endswith("patch_embedding.weight")]
     assert not torch.equal(state[patches], before[patches])
+
+
+@pytest.fixture(scope="module")
+def paligemma(tmp_path_factory):
+    """A tiny PaliGemma, its processor and three documents as the processor writes them (one image, none, two)."""
+    processor = paligemma_processor()
+    folder = save_paligemma(tmp_path_factory.mktemp("paligemma"), processor)
+    docs = [paligemma_document(processor, "what is it", "a cat", [make_image(0)]),
+            paligemma_document(processor, "say more", "no more text", []),
+            paligemma_document(processor, "same or not", "they differ", [make_image(1), make_image(2)])]
+    return folder, processor, docs
+
+
+def test_paligemmas_prefix_is_marked_from_the_labels_as_its_processor_marks_it(paligemma):
+    """token_type_ids 0 over each document's image, bos and prompt (labels -100), 1 over the suffix it labels; every
+    prefix of a packed row is type 0 and the body gives them one block, so each document runs alone."""
+    folder, _, docs = paligemma
+    context = LayerContextBuilder(discover(str(folder)), torch.device("cpu"))
+    mb = prepare_micro_batch(packed(docs), torch.device("cpu"), context.document_images)
+    assert torch.equal(mb.documents.token_types, torch.cat([d["token_type_ids"] for d in docs], 1))
+    assert context.isolate_documents
+
+
+def test_a_packed_paligemma_rows_prefix_attends_both_ways_within_its_own_document_only(paligemma):
+    """Each document of a packed row reaches the layers alone, with the mask transformers builds for it: its prefix
+    sees itself both ways, its suffix sees causally, and none of its tokens sees another document's."""
+    folder, processor, _ = paligemma
+    docs = [paligemma_document(processor, "a longer prompt than the next", "yes", []),
+            paligemma_document(processor, "short", "a longer answer here", [])]
+    context = LayerContextBuilder(discover(str(folder)), torch.device("cpu"))
+    mb = prepare_micro_batch(packed(docs), torch.device("cpu"), context.document_images)
+    _, ctx = context(torch.zeros(*mb.input_ids_BT.shape, 32), mb.input_ids_BT, mb.positions, mb.documents)
+    for ((s, e), per_layer), doc in zip(ctx.documents, docs, strict=True):
+        prefix, n = int((doc["token_type_ids"] == 0).sum()), e - s
+        expected = torch.ones(n, n, dtype=torch.bool).tril()
+        expected[:prefix, :prefix] = True
+        for kw in per_layer:
+            mask = kw["attention_mask"][0, 0]
+            assert torch.equal(mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2, expected)
+
+
+@pytest.mark.parametrize(("engine_kw", "freeze"), [({}, (True, False)), ({"schedule": "resident"}, (False, False))],
+                         ids=["stream-frozen-tower", "resident-all-trained"])
+def test_paligemma_step_equals_transformers_on_its_processors_documents(paligemma, engine_kw, freeze):
+    """The engine marks each prefix from the labels; transformers reads the processor's own token_type_ids."""
+    folder, _, docs = paligemma
+    losses, before, state, _ = engine_steps(folder, [[packed(docs)]] * 2, freeze, **engine_kw)
+    ref = reference_model(folder, *freeze)
+    ref_losses = reference_train(ref, [docs] * 2, OPT)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_same_step(state, before, ref.state_dict(), losses[-1], ref_losses[-1])
+
+
+def test_evaluate_scores_paligemma_as_transformers_does(paligemma):
+    """Forward only: the prefix is marked as in training, and the summed loss is transformers' on each document."""
+    folder, _, docs = paligemma
+    engine = StreamingEngine(discover(str(folder)), EngineConfig(device="cpu"), OPT, total_steps=1)
+    try:
+        engine.load_pretrained(folder)
+        result = engine.evaluate([packed(docs)])
+    finally:
+        engine.close()
+    ref = reference_model(folder).eval()
+    with torch.no_grad():
+        ref_sum = sum(ref(**doc, use_cache=False).loss.item() * int((doc["labels"][:, 1:] != -100).sum())
+                      for doc in docs)
+    assert result.loss_sum.item() == pytest.approx(ref_sum, rel=1e-5)
+
+
+def test_a_paligemma_row_whose_labels_mark_no_prefix_is_refused(paligemma):
+    """Without labels no prefix is marked; labels over an image put it past the prefix: neither is trained."""
+    folder, _, docs = paligemma
+    images_of = LayerContextBuilder(discover(str(folder)), torch.device("cpu")).document_images
+    row = packed(docs)
+    with pytest.raises(DatasetError, match="'paligemma' attends both ways over each document's prefix, which its "
+                                           "labels mark .* this micro-batch has none"):
+        prepare_micro_batch({k: v for k, v in row.items() if k != "labels"}, torch.device("cpu"), images_of)
+    with pytest.raises(DatasetError, match=r"the document at tokens \(0, 28\) has an image token at 0, after its first "
+                                           "labelled token: its images must lie in its prefix"):
+        prepare_micro_batch(row | {"labels": row["input_ids"]}, torch.device("cpu"), images_of)
+
+
+def test_ernie_vl_routes_each_images_tokens_start_and_end_to_the_vision_experts():
+    """ERNIE-VL's layers take `moe_mm_token_type_ids` as its processor marks them (its own code, the token ids the
+    config names): an image's tokens, start and end 1, text 0. The sweep's step checks the experts they route to."""
+    from transformers import Ernie4_5_VLMoeProcessor
+
+    from tests.vlm_sweep import tiny_vlm_config
+
+    config = tiny_vlm_config("ernie4_5_vl_moe")
+    context = LayerContextBuilder(discover(config), torch.device("cpu"))
+    start, image, end = config.image_start_token_id, config.image_token_id, config.image_end_token_id
+    ids = torch.tensor([[5, start, image, image, end, 6, 7, 8, start, image, end]])
+    mb = prepare_micro_batch({"input_ids": ids, "labels": ids}, torch.device("cpu"), context.document_images)
+    _, ctx = context(torch.zeros(*ids.shape, config.text_config.hidden_size), mb.input_ids_BT, mb.positions,
+                     mb.documents)
+    expected = Ernie4_5_VLMoeProcessor.create_moe_mm_token_type_ids(config, ids)
+    assert expected.tolist() == [[0, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1]]
+    assert all(torch.equal(kw["moe_mm_token_type_ids"], expected) for kw in ctx.whole)
 
 
 @pytest.mark.parametrize("engine_kw", [{}, {"attn_implementation": "varlen"}], ids=["auto", "varlen"])
@@ -262,9 +364,8 @@ def test_llava_with_a_trained_tower_equals_transformers(tmp_path):
 
 
 @pytest.mark.parametrize(("family", "reason"), [
-    ("mllama", "has no get_image_features"), ("paligemma", "token_type_ids mark 0 attend to each other both ways"),
+    ("mllama", "has no get_image_features"),
     ("kosmos-2", "places the image embeddings itself"), ("instructblip", "reads text tokens of its own"),
-    ("ernie4_5_vl_moe", "reads per-token types ['moe_mm_token_type_ids']"),
     ("emu3", "its images become discrete tokens of a VQ-VAE")])
 def test_image_text_families_not_trained_are_refused_by_name_and_feature(family, reason):
     from tests.vlm_sweep import image_text_outcome

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mt_ray.models.discovery import discover
-from mt_ray.models.document_images import DocumentImages, image_runs
+from mt_ray.models.document_images import DocumentImages, image_runs, suffix_mask
 from tests.vlm_sweep import tiny_vlm_config
 
 
@@ -23,6 +23,13 @@ def _image(k: int) -> dict[str, torch.Tensor]:
 def test_each_image_run_is_one_image():
     assert [image_runs(torch.tensor(m, dtype=torch.bool)) for m in ([], [0, 0], [1, 1, 0], [0, 1, 0, 1, 1], [1, 0, 1])] \
         == [0, 0, 1, 2, 2]
+
+
+def test_a_documents_suffix_starts_at_its_own_first_labelled_token():
+    """PaliGemma's prefix: what comes before each document's first labelled token (a document labelled nowhere is all
+    prefix, whatever the documents before it hold)."""
+    labelled = torch.tensor([0, 0, 1, 0, 1, 0, 0, 0, 1, 1, 0], dtype=torch.bool)
+    assert suffix_mask(labelled, [(0, 5), (5, 8), (8, 11)]).int().tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1]
 
 
 def test_a_documents_images_are_its_runs_of_image_tokens_row_after_row(qwen3_5):
