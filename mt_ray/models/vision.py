@@ -238,14 +238,17 @@ def _language_model_child(skeleton: nn.Module, children: dict[str, nn.Module], l
 
 
 def _refuse_own_image_merge(text: nn.Module, language_model: nn.Module, family: str) -> None:
-    """Kosmos-2's language model takes the image embeddings itself and places them at the positions its processor
-    marks in `image_embeds_position_mask`: no scatter at image tokens that mt-ray's rows could carry."""
+    """Kosmos-2's language model takes the image embeddings itself and places them where its processor marks
+    `image_embeds_position_mask`: the placeholder tokens between `<image>` and `</image>`, whose ids are ordinary text
+    ids (Kosmos-2's the ids after `<unk>`, Kosmos-2.5's `<s>`). Only the tokenizer's `<image>` and `</image>` set them
+    apart, and the config names neither (nor an image token id), so the engine cannot mark them from a row."""
     takes = [m for m in (text, language_model) if "image_embeds" in inspect.signature(type(m).forward).parameters]
     if takes:
         raise ModelNotSupportedError(
             f"image-text family '{family}': its language model ({type(takes[0]).__name__}) places the image embeddings "
-            "itself, where the processor's `image_embeds_position_mask` says, which mt-ray's rows do not carry; this "
-            "family cannot be trained yet"
+            "itself, where the processor's `image_embeds_position_mask` says: over placeholder tokens between "
+            "`<image>` and `</image>` whose ids are ordinary text ids, told apart only by those two tokenizer tokens, "
+            "which its config does not name, so mt-ray cannot mark them from a row; this family cannot be trained yet"
         )
 
 

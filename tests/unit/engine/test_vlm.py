@@ -374,9 +374,10 @@ def test_image_text_families_not_trained_are_refused_by_name_and_feature(family,
     assert outcome.status == "refused" and f"'{family}'" in outcome.reason and reason in outcome.reason
 
 
-def test_the_loaders_packed_image_rows_train_as_transformers_on_each_document(folder, tmp_path):
-    """From the registry to the step: LLaMA-Factory rows through the folder's processor, packed by the loader;
-    the engine's first loss is transformers' on each document alone, its images and mrope positions its own."""
+def loader_row(folder, tmp_path, max_seq_len: int) -> tuple[dict, list[dict], int]:
+    """LLaMA-Factory rows (one image, none, two) through the folder's processor, packed by the loader into one row;
+    that row, its documents as transformers takes each alone (padding left out, its own images' tensors joined), and
+    the image token."""
     from mt_ray.data import DataConfig, build_dataloader
     from mt_ray.data.mm_processor import ImageEncoder, load_processor
     from tests.unit.data.test_data_images import chat, mllm_registry
@@ -384,8 +385,8 @@ def test_the_loaders_packed_image_rows_train_as_transformers_on_each_document(fo
     rows = [chat("<image>What is it?", "A cat.", "0.png"), chat("No picture.", "Fine."),
             chat("<image> and <image>: same?", "No, they differ.", "1.png", "2.png")]
     encoder = ImageEncoder(load_processor(folder))
-    config = DataConfig(datasets=["mm"], registry=mllm_registry(tmp_path, rows), max_seq_len=96, shuffle=False,
-                        packing_window=3)
+    config = DataConfig(datasets=["mm"], registry=mllm_registry(tmp_path, rows), max_seq_len=max_seq_len,
+                        shuffle=False, packing_window=3)
     batch = next(build_dataloader(config, encoder.processor.tokenizer, 1, images=encoder))
     row = {k: batch[k][:1] for k in ("input_ids", "labels", "position_ids")} | {"images": batch["images"][:1]}
     docs, images = [], iter(batch["images"][0])
@@ -394,12 +395,33 @@ def test_the_loaders_packed_image_rows_train_as_transformers_on_each_document(fo
         ids, labels = batch["input_ids"][0][at][None], batch["labels"][0][at][None]
         if (labels != -100).any():  # not the padding
             runs = "".join("x" if t == encoder.image_token_id else " " for t in ids[0].tolist()).split()
-            doc = {"input_ids": ids, "labels": labels, "mm_token_type_ids": (ids == encoder.image_token_id).int()}
             mine = [next(images) for _ in runs]
-            if mine:
-                doc |= {k: torch.cat([m[k] for m in mine]) for k in ("pixel_values", "image_grid_thw")}
-            docs.append(doc)
+            docs.append({"input_ids": ids, "labels": labels} | ({k: torch.cat([m[k] for m in mine]) for k in mine[0]}
+                                                                 if mine else {}))
     assert len(docs) >= 2 and any("pixel_values" in d for d in docs)  # a packed row with images
+    return row, docs, encoder.image_token_id
+
+
+def test_the_loaders_packed_image_rows_train_as_transformers_on_each_document(folder, tmp_path):
+    """From the registry to the step: the engine's first loss is transformers' on each document alone, its images
+    and mrope positions its own."""
+    row, docs, image_token = loader_row(folder, tmp_path, 96)
+    for doc in docs:
+        doc["mm_token_type_ids"] = (doc["input_ids"] == image_token).int()
+    [loss], _, _, _ = engine_steps(folder, [[row]])
+    [ref_loss] = reference_train(reference_model(folder), [docs], OPT)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+
+
+def test_the_loaders_packed_paligemma_rows_train_as_transformers_on_each_document(paligemma, tmp_path):
+    """PaliGemma's folder with its processor: each image expands to its tokens, bos and newline in the user's turn,
+    so the prefix (up to the answer, which alone carries labels) holds it; transformers gets the token types its
+    processor would give that prompt and answer."""
+    folder, processor, _ = paligemma
+    processor.save_pretrained(folder)
+    row, docs, _ = loader_row(folder, tmp_path, 160)
+    for doc in docs:
+        doc["token_type_ids"] = (doc["labels"] != -100).long().cummax(1).values
     [loss], _, _, _ = engine_steps(folder, [[row]])
     [ref_loss] = reference_train(reference_model(folder), [docs], OPT)
     assert loss == pytest.approx(ref_loss, rel=1e-5)
