@@ -546,7 +546,6 @@ class LayerContextBuilder:
         self.log.clear()
         return h0, per_layer
 
-
     def _token_types(self, input_ids: torch.Tensor, token_types: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """The per-token types the body reads beside the ids: `token_type_ids` (the micro-batch's, else marked as a
         processor marks text without labels: 1 at image tokens) and ERNIE-VL's `moe_mm_token_type_ids`."""

@@ -95,8 +95,9 @@ class DocumentImages:
             out.append(images[taken:taken + n])
             taken += n
         if taken != len(images):
-            raise ValueError(f"the micro-batch holds {len(images)} images but {taken} runs of image tokens: each "
-                             "image's tokens must be one run, in the images' order")
+            raise ValueError(f"the micro-batch holds {len(images)} images but its image tokens make {taken}: each "
+                             "image's tokens must be one run (or, where the family fixes them, as many as it fixes), "
+                             "in the images' order")
         return out
 
     def images_in(self, is_image_T: torch.Tensor) -> int:

@@ -39,8 +39,17 @@ def test_a_documents_images_are_its_runs_of_image_tokens_row_after_row(qwen3_5):
     spans = [(0, 5), (5, 8), (8, 12), (12, 16)]
     split = DocumentImages(qwen3_5, per_document=True).split(ids, spans, [_image(k) for k in range(4)])
     assert [[int(i["pixel_values"][0, 0]) for i in d] for d in split] == [[0, 1], [], [2], [3]]
-    with pytest.raises(ValueError, match="3 images but 4 runs of image tokens"):
+    with pytest.raises(ValueError, match="3 images but its image tokens make 4"):
         DocumentImages(qwen3_5, per_document=True).split(ids, spans, [_image(k) for k in range(3)])
+
+
+def test_where_the_family_fixes_each_images_tokens_a_run_may_hold_several_images():
+    """PaliGemma's processor writes a document's images as one run, `num_image_tokens` (16 here) each."""
+    paligemma = discover(tiny_vlm_config("paligemma")).vision
+    X = paligemma.image_token_id
+    ids = torch.tensor([[X] * 32 + [5, 6] + [X] * 16 + [7]])
+    split = DocumentImages(paligemma, per_document=True).split(ids, [(0, 34), (34, 51)], [_image(k) for k in range(3)])
+    assert [[int(i["pixel_values"][0, 0]) for i in d] for d in split] == [[0, 1], [2]]
 
 
 def test_images_are_split_only_where_something_reads_the_split(qwen3_5):
