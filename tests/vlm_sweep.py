@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
-from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig
+from transformers import AutoConfig, AutoModelForImageTextToText, Ernie4_5_VLMoeProcessor, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from mt_ray.engine import EngineConfig, StreamingEngine
@@ -295,8 +295,6 @@ def alone(doc: dict, model: torch.nn.Module, image_token: int) -> dict:
         prefix = model.config.model_type in PREFIX_TYPES
         out["token_type_ids"] = (doc["labels"] != -100).long().cummax(1).values if prefix else is_image
     if "moe_mm_token_type_ids" in takes:
-        from transformers import Ernie4_5_VLMoeProcessor
-
         out["moe_mm_token_type_ids"] = Ernie4_5_VLMoeProcessor.create_moe_mm_token_type_ids(
             model.config, doc["input_ids"])  # the config names the token ids the processor reads off its tokenizer
     return out
