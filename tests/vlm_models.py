@@ -152,6 +152,48 @@ def llava_document(text_tokens: int, images: int, generator: torch.Generator) ->
     return doc
 
 
+def paligemma_processor():
+    """PaliGemma's own processor around the tiny tokenizer (an existing special token as its bos) and SigLIP's image
+    processor of 16x16-pixel pictures (16 image tokens each)."""
+    from transformers import PaliGemmaProcessor
+    from transformers.models.siglip import SiglipImageProcessorPil
+
+    tokenizer = load_tiny_tokenizer()
+    tokenizer.bos_token = "<|im_start|>"
+    images = SiglipImageProcessorPil(size={"height": 16, "width": 16})
+    images.image_seq_length = 16
+    return PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer)
+
+
+def save_paligemma(folder: Path, processor, seed: int = 0) -> Path:
+    """A random tiny PaliGemma (SigLIP tower of 16x16-pixel images, 16 image tokens each; a Gemma language model)
+    written by transformers, its image token `processor`'s."""
+    config = AutoConfig.for_model(
+        "paligemma",
+        text_config=dict(model_type="gemma", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=VLM_VOCAB,
+                         initializer_range=0.2),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=16, patch_size=4),
+        image_token_index=processor.image_token_id, vocab_size=VLM_VOCAB, projection_dim=32, hidden_size=32)
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
+    return Path(folder)
+
+
+def paligemma_document(processor, prompt: str, suffix: str, images: list[Image.Image]) -> dict[str, torch.Tensor]:
+    """One document as PaliGemma's processor writes it for training: its images' tokens, bos, the prompt and a
+    newline (token type 0, labels -100), then the suffix and eos (token type 1, labelled). The processor takes no
+    document without images: one is tokenized as it tokenizes the text of one (a text pair), labelled alike."""
+    if images:
+        text = "<image>" * len(images) + prompt
+        return dict(processor(text=[text], images=[images], suffix=[suffix], return_tensors="pt"))
+    tokenizer = processor.tokenizer
+    out = dict(tokenizer([tokenizer.bos_token + prompt + "\n"], text_pair=[suffix + tokenizer.eos_token],
+                         return_token_type_ids=True, return_tensors="pt"))
+    return out | {"labels": out["input_ids"].masked_fill(out["token_type_ids"] == 0, -100)}
+
+
 def make_image(seed: int, height: int = 16, width: int = 24) -> Image.Image:
     """A random RGB picture (its sizes are multiples of 8, so it keeps its size in the tiny processor)."""
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import copy
 import inspect
 import tempfile
-from collections.abc import Callable, Container
+from collections.abc import Container
 from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
-from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig
+from transformers import AutoConfig, AutoModelForImageTextToText, Ernie4_5_VLMoeProcessor, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from mt_ray.engine import EngineConfig, StreamingEngine
@@ -58,6 +58,7 @@ _VISION_START = SWEEP_VOCAB - 16  # below the ids `tiny_vlm_config` gives the de
 VLM_OVERRIDES: dict[str, dict] = {
     "gemma3": {"mm_tokens_per_image": 4},  # 2x2 pooled tokens of the 4x4 patches (256 of 64x64 in the default)
     "shieldgemma2": {"mm_tokens_per_image": 4},
+    "paligemma": {"projection_dim": 32},  # its projector's width is the language model's (2048 in the default)
     # its tower's output width is the language model's; its rotary sections default to [16, 24, 24] (128-wide heads)
     "qwen2_vl": {"vision_config": {"hidden_size": 32}, "text_config": {"rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}}},
@@ -141,6 +142,9 @@ VLM_OVERRIDES: dict[str, dict] = {
 }
 
 Images = dict[str, torch.Tensor]
+# Families whose processor marks token_type_ids 0 over each document's prefix (image, bos, prompt) and 1 over the suffix
+# it labels (PaliGemma's tokenizes the two as a text pair); others' mark the image tokens 1.
+PREFIX_TYPES = ("paligemma",)
 
 
 class _NotReloaded(Exception):  # noqa: N818 - an outcome, not an error of the sweep
@@ -306,18 +310,24 @@ def packed(docs: list[dict]) -> dict:
             "images": [[image for d in docs for image in d["images"]]]}
 
 
-def alone(doc: dict, forward: Callable, image_token: int) -> dict:
-    """One document as transformers' model takes it: its images' tensors joined, token types where it reads them, and
-    the attention mask a processor returns (the Omni thinkers number rotary positions only with one)."""
+def alone(doc: dict, model: torch.nn.Module, image_token: int) -> dict:
+    """One document as transformers' `model` takes it: its images' tensors joined, token types where it reads them
+    as its processor marks them (the image tokens; PaliGemma's prefix, before the first labelled token; ERNIE-VL's
+    MoE types, by its processor's own code), and the attention mask a processor returns (the Omni thinkers number
+    rotary positions only with one)."""
     out = {"input_ids": doc["input_ids"], "labels": doc["labels"], "attention_mask": torch.ones_like(doc["input_ids"])}
     if doc["images"]:
         out |= {k: torch.cat([image[k] for image in doc["images"]]) for k in doc["images"][0]}
-    takes = inspect.signature(forward).parameters
+    takes = inspect.signature(model.forward).parameters
     is_image = (doc["input_ids"] == image_token).long()
     if "mm_token_type_ids" in takes:
         out["mm_token_type_ids"] = is_image.int()
     if "token_type_ids" in takes:
-        out["token_type_ids"] = is_image
+        prefix = model.config.model_type in PREFIX_TYPES
+        out["token_type_ids"] = (doc["labels"] != -100).long().cummax(1).values if prefix else is_image
+    if "moe_mm_token_type_ids" in takes:
+        out["moe_mm_token_type_ids"] = Ernie4_5_VLMoeProcessor.create_moe_mm_token_type_ids(
+            model.config, doc["input_ids"])  # the config names the token ids the processor reads off its tokenizer
     return out
 
 
@@ -340,7 +350,7 @@ def _step(folder: Path, model_type: str, docs: list[dict], freeze: tuple[bool, b
     for name, p in ref.named_parameters():
         p.requires_grad_(p.requires_grad and name not in frozen)
     token = spec.vision.image_token_id
-    [ref_loss] = reference_train(ref, [[alone(d, ref.forward, token) for d in docs]], OPT)
+    [ref_loss] = reference_train(ref, [[alone(d, ref, token) for d in docs]], OPT)
     return (_difference(state, before, ref.state_dict(), loss, ref_loss, **(tolerances or {})),
             engine.context.isolate_documents)
 

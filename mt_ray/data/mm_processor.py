@@ -122,7 +122,8 @@ class ImageEncoder:
         return out["input_ids"][0].tolist(), tensors
 
 
-_TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+# What a processor returns for the text rather than the image (PaliGemma's labels its text's suffix).
+_TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "labels")
 
 
 def _image_text(processor: ProcessorMixin) -> str:

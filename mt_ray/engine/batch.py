@@ -64,7 +64,8 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
     add `advantages` [B, W] and, when a rollout is trained on more than once, `old_logps` (each loss token's,
     in loss-token order, as `evaluate` collected them). An image-text model's `images_of` splits the images by
     document where it needs to (its documents run alone) and gives a model with multi-dimensional rotary
-    positions its [R, B, T] positions (host tensors).
+    positions its [R, B, T] positions (host tensors), and a body that reads token types (Gemma 3's images,
+    PaliGemma's prefixes) its `token_type_ids`, each document marked alone.
     """
     input_ids = batch["input_ids"]
     if input_ids.dim() != 2:
@@ -81,6 +82,8 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
     listed = [image for row in batch.get("images") or [] for image in row]  # row after row, each in token order
     split = images_of.split(input_ids, spans, listed) if images_of is not None else None
     rope = images_of.rope_positions(input_ids, position_ids, spans, split) if images_of is not None else None
+    labelled = (batch["labels"] != IGNORE_INDEX) if "labels" in batch else None
+    types = images_of.token_types(input_ids, labelled, spans) if images_of is not None else None
     own = [collate(d) for d in split] if split is not None and images_of.per_document else None
     images = collate(listed) if own is None else None  # documents that run alone take only their own
     seqs = sequences_of(batch["seq_role"], batch["segment_ids"], index, lambda t: _to(t, device, pin)) \
@@ -96,7 +99,8 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
         num_loss_tokens=int(index.numel()),
         num_tokens=B * T,
         documents=Documents(spans, _to(cu_seq_lens, device, pin), max(e - s for s, e in spans),
-                            [_images_to(d, device, pin) for d in own] if own is not None else None),
+                            [_images_to(d, device, pin) for d in own] if own is not None else None,
+                            _to(types, device, pin) if types is not None else None),
         images=_images_to(images, device, pin),
         rope_position_ids=_to(rope, device, pin) if rope is not None else None,
         seqs=seqs,

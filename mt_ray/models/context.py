@@ -56,6 +56,7 @@ from mt_ray.models.side_channels import SideChannel, open_side_channels, side_ch
 from mt_ray.models.stream_tail import Stream, TailReached, capture, measure
 from mt_ray.models.tail_module import check_per_token
 from mt_ray.models.varlen import takes_document_bounds
+from mt_ray.models.vision import moe_token_types
 from mt_ray.models.vision_feed import ImageFeatures, language_side
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,9 @@ class Documents:
     images: list[Image | None] | None = None
     """Each document's own images (None: it has none), where documents run alone through an image-text model's
     layers (`DocumentImages.per_document`)."""
+    token_types: torch.Tensor | None = None
+    """[B, T] the `token_type_ids` the body reads, each document marked as its processor marks it alone
+    (`DocumentImages.token_types`); None where the body reads none."""
 
     def flash_kwargs(self) -> LayerKwargs:
         """The bounds as transformers' flash path (and the varlen backend) takes them from a layer's arguments."""
@@ -333,9 +337,10 @@ class LayerContextBuilder:
         self.own_positions = self.nested and nesting.numbers_own_positions(
             partial(self._record, self.probe_weights), embed.weight.shape[-1], device)
         self.rope_axes = self._rope_axes(embed.weight.shape[-1], device)
-        exact = self._packed_rows_exact(spec, device)  # also runs the body around the stand-ins once
-        if self.token_types:
-            self._refuse_both_ways_text(spec, device)
+        # also runs the body around the stand-ins once; its rows carry no labels, so a prefix body (PaliGemma) reads
+        # every token as prefix there, and one whose packed prefixes see each other runs each document alone
+        exact = self._packed_rows_exact(spec, device)
+        self.prefix = "token_type_ids" in self.token_types and self._reads_prefix(spec, device)
         self.isolate_documents = spec.isolate_documents or not exact or self.own_positions
         if self.isolate_documents and self.deepstack is not None:
             raise ModelNotSupportedError(
@@ -344,7 +349,7 @@ class LayerContextBuilder:
                 "family cannot be trained yet"
             )
         self.document_images = None if spec.vision is None else DocumentImages(
-            spec.vision, self.isolate_documents, text_row=self.rope_axes > spec.vision.rope_rows)
+            spec.vision, self.isolate_documents, text_row=self.rope_axes > spec.vision.rope_rows, prefix=self.prefix)
 
     def __call__(self, embeds_BTD: torch.Tensor, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
                  documents: Documents, images: Image | None = None, features: list[Any] | None = None,
@@ -362,7 +367,7 @@ class LayerContextBuilder:
         weights = embed_weights or {}
         if not self.isolate_documents:
             h0, per_layer = self._record(weights, embeds_BTD, input_ids_BT, position_ids_BT, images,
-                                         features[0] if features else None)
+                                         features[0] if features else None, documents.token_types)
             if self.bounds_not_masks:  # one set of bounds for every layer: the body built no mask
                 per_layer = [{**kw, **documents.flash_kwargs()} for kw in per_layer]
             return self.stream.to_tokens(h0), LayerContext(whole=per_layer, injection=self._take_injection(),
@@ -373,10 +378,12 @@ class LayerContextBuilder:
         positions = position_ids_BT.reshape(*position_ids_BT.shape[:-2], 1, B * T)  # [1, N] or [R, 1, N]
         own_images = documents.images or [None] * len(documents.spans)
         own_features = iter(features or ())  # one call per document with images, in order
+        types_1N = documents.token_types.reshape(1, B * T) if documents.token_types is not None else None
         h0s, per_document = [], []
         for (s, e), own in zip(documents.spans, own_images, strict=True):
             h0, per_layer = self._record(weights, embeds_1ND[:, s:e], ids_1N[:, s:e], positions[..., s:e], own,
-                                         next(own_features) if own is not None else None)
+                                         next(own_features) if own is not None else None,
+                                         types_1N[:, s:e] if types_1N is not None else None)
             h0s.append(self.stream.to_tokens(h0))
             per_document.append(((s, e), per_layer))
         return torch.cat(h0s, dim=1).view(B, T, *h0s[0].shape[2:]), LayerContext(
@@ -477,10 +484,10 @@ class LayerContextBuilder:
                         self.model_type, differs)
         return differs is None
 
-    def _refuse_both_ways_text(self, spec: ModelSpec, device: torch.device) -> None:
-        """The engine marks an image's tokens in `token_type_ids` (Gemma 3 lets them attend to each other both
-        ways); a body that changes a text-only row's layer arguments once they are marked reads them otherwise
-        (PaliGemma: 0 marks the prefix, image and prompt, which attends both ways): refused, never trained causal."""
+    def _reads_prefix(self, spec: ModelSpec, device: torch.device) -> bool:
+        """Whether the body reads token type 0 as a prefix that attends both ways (PaliGemma: the image and the
+        prompt), where Gemma 3's reads 1 as an image's tokens that do: a text-only row, all 0, then changes the layers'
+        arguments from those of the row with no types at all."""
         hidden = spec.skeleton.get_input_embeddings().weight.shape[-1]
         row = (torch.zeros(1, 4, hidden, device=device), torch.zeros(1, 4, dtype=torch.long, device=device),
                torch.arange(4, device=device).expand(*([self.rope_axes, 1] if self.rope_axes else [1]), 4))
@@ -490,16 +497,14 @@ class LayerContextBuilder:
             _, plain = self._record(self.probe_weights, *row)
         finally:
             self.token_types = marks
-        if not same_arguments(marked, plain, 4):
-            raise ModelNotSupportedError(
-                f"'{self.model_type}': its body lets the text tokens that {' and '.join(marks)} mark 0 attend to each "
-                "other both ways (a prefix of image and prompt, as PaliGemma's processor marks it), which mt-ray's rows "
-                "do not carry; this image-text family cannot be trained yet"
-            )
+        return not same_arguments(marked, plain, 4)
 
     def _record(self, weights: dict[str, torch.Tensor], embeds: torch.Tensor, input_ids: torch.Tensor,
-                position_ids: torch.Tensor, images: Image | None = None,
-                features: Any = None) -> tuple[torch.Tensor, list[LayerKwargs]]:
+                position_ids: torch.Tensor, images: Image | None = None, features: Any = None,
+                token_types: torch.Tensor | None = None) -> tuple[torch.Tensor, list[LayerKwargs]]:
+        """The hidden state entering layer 0 and each layer's arguments, recorded from one call of the body.
+        `token_types`: the micro-batch's (`Documents.token_types`); probe rows, which have none, are marked as a
+        processor marks text without images or labels (all 0: no image; for a prefix body, all prefix)."""
         self.log.clear()
         if self.deepstack is not None:
             self.deepstack.take()  # what an earlier recording left
@@ -507,9 +512,7 @@ class LayerContextBuilder:
         self.images.feed(features)
         for pre in self.pre_layer:
             pre.bind(weights)
-        extra = dict(images or {})
-        if self.token_types:  # image tokens marked 1, as the processors mark them
-            extra.update(dict.fromkeys(self.token_types, (input_ids == self.vision.image_token_id).long()))
+        extra = {**(images or {}), **self._token_types(input_ids, token_types)}
         try:
             out = None
             with contextlib.suppress(TailReached):  # a body with code after its layers stops at the last (`stream_tail`)
@@ -548,6 +551,18 @@ class LayerContextBuilder:
                 kw["use_cache"] = False
         self.log.clear()
         return h0, per_layer
+
+    def _token_types(self, input_ids: torch.Tensor, token_types: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The per-token types the body reads beside the ids: each of `self.token_types` marked as a processor marks
+        text without labels (1 at image tokens), `token_type_ids` the micro-batch's where it has them (PaliGemma's
+        prefixes), and ERNIE-VL's `moe_mm_token_type_ids`."""
+        types = dict.fromkeys(self.token_types, (input_ids == self.vision.image_token_id).long()) \
+            if self.token_types else {}
+        if token_types is not None:
+            types["token_type_ids"] = token_types
+        if self.vision is not None and self.vision.moe_types:
+            types["moe_mm_token_type_ids"] = moe_token_types(self.vision, input_ids)
+        return types
 
 
 def _probe_weights(spec: ModelSpec, device: torch.device) -> dict[str, torch.Tensor]:

@@ -138,8 +138,8 @@ def varlen_problem(spec: ModelSpec, device: torch.device, dtype: torch.dtype) ->
         return "has no attention dropout (config.attention_dropout is not 0)"
     both_ways = getattr(config, "use_bidirectional_attention", None)  # "vision": an image's tokens only (Gemma 4)
     if both_ways == "vision" or spec.vision is not None and spec.vision.image_tokens_attend_both_ways:
-        return (f"computes causal attention only, and '{spec.config.model_type}' lets an image's tokens attend to "
-                "each other both ways")
+        return (f"computes causal attention only, and '{spec.config.model_type}' lets some tokens (an image's, or a "
+                "prefix of image and prompt) attend to each other both ways")
     if both_ways:
         return f"computes causal attention only, and this '{config.model_type}' attends both ways"
     return None

@@ -63,10 +63,17 @@ NOT_YET: dict[str, str] = {
     "muse_glimmer": "its tower has not been checked against transformers",
 }
 
-# Per-token types the engine fills itself, image tokens marked 1 as the processors mark them: Gemma 3 (`token_type_ids`)
-# and Gemma 4 (`mm_token_type_ids`) let an image's tokens attend to each other both ways; Qwen-VL numbers rotary
-# positions from `mm_token_type_ids`, which the engine does itself (`rope_index`).
-_CARRIED_TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")
+# Per-token types the engine fills itself. Image tokens marked 1, as the processors mark them (`_IMAGE_MARKS`):
+# Gemma 3 (`token_type_ids`) and Gemma 4 (`mm_token_type_ids`) let an image's tokens attend to each other both ways,
+# PaliGemma reads `token_type_ids` 0 as its prefix (`DocumentImages.token_types`), and Qwen-VL numbers rotary positions
+# from `mm_token_type_ids`, which the engine does itself (`rope_index`). ERNIE-VL's `moe_mm_token_type_ids`
+# (`moe_token_types`).
+_IMAGE_MARKS = ("token_type_ids", "mm_token_type_ids")
+_CARRIED_TOKEN_TYPES = (*_IMAGE_MARKS, "moe_mm_token_type_ids")
+# The tokens ERNIE-VL's processor marks in `moe_mm_token_type_ids`, by type (1: an image's, 2: a video's): each
+# image's (video's) tokens, its start and its end; the image's must be named.
+_MOE_TYPE_TOKENS = {1: ("image_token_id", "image_start_token_id", "image_end_token_id"),
+                    2: ("video_token_id", "video_start_token_id", "video_end_token_id")}
 
 # A tower child that is the family's projector although the tower owns it (LLaMA-Factory's projector_key).
 _PROJECTOR_IN_TOWER = ("merger", "patch_merger")
@@ -102,6 +109,12 @@ class VisionSpec:
     forward_projectors: list[str] = field(default_factory=list)
     """Projector children the body's forward applies itself to what `get_image_features` returns (Llama 4's
     `multi_modal_projector`): they run there, with the projector unit's weights handed over with the features."""
+    moe_types: dict[int, int] = field(default_factory=dict)
+    """Token id -> type, where the body routes tokens to experts by `moe_mm_token_type_ids` (ERNIE-VL: an image's
+    tokens with its start and end 1, to the vision experts; `moe_token_types`); empty where it reads none."""
+    tokens_per_image: int | None = None
+    """The image tokens every image fills, where the family fixes them (PaliGemma's `num_image_tokens`, whose processor
+    writes a document's images as one run); None where each image's tokens are a run of their own."""
 
     @property
     def rope_index(self) -> bool:
@@ -120,14 +133,15 @@ class VisionSpec:
 
     @property
     def image_tokens_attend_both_ways(self) -> bool:
-        """Gemma 3 lets an image's tokens attend to each other both ways: its body reads them off token_type_ids."""
+        """Some tokens attend to each other both ways, as the body reads them off token_type_ids: Gemma 3's image
+        tokens, PaliGemma's prefix (`DocumentImages.token_types`)."""
         return "token_type_ids" in inspect.signature(self.outer.forward).parameters
 
     @property
     def image_marks(self) -> tuple[str, ...]:
         """The per-token types the body's forward takes that the engine fills, image tokens marked 1."""
         takes = inspect.signature(self.outer.forward).parameters
-        return tuple(n for n in _CARRIED_TOKEN_TYPES if n in takes)
+        return tuple(n for n in _IMAGE_MARKS if n in takes)
 
 
 def is_vision_unit(name: str) -> bool:
@@ -199,7 +213,9 @@ def find_vision(skeleton: nn.Module, config: PretrainedConfig, language_model: n
                       rope_rows=_rope_rows(outer, image_token_id), own_tensors=own,
                       causal_lm_path=_causal_lm_path(children, text, language_model, head), held_paths=held,
                       forward_projectors=[p for p in projectors
-                                          if applied_beside(type(outer), p, "get_image_features")])
+                                          if applied_beside(type(outer), p, "get_image_features")],
+                      tokens_per_image=getattr(config.get_text_config(), "num_image_tokens", None),
+                      moe_types=_moe_types(outer, config))
 
 
 def _weighs(module: nn.Module) -> bool:
@@ -246,14 +262,17 @@ def _language_model_child(skeleton: nn.Module, children: dict[str, nn.Module], l
 
 
 def _refuse_own_image_merge(text: nn.Module, language_model: nn.Module, family: str) -> None:
-    """Kosmos-2's language model takes the image embeddings itself and places them at the positions its processor
-    marks in `image_embeds_position_mask`: no scatter at image tokens that mt-ray's rows could carry."""
+    """Kosmos-2's language model takes the image embeddings itself and places them where its processor marks
+    `image_embeds_position_mask`: the placeholder tokens between `<image>` and `</image>`, whose ids are ordinary text
+    ids (Kosmos-2's the ids after `<unk>`, Kosmos-2.5's `<s>`). Only the tokenizer's `<image>` and `</image>` set them
+    apart, and the config names neither (nor an image token id), so the engine cannot mark them from a row."""
     takes = [m for m in (text, language_model) if "image_embeds" in inspect.signature(type(m).forward).parameters]
     if takes:
         raise ModelNotSupportedError(
             f"image-text family '{family}': its language model ({type(takes[0]).__name__}) places the image embeddings "
-            "itself, where the processor's `image_embeds_position_mask` says, which mt-ray's rows do not carry; this "
-            "family cannot be trained yet"
+            "itself, where the processor's `image_embeds_position_mask` says: over placeholder tokens between "
+            "`<image>` and `</image>` whose ids are ordinary text ids, told apart only by those two tokenizer tokens, "
+            "which its config does not name, so mt-ray cannot mark them from a row; this family cannot be trained yet"
         )
 
 
@@ -281,17 +300,40 @@ def _refuse_images_required(outer: nn.Module, family: str) -> None:
 
 
 def _refuse_unread_token_types(outer: nn.Module, family: str) -> None:
-    """The engine marks image tokens in `token_type_ids` (where the body reads it) and numbers rotary positions from
-    them itself (`mm_token_type_ids`); a body that reads other per-token types from the processor (ERNIE-VL routes
-    image tokens and their start and end to vision experts by `moe_mm_token_type_ids`) would see none of them."""
+    """The engine marks `token_type_ids` and `moe_mm_token_type_ids` (where the body reads them) and numbers rotary
+    positions itself (`mm_token_type_ids`); a body that reads other per-token types from the processor would see none
+    of them."""
     unread = [n for n in inspect.signature(outer.forward).parameters
               if n.endswith("token_type_ids") and n not in _CARRIED_TOKEN_TYPES]
     if unread:
         raise ModelNotSupportedError(
-            f"image-text family '{family}': its body reads per-token types {unread} from the processor (ERNIE-VL "
-            "routes image tokens to vision experts by them), which mt-ray's rows do not carry; this family cannot be "
-            "trained yet"
+            f"image-text family '{family}': its body reads per-token types {unread} from the processor, which "
+            "mt-ray's rows do not carry; this family cannot be trained yet"
         )
+
+
+def _moe_types(outer: nn.Module, config: PretrainedConfig) -> dict[int, int]:
+    """`VisionSpec.moe_types` from the config's token ids (as its processor marks them from the tokenizer's); a body
+    that reads them from a config that names no image start or end token is refused."""
+    if "moe_mm_token_type_ids" not in inspect.signature(outer.forward).parameters:
+        return {}
+    missing = [n for n in _MOE_TYPE_TOKENS[1] if getattr(config, n, None) is None]
+    if missing:
+        raise ModelNotSupportedError(
+            f"image-text family '{config.model_type}': its body routes each image's tokens, start and end to vision "
+            f"experts by `moe_mm_token_type_ids`, and its config names no {', '.join(missing)} to mark them by; this "
+            "family cannot be trained yet"
+        )
+    return {getattr(config, n): t for t, names in _MOE_TYPE_TOKENS.items() for n in names
+            if getattr(config, n, None) is not None}
+
+
+def moe_token_types(vision: VisionSpec, ids: torch.Tensor) -> torch.Tensor:
+    """The `moe_mm_token_type_ids` of `ids`, as ERNIE-VL's processor marks them (`VisionSpec.moe_types`; 0: text)."""
+    types = torch.zeros_like(ids)
+    for token, kind in vision.moe_types.items():
+        types = types.masked_fill(ids == token, kind)
+    return types
 
 
 def _find_blocks(tower: nn.Module, vision_config: PretrainedConfig, family: str) -> str:

@@ -16,7 +16,7 @@ import torch
 from mt_ray.engine import EngineConfig, StreamingEngine
 from mt_ray.engine.batch import prepare_micro_batch
 from mt_ray.engine.sizing import vision_sizes
-from mt_ray.errors import ConfigError
+from mt_ray.errors import ConfigError, DatasetError
 from mt_ray.models.attention import resolve_attention
 from mt_ray.models.context import LayerContextBuilder
 from mt_ray.models.discovery import discover
@@ -28,9 +28,12 @@ from tests.vlm_models import (
     image_document,
     llava_document,
     make_image,
+    paligemma_document,
+    paligemma_processor,
     reference_model,
     save_gemma3,
     save_llava,
+    save_paligemma,
     save_qwen_vl,
 )
 
@@ -214,7 +217,7 @@ def test_gemma3_step_equals_transformers(tmp_path, gemma3_documents, engine_kw, 
 def test_varlen_is_refused_where_image_tokens_attend_both_ways(tmp_path):
     """Gemma 3's image blocks are bidirectional, which varlen's causal kernel would drop: `auto` keeps SDPA's mask."""
     spec = discover(str(save_gemma3(tmp_path, vision_use_head=False)))
-    with pytest.raises(ConfigError, match="'varlen' computes causal attention only, and 'gemma3' lets an image's"):
+    with pytest.raises(ConfigError, match="'varlen' computes causal attention only, and 'gemma3' lets some tokens"):
         resolve_attention(spec, "varlen", torch.device("cuda"), torch.bfloat16)
     assert resolve_attention(spec, "auto", torch.device("cuda"), torch.bfloat16) == "sdpa"
 
@@ -224,7 +227,7 @@ def test_varlen_is_refused_where_gemma4s_image_tokens_attend_both_ways(family):
     from tests.vlm_sweep import tiny_vlm_config
 
     spec = discover(tiny_vlm_config(family))
-    with pytest.raises(ConfigError, match=f"'varlen' computes causal attention only, and '{family}' lets an image's"):
+    with pytest.raises(ConfigError, match=f"'varlen' computes causal attention only, and '{family}' lets some tokens \\(an image's"):
         resolve_attention(spec, "varlen", torch.device("cuda"), torch.bfloat16)
 
 
@@ -241,6 +244,105 @@ def test_a_trained_tower_leaves_what_get_image_features_never_reads_as_transform
     assert head and all(torch.equal(state[k], before[k]) for k in head)
     [patches] = [k for k in state if k.endswith("patch_embedding.weight")]
     assert not torch.equal(state[patches], before[patches])
+
+
+@pytest.fixture(scope="module")
+def paligemma(tmp_path_factory):
+    """A tiny PaliGemma, its processor and three documents as the processor writes them (one image, none, two)."""
+    processor = paligemma_processor()
+    folder = save_paligemma(tmp_path_factory.mktemp("paligemma"), processor)
+    docs = [paligemma_document(processor, "what is it", "a cat", [make_image(0)]),
+            paligemma_document(processor, "say more", "no more text", []),
+            paligemma_document(processor, "same or not", "they differ", [make_image(1), make_image(2)])]
+    return folder, processor, docs
+
+
+def test_paligemmas_prefix_is_marked_from_the_labels_as_its_processor_marks_it(paligemma):
+    """token_type_ids 0 over each document's image, bos and prompt (labels -100), 1 over the suffix it labels; every
+    prefix of a packed row is type 0 and the body gives them one block, so each document runs alone."""
+    folder, _, docs = paligemma
+    context = LayerContextBuilder(discover(str(folder)), torch.device("cpu"))
+    mb = prepare_micro_batch(packed(docs), torch.device("cpu"), context.document_images)
+    assert torch.equal(mb.documents.token_types, torch.cat([d["token_type_ids"] for d in docs], 1))
+    assert context.isolate_documents
+
+
+def test_a_packed_paligemma_rows_prefix_attends_both_ways_within_its_own_document_only(paligemma):
+    """Each document of a packed row reaches the layers alone, with the mask transformers builds for it: its prefix
+    sees itself both ways, its suffix sees causally, and none of its tokens sees another document's."""
+    folder, processor, _ = paligemma
+    docs = [paligemma_document(processor, "a longer prompt than the next", "yes", []),
+            paligemma_document(processor, "short", "a longer answer here", [])]
+    context = LayerContextBuilder(discover(str(folder)), torch.device("cpu"))
+    mb = prepare_micro_batch(packed(docs), torch.device("cpu"), context.document_images)
+    _, ctx = context(torch.zeros(*mb.input_ids_BT.shape, 32), mb.input_ids_BT, mb.positions, mb.documents)
+    for ((s, e), per_layer), doc in zip(ctx.documents, docs, strict=True):
+        prefix, n = int((doc["token_type_ids"] == 0).sum()), e - s
+        expected = torch.ones(n, n, dtype=torch.bool).tril()
+        expected[:prefix, :prefix] = True
+        for kw in per_layer:
+            mask = kw["attention_mask"][0, 0]
+            assert torch.equal(mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2, expected)
+
+
+@pytest.mark.parametrize(("engine_kw", "freeze"), [({}, (True, False)), ({"schedule": "resident"}, (False, False))],
+                         ids=["stream-frozen-tower", "resident-all-trained"])
+def test_paligemma_step_equals_transformers_on_its_processors_documents(paligemma, engine_kw, freeze):
+    """The engine marks each prefix from the labels; transformers reads the processor's own token_type_ids."""
+    folder, _, docs = paligemma
+    losses, before, state, _ = engine_steps(folder, [[packed(docs)]] * 2, freeze, **engine_kw)
+    ref = reference_model(folder, *freeze)
+    ref_losses = reference_train(ref, [docs] * 2, OPT)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_same_step(state, before, ref.state_dict(), losses[-1], ref_losses[-1])
+
+
+def test_evaluate_scores_paligemma_as_transformers_does(paligemma):
+    """Forward only: the prefix is marked as in training, and the summed loss is transformers' on each document."""
+    folder, _, docs = paligemma
+    engine = StreamingEngine(discover(str(folder)), EngineConfig(device="cpu"), OPT, total_steps=1)
+    try:
+        engine.load_pretrained(folder)
+        result = engine.evaluate([packed(docs)])
+    finally:
+        engine.close()
+    ref = reference_model(folder).eval()
+    with torch.no_grad():
+        ref_sum = sum(ref(**doc, use_cache=False).loss.item() * int((doc["labels"][:, 1:] != -100).sum())
+                      for doc in docs)
+    assert result.loss_sum.item() == pytest.approx(ref_sum, rel=1e-5)
+
+
+def test_a_paligemma_row_whose_labels_mark_no_prefix_is_refused(paligemma):
+    """Without labels no prefix is marked; labels over an image put it past the prefix: neither is trained."""
+    folder, _, docs = paligemma
+    images_of = LayerContextBuilder(discover(str(folder)), torch.device("cpu")).document_images
+    row = packed(docs)
+    with pytest.raises(DatasetError, match="'paligemma' attends both ways over each document's prefix, which its "
+                                           "labels mark .* this micro-batch has none"):
+        prepare_micro_batch({k: v for k, v in row.items() if k != "labels"}, torch.device("cpu"), images_of)
+    with pytest.raises(DatasetError, match=r"the document at tokens \(0, 28\) has an image token at 0, after its first "
+                                           "labelled token: its images must lie in its prefix"):
+        prepare_micro_batch(row | {"labels": row["input_ids"]}, torch.device("cpu"), images_of)
+
+
+def test_ernie_vl_routes_each_images_tokens_start_and_end_to_the_vision_experts():
+    """ERNIE-VL's layers take `moe_mm_token_type_ids` as its processor marks them (its own code, the token ids the
+    config names): an image's tokens, start and end 1, text 0. The sweep's step checks the experts they route to."""
+    from transformers import Ernie4_5_VLMoeProcessor
+
+    from tests.vlm_sweep import tiny_vlm_config
+
+    config = tiny_vlm_config("ernie4_5_vl_moe")
+    context = LayerContextBuilder(discover(config), torch.device("cpu"))
+    start, image, end = config.image_start_token_id, config.image_token_id, config.image_end_token_id
+    ids = torch.tensor([[5, start, image, image, end, 6, 7, 8, start, image, end]])
+    mb = prepare_micro_batch({"input_ids": ids, "labels": ids}, torch.device("cpu"), context.document_images)
+    _, ctx = context(torch.zeros(*ids.shape, config.text_config.hidden_size), mb.input_ids_BT, mb.positions,
+                     mb.documents)
+    expected = Ernie4_5_VLMoeProcessor.create_moe_mm_token_type_ids(config, ids)
+    assert expected.tolist() == [[0, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1]]
+    assert all(torch.equal(kw["moe_mm_token_type_ids"], expected) for kw in ctx.whole)
 
 
 @pytest.mark.parametrize("engine_kw", [{}, {"attn_implementation": "varlen"}], ids=["auto", "varlen"])
@@ -271,9 +373,8 @@ def test_llava_with_a_trained_tower_equals_transformers(tmp_path):
 
 
 @pytest.mark.parametrize(("family", "reason"), [
-    ("mllama", "has no get_image_features"), ("paligemma", "token_type_ids mark 0 attend to each other both ways"),
+    ("mllama", "has no get_image_features"),
     ("kosmos-2", "places the image embeddings itself"), ("instructblip", "reads text tokens of its own"),
-    ("ernie4_5_vl_moe", "reads per-token types ['moe_mm_token_type_ids']"),
     ("emu3", "its images become discrete tokens of a VQ-VAE")])
 def test_image_text_families_not_trained_are_refused_by_name_and_feature(family, reason):
     from tests.vlm_sweep import image_text_outcome
@@ -282,9 +383,10 @@ def test_image_text_families_not_trained_are_refused_by_name_and_feature(family,
     assert outcome.status == "refused" and f"'{family}'" in outcome.reason and reason in outcome.reason
 
 
-def test_the_loaders_packed_image_rows_train_as_transformers_on_each_document(folder, tmp_path):
-    """From the registry to the step: LLaMA-Factory rows through the folder's processor, packed by the loader;
-    the engine's first loss is transformers' on each document alone, its images and mrope positions its own."""
+def loader_row(folder, tmp_path, max_seq_len: int) -> tuple[dict, list[dict], int]:
+    """LLaMA-Factory rows (one image, none, two) through the folder's processor, packed by the loader into one row;
+    that row, its documents as transformers takes each alone (padding left out, its own images' tensors joined), and
+    the image token."""
     from mt_ray.data import DataConfig, build_dataloader
     from mt_ray.data.mm_processor import ImageEncoder, load_processor
     from tests.unit.data.test_data_images import chat, mllm_registry
@@ -292,8 +394,8 @@ def test_the_loaders_packed_image_rows_train_as_transformers_on_each_document(fo
     rows = [chat("<image>What is it?", "A cat.", "0.png"), chat("No picture.", "Fine."),
             chat("<image> and <image>: same?", "No, they differ.", "1.png", "2.png")]
     encoder = ImageEncoder(load_processor(folder))
-    config = DataConfig(datasets=["mm"], registry=mllm_registry(tmp_path, rows), max_seq_len=96, shuffle=False,
-                        packing_window=3)
+    config = DataConfig(datasets=["mm"], registry=mllm_registry(tmp_path, rows), max_seq_len=max_seq_len,
+                        shuffle=False, packing_window=3)
     batch = next(build_dataloader(config, encoder.processor.tokenizer, 1, images=encoder))
     row = {k: batch[k][:1] for k in ("input_ids", "labels", "position_ids")} | {"images": batch["images"][:1]}
     docs, images = [], iter(batch["images"][0])
@@ -302,12 +404,33 @@ def test_the_loaders_packed_image_rows_train_as_transformers_on_each_document(fo
         ids, labels = batch["input_ids"][0][at][None], batch["labels"][0][at][None]
         if (labels != -100).any():  # not the padding
             runs = "".join("x" if t == encoder.image_token_id else " " for t in ids[0].tolist()).split()
-            doc = {"input_ids": ids, "labels": labels, "mm_token_type_ids": (ids == encoder.image_token_id).int()}
             mine = [next(images) for _ in runs]
-            if mine:
-                doc |= {k: torch.cat([m[k] for m in mine]) for k in ("pixel_values", "image_grid_thw")}
-            docs.append(doc)
+            docs.append({"input_ids": ids, "labels": labels} | ({k: torch.cat([m[k] for m in mine]) for k in mine[0]}
+                                                                 if mine else {}))
     assert len(docs) >= 2 and any("pixel_values" in d for d in docs)  # a packed row with images
+    return row, docs, encoder.image_token_id
+
+
+def test_the_loaders_packed_image_rows_train_as_transformers_on_each_document(folder, tmp_path):
+    """From the registry to the step: the engine's first loss is transformers' on each document alone, its images
+    and mrope positions its own."""
+    row, docs, image_token = loader_row(folder, tmp_path, 96)
+    for doc in docs:
+        doc["mm_token_type_ids"] = (doc["input_ids"] == image_token).int()
+    [loss], _, _, _ = engine_steps(folder, [[row]])
+    [ref_loss] = reference_train(reference_model(folder), [docs], OPT)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+
+
+def test_the_loaders_packed_paligemma_rows_train_as_transformers_on_each_document(paligemma, tmp_path):
+    """PaliGemma's folder with its processor: each image expands to its tokens, bos and newline in the user's turn,
+    so the prefix (up to the answer, which alone carries labels) holds it; transformers gets the token types its
+    processor would give that prompt and answer."""
+    folder, processor, _ = paligemma
+    processor.save_pretrained(folder)
+    row, docs, _ = loader_row(folder, tmp_path, 160)
+    for doc in docs:
+        doc["token_type_ids"] = (doc["labels"] != -100).long().cummax(1).values
     [loss], _, _, _ = engine_steps(folder, [[row]])
     [ref_loss] = reference_train(reference_model(folder), [docs], OPT)
     assert loss == pytest.approx(ref_loss, rel=1e-5)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mt_ray.models.discovery import discover
-from mt_ray.models.document_images import DocumentImages, image_runs
+from mt_ray.models.document_images import DocumentImages, image_runs, suffix_mask
 from tests.vlm_sweep import tiny_vlm_config
 
 
@@ -25,6 +25,13 @@ def test_each_image_run_is_one_image():
         == [0, 0, 1, 2, 2]
 
 
+def test_a_documents_suffix_starts_at_its_own_first_labelled_token():
+    """PaliGemma's prefix: what comes before each document's first labelled token (a document labelled nowhere is all
+    prefix, whatever the documents before it hold)."""
+    labelled = torch.tensor([0, 0, 1, 0, 1, 0, 0, 0, 1, 1, 0], dtype=torch.bool)
+    assert suffix_mask(labelled, [(0, 5), (5, 8), (8, 11)]).int().tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1]
+
+
 def test_a_documents_images_are_its_runs_of_image_tokens_row_after_row(qwen3_5):
     X = qwen3_5.image_token_id
     ids = torch.tensor([[X, X, 5, X, 6, 7, 8, 9],    # a document with two images, one with none
@@ -32,8 +39,17 @@ def test_a_documents_images_are_its_runs_of_image_tokens_row_after_row(qwen3_5):
     spans = [(0, 5), (5, 8), (8, 12), (12, 16)]
     split = DocumentImages(qwen3_5, per_document=True).split(ids, spans, [_image(k) for k in range(4)])
     assert [[int(i["pixel_values"][0, 0]) for i in d] for d in split] == [[0, 1], [], [2], [3]]
-    with pytest.raises(ValueError, match="3 images but 4 runs of image tokens"):
+    with pytest.raises(ValueError, match="3 images but its image tokens make 4"):
         DocumentImages(qwen3_5, per_document=True).split(ids, spans, [_image(k) for k in range(3)])
+
+
+def test_where_the_family_fixes_each_images_tokens_a_run_may_hold_several_images():
+    """PaliGemma's processor writes a document's images as one run, `num_image_tokens` (16 here) each."""
+    paligemma = discover(tiny_vlm_config("paligemma")).vision
+    X = paligemma.image_token_id
+    ids = torch.tensor([[X] * 32 + [5, 6] + [X] * 16 + [7]])
+    split = DocumentImages(paligemma, per_document=True).split(ids, [(0, 34), (34, 51)], [_image(k) for k in range(3)])
+    assert [[int(i["pixel_values"][0, 0]) for i in d] for d in split] == [[0, 1], [2]]
 
 
 def test_images_are_split_only_where_something_reads_the_split(qwen3_5):

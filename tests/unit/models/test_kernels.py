@@ -17,9 +17,10 @@ from torch import nn
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
+from mt_ray.engine.batch import prepare_micro_batch
 from mt_ray.engine.templates import build_templates
 from mt_ray.errors import ConfigError, ModelNotSupportedError
-from mt_ray.models.context import LayerContextBuilder, document_spans
+from mt_ray.models.context import LayerContextBuilder
 from mt_ray.models.discovery import ModelSpec, discover
 from mt_ray.models.kernels import apply_kernels
 from tests.tiny_models import tiny_batches, tiny_config
@@ -113,8 +114,9 @@ def _forward(spec: ModelSpec, flats: dict[str, torch.Tensor], mb: dict) -> torch
     context = LayerContextBuilder(spec, CPU)
     embed = templates["embed"]
     with torch.no_grad():
-        spans = document_spans(mb["position_ids"])
-        h, ctx = context(embed(embed.bind(flats["embed"]), mb["input_ids"]), mb["input_ids"], mb["position_ids"], spans)
+        documents = prepare_micro_batch(mb, CPU).documents
+        h, ctx = context(embed(embed.bind(flats["embed"]), mb["input_ids"]), mb["input_ids"], mb["position_ids"],
+                         documents)
         for i, unit in enumerate(spec.layer_units):
             layer = templates[unit.kind]
             h = ctx.run(partial(layer, layer.bind(flats[unit.name])), i, h)
