@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+from collections.abc import Callable
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
@@ -128,3 +132,18 @@ def preference_sequence(prompt: list[int], response: list[int], role: int) -> To
     """One side of a preference group as the data pipeline tokenizes it: the prompt carries no loss."""
     return TokenizedExample(input_ids=tuple(prompt + response), labels=(IGNORE_INDEX,) * len(prompt) + tuple(response),
                             role=role, prompt_len=len(prompt))
+
+
+def assert_freed_once_closed(trained_engine: Callable[[], object]) -> None:
+    """With the garbage collector off, the engine `trained_engine` builds and uses is freed, once closed, with its
+    last reference: no reference cycle keeps its device and host memory until the collector runs."""
+    gc.collect()
+    gc.disable()
+    try:
+        engine = trained_engine()
+        engine.close()
+        freed = weakref.ref(engine)
+        del engine
+        assert freed() is None
+    finally:
+        gc.enable()

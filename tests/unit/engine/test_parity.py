@@ -1,14 +1,18 @@
 """The streamed engine must train exactly like ordinary in-memory PyTorch."""
 
-import gc
-import weakref
-
 import pytest
 import torch
 
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine
 from mt_ray.models.discovery import discover
-from tests.tiny_models import FAMILIES, reference_model, reference_train, tiny_batches, tiny_config
+from tests.tiny_models import (
+    FAMILIES,
+    assert_freed_once_closed,
+    reference_model,
+    reference_train,
+    tiny_batches,
+    tiny_config,
+)
 
 STEPS = 3
 OPT = OptimizerConfig(lr=2e-3, weight_decay=0.1, max_grad_norm=1.0, warmup_steps=1, schedule="cosine")
@@ -145,18 +149,11 @@ def test_step_without_loss_tokens_is_refused():
 
 @pytest.mark.parametrize("schedule", ["stream", "resident"])
 def test_a_closed_engine_is_freed_with_its_last_reference(schedule):
-    """No reference cycle keeps a closed engine's device and host memory until the garbage collector runs:
-    a notebook or process that builds a second engine has the first one's memory back at once."""
-    cfg = tiny_config("llama")
-    gc.collect()
-    gc.disable()
-    try:
-        engine = StreamingEngine(discover(cfg), EngineConfig(device="cpu", schedule=schedule), OPT, 1)
+    """A notebook or process that builds a second engine has the first one's memory back at once."""
+    def trained_engine():
+        engine = StreamingEngine(discover(tiny_config("llama")), EngineConfig(device="cpu", schedule=schedule), OPT, 1)
         engine.load_random()
         engine.train_step(tiny_batches())
-        engine.close()
-        freed = weakref.ref(engine)
-        del engine
-        assert freed() is None
-    finally:
-        gc.enable()
+        return engine
+
+    assert_freed_once_closed(trained_engine)

@@ -9,9 +9,7 @@ then take one plain torch AdamW step, which the engine's update must equal.
 from __future__ import annotations
 
 import copy
-import gc
 import os
-import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -30,7 +28,13 @@ from mt_ray.data.schema import TokenizedExample as Seq
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine
 from mt_ray.engine.preference import PreferenceConfig
 from mt_ray.models.discovery import discover
-from tests.tiny_models import VOCAB, preference_sequence, reference_model, tiny_config
+from tests.tiny_models import (
+    VOCAB,
+    assert_freed_once_closed,
+    preference_sequence,
+    reference_model,
+    tiny_config,
+)
 
 trl = pytest.importorskip("trl")
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -159,23 +163,19 @@ def test_dpo_equals_trl(loss, layout):
 
 
 def test_a_closed_engine_that_streams_a_reference_is_freed_with_its_last_reference():
-    """The stage refers back to its engine weakly: no cycle keeps the engine's memory until the collector runs."""
+    """The stage refers back to its engine weakly, so it makes no cycle with it."""
     cfg, policy, ref = models()
     groups = [[preference_sequence(p["prompt_ids"], p["chosen_ids"], ROLE_CHOSEN),
                preference_sequence(p["prompt_ids"], p["rejected_ids"], ROLE_REJECTED)] for p in make_pairs()]
-    gc.collect()
-    gc.disable()
-    try:
+
+    def trained_engine():
         engine = StreamingEngine(discover(cfg), EngineConfig(device="cpu"), OPT, 1, stage="dpo", pref=PreferenceConfig())
         engine.load_state_dict(policy.state_dict())
         engine.load_reference(ref.state_dict())
         engine.train_step(micro_batches(groups, packed=True))
-        engine.close()
-        freed = weakref.ref(engine)
-        del engine
-        assert freed() is None
-    finally:
-        gc.enable()
+        return engine
+
+    assert_freed_once_closed(trained_engine)
 
 
 # ---------------------------------------------------------------------------------------------- ORPO, SimPO
