@@ -21,6 +21,8 @@ casts and puts of updated units for other nodes.
         --out bench/results/multi_gpu_h200x2.json
     python bench/multi_gpu.py --shape tiny --gpus 1,2 --rows-per-gpu 8 --micro 4 --steps 2   # plumbing check
 
+`--grad-reduce host,nccl` measures each several-GPU count with both `cluster.grad_reduce` modes.
+
 `--store-gb` overrides the object store each node gets (default: the calculator's figure), and
 `--clip 0` turns gradient clipping off, to tell the store's headroom and the clip's barrier apart.
 """
@@ -107,15 +109,17 @@ def run_single(args, cfg, system: str = "single-engine", init: str = "cuda", bat
                rows=args.rows_per_gpu * batch_of)
 
 
-def run_cluster(args, cfg, system: str, gpus: int, nodes: int) -> dict:
-    """`gpus` workers over `nodes` Ray nodes of this host, each on its own fresh Ray."""
+def run_cluster(args, cfg, system: str, gpus: int, nodes: int, reduce: str = "host") -> dict:
+    """`gpus` workers over `nodes` Ray nodes of this host, each on its own fresh Ray; `reduce` is
+    `cluster.grad_reduce` (nccl: a node's GPUs sum each gradient between them)."""
 
     memory = NodeMemoryPeak()  # before Ray: its processes, the arenas and the object store count too
     spec = discover(cfg)
-    sizing = size_cluster(spec, engine_config(args), optimizer(args), gpus, nodes)
+    sizing = size_cluster(spec, engine_config(args), optimizer(args), gpus, nodes, reduce)
     store = int(args.store_gb * 2**30) if args.store_gb else max(sizing.object_store_bytes, MIN_STORE)
     shutdown = start_ray(nodes, gpus, store, args.cpus_per_worker)
-    cluster = ClusterConfig(gpus_per_worker=1, cpus_per_worker=args.cpus_per_worker, num_nodes=nodes)
+    cluster = ClusterConfig(gpus_per_worker=1, cpus_per_worker=args.cpus_per_worker, num_nodes=nodes,
+                            grad_reduce=reduce)
     try:
         trainer = DataParallelTrainer(cfg, engine_config(args), optimizer(args), gpus,
                                       total_steps=args.warmup + args.steps, cluster=cluster, weights=0)
@@ -239,6 +243,8 @@ def main() -> None:
     p.add_argument("--optimizer-threads", type=int, default=None)
     p.add_argument("--clip", type=float, default=CLIPPED.max_grad_norm, help="max grad norm (0: no clipping)")
     p.add_argument("--store-gb", type=float, default=None, help="object store per node (default: calculated)")
+    p.add_argument("--grad-reduce", default="host", help="comma-separated cluster.grad_reduce modes (host, nccl) "
+                   "for each count of several GPUs")
     p.add_argument("--cpus-per-worker", type=float, default=2)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
@@ -249,8 +255,9 @@ def main() -> None:
     cfg = shape_config(args.shape)
     available = torch.cuda.device_count()
     runs = [] if args.no_single else [lambda: run_single(args, cfg)]
-    runs += [lambda n=n: run_cluster(args, cfg, "data-parallel", n, 1)
-             for n in (int(g) for g in args.gpus.split(",")) if 0 < n <= available]
+    runs += [lambda n=n, r=r: run_cluster(args, cfg, "data-parallel" + ("" if r == "host" else f"-{r}"), n, 1, r)
+             for n in (int(g) for g in args.gpus.split(",")) if 0 < n <= available
+             for r in args.grad_reduce.split(",") if n > 1 or r == "host"]
     if args.sharded and available >= 2:
         runs.append(lambda: run_cluster(args, cfg, "sharded", 2, 2))
     elif args.sharded:
