@@ -1,6 +1,8 @@
 """Data-parallel training on Ray trains exactly like one engine on the whole batch, and survives a lost worker."""
 
 import math
+import os
+import signal
 import time
 
 import pytest
@@ -159,18 +161,30 @@ def test_killed_worker_mid_step_is_replaced_and_nothing_is_lost(local_ray, clip)
 
 
 def test_unclipped_step_left_half_applied_without_a_snapshot_restarts_from_a_checkpoint(local_ray):
+    """Worker 0 dies in step 2 right after the shard summed, and (unclipped) applied, its first unit's gradient:
+    the step is left half-applied whatever the machine's speed, and with no snapshot only a checkpoint restores it."""
     from mt_ray.cluster import ClusterLostError
 
-    def kill_worker_once_units_are_updated(step, trainer):
-        if step == 2:
-            deadline = time.monotonic() + 30
-            while local_ray.get(trainer.shards[0].units_summed.remote(2)) == 0 and time.monotonic() < deadline:
-                time.sleep(0.005)
-            local_ray.kill(trainer.workers[0])
+    def die_after_the_first_unit_of_step_2(worker) -> None:  # runs in worker 0's process, before step 2
+        submit, submitted = worker.grads.submit, []
+
+        def submit_or_die(unit, *args, **kwargs):
+            if worker.grads.step == 2:
+                if submitted:
+                    worker.grads.flush()  # the first unit's sum is in, and applied
+                    os.kill(os.getpid(), signal.SIGKILL)
+                submitted.append(unit)
+            return submit(unit, *args, **kwargs)
+
+        worker.grads.submit = submit_or_die
+
+    def arm_worker_0(step, trainer):
+        if step == 1:  # queued behind step 1's task on the actor, so it runs between steps 1 and 2
+            local_ray.get(trainer.workers[0].__ray_call__.remote(die_after_the_first_unit_of_step_2))
 
     opt = OPT.model_copy(update={"max_grad_norm": 0.0})
     with pytest.raises(ClusterLostError, match="restarts from the newest checkpoint"):
-        data_parallel(opt, cluster=ClusterConfig(snapshot_every=0), after_launch=kill_worker_once_units_are_updated)
+        data_parallel(opt, cluster=ClusterConfig(snapshot_every=0), after_launch=arm_worker_0)
 
 
 def test_a_cluster_that_cannot_place_the_run_is_refused_naming_the_key(local_ray):
