@@ -64,8 +64,8 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
     add `advantages` [B, W] and, when a rollout is trained on more than once, `old_logps` (each loss token's,
     in loss-token order, as `evaluate` collected them). An image-text model's `images_of` splits the images by
     document where it needs to (its documents run alone) and gives a model with multi-dimensional rotary
-    positions its [R, B, T] positions (host tensors), and a body that reads token types (Gemma 3's images,
-    PaliGemma's prefixes) its `token_type_ids`, each document marked alone.
+    positions its [R, B, T] positions (host tensors), and a body that reads a prefix from its token types
+    (PaliGemma's) its `token_type_ids`, each document marked alone.
     """
     input_ids = batch["input_ids"]
     if input_ids.dim() != 2:

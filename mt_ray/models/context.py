@@ -75,8 +75,8 @@ class Documents:
     """Each document's own images (None: it has none), where documents run alone through an image-text model's
     layers (`DocumentImages.per_document`)."""
     token_types: torch.Tensor | None = None
-    """[B, T] the `token_type_ids` the body reads, each document marked as its processor marks it alone
-    (`DocumentImages.token_types`); None where the body reads none."""
+    """[B, T] the `token_type_ids` of a body that reads a prefix from them (PaliGemma's), each document marked as its
+    processor marks it alone (`DocumentImages.token_types`); None for others (image marks follow from the ids)."""
 
     def flash_kwargs(self) -> LayerKwargs:
         """The bounds as transformers' flash path (and the varlen backend) takes them from a layer's arguments."""

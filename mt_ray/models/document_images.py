@@ -9,11 +9,12 @@ linear attention, convolutions): each takes its own images to the body, and the 
 document's image features by a `get_image_features` call of its own, as transformers computes them for the
 document alone, so that no family's feature layout has to be cut apart afterwards.
 
-A body that reads `token_type_ids` takes them as its family's processor marks one document; the engine marks them
-per document on the host (`DocumentImages.token_types`). Gemma 3's mark its image tokens, which attend to each other
-both ways. PaliGemma's mark each document's prefix 0 (its image, the bos token and the prompt, which attend to each
-other both ways) and its suffix 1 (the answer, causal): its processor tokenizes the prompt and the suffix as a text
-pair and labels the suffix alone, so the prefix is what comes before the document's first labelled token.
+A body that reads `token_type_ids` takes them as its family's processor marks one document. Image marks (Gemma 3's
+image tokens, which attend to each other both ways) follow from the ids alone, and the layer context makes them. A
+prefix does not: PaliGemma's mark each document's prefix 0 (its image, the bos token and the prompt, which attend to
+each other both ways) and its suffix 1 (the answer, causal). Its processor tokenizes the prompt and the suffix as a
+text pair and labels the suffix alone, so the prefix is what comes before the document's first labelled token, and
+the engine marks it per document on the host (`DocumentImages.token_types`).
 """
 
 from __future__ import annotations
@@ -59,15 +60,13 @@ class DocumentImages:
 
     def token_types(self, input_ids_BT: torch.Tensor, labelled_BT: torch.Tensor | None,
                     spans: list[Span]) -> torch.Tensor | None:
-        """[B, T] the `token_type_ids` the body reads (None where it reads none): 1 at image tokens; or, for a prefix
-        (`prefix`), 0 before each document's first labelled token (`labelled_BT`: its label is not ignored) and 1
-        from it on. A document whose image lies past its prefix, or a micro-batch without labels, has no prefix as
-        PaliGemma's processor marks it: refused, never trained on another mask."""
-        if not self.vision.image_tokens_attend_both_ways:
+        """[B, T] the `token_type_ids` of a prefix body (`prefix`; None for others, whose image marks the layer
+        context makes from the ids): 0 before each document's first labelled token (`labelled_BT`: its label is not
+        ignored) and 1 from it on. A document whose image lies past its prefix, or a micro-batch without labels, has
+        no prefix as PaliGemma's processor marks it: refused, never trained on another mask."""
+        if not self.prefix:
             return None
         is_image_BT = input_ids_BT == self.vision.image_token_id
-        if not self.prefix:
-            return is_image_BT.long()
         family = self.vision.outer.config.model_type
         if labelled_BT is None:
             raise DatasetError(f"'{family}' attends both ways over each document's prefix, which its labels mark (the "
