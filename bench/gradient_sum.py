@@ -1,17 +1,16 @@
 """The coordinator shard's gradient-sum rate, alone and beside the host optimizer, as the shard runs it.
 
-A node with several engine workers sums their gradients piece by piece (`cluster.wire.sum_in_order`,
-on the shard's reduce thread) while the optimizer thread updates the units already summed. On the 7B
-two-GPU run the sum took ~14 s a step, so this measures its rate (output elements a second) as the shard
-runs it: two bf16 parts of one ring piece summed into a bf16 slot, on a thread of its own with its own
-intra-op thread count, alone and beside a thread running fused CPU AdamW on 256 M fp32 parameters.
+A node with several engine workers sums their gradients piece by piece (`cluster.grad_sum.sum_in_order`, on the
+shard's reduce thread) while the optimizer thread updates the units already summed. This measures the rate (output
+elements a second) as the shard runs it: two bf16 parts of one ring piece summed into a bf16 slot, on a thread of its
+own with its own team, alone and beside a thread running fused CPU AdamW on 256 M fp32 parameters.
 
-Rows: `kernel` is `upcast` (`wire.sum_in_order`: each part cast to fp32, then fp32 adds) or `mixed` (the
-baseline, the earlier loop: torch's mixed-dtype add of each bf16 part into the fp32 chunk); `threads` and
-`adam_threads` the two teams' sizes (equal: both every core but one, the shard's count before the split).
-Each row runs in its own process.
+Rows: `kernel` is `numba` (`grad_sum.sum_in_order`: one compiled pass, numba's per-thread team) or `torch` (the
+baseline, the shard's earlier loop: per 1 Mi-element chunk, each bf16 part cast up, fp32 adds, a norm, a cast
+down); `threads` the sum team's size, `adam_threads` the optimizer's (the cores left). Each row runs in its own
+process.
 
-    python bench/gradient_sum.py --out bench/results/gradient_sum_h200x2.json
+    python bench/gradient_sum.py --threads 4,8,12 --out bench/results/gradient_sum_h200x2.json
 """
 
 from __future__ import annotations
@@ -30,26 +29,28 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table, write_json  # noqa: E402
-from mt_ray.cluster import wire  # noqa: E402
-from mt_ray.cluster.shard_state import split_threads  # noqa: E402
+from mt_ray.cluster.grad_sum import sum_in_order, use_sum_threads  # noqa: E402
 
-PIECE = 64 << 20  # elements: half of the default 256 MiB ring in bf16
-COLUMNS = ["kernel", "threads", "adam_threads", "alone_gelem_s", "beside_adam_gelem_s", "adam_gparam_s"]
+PIECE = 64 << 20  # elements: a quarter of a 7B shape's two-layer ring in bf16
+CHUNK = 1 << 20  # the baseline's chunk
+COLUMNS = ["kernel", "layer", "threads", "adam_threads", "alone_gelem_s", "beside_adam_gelem_s", "adam_gparam_s"]
 
 
-def mixed_sum(parts: list[torch.Tensor], out: torch.Tensor) -> None:
-    """The baseline: the shard's sum before the upcast (a mixed-dtype add per part)."""
-    acc = torch.empty(min(wire.SUM_CHUNK, out.numel()), dtype=torch.float32)
-    for lo in range(0, out.numel(), wire.SUM_CHUNK):
-        hi = min(lo + wire.SUM_CHUNK, out.numel())
+def torch_sum(parts: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """The baseline: the shard's earlier sum, about eight torch ops per cache-sized chunk."""
+    norm_sq = torch.zeros((), dtype=torch.float64)
+    acc, upcast = torch.empty(CHUNK, dtype=torch.float32), torch.empty(CHUNK, dtype=torch.float32)
+    for lo in range(0, out.numel(), CHUNK):
+        hi = min(lo + CHUNK, out.numel())
         chunk = acc[: hi - lo].copy_(parts[0][lo:hi])
         for v in parts[1:]:
-            chunk.add_(v[lo:hi])
-        torch.linalg.vector_norm(chunk)
+            chunk.add_(upcast[: hi - lo].copy_(v[lo:hi]))
+        norm_sq += torch.linalg.vector_norm(chunk).square()
         out[lo:hi].copy_(chunk)
+    return norm_sq
 
 
-KERNELS = {"upcast": wire.sum_in_order, "mixed": mixed_sum}
+KERNELS = {"numba": sum_in_order, "torch": torch_sum}
 
 
 def _on_thread(fn, threads: int):
@@ -57,7 +58,8 @@ def _on_thread(fn, threads: int):
     result: list = []
 
     def run() -> None:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads)  # the baseline's team (ATen's); numba's below
+        use_sum_threads(threads)
         result.append(fn())
 
     t = threading.Thread(target=run)
@@ -90,8 +92,8 @@ def _adam(stop: threading.Event, numel: int) -> float:
 
 
 def child(args) -> dict:
-    cores = len(os.sched_getaffinity(0))
-    adam_threads, threads = split_threads(cores - 1, sums=args.split)
+    threads = args.threads
+    adam_threads = max(1, len(os.sched_getaffinity(0)) - 1 - threads)
     kernel = KERNELS[args.kernel]
     parts = [torch.randn(PIECE).bfloat16() for _ in range(2)]
     out = torch.empty(PIECE, dtype=torch.bfloat16)
@@ -102,7 +104,9 @@ def child(args) -> dict:
     beside = _sum_rate(kernel, parts, out, args.repeats, threads)
     stop.set()
     load.join()
-    return {"kernel": args.kernel, "threads": threads, "adam_threads": adam_threads, "alone_gelem_s": alone,
+    import numba
+
+    return {"kernel": args.kernel, "layer": numba.threading_layer() if args.kernel == "numba" else "aten", "threads": threads, "adam_threads": adam_threads, "alone_gelem_s": alone,
             "beside_adam_gelem_s": beside, "adam_gparam_s": adam[0]}
 
 
@@ -111,18 +115,19 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--adam-numel", type=int, default=1 << 28)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--kernel", default="upcast", help=argparse.SUPPRESS)
-    p.add_argument("--split", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--kernel", default="numba", help=argparse.SUPPRESS)
+    p.add_argument("--threads", default="4,8", help="sum team sizes to measure, comma-separated")
     p.add_argument("--out", default="bench/results/gradient_sum.json")
     args = p.parse_args()
     if args.child:
+        args.threads = int(args.threads)
         print(json.dumps(child(args)))
         return
     rows = []
-    for kernel in ("mixed", "upcast"):
-        for split in (False, True):
+    for kernel in ("torch", "numba"):
+        for threads in args.threads.split(","):
             argv = [sys.executable, __file__, "--child", "--kernel", kernel, "--repeats", str(args.repeats),
-                    "--adam-numel", str(args.adam_numel), *(["--split"] if split else [])]
+                    "--adam-numel", str(args.adam_numel), "--threads", threads]
             done = subprocess.run(argv, capture_output=True, text=True, check=True)
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print_table(rows, COLUMNS)

@@ -51,7 +51,7 @@ from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine  # noqa
 from mt_ray.models.discovery import discover  # noqa: E402
 from mt_ray.models.weights import init_random  # noqa: E402
 
-COLUMNS = ["system", "gpus", "rows_per_gpu", "step_s", "model_tflops_per_gpu", "node_host_bytes_per_param",
+COLUMNS = ["system", "gpus", "grad_reduce", "rows_per_gpu", "step_s", "model_tflops_per_gpu", "node_host_bytes_per_param",
            "calc_node_host_bytes_per_param", "spilled_bytes", "weight_wait_s", "adam_s", "sum_s", "publish_s"]
 
 
@@ -105,7 +105,7 @@ def run_single(args, cfg, system: str = "single-engine", init: str = "cuda", bat
         torch.cuda.empty_cache()  # the GPU's memory back for the next row's workers, which share it
     memory.close()
     return row(args, cfg, system, 1, sum(times[args.warmup:]) / args.steps, memory.growth, float("nan"), losses,
-               {"weight_wait_s": None, "adam_s": adam, "sum_s": None, "publish_s": None},
+               {"grad_reduce": None, "weight_wait_s": None, "adam_s": adam, "sum_s": None, "publish_s": None},
                rows=args.rows_per_gpu * batch_of)
 
 
@@ -138,10 +138,10 @@ def run_cluster(args, cfg, system: str, gpus: int, nodes: int, reduce: str = "ho
         shutdown()
     memory.close()
     split = {**{k: after[k] - before[k] for k in after}, **processes}
-    # Two nodes on one host: the host's growth is both nodes', as is the calculator's figure.
-    calc = sizing.node_host_bytes_per_param * (nodes if system == "sharded-1gpu" else 1)
+    # Every node of the run is on this host: its growth is all nodes', so the calculator's figure counts each.
+    calc = sizing.node_host_bytes_per_param * nodes
     return row(args, cfg, system, gpus, sum(result.step_seconds) / args.steps, memory.growth, calc,
-               losses + result.losses, split, spilled)
+               losses + result.losses, {"grad_reduce": reduce, **split}, spilled)
 
 
 def process_split(trainer: DataParallelTrainer) -> dict:

@@ -19,12 +19,17 @@ Nothing model-sized is copied or put per step:
   lands its device->host copy straight in the slot (a lone worker's is then used as it is);
   each further worker lands in a ring of its own (a fixed size, at most RING_CAP_MB), in pieces
   of at most half the ring, and the shard adds each piece, in rank order, into the slot's range.
+- **acknowledgements.** A ring of words per local worker: the shard writes `seq + 1` at `seq % ACK_WORDS` once
+  what the worker reported as its `seq`-th landing is summed (a ring piece: its part of the ring may be reused). A
+  worker's report is a one-way message (`put_grad` returns at once), so no shard thread is held per gradient and
+  no model depth can leave a worker without one; the worker reads its acknowledgements here.
 - **reference.** A preference stage's frozen starting weights (`training.stage: dpo | kto` with a loss
   that needs them), every unit in the compute dtype, written by the shard as it loads the weights:
   held once per node however many workers stream from it, never versioned (nothing updates them).
 
 Layout (byte offsets, each region 4 KiB-aligned, computed alike by the shard and its workers):
-header words (generation, state, one version per unit), weights, reference, gradient slots, rings.
+header words (generation, state, one version per unit), acknowledgements, weights, reference, gradient slots,
+rings.
 """
 
 from __future__ import annotations
@@ -50,9 +55,11 @@ RUNNING, STOPPED, FAILED = 0, 1, 2
 SLOT = -1  # where the node's first worker's gradient lands: in the unit's slot (`put_grad` takes a ring offset otherwise)
 _GENERATION, _STATE, _HEADER = 0, 1, 2  # header word indices; versions follow
 POLL_S = (1e-4, 2e-3)  # a version wait polls from the first to the second, doubling
-# A further worker's gradient ring, at most: 0.25 GiB beside its process's own ~1.15 GiB keeps 8 workers of a node
-# within 16 B/param at 7B; two of its pieces are in flight while the shard sums a third.
-RING_CAP_MB = 256
+# A further worker's gradient ring holds two of the largest layers' gradients (a K-layer block's burst lands while
+# the shard sums), at most this many MiB: 0.9 GiB at the 7B shape in bf16.
+RING_CAP_MB = 1024
+RING_PIECES = 4  # a ring holds this many pieces: the shard sums one while the worker lands the next
+ACK_WORDS = 1024  # acknowledgement words per local worker: at most this many reports outstanding
 
 
 def _align(n: int) -> int:
@@ -60,14 +67,14 @@ def _align(n: int) -> int:
 
 
 def ring_numel(spec: ModelSpec, grad_dtype: torch.dtype, cap_mb: float | None = None) -> int:
-    """Elements of one further worker's gradient ring: the largest trained unit or two of the largest layers,
-    whichever is more, capped at `cap_mb` MiB (default RING_CAP_MB). Gradients land in it in pieces of at most
-    half of it (`ArenaLayout.pieces`), so a unit larger than the ring still lands, and the ring's size is a
+    """Elements of one further worker's gradient ring: two of the largest layers (the largest trained unit where
+    there are no layers), capped at `cap_mb` MiB (default RING_CAP_MB). Gradients land in it in pieces of a
+    quarter of it (`ArenaLayout.pieces`), so a unit larger than the ring still lands, and the ring's size is a
     fixed per-worker cost rather than a model-sized one."""
-    trained = [u.numel for u in spec.trainable_units]
-    layers = [u.numel for u in spec.trainable_units if u.name.startswith("layers.")] or trained
+    layers = [u.numel for u in spec.trainable_units if u.name.startswith("layers.")]
+    wanted = 2 * max(layers) if layers else max(u.numel for u in spec.trainable_units)
     cap = int((RING_CAP_MB if cap_mb is None else cap_mb) * 2**20) // grad_dtype.itemsize
-    return max(2, min(max(max(trained), 2 * max(layers)), cap))
+    return max(RING_PIECES, min(wanted, cap))
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,7 @@ class ArenaLayout:
     """Where everything lives in one node's arena, in bytes."""
 
     units: tuple[str, ...]
+    num_local: int  # workers landing gradients on the node (one acknowledgement ring each)
     weight_offsets: dict[str, int]
     weight_dtypes: dict[str, torch.dtype]
     numels: dict[str, int]
@@ -95,7 +103,7 @@ class ArenaLayout:
         """The layout of shard `shard`'s node: `num_local` workers, the compute `dtype` for other shards' units
         (and the `reference`, when the stage streams one), rings of `ring` elements (default `ring_numel`'s)."""
         owned = {u.name for u in plan.units_of(shard)}
-        off = _align(8 * (_HEADER + len(spec.units)))
+        off = _align(8 * (_HEADER + len(spec.units) + num_local * ACK_WORDS))
         weight_offsets, weight_dtypes, master_offset = {}, {}, None
         for u in spec.units:  # owned units are contiguous in model order: one fp32 run, the master
             weight_dtypes[u.name] = torch.float32 if u.name in owned else dtype
@@ -116,7 +124,7 @@ class ArenaLayout:
             off = _align(off + u.numel * grad_dtype.itemsize)
         rings = num_local - 1  # the node's first worker lands in the slots themselves
         ring = ring or ring_numel(spec, grad_dtype)
-        return cls(tuple(u.name for u in spec.units), weight_offsets, weight_dtypes,
+        return cls(tuple(u.name for u in spec.units), num_local, weight_offsets, weight_dtypes,
                    {u.name: u.numel for u in spec.units}, master_offset or 0, sum(u.numel for u in spec.units
                                                                                   if u.name in owned),
                    ref_offsets, dtype, grad_offsets, grad_dtype, off, ring, rings, off + rings * _align(ring * grad_dtype.itemsize))
@@ -134,9 +142,9 @@ class ArenaLayout:
         return _align(self.ring_numel * self.grad_dtype.itemsize)
 
     def pieces(self, numel: int) -> list[tuple[int, int]]:
-        """The [lo, hi) element ranges a gradient of `numel` elements lands in through a ring: at most half the
-        ring each, so one is in flight while the shard sums the last."""
-        size = max(1, self.ring_numel // 2)
+        """The [lo, hi) element ranges a gradient of `numel` elements lands in through a ring: a quarter of the ring
+        each, so pieces land while the shard sums the ones before."""
+        size = max(1, self.ring_numel // RING_PIECES)
         return [(lo, min(lo + size, numel)) for lo in range(0, numel, size)]
 
 
@@ -157,8 +165,10 @@ class NodeArena:
         self._fd = fd
         self._map = mmap.mmap(fd, layout.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.words = self.bytes[: 8 * (_HEADER + len(layout.units))].view(torch.int64)
-        self.versions = self.words[_HEADER:]
+        units = len(layout.units)
+        self.words = self.bytes[: 8 * (_HEADER + units + layout.num_local * ACK_WORDS)].view(torch.int64)
+        self.versions = self.words[_HEADER : _HEADER + units]
+        self.acks = self.words[_HEADER + units :].view(layout.num_local, ACK_WORDS)
         self._index = {u: i for i, u in enumerate(layout.units)}
 
     @classmethod
@@ -225,8 +235,20 @@ class NodeArena:
     # ------------------------------------------------------------------ header
 
     def begin(self, generation: int) -> None:
+        self.acks.zero_()  # the new generation's workers count their reports from 0
         self.words[_GENERATION] = generation
         self.words[_STATE] = RUNNING
+
+    def state(self) -> tuple[int, int]:
+        """(generation, state) as the header says now."""
+        return int(self.words[_GENERATION]), int(self.words[_STATE])
+
+    def ack(self, local_rank: int, seq: int) -> None:
+        """The shard has summed local worker `local_rank`'s `seq`-th report of this generation."""
+        self.acks[local_rank, seq % ACK_WORDS] = seq + 1
+
+    def acked(self, local_rank: int, seq: int) -> bool:
+        return int(self.acks[local_rank, seq % ACK_WORDS]) == seq + 1
 
     def set_state(self, state: int) -> None:
         self.words[_STATE] = state

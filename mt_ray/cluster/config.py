@@ -44,10 +44,10 @@ class ClusterConfig(BaseModel):
     )
     grad_ring_mb: float | None = Field(
         None, gt=0, description="MiB of each further worker's gradient ring in its node's shared memory (grad_reduce "
-        "host; the node's first worker lands in the gradient slots): gradients land in it in pieces of at most half "
-        "of it, and the coordinator shard sums each piece as every worker's is in. None: the largest unit gradient "
-        "or two layers', at most 256 MiB. Smaller saves host memory per worker; a ring the shard cannot keep up "
-        "with holds the worker's GPU."
+        "host; the node's first worker lands in the gradient slots): gradients land in it in pieces of a quarter of "
+        "it, copied out by the worker's ship thread, and the coordinator shard sums each piece as every worker's is "
+        "in. None: two of the largest layers' gradients, at most 1 GiB. Smaller saves host memory per worker; a ring "
+        "the shard cannot keep up with holds the worker's gradients on its GPU (at most a ring's worth), then its GPU."
     )
     rollout_gpus: float | None = Field(
         None, ge=0, description="GPUs the GRPO rollout actor (the policy's copy that samples completions) reserves "

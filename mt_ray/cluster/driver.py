@@ -136,6 +136,10 @@ class DataParallelTrainer:
             raise ConfigError(f"cluster.num_workers={num_workers} cannot spread evenly over cluster.num_nodes={nodes}; "
                               "make num_nodes a divisor of num_workers")
         self.workers_per_node = num_workers // nodes
+        if engine_cfg.grad_torch_dtype == torch.float16:
+            raise ConfigError("a data-parallel run sums gradients in bf16 or fp32; engine.compute_dtype: fp16 with "
+                              "engine.grad_dtype: compute would send fp16. Set engine.grad_dtype: fp32, or "
+                              "engine.compute_dtype: bf16")
         if self.cluster.grad_reduce == "nccl" and self.spec.vision is not None:
             raise ConfigError("cluster.grad_reduce: nccl cannot train an image-text model (a worker whose rows hold "
                               "no image sends no vision gradient, so the node's collectives would not match); use "
@@ -282,6 +286,11 @@ class DataParallelTrainer:
         return STEP_TIMEOUT_FLOOR_S if timeout == "auto" else timeout
 
     @property
+    def _lone_lander(self) -> bool:
+        """Whether worker 0 lands every gradient of the run (one node, one lander): its GPU's norm is the global one."""
+        return self.landers == 1 and self.cluster.num_nodes == 1
+
+    @property
     def _grouped(self) -> bool:
         """Whether each node's workers sum gradients between them in a process group (`grad_reduce: nccl`)."""
         return self.landers != self.workers_per_node
@@ -357,9 +366,9 @@ class DataParallelTrainer:
         # The driver waits here for every worker's share of the step (its gradients summed on its node)...
         outs = self._wait_workers(step, timeout)
         # ...then for every shard's norm², whose total (shard order, so a rerun clips alike) starts the updates;
-        # a lone worker's is its GPU's, taken before rounding as the single engine takes it.
+        # where one worker lands the only gradients (a lone worker, or one node's NCCL sum) it is that GPU's.
         shard_norm_sq = sum(self._ask_shards(norms))  # also: every partial sum sent on has arrived
-        norm_sq = outs[0]["norm_sq"] if self.num_workers == 1 else shard_norm_sq
+        norm_sq = outs[0]["norm_sq"] if self._lone_lander else shard_norm_sq
         self._ask_shards([s.apply_norm.remote(step, norm_sq) for s in self.shards])
         loss = sum(o["loss"] for o in outs)  # each worker's loss is its share of the global mean
         self._kept_logps = [t for o in outs for t in o["kept_logps"]]  # rank order is micro-batch order

@@ -26,7 +26,7 @@ does) and hands the global norm back (`apply_norm`); no unit is updated before e
 of the step is in.
 
 Sums run on one reduce thread and Adam on the optimizer thread, each with an intra-op team of its own
-(`shard_state.split_threads`: OpenMP's count is per thread; Ray starts actors with OMP_NUM_THREADS=1).
+(`shard_state.split_threads`): the sums on numba's team (`cluster.grad_sum`), Adam on torch's.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import torch
 
 from mt_ray.cluster.arena import ABSENT, FAILED, PRESENT, SLOT, STOPPED, ArenaHandle, ArenaLayout, NodeArena
 from mt_ray.cluster.errors import ClusterError, StaleGenerationError
+from mt_ray.cluster.grad_sum import sum_in_order, use_sum_threads
 from mt_ray.cluster.node_memory import NodeMemoryPeak, process_bytes
 from mt_ray.cluster.partition import ShardPlan
 from mt_ray.cluster.shard_state import (
@@ -53,7 +54,7 @@ from mt_ray.cluster.shard_state import (
     read_unless_stopped,
     split_threads,
 )
-from mt_ray.cluster.wire import from_numpy, sum_in_order, to_numpy
+from mt_ray.cluster.wire import from_numpy, to_numpy
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import HostStore, peak_rss_bytes
 from mt_ray.engine.optimizer import UnitOptimizer, counts_behind, lr_at, restore_counts
@@ -90,7 +91,9 @@ class CoordinatorShard:
         self.trained = [u.name for u in self.owned if not u.frozen]  # the units gradients come for
         self.frozen = {u.name for u in self.spec.units if u.frozen}
         self.clips = self.opt_cfg.max_grad_norm > 0
-        self.gpu_norm = num_workers == 1  # the lone worker's engine takes the norm on its GPU, as one engine does
+        # One lander on one node (a lone worker, or a node's GPUs summing with NCCL): its engine's GPU norm is the
+        # global one, taken as one engine takes it; the driver hands it over.
+        self.gpu_norm = num_local == 1 and num_shards == 1
         layout = ArenaLayout.build(self.spec, self.plan, shard, self.cfg.dtype, self.cfg.grad_torch_dtype, num_local,
                                    ring, reference)
         self.arena = NodeArena.create(layout, self.cfg.host_memory_limit_gb)
@@ -104,10 +107,9 @@ class CoordinatorShard:
         self.slots = GradSlots({u.name: u.numel for u in self.spec.trainable_units})
         self._casts = self._build_casts()
         self._publisher = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="mt-ray-publish")
-        self._reducer = ThreadPoolExecutor(1, thread_name_prefix="mt-ray-reduce", initializer=torch.set_num_threads,
+        # The sums run on numba's team, sized for the reduce thread alone (numba's count holds per thread).
+        self._reducer = ThreadPoolExecutor(1, thread_name_prefix="mt-ray-reduce", initializer=use_sum_threads,
                                            initargs=(sum_threads,))
-        self._reducer.submit(lambda: None).result()  # started now, with its own count (OpenMP's is per thread) ...
-        torch.set_num_threads(self.threads)  # ... then the process's, for this thread and every one started later
         self.peers: list = []
         self._cond = threading.Condition()
         self._copying = {u.name: threading.Lock() for u in self.spec.units if u.name not in self.owned_names}
@@ -236,10 +238,7 @@ class CoordinatorShard:
             gen = self.gen
             gen.stopped = True
             self._cond.notify_all()
-            waiting = list(gen.summed.values())
-        self.arena.set_state(STOPPED)  # workers waiting for weights give up
-        for event in waiting:  # workers of this generation waiting on a sum that will not come
-            event.set()
+        self.arena.set_state(STOPPED)  # workers waiting for weights or for acknowledgements give up
         self._reducer.submit(lambda: None).result()  # sums already queued have finished
         norms = gen.norms.get(step, {})
         complete = step in gen.ended or len(norms) == len(self.trained)
@@ -289,30 +288,33 @@ class CoordinatorShard:
     # ------------------------------------------------------------------ workers' calls
 
     def put_grad(self, generation: int, step: int, rank: int, unit: str, where: int | None,
-                 piece: int | None = None) -> None:
+                 piece: int | None, seq: int) -> None:
         """Local worker `rank`'s gradient of `unit` has landed: in the unit's slot (`where` SLOT), at element
         `where` of its ring, or nowhere (None): its rows did not use the unit (a vision unit, no image).
         `piece`: the start of the piece of the gradient it reports (a ring's, `ArenaLayout.pieces`); None: all.
 
-        Returns once what it reports has been summed, so the worker may then reuse that part of its ring.
+        Returns at once: the sum is queued once every local worker's piece is in, and the arena acknowledges the
+        worker's report `seq` when it is done (a ring piece once summed, so that part of the ring may be reused; a
+        whole landing once the node is done with the unit's sum).
         """
         with self._cond:
             if self._stale(generation):
                 return
             gen = self.gen
+            local = rank % self.num_local
             landing = gen.local.get((step, unit))
             if landing is None:
                 ends = self.pieces[unit]
                 landing = gen.local[(step, unit)] = Landing({lo: {} for lo in ends}, ends, len(ends))
-                gen.summed.setdefault((step, unit), threading.Event())
-            summed = gen.summed.setdefault((step, unit) if piece is None else (step, unit, piece), threading.Event())
+            if piece is None:
+                landing.unit_seqs.append((local, seq))
+            else:
+                landing.piece_seqs.setdefault(piece, []).append((local, seq))
             for lo in landing.ends if piece is None else [piece]:
                 got = landing.got[lo]
-                got[rank % self.num_local] = where
+                got[local] = where
                 if len(got) == self.num_local:
                     self._on_piece(gen, step, unit, lo, landing)
-        summed.wait()
-        self._raise_if_failed()
 
     def put_partial(self, generation: int, step: int, node: int, unit: str, partial: list[ray.ObjectRef | None]) -> None:
         """Another node's sum of its workers' gradients of a unit this shard owns, as `[ref]` (`[None]`: none of
@@ -389,8 +391,9 @@ class CoordinatorShard:
         sum as it lies; several workers' pieces are summed into the slot on the reduce thread."""
         if self.num_local == 1:
             del gen.local[(step, unit)]
-            self._on_local_sum(gen, step, unit, landing.got[lo][0] is not None, None)
+            self._on_local_sum(gen, step, unit, landing.got[lo][0] is not None, None, landing.unit_seqs)
         else:
+            gen.acks[(step, unit, lo)] = landing.piece_seqs.pop(lo, [])
             self._reducer.submit(self._guarded, gen, (step, unit, lo), self._sum_piece, lo, landing)
 
     def _sum_piece(self, gen: Generation, step: int, unit: str, lo: int, landing: Landing) -> None:
@@ -405,11 +408,14 @@ class CoordinatorShard:
                 landing.used = True
             landing.left -= 1
             if landing.left == 0 and gen.local.pop((step, unit), None) is landing:
-                self._on_local_sum(gen, step, unit, landing.used, landing.norm_sq.float())
+                self._on_local_sum(gen, step, unit, landing.used, landing.norm_sq, landing.unit_seqs)
 
-    def _on_local_sum(self, gen: Generation, step: int, unit: str, used: bool, norm_sq: torch.Tensor | None) -> None:
+    def _on_local_sum(self, gen: Generation, step: int, unit: str, used: bool, norm_sq: torch.Tensor | None,
+                      seqs: list[tuple[int, int]]) -> None:
         """The node's sum of `unit` is in its slot, `used` by some worker's rows (lock held): add it as this node's
-        part, or send it on to the unit's owner. `norm_sq`: the sum's, where several local workers made it."""
+        part, or send it on to the unit's owner. `norm_sq`: the sum's, where several local workers made it; `seqs`:
+        the whole landings' reports, acknowledged once the node is done with the unit."""
+        gen.acks[(step, unit)] = seqs
         parts = [self.arena.grad(unit)] if used else []  # none: no worker's rows used the unit
         if norm_sq is not None and used:
             gen.local_norms[(step, unit)] = norm_sq
@@ -421,7 +427,6 @@ class CoordinatorShard:
 
     def _add_contribution(self, gen: Generation, step: int, unit: str, node: int, parts: list[torch.Tensor]) -> None:
         """A node's contribution to an owned unit (lock held); the last one starts the sum."""
-        gen.summed.setdefault((step, unit), threading.Event())
         got = gen.remote.setdefault((step, unit), {})
         got[node] = parts
         if len(got) < self.num_shards:
@@ -432,8 +437,8 @@ class CoordinatorShard:
         self._reducer.submit(self._guarded, gen, (step, unit), self._sum_owned, ordered)
 
     def _guarded(self, gen: Generation, key: tuple, fn: Callable, *args) -> None:
-        """Run one sum on the reduce thread; whatever happens, the workers waiting on it (`key`: (step, unit), or
-        (step, unit, piece start)) wake."""
+        """Run one sum on the reduce thread; whatever happens, the reports it completes (`key`: (step, unit), or
+        (step, unit, piece start)) are acknowledged (a failure also marks the arena FAILED, which ends their wait)."""
         t0 = time.perf_counter()
         try:
             fn(gen, *key[:2], *args)
@@ -445,9 +450,10 @@ class CoordinatorShard:
             self.arena.set_state(FAILED)
         finally:
             with self._cond:
-                event = gen.summed.pop(key, None)
-            if event is not None:
-                event.set()
+                seqs = gen.acks.pop(key, [])
+                if gen is self.gen and not gen.stopped:  # a stopped generation's workers stop waiting anyway
+                    for local, seq in seqs:
+                        self.arena.ack(local, seq)
 
     def _forward_partial(self, gen: Generation, step: int, unit: str, owner: int, parts: list[torch.Tensor]) -> None:
         """This node's sum of a unit another shard owns (in its slot; `parts` empty: unused) goes to the owner."""

@@ -3,7 +3,6 @@ thread teams it sums and updates with (mt_ray.cluster.shard runs them)."""
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +37,8 @@ class Landing:
     ends: dict[int, int]  # piece start -> end
     left: int  # pieces not yet summed
     used: bool = False  # some worker's rows used the unit
+    piece_seqs: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # piece start -> (local rank, report)
+    unit_seqs: list[tuple[int, int]] = field(default_factory=list)  # whole landings' and unused units' reports
     norm_sq: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))  # of the fp32 sums
 
     def ranks_in(self) -> list[int]:
@@ -57,7 +58,7 @@ class Generation:
     remote: dict[tuple[int, str], dict[int, list[torch.Tensor]]] = field(default_factory=dict)
     norms: dict[int, dict[str, torch.Tensor | None]] = field(default_factory=dict)  # None: the lone worker's GPU has it
     forwarded: dict[int, list[ray.ObjectRef]] = field(default_factory=dict)
-    summed: dict[tuple, threading.Event] = field(default_factory=dict)  # (step, unit[, piece]): set once summed
+    acks: dict[tuple, list[tuple[int, int]]] = field(default_factory=dict)  # (step, unit[, piece]) -> reports it ends
     advanced: dict[int, int] = field(default_factory=dict)  # version -> trained units updated to it
     touched: set[int] = field(default_factory=set)
     ended: set[int] = field(default_factory=set)

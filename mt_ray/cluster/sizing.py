@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from mt_ray.cluster.arena import ArenaLayout, ring_numel
+from mt_ray.cluster.arena import ACK_WORDS, ArenaLayout, ring_numel
 from mt_ray.cluster.partition import ShardPlan, state_cost
 from mt_ray.cluster.shard import PUBLISH_THREADS
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
@@ -23,6 +23,7 @@ GIB = 1024**3
 # A worker process's own memory beside the arena it maps (Python, torch, transformers, Ray's core worker,
 # the CUDA context's host side): 1.13 GiB private on the H100 with the 7B shape (bench/multi_gpu.py).
 WORKER_PROCESS_BYTES = int(1.15 * GIB)
+ACK_BYTES = 8 * ACK_WORDS  # a landing worker's acknowledgement words in the arena
 # Each node's fixed cost beside its state and workers: the shard's own process (0.78 GiB private beyond its
 # moments on the H100 with the 7B shape), Ray's daemons (about 0.45 GiB), the page tables of the arena's mappings.
 NODE_BASE_BYTES = int(1.5 * GIB)
@@ -42,6 +43,7 @@ class ClusterSizing:
     arena_bytes: int  # beside the master, which `state_bytes` counts
     reference_bytes: int  # of `arena_bytes`: a preference stage's reference (compute dtype), once per node
     rings: int  # one for each worker after the node's first, which lands in the slots (none with grad_reduce nccl)
+    landers: int  # workers landing gradients on the node (each has acknowledgement words in the arena)
     ring_bytes: int
     worker_process_bytes: int
     rollout_process_bytes: int  # GRPO's rollout actor beside the workers (0 for the other stages)
@@ -51,12 +53,12 @@ class ClusterSizing:
 
     @property
     def per_worker_bytes(self) -> int:
-        """What each further worker on a node adds: its gradient ring and its process."""
-        return self.ring_bytes + self.worker_process_bytes
+        """What each further worker on a node adds: its gradient ring, its acknowledgement words and its process."""
+        return self.ring_bytes + ACK_BYTES + self.worker_process_bytes
 
     @property
     def node_host_bytes(self) -> int:
-        return self.state_bytes + self.arena_bytes + self.rings * self.ring_bytes \
+        return self.state_bytes + self.arena_bytes + self.rings * self.ring_bytes + self.landers * ACK_BYTES \
             + self.workers_per_node * self.worker_process_bytes + self.rollout_process_bytes \
             + self.object_store_bytes + NODE_BASE_BYTES
 
@@ -87,6 +89,7 @@ def size_cluster(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, num_w
     layout = ArenaLayout.build(spec, plan, node, cfg.dtype, cfg.grad_torch_dtype, landers(per_node, grad_reduce),
                                ring_numel(spec, cfg.grad_torch_dtype, ring_mb), reference)
     rings = layout.num_rings * layout.ring_bytes
+    acks = layout.num_local * ACK_BYTES
     largest = max(u.numel for u in spec.units)
     # Several nodes: partial sums going out and coming in, and updated units cast for the other nodes.
     transit = (num_nodes - 1) * largest * (2 * g + PUBLISH_THREADS * w) if num_nodes > 1 else 0
@@ -94,9 +97,9 @@ def size_cluster(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, num_w
     remote = sum(u.numel for u in spec.trainable_units) - shard_trained
     return ClusterSizing(
         num_nodes=num_nodes, workers_per_node=per_node, params=spec.num_params, shard_params=shard,
-        state_bytes=sum(state_cost(u) for u in part), arena_bytes=layout.nbytes - 4 * layout.master_numel - rings,
+        state_bytes=sum(state_cost(u) for u in part), arena_bytes=layout.nbytes - 4 * layout.master_numel - rings - acks,
         reference_bytes=layout.reference_bytes,
-        rings=layout.num_rings, ring_bytes=layout.ring_bytes, worker_process_bytes=WORKER_PROCESS_BYTES,
+        rings=layout.num_rings, landers=layout.num_local, ring_bytes=layout.ring_bytes, worker_process_bytes=WORKER_PROCESS_BYTES,
         rollout_process_bytes=WORKER_PROCESS_BYTES if rollout else 0,
         object_store_bytes=int(transit * STORE_SLACK) + STORE_BASE_BYTES,
         network_out_bytes_per_step=(remote * g + shard_trained * w * (num_nodes - 1)) if num_nodes > 1 else 0,

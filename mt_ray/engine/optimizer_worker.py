@@ -84,6 +84,8 @@ class OptimizerWorker:
     def clips(self) -> bool:
         return self.max_grad_norm > 0
 
+    copies_out = False  # the engine lands each gradient in this worker's buffers itself
+
     def submit(self, unit: str, grad: torch.Tensor | None, landed: torch.cuda.Event | None, lr: float,
                skip: Spans = ()) -> None:
         self._raise_if_failed()

@@ -16,6 +16,9 @@ class GradSink(Protocol):
     """Where the engine hands each finished unit gradient (the `OptimizerWorker` surface)."""
 
     unit_order: list[str]
+    # Whether the sink copies each finished gradient to the host itself (`submit_device`), from a thread of its own,
+    # so a landing that must wait for room (a data-parallel worker's ring) never holds the engine's thread.
+    copies_out: bool
 
     def submit(self, unit: str, grad: torch.Tensor | None, landed: torch.cuda.Event | None, lr: float,
                skip: tuple[tuple[int, int], ...] = ()) -> None:
@@ -23,6 +26,11 @@ class GradSink(Protocol):
         the engine's `grad_buffers.pieces(unit)`, in order; None (once) where the step did not use the unit (a
         vision unit in a step without images): it is not updated. `skip`: the [lo, hi) spans of the whole unit's
         state that got no gradient (a tower norm `get_image_features` never reads), left as they are."""
+
+    def submit_device(self, unit: str, grad: torch.Tensor, ready: torch.cuda.Event | None, lr: float,
+                      skip: tuple[tuple[int, int], ...] = ()) -> None:
+        """Where `copies_out`: the whole gradient on the device (the gradient dtype), complete once `ready` has
+        (None on CPU); the sink lands it on the host and keeps it alive until its copies have run."""
 
     def end_step(self, norm_sq: torch.Tensor, ready: torch.cuda.Event | None, lr: float) -> None:
         """Every unit of the step has been submitted; `norm_sq` is this engine's local norm squared."""

@@ -18,7 +18,8 @@ from mt_ray.engine.seams import GradSink
 from mt_ray.engine.transfer import GradBuffers, Outbox, StreamSet
 from mt_ray.models.discovery import ModelSpec
 
-# A data-parallel worker's collective (`cluster.grad_reduce: nccl`): the sum where this engine ships it, else None.
+# A data-parallel worker's collective (`cluster.grad_reduce: nccl`) over a gradient in the gradient dtype: the sum
+# where this engine ships it (the caller's stream ordered after the collective), else None.
 ReduceGrad = Callable[[str, torch.Tensor], torch.Tensor | None]
 
 
@@ -82,11 +83,21 @@ class StepGrads:
     def send(self, unit: str, acc: torch.Tensor, skip: Spans = ()) -> None:
         """Ship a finished fp32 gradient to the host and queue its optimizer update (`skip`: spans without one)."""
         self.sent.add(unit)
-        if self.reduce is not None and (acc := self.reduce(unit, acc)) is None:
-            return  # another engine ships the sum
-        self.norm_sq += torch.linalg.vector_norm(acc).square()
-        grad = acc.to(self.grad_dtype)
+        if self.reduce is None:
+            self.norm_sq += torch.linalg.vector_norm(acc).square()
+            grad = acc.to(self.grad_dtype)
+        else:
+            # The node's collective runs in the gradient dtype, off the compute stream; only the engine that ships
+            # the node's sum goes on, its norm that of the sum it ships.
+            grad = self.reduce(unit, acc.to(self.grad_dtype))
+            if grad is None:
+                return
+            self.norm_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         done_on_compute = self.streams.record(self.streams.compute)
+        if self.worker.copies_out:
+            # The sink copies it out from a thread of its own: room in its landing is never waited for here.
+            self.worker.submit_device(unit, grad, done_on_compute, self.lr, skip)
+            return
         for lo, hi in self.grad_buffers.pieces(unit):  # each piece is handed on as it lands
             host = self.grad_buffers.acquire(unit, lo, hi)
             with self.streams.on(self.streams.d2h):

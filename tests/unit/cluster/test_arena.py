@@ -6,8 +6,18 @@ import time
 import pytest
 import torch
 
-from mt_ray.cluster.arena import ABSENT, SLOT, STOPPED, ArenaLayout, NodeArena, ring_numel
+from mt_ray.cluster.arena import (
+    ABSENT,
+    ACK_WORDS,
+    RING_PIECES,
+    SLOT,
+    STOPPED,
+    ArenaLayout,
+    NodeArena,
+    ring_numel,
+)
 from mt_ray.cluster.errors import ClusterError, StaleGenerationError
+from mt_ray.cluster.landing import LandingBuffers
 from mt_ray.cluster.partition import ShardPlan
 from mt_ray.errors import InsufficientMemoryError
 from mt_ray.models.discovery import discover
@@ -60,51 +70,61 @@ def test_an_arena_the_node_cannot_hold_is_refused_naming_both_sizes():
 
 
 def test_a_ring_hands_out_gradients_first_in_first_out_and_waits_when_full():
-    from mt_ray.cluster.worker import LandingBuffers
-
     arena = arena_of(workers=2)
     size = arena.layout.ring_numel
     numels = {"a": size // 2, "b": size // 2, "c": size // 3, "d": size // 2}
     ring = LandingBuffers(arena, 1, numels, ring=True, timeout_s=0.2)
-    a, b = ring.acquire("a", 0, size // 2), ring.acquire("b", 0, size // 2)
-    assert (ring.next_landed("a"), ring.next_landed("b")) == ((0, 0), (0, size // 2)) and a.data_ptr() != b.data_ptr()
-    with pytest.raises(ClusterError, match="no room for c's gradient"):
+    (a, at_a), (b, at_b) = ring.acquire("a", 0, size // 2), ring.acquire("b", 0, size // 2)
+    assert (at_a, at_b) == (0, size // 2) and a.data_ptr() != b.data_ptr()
+    with pytest.raises(ClusterError, match="no room in this worker's gradient ring for c's piece at 0"):
         ring.acquire("c", 0, size // 3)  # full until the shard has summed the oldest
     ring.release("a", 0)
-    ring.acquire("c", 0, size // 3)
-    assert ring.next_landed("c") == (0, 0)  # wrapped to the freed start
+    assert ring.acquire("c", 0, size // 3)[1] == 0  # wrapped to the freed start
     ring.release("b", 0)
     ring.release("c", 0)
-    ring.acquire("d", 0, size // 2)
-    assert ring.next_landed("d") == (0, 0)  # back at the start of an empty ring
+    assert ring.acquire("d", 0, size // 2)[1] == 0  # back at the start of an empty ring
     # A lone worker on the node lands in the unit's slot itself, whole.
     unit = next(iter(arena.layout.grad_offsets))
     n = arena.layout.numels[unit]
     slots = LandingBuffers(arena, 0, {unit: n}, ring=False, timeout_s=1)
     assert slots.pieces(unit) == [(0, n)]
-    assert slots.acquire(unit, 0, n).data_ptr() == arena.grad(unit).data_ptr()
-    assert slots.next_landed(unit) == (None, SLOT)
+    view, where = slots.acquire(unit, 0, n)
+    assert view.data_ptr() == arena.grad(unit).data_ptr() and where == SLOT
 
 
-def test_a_gradient_larger_than_half_the_ring_lands_in_pieces_that_cover_it():
-    from mt_ray.cluster.worker import LandingBuffers
-
+def test_a_gradient_larger_than_a_ring_piece_lands_in_pieces_that_cover_it():
     spec = discover(tiny_config("llama"))
     largest = max(u.numel for u in spec.trainable_units)
-    third = -(-largest // 3)
-    ring = ring_numel(spec, torch.float32, cap_mb=2 * third * 4 / 2**20)  # two thirds of the largest unit
-    assert ring == 2 * third
+    ring = ring_numel(spec, torch.float32, cap_mb=(largest // 2) * 4 / 2**20)  # half the largest unit
+    assert ring == largest // 2
     layout = ArenaLayout.build(spec, ShardPlan.build(spec, 1), 0, torch.float32, torch.float32, 2, ring)
     pieces = layout.pieces(largest)
-    assert len(pieces) == 3 and pieces[0][0] == 0 and pieces[-1][1] == largest
-    assert all(hi - lo <= ring // 2 and hi == nxt for (lo, hi), (nxt, _) in zip(pieces, pieces[1:] + [(largest, 0)], strict=True))
+    assert len(pieces) >= 8 and pieces[0][0] == 0 and pieces[-1][1] == largest
+    assert all(hi - lo <= ring // RING_PIECES and hi == nxt
+               for (lo, hi), (nxt, _) in zip(pieces, pieces[1:] + [(largest, 0)], strict=True))
     landing = LandingBuffers(NodeArena.create(layout), 1, {"big": largest}, ring=True, timeout_s=0.2)
     assert landing.pieces("big") == pieces
-    # The engine lands each piece as the last is summed: two fit at once, the third waits for the first's sum.
-    for lo, hi in pieces[:2]:
+    # Pieces land while the shard sums the ones before: a ring's worth fit at once, the next waits for the first.
+    for lo, hi in pieces[:RING_PIECES]:
         landing.acquire("big", lo, hi)
-    with pytest.raises(ClusterError, match="no room for big's gradient"):
-        landing.acquire("big", *pieces[2])
+    with pytest.raises(ClusterError, match="no room in this worker's gradient ring"):
+        landing.acquire("big", *pieces[RING_PIECES])
     landing.release("big", pieces[0][0])
-    landing.acquire("big", *pieces[2])
-    assert [landing.next_landed("big")[0] for _ in pieces] == [lo for lo, _ in pieces]
+    landing.acquire("big", *pieces[RING_PIECES])
+
+
+def test_the_ring_holds_two_of_the_largest_layers():
+    spec = discover(tiny_config("llama"))
+    layer = max(u.numel for u in spec.trainable_units if u.name.startswith("layers."))
+    assert ring_numel(spec, torch.bfloat16) == 2 * layer
+
+
+def test_acknowledgements_are_per_worker_and_a_new_generation_starts_them_afresh():
+    arena = arena_of(workers=2)
+    arena.begin(generation=1)
+    arena.ack(1, 5)
+    assert arena.acked(1, 5) and not arena.acked(0, 5) and not arena.acked(1, 4)
+    arena.ack(1, 5 + ACK_WORDS)  # the word is reused once the report a ring ago is long acknowledged
+    assert arena.acked(1, 5 + ACK_WORDS) and not arena.acked(1, 5)
+    arena.begin(generation=2)
+    assert not arena.acked(1, 5 + ACK_WORDS)

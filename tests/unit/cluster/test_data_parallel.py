@@ -166,7 +166,7 @@ def test_unclipped_step_left_half_applied_without_a_snapshot_restarts_from_a_che
     from mt_ray.cluster import ClusterLostError
 
     def die_after_the_first_unit_of_step_2(worker) -> None:  # runs in worker 0's process, before step 2
-        submit, submitted = worker.grads.submit, []
+        submit, submitted = worker.grads.submit_device, []
 
         def submit_or_die(unit, *args, **kwargs):
             if worker.grads.step == 2:
@@ -176,7 +176,7 @@ def test_unclipped_step_left_half_applied_without_a_snapshot_restarts_from_a_che
                 submitted.append(unit)
             return submit(unit, *args, **kwargs)
 
-        worker.grads.submit = submit_or_die
+        worker.grads.submit_device = submit_or_die
 
     def arm_worker_0(step, trainer):
         if step == 1:  # queued behind step 1's task on the actor, so it runs between steps 1 and 2

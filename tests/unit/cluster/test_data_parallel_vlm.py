@@ -166,10 +166,10 @@ def test_a_shard_leaves_an_unused_projector_and_its_snapshot_keeps_adam_counts(l
         def step(s: int, unused: tuple[str, ...] = ()) -> None:
             for unit in trained:  # as the worker waits for them (the snapshot of step 2 precedes the head)
                 shard.arena.wait_version(unit, s, 0, timeout_s=30)
-            for unit in reversed(trained):
+            for seq, unit in enumerate(reversed(trained)):
                 if unit not in unused:  # the worker's device->host copy, into the unit's slot
                     shard.arena.grad(unit).copy_(torch.randn(spec.unit(unit).numel, generator=g) * 1e-2)
-                shard.put_grad(0, s, 0, unit, None if unit in unused else SLOT)
+                shard.put_grad(0, s, 0, unit, None if unit in unused else SLOT, None, seq)
             shard.apply_norm(s, shard.local_norm_sq(0, s))
             shard.wait_updated(s + 1)
 
