@@ -14,7 +14,6 @@ from mt_ray.config.run import load_run_config  # noqa: E402
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine  # noqa: E402
 from mt_ray.engine.grpo import GrpoConfig  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
-from mt_ray.training.backend import build_backend  # noqa: E402
 from mt_ray.training.grpo.old_logps import keep_old_logps  # noqa: E402
 from mt_ray.training.grpo.rewards import RewardError  # noqa: E402
 from mt_ray.training.grpo.rollout import Rollout, completion_batches, cut_completions  # noqa: E402
@@ -152,35 +151,3 @@ def test_a_rollout_replica_sits_beside_each_worker_unless_given_gpus_of_its_own(
     own = RolloutPlace.resolve("grpo", 1.0)
     assert (own.gpus, own.own_gpus, own.beside(3)) == (1.0, 1.0, [0])
     assert RolloutPlace.resolve("dpo", None) is None
-
-
-def sampled_and_trained(workers: int) -> list:
-    """Two GRPO steps of the demo (4 prompts x G=4, two groups a replica), each step's rollout, rewards and loss."""
-    cfg = load_run_config("jobs/configs/grpo_demo.yaml", [
-        "engine.device=cpu", "engine.compute_dtype=fp32", "grpo.max_completion_length=6", "training.steps=2",
-        "training.micro_batch_size=4", "training.grad_accum_steps=4", "optimizer.lr=0.05", "optimizer.warmup_steps=0",
-        f"cluster.num_workers={workers}"])
-    spec, tokenizer = load_model_and_tokenizer(cfg)
-    backend = build_backend(cfg, spec)
-    steps = GrpoSteps(cfg, backend, spec, tokenizer)
-    try:
-        out = []
-        for _ in range(2):
-            result = backend.train_step(next(steps))
-            out.append((steps.scored.rollout, steps.scored.rewards, float(result.loss)))
-        assert len(getattr(steps.sampler, "replicas", [None])) == workers
-        return out
-    finally:
-        steps.close()
-        backend.close()
-
-
-def test_two_rollout_replicas_sample_what_one_engine_samples(local_ray):
-    """Each replica generates half the prompt groups, each group from its own seeded stream, from weights refreshed
-    out of its node's arena after the update: the same completions, rewards and losses as one engine's copy, which
-    generates every group in one batch."""
-    ours, theirs = sampled_and_trained(2), sampled_and_trained(1)
-    for (rollout, rewards, loss), (ref_rollout, ref_rewards, ref_loss) in zip(ours, theirs, strict=True):
-        assert rollout == ref_rollout and max(rollout.lengths) > 1
-        torch.testing.assert_close(rewards, ref_rewards, equal_nan=True)
-        assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
