@@ -104,7 +104,11 @@ class RemoteSampler:
             placement, dev, int(trainer.cluster.cpus_per_worker)) for w, dev in zip(self.beside, devices, strict=True)]
         self.names = [f"the rollout replica beside worker {w}" if trainer.rollout.shared else "the rollout replica"
                       for w in self.beside]
-        self.eos = self._wait([r.generation_eos.remote() for r in self.replicas], "build its copy")[0]
+        try:
+            self.eos = self._wait([r.generation_eos.remote() for r in self.replicas], "build its copy")[0]
+        except BaseException:
+            self.close()  # none left holding a GPU's memory
+            raise
 
     def refresh(self) -> float:
         """Every replica's copy of the weights after every step so far (each waits for their updates in its
@@ -120,30 +124,33 @@ class RemoteSampler:
         shares = group_shares(len(prompt_ids), len(self.replicas))
         calls = [r.generate.remote(prompt_ids[lo:hi], cfg, eos_ids, pad_id, seed, lo, width)
                  for r, (lo, hi) in zip(self.replicas, shares, strict=False)]
-        return Rollout.join(self._wait(calls, "generate its share of the prompts"))
+        return Rollout.join(self._wait(calls, "generate its share of the prompts", self.names[: len(calls)]))
 
     def generation_eos(self) -> list[int]:
         return self.eos
 
     def _wait(self, calls: list, what: str, names: list[str] | None = None) -> list:
-        """The replies of `calls` (one per replica, or per worker named in `names`, in order), waited for within
-        the step's bound; a lost replica is named. An error raised in a replica reaches the caller as it is."""
-        names = names or self.names
-        timeout = self.trainer.weights_timeout_s + REPLY_GRACE_S
-        _, late = ray.wait(calls, num_returns=len(calls), timeout=timeout)
-        if late:
-            raise ClusterError(f"{', '.join(names[calls.index(c)] for c in late)} did not {what} within {timeout:g} s "
-                               f"(cluster.step_timeout_s={self.trainer.weights_timeout_s:g} s, and {REPLY_GRACE_S:g} s "
-                               "for the reply): it is hung; raise cluster.step_timeout_s if rollouts are this slow")
-        out = []
-        for name, call in zip(names, calls, strict=True):
-            try:
-                out.append(ray.get(call))  # ready: returns at once
-            except RayActorError as e:
-                raise ClusterError(f"{name} was lost while asked to {what}: {e}") from e
-        return out
+        return wait_replies(calls, names or self.names, what, self.trainer.weights_timeout_s)
 
     def close(self) -> None:
         """End the replicas: their copies, mappings and page-locking go with their processes."""
         for replica in self.replicas:
             ray.kill(replica, no_restart=True)
+
+
+def wait_replies(calls: list, names: list[str], what: str, timeout_s: float, grace_s: float = REPLY_GRACE_S) -> list:
+    """The replies of `calls` (one per actor, named in `names`, in order), waited for at most `timeout_s`
+    (`cluster.step_timeout_s`) and `grace_s`; a late or lost actor is named with what it was asked to do. An
+    error raised in an actor's method reaches the caller as it is."""
+    _, late = ray.wait(calls, num_returns=len(calls), timeout=timeout_s + grace_s)
+    if late:
+        raise ClusterError(f"{', '.join(names[calls.index(c)] for c in late)} did not {what} within "
+                           f"{timeout_s + grace_s:g} s (cluster.step_timeout_s={timeout_s:g} s, and {grace_s:g} s for "
+                           "the reply): it is hung; raise cluster.step_timeout_s if rollouts are this slow")
+    out = []
+    for name, call in zip(names, calls, strict=True):
+        try:
+            out.append(ray.get(call))  # ready: returns at once
+        except RayActorError as e:
+            raise ClusterError(f"{name} was lost while asked to {what}: {e}") from e
+    return out
