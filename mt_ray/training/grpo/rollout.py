@@ -12,10 +12,10 @@ engine's copy lives in its process (`LocalSampler`); on the Ray cluster the same
 replica beside each worker (remote.py). A copy that does not fit the device's free memory is refused by name.
 
 Each prompt group samples from a stream of its own (sampling.py), so a rollout split among several copies (the
-cluster's replicas) draws what one copy draws. A completion is its prompt's tokens followed by the sampled ones, cut after the first end-of-sequence
-token; one cut at `max_completion_length` (no end token) is truncated. In the engine's rows each is one
-sequence (`ROLE_COMPLETION`) whose labels are its sampled tokens (none where `mask_truncated_completions`
-drops a truncated one), with its advantage beside it.
+cluster's replicas) draws what one copy draws. A completion is its prompt's tokens followed by the sampled ones,
+cut after the first end-of-sequence token; one cut at `max_completion_length` (no end token) is truncated. In the
+engine's rows each is one sequence (`ROLE_COMPLETION`) whose labels are its sampled tokens (none where
+`mask_truncated_completions` drops a truncated one), with its advantage beside it.
 """
 
 from __future__ import annotations
