@@ -145,6 +145,7 @@ def main() -> None:
     workers = args.workers or max(1, torch.cuda.device_count())
     # the engine first: its state is freed before the cluster's
     engine, theirs = measure(args, 0, workers if args.engine_shares else 1)
+    write_json(args.out, {"args": vars(args), "summary": None, "rows": engine})  # kept if the cluster's run is cut
     cluster, ours = measure(args, workers)
     summary = {"device": device_name(), **summarize(engine, cluster, ours, theirs)}
     print_table(engine + cluster, COLUMNS)
