@@ -23,7 +23,7 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
-from mt_ray.cluster.arena import ArenaAccess
+from mt_ray.cluster.arena import ALIGN, ArenaAccess, NodeArena
 from mt_ray.cluster.errors import ClusterError
 from mt_ray.cluster.placement import worker_devices
 from mt_ray.engine.config import EngineConfig
@@ -51,8 +51,8 @@ class RolloutActor:
         spec, self.arena = access.attach()
         cfg = EngineConfig(**engine_cfg)
         device = cfg.resolve_device()
-        if device.type == "cuda":  # page-locked for the actor's life, as the workers do: each refresh's uploads
-            register_pinned(self.arena.bytes)  # are then DMAs from the arena (the mapping goes with the process)
+        if device.type == "cuda":  # page-locked for the actor's life: each refresh's uploads are then DMAs from
+            register_pinned(_weights_region(self.arena))  # the arena (the mapping goes with the process)
         self.copy = build_copy(spec, cfg, device, rows, tokens, placement)
         self.units = spec.units
 
@@ -73,6 +73,15 @@ class RolloutActor:
 
     def generation_eos(self) -> list[int]:
         return generation_eos(self.copy.model)
+
+
+def _weights_region(arena: NodeArena) -> torch.Tensor:
+    """The arena's bytes that hold the streamed weights, all a replica reads (not the gradients and rings the
+    workers land, which it need not lock), whole pages."""
+    lay = arena.layout
+    lo = min(lay.weight_offsets.values())
+    hi = max(off + lay.numels[u] * lay.weight_dtypes[u].itemsize for u, off in lay.weight_offsets.items())
+    return arena.bytes[lo : min(-(-hi // ALIGN) * ALIGN, lay.nbytes)]
 
 
 def _take_devices(devices: str) -> None:
