@@ -2,17 +2,26 @@
 
 A random-initialised model of `--shape` trains as `mt-ray train` would with `training.stage: grpo` (the run
 config, backend and step source `GrpoSteps` are the trainer's own), first on one engine in this process, then on
-`--workers` engine workers with the rollout actor beside them (`DataParallelTrainer`; on one GPU: one worker and
-the rollout actor sharing the GPU, half of it reserved each). Both sample the same prompts from the same seed.
+`--workers` engine workers, a rollout replica beside each on its GPU generating its share of the prompt groups
+(`DataParallelTrainer`). Both sample the same prompts from the same seed, each prompt group from its own stream,
+so the completions agree wherever the GPU's kernels round a share's batch as they round the whole one; the
+cluster's rows say what share of its completions equal the engine's (`completions_equal`). `--engine-shares`
+makes the engine generate in the cluster's shares, one after another: the same batches, so equal completions
+and losses on any GPU, at the cost of the engine's generation time (a check, not a timing).
 Each measured step reports:
 
-  rollout tokens/s   new tokens / generate seconds (the cluster's: the rollout actor's, as the driver sees it)
-  refresh s          the copy's reload: the engine's from its host weights; the actor's from the node's arena
+  rollout tokens/s   new tokens / generate seconds (the cluster's: all replicas at once, as the driver sees it)
+  refresh s          the copy's reload: the engine's from its host weights; the replicas' from the node's arena
+                     (page-locked DMA, cast on the GPU; the slowest replica's)
   update s, TFLOPS   the engine step (all workers), 6 x params x its tokens / its seconds per GPU
   step s             rollout + update; loss and reward, which match between the two while the completions do
                      (with --num-iterations 2, an iteration-2 row repeats its rollout's columns: it samples nothing)
 
-    python bench/grpo_cluster.py --shape qwen2.5-1.5b --prompts 16 --generations 8 --new-tokens 128
+    python bench/grpo_cluster.py --shape qwen2.5-7b --workers 2 --prompts 16 --generations 8 --new-tokens 128 \
+        --warmup 1 --steps 1 --out bench/results/grpo_cluster_x2.json
+
+The summary: the cluster's step over the engine's (target at most 0.6 with 2 GPUs), the largest loss difference,
+whether the losses are equal (to 1e-3, relative) and the share of equal completions.
 
 CPU smoke test: `python bench/grpo_cluster.py --shape tiny --device cpu --workers 2 --prompts 2 --generations 4
 --new-tokens 8 --micro 4 --steps 1 --out /tmp/grpo_cluster_tiny.json`.
@@ -35,7 +44,9 @@ from mt_ray.training.grpo.steps import GrpoSteps  # noqa: E402
 from mt_ray.training.model_source import load_model_and_tokenizer  # noqa: E402
 
 COLUMNS = ["system", "workers", "iteration", "rollout_tokens_per_s", "refresh_s", "generate_s", "update_s",
-           "update_tflops_per_gpu", "step_s", "loss", "reward", "host_bytes_per_param"]
+           "update_tflops_per_gpu", "step_s", "loss", "reward", "completions_equal", "host_bytes_per_param"]
+TARGET = 0.6  # the cluster's step over one engine's, two GPUs (issue 36)
+LOSS_RTOL = 1e-3  # equal losses: the same completions, summed over workers in another order
 
 
 def run_config(args, workers: int):
@@ -68,16 +79,22 @@ def build(args, workers: int):
     return cfg, spec, tokenizer, backend
 
 
-def measure(args, workers: int) -> list[dict]:
+def measure(args, workers: int, shares: int = 1) -> tuple[list[dict], list[list[list[int]]]]:
+    """Each measured step's row, and each step's completions (token ids); the engine (workers 0) generating in
+    `shares` consecutive batches."""
     cfg, spec, tokenizer, backend = build(args, workers)
     steps = GrpoSteps(cfg, backend, spec, tokenizer)
+    if workers == 0:
+        steps.sampler.shares = shares
     gpus = max(workers, 1) if args.device != "cpu" else 0
-    rows = []
+    rows, completions = [], []
     try:
         for i, rollout_s, update_s, result in timed_grpo_steps(steps, backend, args.warmup, args.steps):
             m = steps.metrics
+            completions.append(steps.scored.rollout.completion_ids)
             rows.append({
                 "system": "cluster" if workers else "engine", "workers": workers, "gpus": gpus,
+                "engine_shares": shares if workers == 0 else None,
                 "iteration": i % args.num_iterations + 1, "rollout_tokens_per_s": m["rollout/tokens_per_s"],
                 "refresh_s": m["rollout/refresh_s"], "generate_s": m["rollout/generate_s"], "update_s": update_s,
                 "update_tokens": result.num_tokens,
@@ -88,7 +105,23 @@ def measure(args, workers: int) -> list[dict]:
     finally:
         steps.close()
         backend.close()
-    return rows
+    return rows, completions
+
+
+def summarize(engine: list[dict], cluster: list[dict], ours: list, theirs: list) -> dict:
+    """The cluster against the engine, step by step: step time, losses, completions."""
+    for row, a, b in zip(cluster, ours, theirs, strict=True):
+        row["completions_equal"] = sum(x == y for x, y in zip(a, b, strict=True)) / len(b)
+    ratio = sum(r["step_s"] for r in cluster) / sum(r["step_s"] for r in engine)
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(cluster, engine, strict=True)]
+    equal = all(d <= LOSS_RTOL * max(1.0, abs(b["loss"])) for d, b in zip(diffs, engine, strict=True))
+    return {"cluster_over_engine_step_s": ratio, "max_loss_diff": max(diffs), "losses_equal": equal,
+            "completions_equal": min(r["completions_equal"] for r in cluster),
+            "target_step_ratio": TARGET, "meets_target": ratio <= TARGET and equal,
+            "engine": {k: sum(r[k] for r in engine) / len(engine) for k in ("step_s", "refresh_s", "generate_s",
+                                                                           "update_s")},
+            "cluster": {k: sum(r[k] for r in cluster) / len(cluster) for k in ("step_s", "refresh_s", "generate_s",
+                                                                             "update_s")}}
 
 
 def main() -> None:
@@ -103,19 +136,21 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4, help="checkpoint every K layers")
     p.add_argument("--grad-dtype", default="compute", choices=["fp32", "compute"])
     p.add_argument("--num-iterations", type=int, default=1, help="grpo.num_iterations: updates per rollout")
+    p.add_argument("--engine-shares", action="store_true",
+                   help="the engine generates in the cluster's shares (equal batches: a check, not a timing)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--out", default="bench/results/grpo_cluster.json")
     args = p.parse_args()
     workers = args.workers or max(1, torch.cuda.device_count())
-    rows = measure(args, 0) + measure(args, workers)  # the engine first: its state is freed before the cluster's
-    engine, cluster = ([r for r in rows if r["system"] == s] for s in ("engine", "cluster"))
-    summary = {"device": device_name(), "cluster_over_engine_step_s": sum(r["step_s"] for r in cluster)
-               / sum(r["step_s"] for r in engine),
-               "max_loss_diff": max(abs(a["loss"] - b["loss"]) for a, b in zip(engine, cluster, strict=True))}
-    print_table(rows, COLUMNS)
+    # the engine first: its state is freed before the cluster's
+    engine, theirs = measure(args, 0, workers if args.engine_shares else 1)
+    write_json(args.out, {"args": vars(args), "summary": None, "rows": engine})  # kept if the cluster's run is cut
+    cluster, ours = measure(args, workers)
+    summary = {"device": device_name(), **summarize(engine, cluster, ours, theirs)}
+    print_table(engine + cluster, COLUMNS)
     print(summary)
-    write_json(args.out, {"args": vars(args), "summary": summary, "rows": rows})
+    write_json(args.out, {"args": vars(args), "summary": summary, "rows": engine + cluster})
 
 
 if __name__ == "__main__":

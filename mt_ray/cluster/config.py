@@ -50,10 +50,10 @@ class ClusterConfig(BaseModel):
         "the shard cannot keep up with holds the worker's gradients on its GPU (at most a ring's worth), then its GPU."
     )
     rollout_gpus: float | None = Field(
-        None, ge=0, description="GPUs the GRPO rollout actor (the policy's copy that samples completions) reserves "
-        "on the first node, beside its workers. None: it shares the first worker's GPU (each reserves half of "
-        "it), or runs on the CPU beside CPU workers; a number: GPUs of its own (1: a whole GPU, as VERL's split "
-        "layout), added to that node's bundle."
+        None, ge=0, description="GRPO's rollout (the policy's copies that sample completions). None: a rollout "
+        "replica beside each worker, on its GPU (or CPUs), each generating a share of the prompts; a number: one "
+        "replica with that many GPUs of its own on the first node, beside its workers (VERL's split layout), "
+        "added to that node's bundle."
     )
     num_cpus: int | None = Field(None, ge=1, description="CPUs of an in-process Ray; None: all of them.")
     snapshot_every: int = Field(

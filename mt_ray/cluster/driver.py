@@ -9,8 +9,8 @@ stage's pair shares one row (chosen and rejected, packed or not), so no split cu
 worker normalises by the global batch's pair (or KTO example) count, and the driver adds the
 workers' metric sums before dividing by it. KTO's KL estimate is a mean over a whole micro-batch's
 twins, so its micro-batches go whole to the workers, as GRPO's do (its loss is normalised per
-micro-batch; mt_ray.cluster.stages). GRPO's completions come from a rollout actor the training side
-places beside node 0's workers (`rollout_options`), reading the weights from the node's arena
+micro-batch; mt_ray.cluster.stages). GRPO's completions come from rollout replicas the training side
+places beside the workers (`rollout_options`), reading the weights from their node's arena
 (`arena_access`). Workers sit in a placement group, the same number on each node beside that
 node's coordinator shard (mt_ray.cluster.shard), which sums their gradients and owns one
 contiguous part of the fp32 state.
@@ -104,8 +104,8 @@ class DataParallelTrainer:
     `Trainer` drives either. `after_launch(step, trainer)` runs right after a step's work is
     handed to the workers (a seam for tests and fault injection). `stage` is the run's `training.stage`
     with its `pref` (or `grpo`) section; the reference a preference stage (or GRPO at β > 0) streams is the
-    starting weights, kept in each node's arena. GRPO's completions come from a rollout actor the training
-    side places beside the workers (`actor_options`, `arena_access`); the workers only train.
+    starting weights, kept in each node's arena. GRPO's completions come from rollout replicas the training
+    side places beside the workers (`rollout_options`, `arena_access`); the workers only train.
     """
 
     def __init__(self, model, engine_cfg: EngineConfig, opt_cfg: OptimizerConfig, num_workers: int,
@@ -160,7 +160,7 @@ class DataParallelTrainer:
         """Place and start the shards and workers on the Ray `__init__` joined."""
         engine_cfg = self.engine_cfg
         self.gpus_per_worker = self._resolve_gpus_per_worker()
-        self.rollout = RolloutPlace.resolve(self.stage, self.cluster.rollout_gpus, self.gpus_per_worker)
+        self.rollout = RolloutPlace.resolve(self.stage, self.cluster.rollout_gpus)
         self._check_cluster_resources()
         if engine_cfg.compute_dtype == "auto":
             # Decided once, from where the workers run: a shard on a CPU-only node would
@@ -259,8 +259,7 @@ class DataParallelTrainer:
         workers = {}
         for r in ranks:
             node = r // self.workers_per_node
-            gpus = self.rollout.worker_gpus(r, self.gpus_per_worker) if self.rollout else self.gpus_per_worker
-            workers[r] = cls.options(num_gpus=gpus, num_cpus=self.cluster.cpus_per_worker,
+            workers[r] = cls.options(num_gpus=self.gpus_per_worker, num_cpus=self.cluster.cpus_per_worker,
                                      max_restarts=0, **self._on_node(node)).remote(
                 r, self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps,
                 self.shards[node], node, self.cluster.num_nodes, self.landers, self.ring, self.arenas[node],
@@ -268,9 +267,10 @@ class DataParallelTrainer:
                 self.pref.model_dump(), self.grpo.model_dump())
         return workers
 
-    def rollout_options(self) -> dict:
-        """Ray actor options that place GRPO's rollout actor in node 0's bundle with its GPUs (`RolloutPlace`)."""
-        return {"num_gpus": self.rollout.gpus, "num_cpus": 0, "max_restarts": 0, **self._on_node(0)}
+    def rollout_options(self, worker: int = 0) -> dict:
+        """Ray actor options that place a GRPO rollout replica in worker `worker`'s node bundle (`RolloutPlace`)."""
+        node = worker // self.workers_per_node
+        return {"num_gpus": self.rollout.gpus, "num_cpus": 0, "max_restarts": 0, **self._on_node(node)}
 
     def arena_access(self, node: int = 0) -> ArenaAccess:
         """What an actor on `node` needs to map its arena and read the weights the workers stream (a rollout actor

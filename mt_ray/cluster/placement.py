@@ -64,25 +64,32 @@ def check_nodes(nodes: list[dict], bundle: dict[str, float], num_nodes: int, clu
 
 @dataclass(frozen=True)
 class RolloutPlace:
-    """Where GRPO's rollout actor sits: in node 0's bundle, beside its workers (VERL's layout). `shared`: it takes
-    half of the first worker's GPUs (the two share a GPU; on CPU workers, nothing); else `gpus` of its own, added
-    to node 0's bundle (`cluster.rollout_gpus`)."""
+    """Where GRPO's rollout replicas sit. `shared` (the default): one beside each worker, on its node and its GPU
+    (on CPU workers, its CPUs), each generating a share of the prompts; it runs within its worker's reservation,
+    on the GPU Ray gave the worker (`worker_devices`), because fractional GPUs would not say which of a node's GPUs
+    a half lands on. Else one replica with `gpus` of its own, added to node 0's bundle (`cluster.rollout_gpus`,
+    VERL's split layout)."""
 
-    gpus: float
+    gpus: float  # what each replica reserves from Ray
     shared: bool
 
     @classmethod
-    def resolve(cls, stage: str, configured: float | None, gpus_per_worker: float) -> RolloutPlace | None:
+    def resolve(cls, stage: str, configured: float | None) -> RolloutPlace | None:
         """None unless the stage samples its completions (grpo)."""
         if stage != "grpo":
             return None
-        return cls(gpus_per_worker / 2, True) if configured is None else cls(configured, False)
+        return cls(0.0, True) if configured is None else cls(configured, False)
 
-    def worker_gpus(self, rank: int, gpus_per_worker: float) -> float:
-        """What worker `rank` reserves: the first gives up the half it shares."""
-        return gpus_per_worker - self.gpus if self.shared and rank == 0 else gpus_per_worker
+    def beside(self, num_workers: int) -> list[int]:
+        """The worker each replica runs beside (node 0's first, for one with GPUs of its own)."""
+        return list(range(num_workers)) if self.shared else [0]
 
     @property
     def own_gpus(self) -> float:
-        """GPUs the rollout adds to the run's reservation (none where it shares the first worker's)."""
+        """GPUs the rollout adds to the run's reservation (none where the replicas share the workers')."""
         return 0.0 if self.shared else self.gpus
+
+
+def worker_devices(_worker) -> str | None:
+    """Run in a worker (`actor.__ray_call__`): the CUDA devices Ray gave its process, which its replica takes."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -6,7 +6,8 @@ the rest of the arena (other nodes' units in the compute dtype, a preference sta
 it, a gradient slot per trained unit, and a gradient ring for each worker after the node's first); each worker's own process; and an
 object store that carries only batches and, with several nodes, unit-sized transfers between them.
 The worker count adds only its rings and processes: `per_worker_bytes`, named, and nothing model-sized.
-GRPO adds its rollout actor's process (its copy of the policy is on a GPU, refreshed from the arena it maps).
+GRPO adds a rollout replica's process beside each worker (its copy of the policy is on the worker's GPU, refreshed
+from the arena it maps).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class ClusterSizing:
     landers: int  # workers landing gradients on the node (each has acknowledgement words in the arena)
     ring_bytes: int
     worker_process_bytes: int
-    rollout_process_bytes: int  # GRPO's rollout actor beside the workers (0 for the other stages)
+    rollout_process_bytes: int  # GRPO's rollout replicas, one beside each worker (0 for the other stages)
     object_store_bytes: int
     network_out_bytes_per_step: int
     network_in_bytes_per_step: int
@@ -77,7 +78,8 @@ def size_cluster(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, num_w
     """The plan of `num_workers` workers spread over `num_nodes` nodes, one coordinator shard each (`grad_reduce`
     nccl: the node's GPUs sum gradients between them, so only one lands, and no worker has a ring; `ring_mb`:
     `cluster.grad_ring_mb`; `reference`: the stage streams a reference, `Stage.reference`; `rollout`: a GRPO
-    rollout actor runs beside the workers, counted on the most loaded node as a worker's process)."""
+    rollout replica runs beside each worker, each counted as a worker's process; one with GPUs of its own,
+    `cluster.rollout_gpus`, is counted the same way, an upper bound)."""
     plan = ShardPlan.build(spec, num_nodes)
     per_node = num_workers // num_nodes
     w, g = cfg.dtype.itemsize, cfg.grad_torch_dtype.itemsize
@@ -99,8 +101,8 @@ def size_cluster(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, num_w
         num_nodes=num_nodes, workers_per_node=per_node, params=spec.num_params, shard_params=shard,
         state_bytes=sum(state_cost(u) for u in part), arena_bytes=layout.nbytes - 4 * layout.master_numel - rings - acks,
         reference_bytes=layout.reference_bytes,
-        rings=layout.num_rings, landers=layout.num_local, ring_bytes=layout.ring_bytes, worker_process_bytes=WORKER_PROCESS_BYTES,
-        rollout_process_bytes=WORKER_PROCESS_BYTES if rollout else 0,
+        rings=layout.num_rings, landers=layout.num_local, ring_bytes=layout.ring_bytes,
+        worker_process_bytes=WORKER_PROCESS_BYTES, rollout_process_bytes=per_node * WORKER_PROCESS_BYTES if rollout else 0,
         object_store_bytes=int(transit * STORE_SLACK) + STORE_BASE_BYTES,
         network_out_bytes_per_step=(remote * g + shard_trained * w * (num_nodes - 1)) if num_nodes > 1 else 0,
         network_in_bytes_per_step=(remote * w + shard_trained * g * (num_nodes - 1)) if num_nodes > 1 else 0,
@@ -122,7 +124,7 @@ def render_cluster(sizing: ClusterSizing) -> str:
                                            + (f", reference {s.reference_bytes / GIB:.1f} GiB)" if s.reference_bytes
                                               else ")")),
         ("per worker (ring + process)", f"{s.per_worker_bytes / GIB:.2f} GiB"),
-        *([("GRPO rollout actor (process)", f"{s.rollout_process_bytes / GIB:.2f} GiB")] if s.rollout_process_bytes
+        *([("GRPO rollout replicas (processes)", f"{s.rollout_process_bytes / GIB:.2f} GiB")] if s.rollout_process_bytes
           else []),
         ("object store", f"{s.object_store_bytes / GIB:.2f} GiB"),
         ("shard process, Ray's daemons", f"{NODE_BASE_BYTES / GIB:.1f} GiB"),

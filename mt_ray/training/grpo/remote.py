@@ -1,79 +1,165 @@
-"""GRPO on the Ray cluster: the rollout actor, placed beside the engine workers as VERL lays them out.
+"""GRPO on the Ray cluster: a rollout replica beside each engine worker, as VERL colocates them.
 
-The engine workers only train. The rollout actor holds the policy's copy for generation (the single engine's
-`PolicyCopy`, transformers' `generate`: no second decoder) on a GPU of node 0 (half of the first worker's by
-default, `cluster.rollout_gpus`; the CPU beside CPU workers). Before each rollout it refreshes the copy from
-node 0's shared-memory arena, the weights the workers stream (the shard's fp32 master; other nodes' units in
-the compute dtype), once every unit's version word says the last step's update is in: nothing model-sized goes
-through Ray's object store. The driver sends it prompt tokens and gets completion tokens back; rewards and
-advantages are scored on the driver as on a single engine.
+The engine workers only train. Each rollout replica holds a copy of the policy for generation (the single
+engine's `PolicyCopy`, transformers' `generate`: no second decoder) on its worker's GPU (the CPU beside CPU
+workers; `cluster.rollout_gpus` gives one replica GPUs of its own instead), and generates a consecutive share of
+each rollout's prompt groups, all replicas at once; the driver joins their completions in prompt order. Each
+group samples from its own seeded stream (sampling.py), so the completions do not depend on the split: one
+engine's `LocalSampler` draws the same ones.
+
+Before each rollout a replica refreshes its copy from its node's shared-memory arena (the shard's fp32 master;
+other nodes' units in the compute dtype), unit by unit as each unit's version word says the last step's update is
+in: a page-locked DMA and a cast on the GPU (upload.py), nothing model-sized through Ray's object store. Rewards
+and advantages are scored on the driver as on a single engine. Every wait for a replica is bounded by
+`cluster.step_timeout_s` and names the replica and what it was doing.
 """
 
 from __future__ import annotations
 
+import os
+import time
+
 import ray
 import torch
+from ray.exceptions import RayActorError
 
-from mt_ray.cluster.arena import ArenaAccess
+from mt_ray.cluster.arena import ALIGN, ArenaAccess, NodeArena
+from mt_ray.cluster.errors import ClusterError
+from mt_ray.cluster.placement import worker_devices
 from mt_ray.engine.config import EngineConfig
 from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.host_store import unit_views
 from mt_ray.engine.pinning import register_pinned
-from mt_ray.training.grpo.rollout import Rollout, build_copy, generation_eos
+from mt_ray.training.grpo.rollout import Rollout, build_copy, generation_eos, group_shares
+
+REPLY_GRACE_S = 60.0  # beyond a replica's own bound on its arena waits: its copy's time, and Ray's reply
 
 
 class RolloutActor:
-    """A Ray actor: the policy's copy for generation, refreshed from its node's arena."""
+    """A Ray actor: a rollout replica, the policy's copy for generation, refreshed from its node's arena."""
 
-    def __init__(self, access: ArenaAccess, engine_cfg: dict, rows: int, tokens: int, placement: str = "auto"):
+    def __init__(self, access: ArenaAccess, engine_cfg: dict, rows: int, tokens: int, placement: str = "auto",
+                 devices: str | None = None, threads: int = 1):
         """`access`: the node's arena; `engine_cfg`: the run's (its device and compute dtype); a copy sized for
         `rows` completions of up to `tokens` tokens, placed as `placement` (`rollout.placement`; auto: resident
         where the whole copy fits the GPU's free memory beside the worker, else streamed), refused where even
-        that cannot fit."""
+        that cannot fit. `devices`: the CUDA devices of the worker whose GPU it shares (Ray reserved none for
+        it); `threads`: the CPU threads it may use (its worker's, idle while it generates)."""
+        if devices is not None:
+            _take_devices(devices)
+        torch.set_num_threads(max(1, threads))
         spec, self.arena = access.attach()
         cfg = EngineConfig(**engine_cfg)
         device = cfg.resolve_device()
-        if device.type == "cuda":  # page-locked for the actor's life, as the workers do: each refresh's uploads
-            register_pinned(self.arena.bytes)  # are then DMAs from the arena (the mapping goes with the process)
+        if device.type == "cuda":  # page-locked for the actor's life: each refresh's uploads are then DMAs from
+            register_pinned(_weights_region(self.arena))  # the arena (the mapping goes with the process)
         self.copy = build_copy(spec, cfg, device, rows, tokens, placement)
         self.units = spec.units
 
     def refresh(self, step: int, generation: int, timeout_s: float) -> float:
-        """Load the weights after `step` steps, once each unit's update is in; the copy's seconds."""
-        state: dict[str, torch.Tensor] = {}
-        for unit in self.units:
-            self.arena.wait_version(unit.name, step, generation, timeout_s)
-            state.update(unit_views(unit, self.arena.weights(unit.name)))
-        return self.copy.refresh(state)
+        """Load the weights after `step` steps, each unit as soon as its update is in (all within `timeout_s`);
+        the seconds, waits included."""
+        deadline = time.monotonic() + timeout_s
+        return self.copy.refresh(self._landed_units(step, generation, deadline))
 
-    def generate(self, prompt_ids: list[list[int]], cfg: GrpoConfig, eos_ids: set[int], pad_id: int,
-                 seed: int) -> Rollout:
-        return self.copy.generate(prompt_ids, cfg, eos_ids, pad_id, seed)
+    def _landed_units(self, step: int, generation: int, deadline: float):
+        for unit in self.units:
+            self.arena.wait_version(unit.name, step, generation, max(0.0, deadline - time.monotonic()))
+            yield unit_views(unit, self.arena.weights(unit.name))
+
+    def generate(self, prompt_ids: list[list[int]], cfg: GrpoConfig, eos_ids: set[int], pad_id: int, seed: int,
+                 first_group: int, width: int) -> Rollout:
+        return self.copy.generate(prompt_ids, cfg, eos_ids, pad_id, seed, first_group, width)
 
     def generation_eos(self) -> list[int]:
         return generation_eos(self.copy.model)
 
 
-class RemoteSampler:
-    """`LocalSampler`'s surface over a rollout actor placed by the data-parallel trainer (`rollout_options`)."""
+def _weights_region(arena: NodeArena) -> torch.Tensor:
+    """The arena's bytes that hold the streamed weights, all a replica reads (not the gradients and rings the
+    workers land, which it need not lock), whole pages."""
+    lay = arena.layout
+    lo = min(lay.weight_offsets.values())
+    hi = max(off + lay.numels[u] * lay.weight_dtypes[u].itemsize for u, off in lay.weight_offsets.items())
+    return arena.bytes[lo : min(-(-hi // ALIGN) * ALIGN, lay.nbytes)]
 
-    def __init__(self, trainer, rows: int, tokens: int, placement: str = "auto"):
+
+def _take_devices(devices: str) -> None:
+    """Make the worker's GPU this process's, before CUDA starts (it reads the variable once)."""
+    if torch.cuda.is_initialized() and os.environ.get("CUDA_VISIBLE_DEVICES") != devices:
+        raise ClusterError(f"a rollout replica must run on its worker's GPU (CUDA_VISIBLE_DEVICES={devices}), but "
+                           "CUDA had started in its process already")
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices
+
+
+class RemoteSampler:
+    """`LocalSampler`'s surface over the rollout replicas, placed by the data-parallel trainer (`RolloutPlace`,
+    `rollout_options`)."""
+
+    def __init__(self, trainer, rows: int, tokens: int, group: int, placement: str = "auto"):
+        """Replicas sized for their share of `rows` completions (whole groups of `group`) of up to `tokens`
+        tokens; returns once each has built its copy."""
         self.trainer = trainer
-        self.actor = ray.remote(RolloutActor).options(**trainer.rollout_options()).remote(
-            trainer.arena_access(0), trainer.engine_cfg.model_dump(), rows, tokens, placement)
+        self.beside = trainer.rollout.beside(trainer.num_workers)
+        groups = rows // group
+        share_rows = max(hi - lo for lo, hi in group_shares(groups, len(self.beside))) * group
+        devices = [None] * len(self.beside)
+        if trainer.gpus_per_worker and trainer.rollout.shared:  # each replica on its worker's GPU
+            devices = self._wait([trainer.workers[w].__ray_call__.remote(worker_devices) for w in self.beside],
+                                 "report its GPU", [f"worker {w}" for w in self.beside])
+        cls = ray.remote(RolloutActor)
+        self.replicas = [cls.options(**trainer.rollout_options(w)).remote(
+            trainer.arena_access(w // trainer.workers_per_node), trainer.engine_cfg.model_dump(), share_rows, tokens,
+            placement, dev, int(trainer.cluster.cpus_per_worker)) for w, dev in zip(self.beside, devices, strict=True)]
+        self.names = [f"the rollout replica beside worker {w}" if trainer.rollout.shared else "the rollout replica"
+                      for w in self.beside]
+        try:
+            self.eos = self._wait([r.generation_eos.remote() for r in self.replicas], "build its copy")[0]
+        except BaseException:
+            self.close()  # none left holding a GPU's memory
+            raise
 
     def refresh(self) -> float:
-        """The actor's copy of the weights after every step so far (it waits for their updates in the arena)."""
+        """Every replica's copy of the weights after every step so far (each waits for their updates in its
+        node's arena); the slowest replica's seconds."""
         t = self.trainer
-        return ray.get(self.actor.refresh.remote(t.step_idx, t.generation, t.weights_timeout_s))
+        calls = [r.refresh.remote(t.step_idx, t.generation, t.weights_timeout_s) for r in self.replicas]
+        return max(self._wait(calls, f"refresh its copy to step {t.step_idx}"))
 
     def generate(self, prompt_ids: list[list[int]], cfg: GrpoConfig, eos_ids: set[int], pad_id: int,
                  seed: int) -> Rollout:
-        return ray.get(self.actor.generate.remote(prompt_ids, cfg, eos_ids, pad_id, seed))
+        """Each replica's share of the prompt groups, generated at once, joined in prompt order."""
+        width = max(len(p) for p in prompt_ids)  # every share padded alike: the positions one engine's batch has
+        shares = group_shares(len(prompt_ids), len(self.replicas))
+        calls = [r.generate.remote(prompt_ids[lo:hi], cfg, eos_ids, pad_id, seed, lo, width)
+                 for r, (lo, hi) in zip(self.replicas, shares, strict=False)]
+        return Rollout.join(self._wait(calls, "generate its share of the prompts", self.names[: len(calls)]))
 
     def generation_eos(self) -> list[int]:
-        return ray.get(self.actor.generation_eos.remote())
+        return self.eos
+
+    def _wait(self, calls: list, what: str, names: list[str] | None = None) -> list:
+        return wait_replies(calls, names or self.names, what, self.trainer.weights_timeout_s)
 
     def close(self) -> None:
-        """End the actor: its copy, its mapping and its page-locking go with its process."""
-        ray.kill(self.actor, no_restart=True)
+        """End the replicas: their copies, mappings and page-locking go with their processes."""
+        for replica in self.replicas:
+            ray.kill(replica, no_restart=True)
+
+
+def wait_replies(calls: list, names: list[str], what: str, timeout_s: float, grace_s: float = REPLY_GRACE_S) -> list:
+    """The replies of `calls` (one per actor, named in `names`, in order), waited for at most `timeout_s`
+    (`cluster.step_timeout_s`) and `grace_s`; a late or lost actor is named with what it was asked to do. An
+    error raised in an actor's method reaches the caller as it is."""
+    _, late = ray.wait(calls, num_returns=len(calls), timeout=timeout_s + grace_s)
+    if late:
+        raise ClusterError(f"{', '.join(names[calls.index(c)] for c in late)} did not {what} within "
+                           f"{timeout_s + grace_s:g} s (cluster.step_timeout_s={timeout_s:g} s, and {grace_s:g} s for "
+                           "the reply): it is hung; raise cluster.step_timeout_s if rollouts are this slow")
+    out = []
+    for name, call in zip(names, calls, strict=True):
+        try:
+            out.append(ray.get(call))  # ready: returns at once
+        except RayActorError as e:
+            raise ClusterError(f"{name} was lost while asked to {what}: {e}") from e
+    return out

@@ -2,29 +2,31 @@
 engine's micro-batches built from them.
 
 The copy (`PolicyCopy`) is the model's Hugging Face module in the engine's compute dtype, built once and
-refreshed from the host master weights after each update; the refresh is timed (`rollout/refresh_s`).
+refreshed from the host master weights after each update, by page-locked DMA with the cast on the device
+(upload.py); the refresh is timed (`rollout/refresh_s`).
 `rollout.placement` says where its weights are: all on the engine's device (`resident`), or its decoder
 layers in page-locked host memory, streamed through two device buffers as `generate` runs them
 (`streamed`, streamed_copy.py: the embedding, head and key/value cache stay on the device; the refresh then
 writes the host copy). `auto` takes resident where the device model says it fits beside the step. A single
 engine's copy lives in its process (`LocalSampler`); on the Ray cluster the same class lives in a rollout
-actor beside the workers (remote.py). A copy that does not fit the device's free memory is refused by name.
+replica beside each worker (remote.py). A copy that does not fit the device's free memory is refused by name.
 
-A completion is its prompt's tokens followed by the sampled ones, cut after the first end-of-sequence
-token; one cut at `max_completion_length` (no end token) is truncated. In the engine's rows each is one
-sequence (`ROLE_COMPLETION`) whose labels are its sampled tokens (none where `mask_truncated_completions`
-drops a truncated one), with its advantage beside it.
+Each prompt group samples from a stream of its own (sampling.py), so a rollout split among several copies (the
+cluster's replicas) draws what one copy draws. A completion is its prompt's tokens followed by the sampled ones,
+cut after the first end-of-sequence token; one cut at `max_completion_length` (no end token) is truncated. In the
+engine's rows each is one sequence (`ROLE_COMPLETION`) whose labels are its sampled tokens (none where
+`mask_truncated_completions` drops a truncated one), with its advantage beside it.
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, LogitsProcessorList, PretrainedConfig
 from transformers.initialization import no_init_weights
 
 from mt_ray.data.packing import collate
@@ -34,7 +36,9 @@ from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.sizing import rollout_bytes
 from mt_ray.errors import InsufficientMemoryError
 from mt_ray.models.discovery import ModelSpec
+from mt_ray.training.grpo.sampling import GroupSeededSampling, group_uniforms
 from mt_ray.training.grpo.streamed_copy import LayerStreamer, move_all_but
+from mt_ray.training.grpo.upload import PinnedUpload
 
 GIB = 2**30
 
@@ -50,6 +54,22 @@ class Rollout:
     @property
     def lengths(self) -> list[int]:
         return [len(c) for c in self.completion_ids]
+
+    @classmethod
+    def join(cls, parts: Sequence[Rollout]) -> Rollout:
+        """The rollouts of consecutive shares of the prompt groups as one, in prompt order."""
+        return cls([p for r in parts for p in r.prompt_ids], [c for r in parts for c in r.completion_ids],
+                   [t for r in parts for t in r.truncated])
+
+
+def group_shares(groups: int, shares: int) -> list[tuple[int, int]]:
+    """`groups` prompt groups split into at most `shares` consecutive [lo, hi) ranges, sizes differing by at most
+    one (the first ones larger); none empty."""
+    per, extra = divmod(groups, shares)
+    bounds = [0]
+    for i in range(shares):
+        bounds.append(bounds[-1] + per + (i < extra))
+    return [(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
 
 
 def cut_completions(sampled: Sequence[Sequence[int]], eos_ids: set[int], pad_id: int) -> tuple[list[list[int]], list[bool]]:
@@ -109,42 +129,53 @@ class PolicyCopy:
             move_all_but(self.model, layers, device)
         self.model.eval()
         self.device = device
+        self.params = dict(self.model.named_parameters())  # a tied head once, under its embedding's name
+        self.upload = PinnedUpload(device)
 
     @property
     def placement(self) -> str:
         return "resident" if self.streamer is None else "streamed"
 
     @torch.no_grad()
-    def refresh(self, state: dict[str, torch.Tensor]) -> float:
-        """Copy the master weights (Hugging Face names) in; returns the seconds it took, the copy landed."""
+    def refresh(self, parts: Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]]) -> float:
+        """Copy the master weights (Hugging Face names; one mapping, or several as they become readable) in by
+        page-locked DMA, cast on the device (`PinnedUpload`); returns the seconds it took, the copy landed."""
         start = time.perf_counter()
         if self.streamer is not None:
             self.streamer.invalidate()  # the layers' host copy is about to change under the device slots
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        tied = set(getattr(self.model, "_tied_weights_keys", None) or {})
-        if unexpected or set(missing) - tied:
-            raise ValueError(f"the rollout copy does not match the policy: missing {missing}, unexpected {unexpected}")
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the refresh's time is the copy's, landed
+        seen: set[str] = set()
+        for part in [parts] if isinstance(parts, Mapping) else parts:
+            unexpected = sorted(set(part) - self.params.keys())
+            if unexpected:
+                raise ValueError(f"the rollout copy does not match the policy: unexpected {unexpected}")
+            self.upload.load((self.params[k].data, v) for k, v in part.items())  # .data: a streamed layer's host view
+            seen.update(part)
+        missing = sorted(self.params.keys() - seen)
+        if missing:
+            raise ValueError(f"the rollout copy does not match the policy: missing {missing}")
         return time.perf_counter() - start
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], cfg: GrpoConfig, eos_ids: set[int], pad_id: int,
-                 seed: int) -> Rollout:
-        """G completions of each prompt (`prompt_ids` one per prompt), sampled as `cfg` says, in groups of G."""
-        width = max(len(p) for p in prompt_ids)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids], device=self.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=self.device)
-        torch.manual_seed(seed)  # what the sampler draws follows the run's seed and step
+    def generate(self, prompt_ids: list[list[int]], cfg: GrpoConfig, eos_ids: set[int], pad_id: int, seed: int,
+                 first_group: int = 0, width: int | None = None) -> Rollout:
+        """G completions of each prompt (`prompt_ids` one per prompt: the rollout's groups `first_group` on), in
+        groups of G, each group sampled from its own stream of the step's `seed` (sampling.py), every prompt
+        left-padded to `width` (the rollout's widest: the same positions however the groups are split)."""
+        g = cfg.num_generations
+        width = width or max(len(p) for p in prompt_ids)
+        rows = [p for p in prompt_ids for _ in range(g)]
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in rows], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=self.device)
+        uniforms = group_uniforms(seed, first_group, len(prompt_ids), g, cfg.max_completion_length)
+        sampling = GroupSeededSampling(uniforms.to(self.device), width, cfg.temperature, cfg.top_p)
         out = self.model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p,
-            top_k=0, max_new_tokens=cfg.max_completion_length, num_return_sequences=cfg.num_generations,
+            input_ids=ids, attention_mask=mask, do_sample=False, num_beams=1, top_k=None, top_p=None,
+            temperature=None, max_new_tokens=cfg.max_completion_length, logits_processor=LogitsProcessorList([sampling]),
             eos_token_id=sorted(eos_ids), pad_token_id=pad_id,
         )
         sampled = out[:, width:].tolist()  # waits for the device: the rewards need the text
         completions, truncated = cut_completions(sampled, eos_ids, pad_id)
-        prompts = [p for p in prompt_ids for _ in range(cfg.num_generations)]
-        return Rollout(prompts, completions, truncated)
+        return Rollout(rows, completions, truncated)
 
     def close(self) -> None:
         if self.streamer is not None:
@@ -155,10 +186,14 @@ class LocalSampler:
     """A single engine's sampler: a `PolicyCopy` on the engine's device, refreshed from its host weights.
     (On the Ray cluster, `training/grpo/remote.py`'s `RemoteSampler` has the same surface.)"""
 
-    def __init__(self, engine, spec: ModelSpec, rows: int, tokens: int, placement: str = "resident"):
+    def __init__(self, engine, spec: ModelSpec, rows: int, tokens: int, placement: str = "resident",
+                 shares: int = 1):
         """A copy sized for generating `rows` completions of up to `tokens` tokens (prompt and completion), its
-        weights where `placement` (`resident` or `streamed`) says."""
+        weights where `placement` (`resident` or `streamed`) says. `shares`: generate the prompt groups in that
+        many consecutive batches, as that many rollout replicas of the cluster split them (the same batches, so
+        the same rounding on a GPU: a check of the cluster's completions, at the cost of the engine's speed)."""
         self.engine = engine
+        self.shares = shares
         self.copy = build_copy(spec, engine.cfg, engine.device, rows, tokens, placement)
 
     def refresh(self) -> float:
@@ -167,7 +202,9 @@ class LocalSampler:
 
     def generate(self, prompt_ids: list[list[int]], cfg: GrpoConfig, eos_ids: set[int], pad_id: int,
                  seed: int) -> Rollout:
-        return self.copy.generate(prompt_ids, cfg, eos_ids, pad_id, seed)
+        width = max(len(p) for p in prompt_ids)
+        return Rollout.join([self.copy.generate(prompt_ids[lo:hi], cfg, eos_ids, pad_id, seed, lo, width)
+                             for lo, hi in group_shares(len(prompt_ids), self.shares)])
 
     def generation_eos(self) -> list[int]:
         return generation_eos(self.copy.model)
@@ -180,7 +217,7 @@ class LocalSampler:
 def build_copy(spec: ModelSpec, cfg: EngineConfig, device: torch.device, rows: int, tokens: int,
                placement: str) -> PolicyCopy:
     """The policy's copy for generating `rows` completions of up to `tokens` tokens, `resident` or `streamed`;
-    `auto` (a rollout actor, which plans by the memory it finds) takes resident where the whole copy fits the
+    `auto` (a rollout replica, which plans by the memory it finds) takes resident where the whole copy fits the
     device's free memory, else streamed."""
     if placement == "auto":
         placement = "resident" if _fits(device, *rollout_bytes(spec, cfg, rows, tokens)) else "streamed"

@@ -2,7 +2,7 @@
 
 Every `num_iterations` steps it makes a rollout batch, as TRL's generation batch (one step's completions:
 micro_batch_size x grad_accum_steps, so prompts = that / G): refresh the device copy from the master
-weights (all updates so far landed; on the Ray cluster, the rollout actor's copy from its node's arena),
+weights (all updates so far landed; on the Ray cluster, each rollout replica's copy from its node's arena),
 sample G completions per prompt, score them, turn rewards into
 advantages, and build the engine's micro-batches. The steps in between train on the same batch, with the
 log-probs the rollout's first step computed as the old policy's (`keep_old_logps`).
@@ -131,15 +131,15 @@ class GrpoSteps:
 
 def build_sampler(cfg: RunConfig, engine, spec: ModelSpec, rows: int, tokens: int):
     """The rollout's sampler: a copy in this process beside a single engine (placed by the device model), or a
-    rollout actor beside the Ray cluster's workers (Ray is imported only then; `auto` placed by the memory it
-    finds free)."""
+    rollout replica beside each of the Ray cluster's workers (Ray is imported only then; `auto` placed by the
+    memory each finds free)."""
     if isinstance(engine, StreamingEngine):
         placement = rollout_placement(cfg, spec)
         log.info("grpo rollouts: the %s copy (rollout.placement %s)", placement, cfg.rollout.placement)
         return LocalSampler(engine, spec, rows, tokens, placement)
     from mt_ray.training.grpo.remote import RemoteSampler
 
-    return RemoteSampler(engine, rows, tokens, cfg.rollout.placement)
+    return RemoteSampler(engine, rows, tokens, cfg.grpo.num_generations, cfg.rollout.placement)
 
 
 def completion_metrics(rollout: Rollout) -> dict[str, float]:

@@ -88,9 +88,10 @@ def test_dpo_on_two_workers_matches_one_engine_and_resumes_exactly(local_ray, tm
 
 
 def test_grpo_on_two_workers_matches_one_engine_and_resumes_exactly(local_ray, tmp_path):
-    """`jobs.train` with the GRPO demo, two iterations a rollout: the rollout actor beside the workers samples
-    from its copy, refreshed from the node's arena, what one engine's copy samples; the workers train on it as one
-    engine does. Resumed from the step-3 checkpoint (between the second rollout's iterations: the rollout and its
+    """`jobs.train` with the GRPO demo, two iterations a rollout: the rollout replica beside each worker samples
+    half the prompt groups (each group from its own seeded stream) from its copy, refreshed from the node's arena,
+    and together they sample what one engine's copy samples in one batch; the workers train on it as one engine
+    does. Resumed from the step-3 checkpoint (between the second rollout's iterations: the rollout and its
     old log-probs kept in it), the run continues bit-identically."""
     grpo = ("grpo.max_completion_length=8", "grpo.num_iterations=2", "checkpoint.every_steps=1",
             "checkpoint.keep_last=4", "optimizer.warmup_steps=0")

@@ -65,8 +65,9 @@ def test_a_node_grows_by_the_named_per_worker_figure_alone(spec_7b):
     assert sizes[8].node_host_bytes_per_param - sizes[1].node_host_bytes_per_param < 2.1
 
 
-def test_grpo_adds_its_rollout_actors_process_and_nothing_model_sized(spec_7b):
-    """The rollout actor's copy is on a GPU and refreshes from the arena it maps: the node holds its process alone."""
+def test_grpo_adds_its_rollout_replicas_processes_and_nothing_model_sized(spec_7b):
+    """Each worker's rollout replica has its copy on the worker's GPU and refreshes from the arena it maps: the node
+    holds their processes alone."""
     plain = size_cluster(spec_7b, CFG, OptimizerConfig(), 2, 1)
     grpo = size_cluster(spec_7b, CFG, OptimizerConfig(), 2, 1, rollout=True)
-    assert grpo.node_host_bytes - plain.node_host_bytes == grpo.rollout_process_bytes == WORKER_PROCESS_BYTES
+    assert grpo.node_host_bytes - plain.node_host_bytes == grpo.rollout_process_bytes == 2 * WORKER_PROCESS_BYTES

@@ -3,18 +3,22 @@ metric, the old policy's log-probs they keep, the weights after each step), for 
 and one or two iterations per rollout. Groups of G straddle micro-batches and workers: no normaliser is per group
 (the advantages are the driver's, computed before the split)."""
 
+import time
+
 import pytest
 import torch
 
-pytest.importorskip("ray")
+ray = pytest.importorskip("ray")
 
 from mt_ray.cluster import DataParallelTrainer, shard_batch  # noqa: E402
+from mt_ray.cluster.errors import ClusterError  # noqa: E402
 from mt_ray.cluster.placement import RolloutPlace  # noqa: E402
 from mt_ray.config.run import load_run_config  # noqa: E402
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine  # noqa: E402
 from mt_ray.engine.grpo import GrpoConfig  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
 from mt_ray.training.grpo.old_logps import keep_old_logps  # noqa: E402
+from mt_ray.training.grpo.remote import wait_replies  # noqa: E402
 from mt_ray.training.grpo.rewards import RewardError  # noqa: E402
 from mt_ray.training.grpo.rollout import Rollout, completion_batches, cut_completions  # noqa: E402
 from mt_ray.training.grpo.steps import GrpoSteps  # noqa: E402
@@ -125,7 +129,7 @@ def fails_on_a_minus(prompts, completions, **_):
 
 
 def test_a_reward_that_raises_on_the_cluster_stops_the_step_naming_it(local_ray):
-    """The rollout actor samples, the driver scores: a raising reward is reported as on one engine (the function,
+    """The rollout replicas sample, the driver scores: a raising reward is reported as on one engine (the function,
     the completion and its prompt), before any step is handed to the workers (one here: the path is the same)."""
     cfg = load_run_config("jobs/configs/grpo_demo.yaml", [
         "engine.device=cpu", "grpo.max_completion_length=4", f"grpo.rewards=[{{name: '{__name__}:fails_on_a_minus'}}]"])
@@ -143,13 +147,32 @@ def test_a_reward_that_raises_on_the_cluster_stops_the_step_naming_it(local_ray)
         trainer.close()
 
 
-def test_the_rollout_actor_shares_the_first_workers_gpu_unless_given_its_own():
-    """VERL's colocated layout by default: the first worker and the rollout actor reserve half of its GPU each (one
-    GPU runs both), nothing more is asked of the cluster; `cluster.rollout_gpus` gives the actor GPUs of its own."""
-    shared = RolloutPlace.resolve("grpo", None, 1.0)
-    assert (shared.gpus, shared.own_gpus) == (0.5, 0.0)
-    assert [shared.worker_gpus(r, 1.0) for r in range(3)] == [0.5, 1.0, 1.0]
-    own = RolloutPlace.resolve("grpo", 1.0, 1.0)
-    assert (own.gpus, own.own_gpus, own.worker_gpus(0, 1.0)) == (1.0, 1.0, 1.0)
-    assert RolloutPlace.resolve("grpo", None, 0.0).gpus == 0.0  # CPU workers: the actor on the CPU beside them
-    assert RolloutPlace.resolve("dpo", None, 1.0) is None
+def test_a_rollout_replica_sits_beside_each_worker_unless_given_gpus_of_its_own():
+    """VERL's colocated layout by default: a replica beside each worker, on its GPU, within the worker's reservation
+    (nothing more is asked of the cluster); `cluster.rollout_gpus` gives one replica GPUs of its own."""
+    shared = RolloutPlace.resolve("grpo", None)
+    assert (shared.gpus, shared.own_gpus, shared.beside(3)) == (0.0, 0.0, [0, 1, 2])
+    own = RolloutPlace.resolve("grpo", 1.0)
+    assert (own.gpus, own.own_gpus, own.beside(3)) == (1.0, 1.0, [0])
+    assert RolloutPlace.resolve("dpo", None) is None
+
+
+def test_a_hung_or_lost_rollout_replica_is_named_with_what_it_was_asked(local_ray):
+    """Every wait for the replicas is bounded (`cluster.step_timeout_s` and a grace for the reply) and names the
+    replica that did not answer and what it was asked; one that answered is not blamed."""
+
+    class Replica:  # a stand-in that answers after `seconds` (local: Ray ships it by value)
+        def answer(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+
+    replica = ray.remote(Replica).options(num_cpus=0).remote()
+    names = ["the rollout replica beside worker 0", "the rollout replica beside worker 1"]
+    assert wait_replies([replica.answer.remote(0), replica.answer.remote(0)], names, "x", 30.0, 0.0) == [0, 0]
+    with pytest.raises(ClusterError, match=r"^the rollout replica beside worker 1 did not generate its share of the "
+                                           r"prompts within 1 s \(cluster.step_timeout_s=1 s"):
+        wait_replies([replica.answer.remote(0), replica.answer.remote(60)], names, "generate its share of the prompts",
+                     1.0, 0.0)
+    ray.kill(replica, no_restart=True)
+    with pytest.raises(ClusterError, match=r"^the rollout replica beside worker 0 was lost while asked to refresh"):
+        wait_replies([replica.answer.remote(0)], names[:1], "refresh its copy to step 3", 30.0, 0.0)
