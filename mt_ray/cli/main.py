@@ -14,9 +14,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model (defaults: the built-in demo)")
-    train.add_argument("--config", help="YAML run config (see jobs/configs/)")
+    train.add_argument("--config", help="YAML run config (see jobs/configs/), or a LLaMA-Factory training YAML; the "
+                       "file may also come first among the arguments: mt-ray train my.yaml")
     train.add_argument("--help-config", action="store_true", help="list every config key with its default")
-    train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. training.steps=10")
+    train.add_argument("overrides", nargs="*", help="[config.yaml] then section.key=value overrides, e.g. "
+                       "training.steps=10")
 
     sweep = sub.add_parser("sweep", help="Ray Tune sweep of a run config, judged on held-out eval loss (ASHA)")
     from mt_ray.cli.sweep_command import add_sweep_arguments
@@ -77,7 +79,12 @@ def _train(args) -> int:
         return 0
     from mt_ray.training.launch import run
 
-    run(load_run_config(args.config, args.overrides))
+    config, overrides = args.config, list(args.overrides)
+    if overrides and "=" not in overrides[0]:  # `mt-ray train my.yaml key=value ...`
+        if config is not None:
+            raise ConfigError(f"give the config once: --config {config} or {overrides[0]}, not both")
+        config = overrides.pop(0)
+    run(load_run_config(config, overrides))
     return 0
 
 

@@ -32,6 +32,10 @@ class DataConfig(BaseModel):
     registry: Path | None = None
     """A ``dataset_info.json`` or the folder holding it; ``None`` = the built-in demo registry."""
 
+    max_samples: int | None = Field(default=None, ge=1)
+    """Read only the first this many rows (file order) of each dataset, as LLaMA-Factory's ``max_samples``; the
+    held-out split (``val_size``) and ``eval_datasets`` are drawn from those rows too. ``None``: every row."""
+
     max_seq_len: int = Field(default=1024, ge=2)
     """Tokens per example after truncation, and the length of every packed row."""
 
@@ -51,6 +55,13 @@ class DataConfig(BaseModel):
 
     template: str = "tokenizer"
     """Chat template: ``tokenizer`` for the tokenizer's own, or a name in ``templates.TEMPLATES``."""
+
+    image_max_pixels: int | None = Field(default=None, ge=1)
+    """Image-text models: an image of more pixels is scaled down to this many before the processor sees it
+    (LLaMA-Factory's ``image_max_pixels``); ``None``: the processor's own limits alone."""
+
+    image_min_pixels: int | None = Field(default=None, ge=1)
+    """Image-text models: an image of fewer pixels is scaled up to this many (LLaMA-Factory's ``image_min_pixels``)."""
 
     on_bad_row: Literal["error", "skip"] = "error"
     """A malformed row raises ``DatasetError`` (``error``) or is skipped and counted (``skip``)."""

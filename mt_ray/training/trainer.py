@@ -26,6 +26,7 @@ from mt_ray.tracking.run_files import open_run_files
 from mt_ray.training.auto_fit import apply_auto_fit, refuse_what_cannot_fit
 from mt_ray.training.backend import TrainingBackend, build_backend
 from mt_ray.training.callbacks import Callback, ResumePoint
+from mt_ray.training.epochs import resolve_epochs
 from mt_ray.training.grpo.steps import GrpoSteps
 from mt_ray.training.model_source import load_image_encoder, load_model_and_tokenizer
 from mt_ray.training.reference_cache import ReferenceLogps, load_or_compute
@@ -66,10 +67,11 @@ class Trainer:
             self.cfg = apply_auto_fit(self.cfg, self.spec)
         else:
             refuse_what_cannot_fit(self.cfg, self.spec)
-        cfg, t = self.cfg, self.cfg.training
-        images = load_image_encoder(cfg, self.spec)
-        data = cfg.data.model_copy(update={"seed": t.seed})
+        images = load_image_encoder(self.cfg, self.spec)
+        data = self.cfg.data.model_copy(update={"seed": self.cfg.training.seed})
         held_out = self._held_out = plan_split(data)  # drawn once: the loader skips exactly the rows the eval set scores
+        self.cfg = resolve_epochs(self.cfg, data, self.tokenizer, held_out, images)
+        cfg, t = self.cfg, self.cfg.training
         self.reference_logps: ReferenceLogps | None = None  # pref.reference: precompute, read or computed in `fit`
         if t.stage == "grpo":  # completions sampled from the policy, from the datasets' prompts (no held-out split)
             self.objective, self.eval_batches = None, []

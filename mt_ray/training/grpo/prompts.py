@@ -18,7 +18,6 @@ from mt_ray.data import DataConfig
 from mt_ray.data.converters import convert_prompt
 from mt_ray.data.loader import resolve_entries
 from mt_ray.data.processor import TOKENIZER_TEMPLATE, to_hf_messages
-from mt_ray.data.readers import iter_rows
 from mt_ray.data.templates import TEMPLATES
 from mt_ray.errors import DatasetError
 
@@ -35,10 +34,10 @@ class Prompt:
 
 def read_prompts(data: DataConfig, tokenizer: PreTrainedTokenizerBase, max_prompt_length: int) -> list[Prompt]:
     """Every prompt of `data.datasets`, in file order."""
-    template = None if data.template == TOKENIZER_TEMPLATE else TEMPLATES[data.template]
+    template = None if data.template == TOKENIZER_TEMPLATE else TEMPLATES[data.template].jinja
     prompts = []
     for entry in resolve_entries(data, data.datasets, stage="sft"):
-        for raw in iter_rows(entry.path):
+        for raw in entry.rows():
             example, columns = convert_prompt(entry, raw)
             text = tokenizer.apply_chat_template(to_hf_messages(example), tools=list(example.tools or []) or None,
                                                  chat_template=template, tokenize=False, add_generation_prompt=True)

@@ -46,8 +46,12 @@ def test_overrides_parse_yaml_values():
 def test_unknown_key_is_named(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("training:\n  stepz: 3\n")
-    with pytest.raises(ConfigError, match=r"training\.stepz: .*\(unknown key\)"):
+    with pytest.raises(ConfigError, match=r"training\.stepz: unknown key; did you mean 'steps'\?"):
         load_run_config(p)
+    with pytest.raises(ConfigError, match=r"optimizer\.lrr: unknown key; did you mean 'lr'\?"):
+        load_run_config(None, ["optimizer.lrr=1e-4"])
+    with pytest.raises(ConfigError, match=r"trainng: unknown key; did you mean 'training'\?"):
+        load_run_config(None, ["trainng.steps=3"])
 
 
 def test_bad_value_is_named():
