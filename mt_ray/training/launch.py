@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from mt_ray.config.run import RunConfig
 from mt_ray.training.callbacks import Callback
+from mt_ray.training.preflight import check_outputs
 from mt_ray.training.run_dir import RunDir
 from mt_ray.training.trainer import Trainer
 
@@ -47,6 +48,7 @@ def run(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
 
 def run_once(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
     run = RunDir(cfg)
+    check_outputs(cfg, run)  # seconds, before the model or the data is touched
     callbacks = build_callbacks(cfg, run) + list(extra_callbacks)
     trainer = Trainer(cfg, callbacks, run)
     try:
@@ -55,6 +57,8 @@ def run_once(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
         for cb in callbacks:
             if hasattr(cb, "tracker"):
                 cb.tracker.close("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        if trainer.finished is None and trainer.step == 0 and trainer.resumed_from is None:
+            run.release()  # nothing trained, nothing saved: the name is free for the corrected config
         raise
     finally:
         trainer.close()

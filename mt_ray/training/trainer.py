@@ -41,15 +41,15 @@ STAGE_METRICS = ("reward", "frac_reward", "logps/", "completions/", "kl", "clip_
 class Trainer:
     """Runs `cfg.training.steps` optimizer steps on the configured data (one engine, or a Ray cluster).
 
-    The run's outputs go to its directory (`run`, by default `RunDir(cfg)`), which it claims first:
-    a different config under the same run name is refused before anything is built.
+    The run's outputs go to its directory (`run`, by default `RunDir(cfg)`): a different config under the same
+    run name is refused before anything is built, and the name is claimed as the first step is about to run.
     """
 
     def __init__(self, cfg: RunConfig, callbacks: list[Callback] | None = None, run: RunDir | None = None):
         self.cfg = cfg
         self.callbacks = list(callbacks or [])
         self.run = run if run is not None else RunDir(cfg)
-        self.run.claim(cfg)
+        self.run.check()
         self.history: list[dict[str, float]] = []
         self.eval_history: list[dict[str, float]] = []
         self.stop_reason: str | None = None
@@ -103,6 +103,7 @@ class Trainer:
             return self.finished
         self._maybe_precompute_reference()  # with the starting weights: before a resume restores the policy
         self._maybe_resume()
+        self.run.claim(self.cfg)
         for cb in self.callbacks:
             cb.on_train_start(self)
         bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
