@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from mt_ray.errors import ConfigError, MtRayError
@@ -77,15 +78,15 @@ def _train(args) -> int:
     if args.help_config:
         print(describe_config())
         return 0
-    from mt_ray.training.launch import run
+    from mt_ray.training.launch import run_from_command_line
 
     config, overrides = args.config, list(args.overrides)
     if overrides and "=" not in overrides[0]:  # `mt-ray train my.yaml key=value ...`
         if config is not None:
             raise ConfigError(f"give the config once: --config {config} or {overrides[0]}, not both")
         config = overrides.pop(0)
-    run(load_run_config(config, overrides))
-    return 0
+    command = shlex.join(["mt-ray", "train", *([config] if config else []), *overrides])
+    return run_from_command_line(load_run_config(config, overrides), command)
 
 
 def _sweep(args) -> int:
