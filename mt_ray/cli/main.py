@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--config", required=True, help="the run's YAML config (model section)")
     export.add_argument("--checkpoint", help="checkpoint URI (default: the run's latest)")
     export.add_argument("--out", required=True)
+    export.add_argument("--fall-back", action="store_true", help="when the checkpoint fails its SHA-256 check, "
+                        "export the newest earlier one that passes (default: refuse)")
 
     info = sub.add_parser("info", help="what the engine discovers about a model")
     info.add_argument("--preset", help="built-in model shape")
@@ -189,7 +191,7 @@ def _cluster_sizing(spec, args, stage):
 def _export(args) -> int:
     from mt_ray.training.export import export_checkpoint
 
-    print(export_checkpoint(args.config, args.checkpoint, args.out))
+    print(export_checkpoint(args.config, args.checkpoint, args.out, args.fall_back).describe())
     return 0
 
 
