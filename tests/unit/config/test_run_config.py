@@ -18,7 +18,10 @@ def test_shipped_configs_validate(path):
     assert cfg.training.steps > 0
 
 
-@pytest.mark.parametrize("path", [p for p in CONFIGS if p.stem not in ("demo", "dpo_demo", "grpo_demo")], ids=lambda p: p.stem)
+DEMOS = ("demo", "dpo_demo", "grpo_demo", "kto_demo")
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if p.stem not in DEMOS], ids=lambda p: p.stem)
 def test_model_configs_carry_the_calculators_batch_for_an_80gb_gpu(path):
     from mt_ray.engine.calculator import recommend
     from mt_ray.models.discovery import discover
