@@ -93,7 +93,9 @@ def _train(args) -> int:
 
 def _sweep(args) -> int:
     from mt_ray.cli.sweep_command import report, sweep
+    from mt_ray.verbosity import quiet_libraries
 
+    quiet_libraries()
     print(report(sweep(args)))
     return 0
 

@@ -14,6 +14,7 @@ from mt_ray.training.callbacks import Callback
 from mt_ray.training.preflight import check_outputs
 from mt_ray.training.run_dir import RunDir
 from mt_ray.training.trainer import Trainer
+from mt_ray.verbosity import quiet_libraries
 
 
 class RunInterrupted(Exception):
@@ -31,8 +32,9 @@ class RunInterrupted(Exception):
 
 
 def run_from_command_line(cfg: RunConfig, command: str) -> int:
-    """`run` for an entry point: SIGTERM ends it as Ctrl-C does, and either is one line, not a traceback
-    (exit status 128 + the signal's number, as a shell reports it)."""
+    """`run` for an entry point: the libraries' chatter kept out (`console.quiet_libraries`), SIGTERM ending it as
+    Ctrl-C does, and either one line, not a traceback (exit status 128 + the signal's number, as a shell reports it)."""
+    quiet_libraries()
     resume = command if cfg.training.resume == "auto" else f"{command} training.resume=auto"
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -107,6 +109,21 @@ def run_once(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
     finally:
         if trainer is not None:
             trainer.close()
-    print(f"done: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "
-          f"model exported to {summary.get('exported_model', '-')}")
+    print(done_line(cfg, summary, trainer.history))
     return summary
+
+
+def done_line(cfg: RunConfig, summary: dict, history: list[dict[str, float]]) -> str:
+    """The run's last line: steps, how its objective moved (GRPO: the reward; its loss is ~0 by construction),
+    the held-out loss, and where the model went."""
+    rewards = [m["reward"] for m in history if "reward" in m]
+    if cfg.training.stage == "grpo" and rewards:
+        moved = f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f}"
+    elif summary.get("first_loss") is not None:
+        moved = f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
+    else:
+        moved = "nothing logged"
+    evaluated = f", eval_loss {summary['eval_loss']:.3f}" if "eval_loss" in summary else ""
+    workers = f" on {cfg.cluster.num_workers} workers" if cfg.cluster.num_workers > 1 else ""
+    return (f"done: {summary['steps']} steps{workers}, {moved}{evaluated}, model exported to "
+            f"{summary.get('exported_model', '-')}")

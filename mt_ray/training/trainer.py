@@ -26,6 +26,7 @@ from mt_ray.tracking.run_files import open_run_files
 from mt_ray.training.auto_fit import apply_auto_fit, refuse_what_cannot_fit
 from mt_ray.training.backend import TrainingBackend, build_backend
 from mt_ray.training.callbacks import Callback, ResumePoint
+from mt_ray.training.console import banner, interactive, progress_line
 from mt_ray.training.epochs import resolve_epochs
 from mt_ray.training.export import generation_config
 from mt_ray.training.grpo.steps import GrpoSteps
@@ -105,9 +106,12 @@ class Trainer:
         self._maybe_precompute_reference()  # with the starting weights: before a resume restores the policy
         self._maybe_resume()
         self.run.claim(self.cfg)
+        print(banner(self), flush=True)
         for cb in self.callbacks:
             cb.on_train_start(self)
-        bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        # A bar redrawn in place on a terminal; in a file (a Ray job's log, a pipe) one line per log_every steps.
+        bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not interactive())
         window_start, window_tokens = time.perf_counter(), 0
         try:
             while self.step < t.steps:
@@ -186,9 +190,13 @@ class Trainer:
             cb.on_evaluate(self, self.step, metrics)
 
     def _show(self, bar, **values: str) -> None:
-        """Update the progress bar's postfix, keeping the values not given (the last loss, the last eval loss)."""
+        """Update the progress bar's postfix, keeping the values not given (the last loss, the last eval loss);
+        without a bar (not a terminal), print the new values as one line."""
         self._postfix.update(values)
-        bar.set_postfix(self._postfix)
+        if bar.disable:
+            print(progress_line(self.step, self.cfg.training.steps, values), flush=True)
+        else:
+            bar.set_postfix(self._postfix)
 
     def _maybe_precompute_reference(self) -> None:
         """`pref.reference: precompute`: the reference's log-probs from the storage's cache, else computed now."""
