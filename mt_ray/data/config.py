@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from mt_ray.data.templates import TEMPLATES
 from mt_ray.errors import ConfigError
 
 MixStrategy = Literal["concat", "interleave_under", "interleave_over"]
@@ -94,6 +96,17 @@ class DataConfig(BaseModel):
             raise ValueError("weights needs one positive number per dataset")
         return value
 
+
+    @field_validator("template")
+    @classmethod
+    def _known_template(cls, value: str) -> str:
+        """Refused at load time, not after the model has loaded; the closest name is suggested."""
+        if value != "tokenizer" and value not in TEMPLATES:
+            close = difflib.get_close_matches(value, TEMPLATES, n=1, cutoff=0.6)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ValueError(f"'{value}' is not a template mt-ray knows; {hint}use tokenizer (the model's own chat "
+                             f"template) or one of {', '.join(sorted(TEMPLATES))}")
+        return value
 
     @field_validator("val_size")
     @classmethod

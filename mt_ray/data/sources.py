@@ -67,7 +67,7 @@ class DatasetSource:
                 example = convert_row(self.entry, raw)
             except DatasetError as e:
                 if not self.skip_bad_rows:
-                    raise
+                    raise DatasetError(f"{e} (or set data.on_bad_row=skip to skip such rows and count them)") from None
                 self._count_bad_row(e)
                 continue
             self.state.valid_in_epoch += 1

@@ -29,7 +29,8 @@ def banner(trainer: Trainer) -> str:
     model = cfg.model.path or cfg.model.preset
     params = spec.num_params
     size = f"{params / 1e9:.2f} B" if params >= 1e9 else f"{params / 1e6:.1f} M"
-    device = f"{e.resolve_device()}, {str(e.dtype).removeprefix('torch.')}"
+    # Workers resolve their own device; the driver may have none of theirs.
+    device = e.device if cfg.cluster.num_workers > 1 else f"{e.resolve_device()}, {str(e.dtype).removeprefix('torch.')}"
     workers = (f", {cfg.cluster.num_workers} Ray engine workers on {cfg.cluster.num_nodes} node(s)"
                if cfg.cluster.num_workers > 1 else "")
     rows = f"packed rows of {d.max_seq_len} tokens" if d.packing else f"one example a row, at most {d.max_seq_len} tokens"

@@ -176,7 +176,7 @@ def test_config_errors_name_the_dotted_key() -> None:
 def test_demo_registry_is_the_default(tokenizer) -> None:
     assert DataConfig().registry is None
     assert set(load_registry(demo_registry_path()).entries) == {"demo_alpaca", "demo_sharegpt", "demo_mllm",
-                                                                 "dpo_en_demo", "demo_math_prompts"}
+                                                                 "dpo_en_demo", "kto_en_demo", "demo_math_prompts"}
 
 
 def local_entries(folder: Path) -> list[str]:
