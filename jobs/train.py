@@ -8,11 +8,12 @@ it joins `cluster.address` or RAY_ADDRESS (as under `ray job submit`), else star
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from mt_ray.config.run import load_run_config
 from mt_ray.errors import MtRayError
-from mt_ray.training.launch import run
+from mt_ray.training.launch import run_from_command_line
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,12 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    command = shlex.join(["python", "-m", "jobs.train", *(["--config", args.config] if args.config else []),
+                          *args.overrides])
     try:
-        run(load_run_config(args.config, args.overrides))
+        return run_from_command_line(load_run_config(args.config, args.overrides), command)
     except MtRayError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from mt_ray.errors import ConfigError, MtRayError
@@ -14,9 +15,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model (defaults: the built-in demo)")
-    train.add_argument("--config", help="YAML run config (see jobs/configs/)")
+    train.add_argument("--config", help="YAML run config (see jobs/configs/), or a LLaMA-Factory training YAML; the "
+                       "file may also come first among the arguments: mt-ray train my.yaml")
     train.add_argument("--help-config", action="store_true", help="list every config key with its default")
-    train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. training.steps=10")
+    train.add_argument("overrides", nargs="*", help="[config.yaml] then section.key=value overrides, e.g. "
+                       "training.steps=10")
 
     sweep = sub.add_parser("sweep", help="Ray Tune sweep of a run config, judged on held-out eval loss (ASHA)")
     from mt_ray.cli.sweep_command import add_sweep_arguments
@@ -56,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--config", required=True, help="the run's YAML config (model section)")
     export.add_argument("--checkpoint", help="checkpoint URI (default: the run's latest)")
     export.add_argument("--out", required=True)
+    export.add_argument("--fall-back", action="store_true", help="when the checkpoint fails its SHA-256 check, "
+                        "export the newest earlier one that passes (default: refuse)")
 
     info = sub.add_parser("info", help="what the engine discovers about a model")
     info.add_argument("--preset", help="built-in model shape")
@@ -75,15 +80,22 @@ def _train(args) -> int:
     if args.help_config:
         print(describe_config())
         return 0
-    from mt_ray.training.launch import run
+    from mt_ray.training.launch import run_from_command_line
 
-    run(load_run_config(args.config, args.overrides))
-    return 0
+    config, overrides = args.config, list(args.overrides)
+    if overrides and "=" not in overrides[0]:  # `mt-ray train my.yaml key=value ...`
+        if config is not None:
+            raise ConfigError(f"give the config once: --config {config} or {overrides[0]}, not both")
+        config = overrides.pop(0)
+    command = shlex.join(["mt-ray", "train", *([config] if config else []), *overrides])
+    return run_from_command_line(load_run_config(config, overrides), command)
 
 
 def _sweep(args) -> int:
     from mt_ray.cli.sweep_command import report, sweep
+    from mt_ray.verbosity import quiet_libraries
 
+    quiet_libraries()
     print(report(sweep(args)))
     return 0
 
@@ -181,7 +193,7 @@ def _cluster_sizing(spec, args, stage):
 def _export(args) -> int:
     from mt_ray.training.export import export_checkpoint
 
-    print(export_checkpoint(args.config, args.checkpoint, args.out))
+    print(export_checkpoint(args.config, args.checkpoint, args.out, args.fall_back).describe())
     return 0
 
 

@@ -37,6 +37,7 @@ import torch
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from transformers import GenerationConfig
 
 from mt_ray.cluster.arena import ArenaAccess, ring_numel
 from mt_ray.cluster.config import ClusterConfig
@@ -536,10 +537,11 @@ class DataParallelTrainer:
         return {k: v.clone() for k, v in self._fetch_state().items()}
 
     def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32,
-               extra_files: tuple[Path, ...] = ()) -> Path:
+               extra_files: tuple[Path, ...] = (), generation: GenerationConfig | None = None) -> Path:
         """Write a Hugging Face folder here, on the driver's node (where checkpoints and MLflow are), `extra_files`
         copied in (an image-text model's processor files)."""
-        return export_hf(self.spec, self._fetch_state(), out_dir, tokenizer, dtype, extra_files=extra_files)
+        return export_hf(self.spec, self._fetch_state(), out_dir, tokenizer, dtype, extra_files=extra_files,
+                         generation=generation)
 
     def _fetch_state(self) -> dict[str, torch.Tensor]:
         """Master weights as read-only views of the objects fetched from the shards."""

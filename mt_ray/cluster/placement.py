@@ -13,6 +13,7 @@ from mt_ray.cluster.sizing import GIB, ClusterSizing
 from mt_ray.cluster.store_settings import SYSTEM_CONFIG
 from mt_ray.engine.config import EngineConfig
 from mt_ray.errors import ConfigError, InsufficientMemoryError
+from mt_ray.verbosity import library_log_level
 
 MIN_STORE = 256 << 20  # the object store of a Ray the driver starts: at least this (Ray's own minimum is 75 MiB)
 
@@ -39,11 +40,11 @@ def init_ray(cfg: ClusterConfig, object_store_bytes: int) -> bool:
         return False
     address = cfg.address or ("auto" if os.environ.get("RAY_ADDRESS") else None)
     if address is not None:
-        ray.init(address=address)
+        ray.init(address=address, logging_level=library_log_level())
         return True
     store = int(cfg.object_store_memory_gb * GIB) if cfg.object_store_memory_gb else max(object_store_bytes, MIN_STORE)
     ray.init(address="local", num_cpus=cfg.num_cpus, object_store_memory=store, include_dashboard=False,
-             _system_config=SYSTEM_CONFIG)
+             _system_config=SYSTEM_CONFIG, logging_level=library_log_level())
     return True
 
 

@@ -21,11 +21,14 @@ from typing import Any
 
 from mt_ray.config.run import RunConfig
 
-TRAINING_KEYS = ("model", "data", "optimizer", "training.steps", "training.micro_batch_size",
+TRAINING_KEYS = ("model", "data", "optimizer", "training.steps", "training.epochs", "training.micro_batch_size",
                  "training.grad_accum_steps", "training.seed")
 PREFERENCE_KEYS = ("training.stage", "pref")
 GRPO_KEYS = ("training.stage", "grpo")
 LOGGING_KEYS = ("grpo.log_completions_every",)  # how often a run logs, not what it learns
+# Keys added after runs were named: left out while unset, so an older run's fingerprint stays as it was.
+UNSET_LEFT_OUT = ("training.epochs", "optimizer.warmup_ratio", "data.max_samples", "data.image_max_pixels",
+                  "data.image_min_pixels")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+=-]+")
 
 
@@ -58,7 +61,8 @@ def training_keys(cfg: RunConfig) -> dict[str, Any]:
     stage = cfg.training.stage
     counted = TRAINING_KEYS + {"sft": (), "grpo": GRPO_KEYS}.get(stage, PREFERENCE_KEYS)
     return {k: v for k, v in flat.items()
-            if any(k == p or k.startswith(p + ".") for p in counted) and k not in LOGGING_KEYS}
+            if any(k == p or k.startswith(p + ".") for p in counted) and k not in LOGGING_KEYS
+            and not (k in UNSET_LEFT_OUT and v is None)}
 
 
 def generated_name(cfg: RunConfig, fingerprint: str) -> str:

@@ -7,6 +7,7 @@ pipeline, ...); this module only composes them and turns any validation failure 
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -15,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mt_ray.cluster.config import ClusterConfig
+from mt_ray.config.llamafactory import describe_mapping, is_llamafactory, translate
 from mt_ray.data import DataConfig
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.grpo import GrpoConfig, RolloutConfig
@@ -76,6 +78,10 @@ class TrainingConfig(_Section):
     (RL on completions sampled from the prompts of SFT datasets, scored by `grpo.rewards`)."""
     steps: int = Field(60, ge=1)
     """Optimizer steps to run."""
+    epochs: float | None = Field(None, gt=0)
+    """Passes over the data instead of `steps` (LLaMA-Factory's num_train_epochs): the run counts an epoch's rows
+    (tokenized and packed, one pass before the first step) and runs ceil(epochs x ceil(ceil(rows /
+    micro_batch_size) / grad_accum_steps)) steps, as transformers' Trainer does."""
     micro_batch_size: int = Field(4, ge=1)
     """Rows per micro-batch (what the device computes at once)."""
     grad_accum_steps: int = Field(2, ge=1)
@@ -99,6 +105,12 @@ class TrainingConfig(_Section):
     `never`: refuse to start over a run that has checkpoints; or a checkpoint URI to start from."""
 
     _check_storage = field_validator("storage")(lambda cls, value: check_storage_uri(value))
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> TrainingConfig:
+        if self.epochs is not None and "steps" in self.model_fields_set:
+            raise ValueError("give training.steps or training.epochs, not both")
+        return self
 
     @field_validator("run_name")
     @classmethod
@@ -184,6 +196,9 @@ class RunConfig(_Section):
         if self.data.has_eval_split:
             raise ValueError("data.val_size: training.stage grpo has no held-out evaluation yet; unset data.val_size "
                              "and data.eval_datasets")
+        if t.epochs is not None:
+            raise ValueError("training.epochs: training.stage grpo samples its prompts step by step; give "
+                             "training.steps")
         return self
 
     @model_validator(mode="after")
@@ -219,6 +234,9 @@ def load_run_values(path: str | Path | None = None, overrides: list[str] | None 
             raise ConfigError(f"cannot read config {path}: {e}") from None
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        if is_llamafactory(values):
+            values, mapping = translate(values, set(RunConfig.model_fields))
+            print(describe_mapping(str(path), mapping), flush=True)
     for item in overrides or []:
         apply_override(values, item)
     return values
@@ -250,10 +268,22 @@ def validate_run_config(values: dict[str, Any]) -> RunConfig:
         lines = []
         for err in e.errors():
             key = ".".join(str(p) for p in err["loc"])
-            hint = " (unknown key)" if err["type"] == "extra_forbidden" else ""
             msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"{key}: {msg}{hint}" if key else msg)  # a cross-section check names its own keys
+            if err["type"] == "extra_forbidden":
+                msg = _unknown_key(err["loc"])
+            lines.append(f"{key}: {msg}" if key else msg)  # a cross-section check names its own keys
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def _unknown_key(loc: tuple[Any, ...]) -> str:
+    """`unknown key; did you mean 'lr'?` for a misspelled key, naming the closest key of its section."""
+    model: Any = RunConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        model = field.annotation if field is not None else None
+    known = list(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else []
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+    return f"unknown key; did you mean '{close[0]}'?" if close else "unknown key (mt-ray train --help-config lists them)"
 
 
 def describe_config() -> str:

@@ -15,7 +15,7 @@ import random
 from pathlib import Path
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / "demo_data"
-VENDORED = ("dpo_en_demo.json",)
+VENDORED = ("dpo_en_demo.json", "kto_en_demo.json")
 """Files shipped as their authors wrote them (LLaMA-Factory's data/, Apache-2.0), not generated: copied along."""
 
 CAPITALS = {
@@ -141,6 +141,13 @@ def registry() -> dict[str, dict[str, object]]:
             "ranking": True,
             "formatting": "sharegpt",
             "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"},
+        },
+        # LLaMA-Factory's own KTO demo (data/kto_en_demo.json, Apache-2.0), copied unchanged, with its entry.
+        "kto_en_demo": {
+            "file_name": "kto_en_demo.json",
+            "formatting": "sharegpt",
+            "columns": {"messages": "messages", "kto_tag": "label"},
+            "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"},
         },
     }
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from mt_ray.data.templates import TEMPLATES
 from mt_ray.errors import ConfigError
 
 MixStrategy = Literal["concat", "interleave_under", "interleave_over"]
@@ -32,6 +34,10 @@ class DataConfig(BaseModel):
     registry: Path | None = None
     """A ``dataset_info.json`` or the folder holding it; ``None`` = the built-in demo registry."""
 
+    max_samples: int | None = Field(default=None, ge=1)
+    """Read only the first this many rows (file order) of each dataset, as LLaMA-Factory's ``max_samples``; the
+    held-out split (``val_size``) and ``eval_datasets`` are drawn from those rows too. ``None``: every row."""
+
     max_seq_len: int = Field(default=1024, ge=2)
     """Tokens per example after truncation, and the length of every packed row."""
 
@@ -51,6 +57,13 @@ class DataConfig(BaseModel):
 
     template: str = "tokenizer"
     """Chat template: ``tokenizer`` for the tokenizer's own, or a name in ``templates.TEMPLATES``."""
+
+    image_max_pixels: int | None = Field(default=None, ge=1)
+    """Image-text models: an image of more pixels is scaled down to this many before the processor sees it
+    (LLaMA-Factory's ``image_max_pixels``); ``None``: the processor's own limits alone."""
+
+    image_min_pixels: int | None = Field(default=None, ge=1)
+    """Image-text models: an image of fewer pixels is scaled up to this many (LLaMA-Factory's ``image_min_pixels``)."""
 
     on_bad_row: Literal["error", "skip"] = "error"
     """A malformed row raises ``DatasetError`` (``error``) or is skipped and counted (``skip``)."""
@@ -83,6 +96,17 @@ class DataConfig(BaseModel):
             raise ValueError("weights needs one positive number per dataset")
         return value
 
+
+    @field_validator("template")
+    @classmethod
+    def _known_template(cls, value: str) -> str:
+        """Refused at load time, not after the model has loaded; the closest name is suggested."""
+        if value != "tokenizer" and value not in TEMPLATES:
+            close = difflib.get_close_matches(value, TEMPLATES, n=1, cutoff=0.6)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ValueError(f"'{value}' is not a template mt-ray knows; {hint}use tokenizer (the model's own chat "
+                             f"template) or one of {', '.join(sorted(TEMPLATES))}")
+        return value
 
     @field_validator("val_size")
     @classmethod

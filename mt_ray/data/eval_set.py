@@ -19,7 +19,6 @@ from mt_ray.data.mm_processor import ImageEncoder
 from mt_ray.data.packing import collate, pack_first_fit_decreasing
 from mt_ray.data.preference import add_kl_twins, group_lengths
 from mt_ray.data.processor import Processor
-from mt_ray.data.readers import iter_rows
 from mt_ray.data.registry import DatasetEntry
 from mt_ray.data.schema import Example, TokenizedExample
 from mt_ray.data.split import HeldOut
@@ -67,7 +66,7 @@ def _eval_examples(data_config: DataConfig, held_out: HeldOut | None, stage: str
 
 def _converted(entry: DatasetEntry, rows: frozenset[int] | None, skip_bad_rows: bool) -> Iterator[Example]:
     """Rows of ``entry`` (those indexed in ``rows``, or all) as examples; a bad one raises unless skipped."""
-    for index, raw in enumerate(iter_rows(entry.path)):
+    for index, raw in enumerate(entry.rows()):
         if rows is not None and index not in rows:
             continue
         try:

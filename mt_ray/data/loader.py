@@ -19,6 +19,7 @@ import copy
 import logging
 import random
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -138,28 +139,46 @@ class StepLoader:
         self._window_start = self._snapshot()
         groups: list[Group] = []  # the sequences of one example that stay in one row (a pair), or one piece
         while len(groups) < self.config.packing_window:
-            example = self.mixer.next()
-            try:
-                new = tokenize_groups(self.processor, example)
-            except DatasetError as e:  # an image that does not decode, or does not fit
-                if self.config.on_bad_row != "skip":
-                    raise
-                logger.warning("skipping example: %s", e)
-                new = []
-            else:
-                self.cut_examples += self.processor.cut
-            if not new:
-                self.dropped_examples += 1
-            groups += new
-        groups = add_kl_twins(groups, self.config.max_seq_len // 2)
+            groups += self._tokenize(self.mixer.next())
+        rows = self._arrange(groups)
         if self.config.packing:
-            bins = pack_first_fit_decreasing(group_lengths(groups), self.config.max_seq_len)
-            rows = [[e for i in b for e in groups[i]] for b in bins]
             random.Random(f"pack/{self.config.seed}/{self._window_index}").shuffle(rows)
-        else:
-            rows = list(groups)
         self._window, self._used, self._window_built = rows, 0, True
         self._window_index += 1
+
+    def count_epoch_rows(self) -> int:
+        """Rows one pass over the data gives, tokenized and packed window by window as training does (what
+        ``training.epochs`` counts in). It reads the whole pass: call it on a loader of its own."""
+        rows, groups = 0, []
+        while True:
+            example = self.mixer.next()
+            if self.mixer.epoch > 0:  # that example starts the second pass
+                return rows + len(self._arrange(groups)) if groups else rows
+            groups += self._tokenize(example)
+            if len(groups) >= self.config.packing_window:
+                rows, groups = rows + len(self._arrange(groups)), []
+
+    def _tokenize(self, example) -> list[Group]:
+        try:
+            new = tokenize_groups(self.processor, example)
+        except DatasetError as e:  # an image that does not decode, or does not fit
+            if self.config.on_bad_row != "skip":
+                raise
+            logger.warning("skipping example: %s", e)
+            new = []
+        else:
+            self.cut_examples += self.processor.cut
+        if not new:
+            self.dropped_examples += 1
+        return new
+
+    def _arrange(self, groups: list[Group]) -> list[_Row]:
+        """A window's groups as rows: packed first-fit-decreasing, or one group a row."""
+        groups = add_kl_twins(groups, self.config.max_seq_len // 2)
+        if not self.config.packing:
+            return list(groups)
+        bins = pack_first_fit_decreasing(group_lengths(groups), self.config.max_seq_len)
+        return [[e for i in b for e in groups[i]] for b in bins]
 
 
 def tokenize_groups(processor: Processor, example) -> list[Group]:
@@ -208,7 +227,7 @@ def resolve_entries(data_config: DataConfig, names: list[str], stage: str | None
     """The registry entries ``names`` of the configured registry (the built-in demo one by default), each
     checked to fit ``stage`` when given."""
     registry = load_registry(data_config.registry or demo_registry_path())
-    entries = [registry.resolve(name) for name in names]
+    entries = [replace(registry.resolve(name), max_rows=data_config.max_samples) for name in names]
     for entry in entries if stage is not None else ():
         entry.check_stage(stage)
     return entries

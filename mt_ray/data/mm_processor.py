@@ -14,6 +14,7 @@ transformers' own video-processor placeholder: mt-ray trains on images only, so 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -102,8 +103,9 @@ class ImageEncoder:
     model scatters that image's features over (`encode`).
     """
 
-    def __init__(self, processor: ProcessorMixin):
+    def __init__(self, processor: ProcessorMixin, max_pixels: int | None = None, min_pixels: int | None = None):
         self.processor = processor
+        self.max_pixels, self.min_pixels = max_pixels, min_pixels
         tokenizer = processor.tokenizer
         self.image_token_id = getattr(processor, "image_token_id", None)
         if self.image_token_id is None:
@@ -116,10 +118,19 @@ class ImageEncoder:
         from PIL import Image
 
         with Image.open(path) as image:
-            rgb = image.convert("RGB")  # decodes the pixels: this runs in the loader's worker
+            rgb = self._resized(image.convert("RGB"))  # decodes the pixels: this runs in the loader's worker
         out = self.processor(text=[self.image_text], images=[rgb], return_tensors="pt")
         tensors = {k: v for k, v in out.items() if k not in _TEXT_KEYS}
         return out["input_ids"][0].tolist(), tensors
+
+
+    def _resized(self, image):
+        """Scaled into [min_pixels, max_pixels] keeping its aspect, as LLaMA-Factory's `_preprocess_image` does."""
+        for bound, too_far in ((self.max_pixels, lambda n, b: n > b), (self.min_pixels, lambda n, b: n < b)):
+            if bound is not None and too_far(image.width * image.height, bound):
+                factor = math.sqrt(bound / (image.width * image.height))
+                image = image.resize((int(image.width * factor), int(image.height * factor)))
+        return image
 
 
 # What a processor returns for the text rather than the image (PaliGemma's labels its text's suffix).

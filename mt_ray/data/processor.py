@@ -31,6 +31,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from mt_ray.data.converters import parse_function_call
@@ -115,7 +116,7 @@ class Processor:
             raise ConfigError("the tokenizer has no eos token, which ends every text example")
         self.tokenizer = tokenizer
         self.template_name = template
-        self.chat_template = None if template == TOKENIZER_TEMPLATE else TEMPLATES[template]
+        self.chat_template = None if template == TOKENIZER_TEMPLATE else TEMPLATES[template].jinja
         self.max_seq_len = max_seq_len
         self.images = images
         self.special_ids = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
@@ -249,9 +250,13 @@ class Processor:
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, prefix: str,
                 generation_prompt: bool) -> str:
-        text = self.tokenizer.apply_chat_template(
-            messages, tools=tools, chat_template=self.chat_template, tokenize=False,
-            add_generation_prompt=generation_prompt)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools, chat_template=self.chat_template, tokenize=False,
+                add_generation_prompt=generation_prompt)
+        except TemplateError as e:  # a LLaMA-Factory template meets tools (`templates.llamafactory_template`)
+            raise ConfigError(f"data.template '{self.template_name}': {e}; use data.template: tokenizer (the "
+                              "model's own template) or chatml for data with tools") from None
         if not text.startswith(prefix):
             raise ConfigError(
                 f"data.template '{self.template_name}' is not prefix-stable: rendering turn {len(messages)} "

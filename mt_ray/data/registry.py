@@ -27,12 +27,14 @@ format, as its ``--dataset path`` reads one (``llamafactory.v1``'s ``SFTSample``
 from __future__ import annotations
 
 import difflib
+import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from mt_ray.data.readers import iter_rows
+from mt_ray.data.readers import RawRow, count_rows, iter_rows
 from mt_ray.errors import DatasetError
 
 Formatting = Literal["alpaca", "sharegpt", "text", "v1"]
@@ -91,6 +93,18 @@ class DatasetEntry:
     """The folder image paths are relative to: the registry's (LLaMA-Factory's default ``media_dir``)."""
     kind: Kind = "sft"
     """``ranking`` (chosen/rejected pairs, stage dpo), ``kto`` (rows tagged desirable or not) or ``sft``."""
+    max_rows: int | None = None
+    """Only the first this many rows in file order are the dataset (``data.max_samples``, LLaMA-Factory's)."""
+
+    def rows(self, skip: int = 0) -> Iterator[RawRow]:
+        """The dataset's rows in file order from row ``skip`` on (at most ``max_rows`` in all)."""
+        rows = iter_rows(self.path, skip=skip)
+        return rows if self.max_rows is None else itertools.islice(rows, max(self.max_rows - skip, 0))
+
+    def num_rows(self) -> int:
+        """How many rows ``rows()`` walks, without decoding them."""
+        total = count_rows(self.path)
+        return total if self.max_rows is None else min(total, self.max_rows)
 
     @property
     def stage(self) -> str:

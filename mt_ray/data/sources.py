@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from mt_ray.data.converters import convert_row
-from mt_ray.data.readers import RawRow, iter_rows
+from mt_ray.data.readers import RawRow
 from mt_ray.data.registry import DatasetEntry
 from mt_ray.data.schema import Example
 from mt_ray.errors import DatasetError
@@ -67,7 +67,7 @@ class DatasetSource:
                 example = convert_row(self.entry, raw)
             except DatasetError as e:
                 if not self.skip_bad_rows:
-                    raise
+                    raise DatasetError(f"{e} (or set data.on_bad_row=skip to skip such rows and count them)") from None
                 self._count_bad_row(e)
                 continue
             self.state.valid_in_epoch += 1
@@ -98,7 +98,7 @@ class DatasetSource:
     def _read_block(self, block_index: int) -> list[tuple[int, RawRow]]:
         first = block_index * self.block_size
         if self._rows is None:
-            self._rows = iter_rows(self.entry.path, skip=first)
+            self._rows = self.entry.rows(skip=first)
         block = list(enumerate(itertools.islice(self._rows, self.block_size), start=first))
         if self.shuffle:
             random.Random(f"{self.seed}/{self.index}/{self.state.epoch}/{block_index}").shuffle(block)

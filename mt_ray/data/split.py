@@ -18,7 +18,6 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mt_ray.data.readers import count_rows
 from mt_ray.data.registry import DatasetEntry
 from mt_ray.errors import ConfigError
 
@@ -36,7 +35,7 @@ class HeldOut:
 
 def plan_held_out(entries: Sequence[DatasetEntry], val_size: float, seed: int) -> HeldOut:
     """Draw the held-out rows of ``entries``; ``ConfigError`` if the split leaves a dataset nothing to train on."""
-    sizes = [count_rows(e.path) for e in entries]
+    sizes = [e.num_rows() for e in entries]
     total = sum(sizes)
     wanted = math.ceil(round(val_size * total, 6)) if val_size < 1 else int(val_size)  # 0.1 * 700 is 70.000...01
     if wanted >= total:

@@ -1,11 +1,25 @@
 """Named chat templates (Jinja, in the Hugging Face ``chat_template`` convention).
 
-``DataConfig.template`` picks one of these by name, or ``"tokenizer"`` for the
-tokenizer's own template. A template must be prefix-stable (rendering one more turn
-only appends text), because the processor masks labels by rendering turn by turn.
+``DataConfig.template`` picks one of these by name, or ``"tokenizer"`` for the tokenizer's own
+template. A template must be prefix-stable (rendering one more turn only appends text), because
+the processor masks labels by rendering turn by turn.
+
+Besides mt-ray's ``chatml`` (with tools), the names are LLaMA-Factory's (``src/llamafactory/data/
+template.py``), each rendering the text LLaMA-Factory's formatters write: its user slot ends with the
+assistant header, its default system prompt is used when a conversation has none, and a fused system
+(Gemma, Mistral, Llama 2) is written at the start of the first user turn. A reasoning template
+(``qwen3``) adds LLaMA-Factory's empty thought, ``<think>\\n\\n</think>\\n\\n``, to a response that has
+none, and trains on it, as LLaMA-Factory does with its default ``enable_thinking: true``. These
+templates render plain conversations; a tool schema, tool call or tool result is refused by name
+(LLaMA-Factory writes each family's tool format differently; the model's own template, ``tokenizer``,
+or ``chatml`` handle tools). ``stop_words`` are the tokens that end a response, which an export
+writes into ``generation_config.json``.
 """
 
 from __future__ import annotations
+
+import re
+from dataclasses import dataclass
 
 # ChatML. Assistant tool calls render as <tool_call>{json}</tool_call>, tool results as
 # a "tool" turn, and the tool schemas go into the system turn, as Qwen-style templates do.
@@ -33,4 +47,97 @@ CHATML = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-TEMPLATES: dict[str, str] = {"chatml": CHATML}
+EMPTY_THOUGHT = "<think>\n\n</think>\n\n"  # LLaMA-Factory's thought_words, empty
+_MARK = re.compile(r"(\{content\}|\{bos\}|\{eos\})")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A named template: its Jinja and the tokens that end a response (for `generation_config.json`)."""
+
+    jinja: str
+    stop_words: tuple[str, ...] = ()
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+
+
+def _expr(slot: str, content: str = "content") -> str:
+    """A slot (`{content}`, `{bos}`, `{eos}` marked) as one Jinja expression; `{content}` reads variable `content`."""
+    parts = []
+    for piece in _MARK.split(slot):
+        if piece == "{content}":
+            parts.append(content)
+        elif piece in ("{bos}", "{eos}"):
+            parts.append(f"({piece[1:-1]}_token or '')")
+        elif piece:
+            parts.append(_literal(piece))
+    return " + ".join(parts) or "''"
+
+
+def llamafactory_template(user: str, assistant: str = "{content}{eos}", system: str = "{content}", prefix: str = "",
+                          default_system: str = "", fuse_system: bool = False, thinking: bool = False) -> str:
+    """Jinja that writes what LLaMA-Factory's `register_template` slots write (see the module docstring)."""
+    fused = "{%- if loop.first and system %}{%- set content = " + _expr(system, "system") + " + content %}{%- endif %}"
+    return (
+        "{%- if tools %}{{- raise_exception('tool schemas are not rendered by this template') }}{%- endif %}"
+        "{%- if messages and messages[0].role == 'system' %}{%- set system = messages[0].content %}"
+        "{%- set turns = messages[1:] %}{%- else %}{%- set system = " + _literal(default_system) + " %}{%- set turns = messages %}"
+        "{%- endif %}"
+        "{{- " + _expr(prefix) + " }}"
+        + ("" if fuse_system else "{%- if system %}{{- " + _expr(system, "system") + " }}{%- endif %}")
+        + "{%- for message in turns %}{%- set content = message.content %}"
+        "{%- if message.role == 'user' %}" + (fused if fuse_system else "") + "{{- " + _expr(user) + " }}"
+        "{%- elif message.role == 'assistant' and not message.tool_calls %}"
+        + ("{%- if '<think>' not in content and '</think>' not in content %}"
+           "{%- set content = " + _literal(EMPTY_THOUGHT) + " + content %}{%- endif %}" if thinking else "")
+        + "{{- " + _expr(assistant) + " }}"
+        "{%- else %}{{- raise_exception('a ' + message.role + ' turn with tool calls or results is not rendered by "
+        "this template') }}{%- endif %}{%- endfor %}"
+    )
+
+
+def _lf(user: str, stop_words: tuple[str, ...] = (), **kwargs) -> ChatTemplate:
+    return ChatTemplate(llamafactory_template(user, **kwargs), stop_words)
+
+
+_IM = "<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
+_IM_PARTS = {"assistant": "{content}<|im_end|>\n", "system": "<|im_start|>system\n{content}<|im_end|>\n",
+             "stop_words": ("<|im_end|>",)}
+_GEMMA = {"assistant": "{content}<end_of_turn>\n", "system": "{content}\n\n", "prefix": "{bos}", "fuse_system": True}
+_LLAMA3_USER = ("<|start_header_id|>user<|end_header_id|>\n\n{content}<|eot_id|>"
+                "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+TEMPLATES: dict[str, ChatTemplate] = {
+    "chatml": ChatTemplate(CHATML, ("<|im_end|>",)),
+    # LLaMA-Factory's, slot for slot.
+    "alpaca": _lf("### Instruction:\n{content}\n\n### Response:\n", assistant="{content}{eos}\n\n",
+                  default_system="Below is an instruction that describes a task. Write a response that appropriately "
+                                 "completes the request.\n\n"),
+    "default": _lf("Human: {content}{eos}\nAssistant:", assistant="{content}{eos}\n", system="System: {content}{eos}\n"),
+    "empty": _lf("{content}", assistant="{content}"),
+    "deepseek3": _lf("<｜User｜>{content}<｜Assistant｜>", prefix="{bos}"),
+    "gemma": _lf("<start_of_turn>user\n{content}<end_of_turn>\n<start_of_turn>model\n", ("<end_of_turn>",), **_GEMMA),
+    "gemma2": _lf("<start_of_turn>user\n{content}<end_of_turn>\n<start_of_turn>model\n", ("<eos>", "<end_of_turn>"),
+                  **_GEMMA),
+    "gemma3": _lf("<start_of_turn>user\n{content}<end_of_turn>\n<start_of_turn>model\n", ("<end_of_turn>",), **_GEMMA),
+    "llama2": _lf("{bos}[INST] {content} [/INST]", system="<<SYS>>\n{content}\n<</SYS>>\n\n", fuse_system=True),
+    "llama3": _lf(_LLAMA3_USER, ("<|eot_id|>", "<|eom_id|>"), assistant="{content}<|eot_id|>",
+                  system="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>", prefix="{bos}"),
+    "mistral": _lf("[INST] {content}[/INST]", assistant=" {content}{eos}", system="{content}\n\n", prefix="{bos}",
+                   fuse_system=True),
+    "phi4": _lf("<|im_start|>user<|im_sep|>{content}<|im_end|><|im_start|>assistant<|im_sep|>", ("<|im_end|>",),
+                assistant="{content}<|im_end|>", system="<|im_start|>system<|im_sep|>{content}<|im_end|>"),
+    "qwen": _lf(_IM, **_IM_PARTS, default_system="You are Qwen, created by Alibaba Cloud. You are a helpful assistant."),
+    "qwen2_vl": _lf(_IM, **_IM_PARTS, default_system="You are a helpful assistant."),
+    "qwen3": _lf(_IM, **_IM_PARTS, thinking=True),
+    "qwen3_nothink": _lf(_IM, **_IM_PARTS),
+    "qwen3_vl": _lf(_IM, **_IM_PARTS, thinking=True),
+    "qwen3_vl_nothink": _lf(_IM, **_IM_PARTS),
+    "qwen3_5": _lf(_IM, **_IM_PARTS, thinking=True),
+    "qwen3_5_nothink": _lf(_IM, **_IM_PARTS),
+    "vicuna": _lf("USER: {content} ASSISTANT:",
+                  default_system="A chat between a curious user and an artificial intelligence assistant. The "
+                                 "assistant gives helpful, detailed, and polite answers to the user's questions."),
+}

@@ -30,11 +30,12 @@ Spans = tuple[tuple[int, int], ...]
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
     """Learning rate for optimizer step `step` (0-based), matching transformers' schedules."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * step / max(1, cfg.warmup_steps)
+    warmup = cfg.warmup(total_steps)
+    if step < warmup:
+        return cfg.lr * step / max(1, warmup)
     if cfg.schedule == "constant":
         return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
     decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1.0 - progress
     return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import GenerationConfig
 
 from mt_ray.engine.host_store import HostStore
 from mt_ray.engine.optimizer import UnitOptimizer, counts_behind, restore_counts
@@ -65,10 +66,11 @@ class WeightsIO:
             self.pref.reference.snapshot(self.store.master)
 
     def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32,
-               extra_files: tuple[Path, ...] = ()) -> Path:
+               extra_files: tuple[Path, ...] = (), generation: GenerationConfig | None = None) -> Path:
         """Write the trained weights as a Hugging Face folder that `from_pretrained` loads (`extra_files`
         copied in: an image-text model's processor files)."""
-        return export_hf(self.spec, self.state_dict(), out_dir, tokenizer, dtype, extra_files=extra_files)
+        return export_hf(self.spec, self.state_dict(), out_dir, tokenizer, dtype, extra_files=extra_files,
+                         generation=generation)
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Everything a checkpoint needs: the flat fp32 master/moment buffers and the step.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from transformers import GenerationConfig
 
 from mt_ray.models.conversion import SAFE_INDEX, SAFE_SINGLE, CheckpointReader, to_checkpoint_format
 from mt_ray.models.discovery import ModelSpec, UnitSpec, embed_module
@@ -89,10 +91,13 @@ def load_safetensors(spec: ModelSpec, folder: str | Path, sink: UnitSink) -> Non
 
 def export_hf(spec: ModelSpec, state: dict[str, torch.Tensor], out_dir: str | Path, tokenizer=None,
               dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 1024**3,
-              extra_files: Sequence[Path] = ()) -> Path:
+              extra_files: Sequence[Path] = (), generation: GenerationConfig | None = None) -> Path:
     """Write a Hugging Face folder (config, safetensors shards, tokenizer) that from_pretrained loads.
 
-    `extra_files` are copied in as they are (an image-text model's processor files). The folder is
+    `extra_files` are copied in as they are (an image-text model's processor files). `generation` is
+    written as `generation_config.json`, and fills the config's `eos_token_id` and `pad_token_id` where the
+    model's own config leaves them unset, so `generate` stops where the chat template ends a turn. Files get
+    ordinary permissions (0666 less the umask, as `open` gives; safetensors writes 0600). The folder is
     assembled under a temporary name and renamed when complete. Tensors are copied one shard at a
     time, so exporting never doubles the model in memory.
     """
@@ -104,7 +109,14 @@ def export_hf(spec: ModelSpec, state: dict[str, torch.Tensor], out_dir: str | Pa
     config = copy.deepcopy(spec.config)
     config.dtype = dtype
     config.architectures = [type(spec.skeleton).__name__]
+    text_config = config.get_text_config()
+    for key in ("eos_token_id", "pad_token_id"):
+        if generation is not None and getattr(text_config, key, None) is None:
+            value = getattr(generation, key)
+            setattr(text_config, key, value[0] if isinstance(value, list) else value)
     config.save_pretrained(tmp)
+    if generation is not None:
+        generation.save_pretrained(tmp)
     # A weight tied between layers is written once, under its owner's name, as save_pretrained writes it.
     mirrors = {p.hf_name for u in spec.units for p in u.params if p.tied_to is not None}
     state = to_checkpoint_format(spec, {k: v for k, v in state.items() if k not in mirrors})  # views, no copies
@@ -124,10 +136,19 @@ def export_hf(spec: ModelSpec, state: dict[str, torch.Tensor], out_dir: str | Pa
         tokenizer.save_pretrained(tmp)
     for file in extra_files:
         shutil.copy2(file, tmp / Path(file).name)
+    _ordinary_permissions(tmp)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)  # the folder appears complete or not at all
     return out
+
+
+def _ordinary_permissions(folder: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)  # reading the umask means setting it: put it straight back
+    for path in folder.rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
 
 
 def _plan_shards(state: dict[str, torch.Tensor], dtype: torch.dtype, max_bytes: int) -> list[list[str]]:

@@ -126,7 +126,7 @@ class MlflowTracker:
         that died are marked ``KILLED`` first. Returns the run id, or ``None`` with tracking off."""
         if not self.config.enabled:
             return None
-        experiment_id = self._experiment_id()
+        experiment_id = self.experiment_id()
         parent_run_id = parent_run_id or self.config.parent_run_id
         if self.config.run_name is not None and parent_run_id is None:
             self._end_abandoned(experiment_id, keep=resume_run_id)
@@ -304,7 +304,8 @@ class MlflowTracker:
         monitor.publish_metrics(monitor.aggregate_metrics())
         monitor.mlflow_logger.flush()
 
-    def _experiment_id(self) -> str:
+    def experiment_id(self) -> str:
+        """The configured experiment's id, the experiment created when missing."""
         from mlflow.exceptions import MlflowException
 
         client = self.client

@@ -38,6 +38,10 @@ class RunFiles(Protocol):
         """Make ``staging / name`` (a file or folder) durable in the run directory."""
         ...
 
+    def remove(self, name: str) -> None:
+        """Delete a small file, if it is there."""
+        ...
+
     def close(self) -> None:
         """Remove what staging holds that the run directory does not need."""
         ...
@@ -74,6 +78,9 @@ class LocalRunFiles:
 
     def publish(self, name: str) -> None:
         """Nothing to do: outputs were written into the run folder itself."""
+
+    def remove(self, name: str) -> None:
+        (self.root / name).unlink(missing_ok=True)
 
     def close(self) -> None: ...
 
@@ -122,6 +129,12 @@ class S3RunFiles:
                 self.client.upload_file(str(path), self.bucket, self._key(rel), Config=transfer)
             except Exception as e:
                 raise self._error(e, f"uploading {self.uri}/{rel}") from None
+
+    def remove(self, name: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(name))
+        except Exception as e:
+            raise self._error(e, f"deleting {self.uri}/{name}") from None
 
     def close(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)

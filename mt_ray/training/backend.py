@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+from transformers import GenerationConfig
 
 from mt_ray.config.run import RunConfig
 from mt_ray.engine import EvalResult, StepResult, StreamingEngine
@@ -50,7 +51,7 @@ class TrainingBackend(Protocol):
         """Continue exactly from a checkpoint (`uri`, or the newest valid one); returns its meta."""
 
     def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32,
-               extra_files: tuple[Path, ...] = ()) -> Path:
+               extra_files: tuple[Path, ...] = (), generation: GenerationConfig | None = None) -> Path:
         """Write the master weights as a Hugging Face folder on this node, `extra_files` (processor files) copied in."""
 
     def memory_metrics(self) -> dict[str, float]:

@@ -5,13 +5,55 @@ The entry points (`jobs.train`, `mt-ray train`) and a sweep's trials all run thr
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Sequence
 
 from mt_ray.config.run import RunConfig
 from mt_ray.training.callbacks import Callback
+from mt_ray.training.preflight import check_outputs
 from mt_ray.training.run_dir import RunDir
 from mt_ray.training.trainer import Trainer
+from mt_ray.verbosity import quiet_libraries
+
+
+class RunInterrupted(Exception):
+    """Ctrl-C or SIGTERM ended the run: at which step, and the newest checkpoint a rerun resumes from."""
+
+    def __init__(self, signal_name: str, step: int, steps: int, checkpoint: str | None):
+        super().__init__(signal_name)
+        self.signal_name, self.step, self.steps, self.checkpoint = signal_name, step, steps, checkpoint
+
+    def describe(self, command: str) -> str:
+        """One line: what stopped the run, its last checkpoint, and the command that continues it."""
+        saved = (f"last checkpoint {self.checkpoint}; resume: {command}" if self.checkpoint else
+                 f"no checkpoint yet, so a rerun starts over: {command}")
+        return f"interrupted ({self.signal_name}) after step {self.step} of {self.steps}; {saved}"
+
+
+def run_from_command_line(cfg: RunConfig, command: str) -> int:
+    """`run` for an entry point: the libraries' chatter kept out (`console.quiet_libraries`), SIGTERM ending it as
+    Ctrl-C does, and either one line, not a traceback (exit status 128 + the signal's number, as a shell reports it)."""
+    quiet_libraries()
+    resume = command if cfg.training.resume == "auto" else f"{command} training.resume=auto"
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        run(cfg)
+    except RunInterrupted as e:
+        print(e.describe(resume), file=sys.stderr, flush=True)
+        return 128 + getattr(signal, e.signal_name, signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _last_checkpoint(callbacks: list) -> str | None:
+    """The newest checkpoint this run saved or resumed from."""
+    return next((cb.last_uri for cb in callbacks if hasattr(cb, "last_uri") and cb.last_uri), None)
 
 
 def build_callbacks(cfg: RunConfig, run: RunDir) -> list:
@@ -47,17 +89,41 @@ def run(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
 
 def run_once(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
     run = RunDir(cfg)
+    check_outputs(cfg, run)  # seconds, before the model or the data is touched
     callbacks = build_callbacks(cfg, run) + list(extra_callbacks)
-    trainer = Trainer(cfg, callbacks, run)
+    trainer: Trainer | None = None
     try:
+        trainer = Trainer(cfg, callbacks, run)
         summary = trainer.fit()
     except BaseException as e:
         for cb in callbacks:
             if hasattr(cb, "tracker"):
                 cb.tracker.close("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        built = trainer is not None and trainer.finished is None
+        if built and trainer.step == 0 and trainer.resumed_from is None:
+            run.release()  # nothing trained, nothing saved: the name is free for the corrected config
+        if isinstance(e, KeyboardInterrupt):
+            raise RunInterrupted(str(e) or "SIGINT", trainer.step if built else 0, cfg.training.steps,
+                                 _last_checkpoint(callbacks)) from None
         raise
     finally:
-        trainer.close()
-    print(f"done: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "
-          f"model exported to {summary.get('exported_model', '-')}")
+        if trainer is not None:
+            trainer.close()
+    print(done_line(cfg, summary, trainer.history))
     return summary
+
+
+def done_line(cfg: RunConfig, summary: dict, history: list[dict[str, float]]) -> str:
+    """The run's last line: steps, how its objective moved (GRPO: the reward; its loss is ~0 by construction),
+    the held-out loss, and where the model went."""
+    rewards = [m["reward"] for m in history if "reward" in m]
+    if cfg.training.stage == "grpo" and rewards:
+        moved = f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f}"
+    elif summary.get("first_loss") is not None:
+        moved = f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
+    else:
+        moved = "nothing logged"
+    evaluated = f", eval_loss {summary['eval_loss']:.3f}" if "eval_loss" in summary else ""
+    workers = f" on {cfg.cluster.num_workers} workers" if cfg.cluster.num_workers > 1 else ""
+    return (f"done: {summary['steps']} steps{workers}, {moved}{evaluated}, model exported to "
+            f"{summary.get('exported_model', '-')}")

@@ -72,7 +72,7 @@ def load_image_encoder(cfg: RunConfig, spec: ModelSpec) -> ImageEncoder | None:
     if cfg.model.path is None:
         raise ConfigError(f"model.preset: the image-text model '{spec.config.model_type}' needs its processor; set "
                           "model.path to a folder with config.json and the processor files")
-    return ImageEncoder(load_processor(cfg.model.path))
+    return ImageEncoder(load_processor(cfg.model.path), cfg.data.image_max_pixels, cfg.data.image_min_pixels)
 
 
 def check_model_folder(path: str) -> Path:

@@ -17,6 +17,7 @@ in a folder of Ray's) get the config; under a Ray job they are refused (`resolve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -59,14 +60,28 @@ class RunDir:
         """Local folder the exported model is written to before `publish` (the run folder itself on disk)."""
         return self.files.staging
 
-    def claim(self, cfg: RunConfig) -> None:
-        """Refuse a different config under this run's name; record this one (`run.json` once, `config.yaml` always)."""
+    def check(self) -> None:
+        """Refuse a different config under this run's name (writes nothing: a run claims its name at its first step)."""
         recorded = self.files.read_text(RUN_FILE)
-        if recorded is None:
-            self.files.write_text(RUN_FILE, json.dumps(self.identity.to_json(), indent=2))
-        else:
+        if recorded is not None:
             check_same_run(RunIdentity.from_json(json.loads(recorded)), self.identity, f"{self.uri}/{RUN_FILE}")
+
+    def claim(self, cfg: RunConfig) -> None:
+        """Record this run under its name as its first step is about to run (`run.json` once, `config.yaml`
+        always): a run that fails before then leaves nothing behind."""
+        self.check()
+        if self.files.read_text(RUN_FILE) is None:
+            self.files.write_text(RUN_FILE, json.dumps(self.identity.to_json(), indent=2))
         self.files.write_text(CONFIG_FILE, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+    def release(self) -> None:
+        """Give the name back (a run that failed before finishing its first step, with no checkpoint): its
+        `run.json` and `config.yaml` go, and its local folder too once nothing else is in it."""
+        for name in (CONFIG_FILE, RUN_FILE):
+            self.files.remove(name)
+        if not self.uri.startswith("s3://"):
+            with contextlib.suppress(OSError):
+                Path(self.uri).rmdir()
 
     def read_summary(self) -> dict[str, Any] | None:
         """The finished run's summary, or None while the run is not complete."""

@@ -31,6 +31,7 @@ from mt_ray.tracking.tune_runs import TrialRunsCallback, best_trial_run, open_sw
 from mt_ray.training.callbacks import Callback
 from mt_ray.training.run_dir import resolve_storage, run_tracking_config
 from mt_ray.training.sweep_storage import BEST_CONFIG, SweepStorage
+from mt_ray.verbosity import library_log_level
 
 # Paths in a run config that a trial, running in a folder of its own, must see as the driver sees them.
 _PATH_KEYS = ("model.path", "model.tokenizer", "data.registry")
@@ -305,7 +306,8 @@ def _ray(cfg: RunConfig) -> Iterator[None]:
     started = not ray.is_initialized()
     if started:
         address = cfg.cluster.address or ("auto" if os.environ.get("RAY_ADDRESS") else None)
-        ray.init(address=address, num_cpus=cfg.cluster.num_cpus if address is None else None)
+        ray.init(address=address, num_cpus=cfg.cluster.num_cpus if address is None else None,
+                 logging_level=library_log_level())  # Ray's start-up INFO lines only with MT_RAY_VERBOSE
     # Tune saves its state at most every 10 s by default: a sweep killed just after a trial ended would redo it.
     period_unset = "TUNE_GLOBAL_CHECKPOINT_S" not in os.environ
     if period_unset:

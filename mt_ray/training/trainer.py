@@ -26,6 +26,9 @@ from mt_ray.tracking.run_files import open_run_files
 from mt_ray.training.auto_fit import apply_auto_fit, refuse_what_cannot_fit
 from mt_ray.training.backend import TrainingBackend, build_backend
 from mt_ray.training.callbacks import Callback, ResumePoint
+from mt_ray.training.console import banner, interactive, progress_line
+from mt_ray.training.epochs import resolve_epochs
+from mt_ray.training.export import generation_config
 from mt_ray.training.grpo.steps import GrpoSteps
 from mt_ray.training.model_source import load_image_encoder, load_model_and_tokenizer
 from mt_ray.training.reference_cache import ReferenceLogps, load_or_compute
@@ -40,15 +43,15 @@ STAGE_METRICS = ("reward", "frac_reward", "logps/", "completions/", "kl", "clip_
 class Trainer:
     """Runs `cfg.training.steps` optimizer steps on the configured data (one engine, or a Ray cluster).
 
-    The run's outputs go to its directory (`run`, by default `RunDir(cfg)`), which it claims first:
-    a different config under the same run name is refused before anything is built.
+    The run's outputs go to its directory (`run`, by default `RunDir(cfg)`): a different config under the same
+    run name is refused before anything is built, and the name is claimed as the first step is about to run.
     """
 
     def __init__(self, cfg: RunConfig, callbacks: list[Callback] | None = None, run: RunDir | None = None):
         self.cfg = cfg
         self.callbacks = list(callbacks or [])
         self.run = run if run is not None else RunDir(cfg)
-        self.run.claim(cfg)
+        self.run.check()
         self.history: list[dict[str, float]] = []
         self.eval_history: list[dict[str, float]] = []
         self.stop_reason: str | None = None
@@ -66,10 +69,11 @@ class Trainer:
             self.cfg = apply_auto_fit(self.cfg, self.spec)
         else:
             refuse_what_cannot_fit(self.cfg, self.spec)
-        cfg, t = self.cfg, self.cfg.training
-        images = load_image_encoder(cfg, self.spec)
-        data = cfg.data.model_copy(update={"seed": t.seed})
+        images = load_image_encoder(self.cfg, self.spec)
+        data = self.cfg.data.model_copy(update={"seed": self.cfg.training.seed})
         held_out = self._held_out = plan_split(data)  # drawn once: the loader skips exactly the rows the eval set scores
+        self.cfg = resolve_epochs(self.cfg, data, self.tokenizer, held_out, images)
+        cfg, t = self.cfg, self.cfg.training
         self.reference_logps: ReferenceLogps | None = None  # pref.reference: precompute, read or computed in `fit`
         if t.stage == "grpo":  # completions sampled from the policy, from the datasets' prompts (no held-out split)
             self.objective, self.eval_batches = None, []
@@ -101,9 +105,13 @@ class Trainer:
             return self.finished
         self._maybe_precompute_reference()  # with the starting weights: before a resume restores the policy
         self._maybe_resume()
+        self.run.claim(self.cfg)
+        print(banner(self), flush=True)
         for cb in self.callbacks:
             cb.on_train_start(self)
-        bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        # A bar redrawn in place on a terminal; in a file (a Ray job's log, a pipe) one line per log_every steps.
+        bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not interactive())
         window_start, window_tokens = time.perf_counter(), 0
         try:
             while self.step < t.steps:
@@ -182,9 +190,13 @@ class Trainer:
             cb.on_evaluate(self, self.step, metrics)
 
     def _show(self, bar, **values: str) -> None:
-        """Update the progress bar's postfix, keeping the values not given (the last loss, the last eval loss)."""
+        """Update the progress bar's postfix, keeping the values not given (the last loss, the last eval loss);
+        without a bar (not a terminal), print the new values as one line."""
         self._postfix.update(values)
-        bar.set_postfix(self._postfix)
+        if bar.disable:
+            print(progress_line(self.step, self.cfg.training.steps, values), flush=True)
+        else:
+            bar.set_postfix(self._postfix)
 
     def _maybe_precompute_reference(self) -> None:
         """`pref.reference: precompute`: the reference's log-probs from the storage's cache, else computed now."""
@@ -246,7 +258,8 @@ class Trainer:
             summary.update({k: v for k, v in self.history[-1].items() if k.startswith(STAGE_METRICS)})
         if self.cfg.training.export and self.stop_reason is None:
             extra = {"extra_files": processor_files(self.cfg.model.path)} if self.spec.vision is not None else {}
-            self.engine.export(self.run.staging / EXPORT_DIR, self.tokenizer, **extra)
+            self.engine.export(self.run.staging / EXPORT_DIR, self.tokenizer,
+                               generation=generation_config(self.cfg, self.spec, self.tokenizer), **extra)
             summary["exported_model"] = self.run.publish(EXPORT_DIR)
         return summary
 

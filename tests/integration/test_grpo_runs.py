@@ -46,7 +46,7 @@ def test_a_resume_between_a_rollouts_iterations_equals_the_run_never_stopped(tmp
 
     build = launch.build_callbacks
     monkeypatch.setattr(launch, "build_callbacks", lambda cfg, run: [*build(cfg, run), StopAt(3)])
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(launch.RunInterrupted):
         launch.run(demo(tmp_path, *common, "training.run_name=cut"))
     monkeypatch.setattr(launch, "build_callbacks", build)
     resumed = RecordLogs()

@@ -1,6 +1,10 @@
 """GRPO's prompts: the prompt side of the rows of `data.datasets` (alpaca or sharegpt SFT entries), rendered with
 the run's chat template and a generation prompt, and drawn in a seeded order, epoch after epoch.
 
+As TRL tells its two dataset kinds apart, a sharegpt row is conversational: its prompt also keeps its messages
+(`messages`, Hugging Face's chat form, system first), which the reward functions get instead of the text; an
+alpaca row is standard, and they get the rendered text. One run's datasets are all of one kind.
+
 Each row's other columns (`answer`, ...) travel with its prompt to the reward functions. A prompt
 longer than `grpo.max_prompt_length` keeps its last tokens (the generation prompt included) and is
 counted, as SFT counts cut examples.
@@ -18,9 +22,8 @@ from mt_ray.data import DataConfig
 from mt_ray.data.converters import convert_prompt
 from mt_ray.data.loader import resolve_entries
 from mt_ray.data.processor import TOKENIZER_TEMPLATE, to_hf_messages
-from mt_ray.data.readers import iter_rows
 from mt_ray.data.templates import TEMPLATES
-from mt_ray.errors import DatasetError
+from mt_ray.errors import ConfigError, DatasetError
 
 
 @dataclass(frozen=True)
@@ -31,19 +34,27 @@ class Prompt:
     ids: list[int]
     columns: dict[str, Any]
     cut: bool
+    messages: list[dict[str, Any]] | None = None
+    """The prompt's messages for a conversational (sharegpt) row; None for a standard (alpaca) one."""
 
 
 def read_prompts(data: DataConfig, tokenizer: PreTrainedTokenizerBase, max_prompt_length: int) -> list[Prompt]:
     """Every prompt of `data.datasets`, in file order."""
-    template = None if data.template == TOKENIZER_TEMPLATE else TEMPLATES[data.template]
+    template = None if data.template == TOKENIZER_TEMPLATE else TEMPLATES[data.template].jinja
     prompts = []
-    for entry in resolve_entries(data, data.datasets, stage="sft"):
-        for raw in iter_rows(entry.path):
+    entries = resolve_entries(data, data.datasets, stage="sft")
+    if len({e.formatting == "sharegpt" for e in entries}) > 1:
+        raise ConfigError(f"data.datasets {data.datasets}: GRPO's reward functions take standard (alpaca) or "
+                          "conversational (sharegpt) prompts, as TRL's do, not both in one run; train on one kind")
+    for entry in entries:
+        for raw in entry.rows():
             example, columns = convert_prompt(entry, raw)
-            text = tokenizer.apply_chat_template(to_hf_messages(example), tools=list(example.tools or []) or None,
+            messages = to_hf_messages(example)
+            text = tokenizer.apply_chat_template(messages, tools=list(example.tools or []) or None,
                                                  chat_template=template, tokenize=False, add_generation_prompt=True)
             ids = tokenizer.encode(text, add_special_tokens=False)
-            prompts.append(Prompt(text, ids[-max_prompt_length:], columns, len(ids) > max_prompt_length))
+            prompts.append(Prompt(text, ids[-max_prompt_length:], columns, len(ids) > max_prompt_length,
+                                  messages if entry.formatting == "sharegpt" else None))
     if not prompts:
         raise DatasetError(f"data.datasets {data.datasets} hold no prompt")
     return prompts

@@ -1,9 +1,14 @@
 """Reward functions and group advantages, as TRL's `GRPOTrainer` computes them.
 
-A reward function has TRL's signature, `f(prompts, completions, **columns) -> list[float | None]`: the
-prompt and completion texts of every sampled completion (a prompt repeated G times), and each extra
-column of the prompt's dataset row (`answer`, ...) as a list of the same length. None means "cannot
-score this one" (NaN below, as TRL). A completion's reward is the weighted sum of its functions'
+A reward function is called as TRL's `GRPOTrainer` calls it (`trl_arguments`), so one written for TRL runs
+unchanged: `f(prompts=..., completions=..., completion_ids=..., **columns, trainer_state=..., log_extra=...,
+log_metric=...) -> list[float | None]`, one entry per sampled completion (a prompt repeated G times). For
+standard (alpaca) data the prompts and completions are strings (the prompt as rendered for the model); for
+conversational (sharegpt) data, message lists: each prompt its messages, each completion
+`[{"role": "assistant", "content": text}]`. Each other column of the prompt's row (`answer`, ...) comes as a
+list of the same length; `trainer_state` is transformers' `TrainerState` (`global_step`, `max_steps`, `epoch`);
+`log_metric(name, value)` adds a metric to the step's logs and `log_extra(column, values)` a column to its
+completions table. None means "cannot score this one" (NaN below, as TRL). A completion's reward is the weighted sum of its functions'
 rewards; its advantage is that reward minus its group's mean, divided by the group's (or the batch's)
 standard deviation + 1e-4 (`scale_rewards`).
 
@@ -18,13 +23,16 @@ import importlib
 import importlib.util
 import math
 import re
+from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from mt_ray.engine.grpo import RewardConfig
 from mt_ray.errors import ConfigError
+from mt_ray.training.grpo.prompts import Prompt
 
 RewardFn = Callable[..., list]
 FINAL_ANSWER = re.compile(r"####\s*(-?\d+(?:\.\d+)?)\s*$")
@@ -34,7 +42,7 @@ class RewardError(RuntimeError):
     """A reward function failed or returned something unusable; the step is not applied."""
 
 
-def accuracy(prompts: list[str], completions: list[str], answer: list, **_) -> list[float | None]:
+def accuracy(prompts: list, completions: list, answer: list, **_) -> list[float | None]:
     """1 where the completion's final answer equals the row's `answer` (math-verify), else 0; None where the
     answer itself cannot be parsed."""
     from math_verify import parse, verify  # checked present by `load_rewards`
@@ -42,13 +50,51 @@ def accuracy(prompts: list[str], completions: list[str], answer: list, **_) -> l
     out: list[float | None] = []
     for completion, gold in zip(completions, answer, strict=True):
         parsed_gold = parse(str(gold))
-        out.append(float(verify(parsed_gold, parse(completion))) if parsed_gold else None)
+        out.append(float(verify(parsed_gold, parse(_text(completion)))) if parsed_gold else None)
     return out
 
 
-def format_reward(prompts: list[str], completions: list[str], **_) -> list[float]:
+def format_reward(prompts: list, completions: list, **_) -> list[float]:
     """1 where the completion ends with `#### <number>`, else 0."""
-    return [1.0 if FINAL_ANSWER.search(c.strip()) else 0.0 for c in completions]
+    return [1.0 if FINAL_ANSWER.search(_text(c).strip()) else 0.0 for c in completions]
+
+
+def _text(completion: str | list[dict[str, Any]]) -> str:
+    """A completion's text, standard (a string) or conversational (`[{"role": "assistant", "content": ...}]`)."""
+    return completion if isinstance(completion, str) else completion[0]["content"]
+
+
+@dataclass
+class RewardLogs:
+    """What reward functions logged through TRL's `log_metric` and `log_extra` while scoring one rollout."""
+
+    metrics: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    columns: dict[str, list] = field(default_factory=lambda: defaultdict(list))
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics[name].append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        self.columns[column].extend(values)
+
+    def means(self) -> dict[str, float]:
+        """Each logged metric's mean over the rollout, as TRL averages them over a logging step."""
+        return {name: sum(v) / len(v) for name, v in self.metrics.items() if v}
+
+
+def trl_arguments(prompts: list[Prompt], texts: list[str], completion_ids: list[list[int]], state: Any,
+                  logs: RewardLogs) -> tuple[list, list, dict[str, list], dict[str, Any]]:
+    """The arguments TRL's `GRPOTrainer` passes a reward function for these completions of `prompts` (each
+    repeated G times): (prompts, completions, per-completion columns, shared keyword arguments)."""
+    if prompts[0].messages is not None:  # conversational, as TRL's `is_conversational` finds it
+        prompt_args: list = [p.messages for p in prompts]
+        completions: list = [[{"role": "assistant", "content": t}] for t in texts]
+    else:
+        prompt_args, completions = [p.text for p in prompts], list(texts)
+    columns = {k: [p.columns.get(k) for p in prompts] for k in prompts[0].columns}
+    columns["completion_ids"] = completion_ids
+    shared = {"trainer_state": state, "log_extra": logs.log_extra, "log_metric": logs.log_metric}
+    return prompt_args, completions, columns, shared
 
 
 BUILT_IN: dict[str, RewardFn] = {"accuracy": accuracy, "format": format_reward}
@@ -62,12 +108,15 @@ class Rewards:
     funcs: list[RewardFn]
     weights: torch.Tensor  # [F]
 
-    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> torch.Tensor:
-        """Each function's reward of each completion [B, F] (NaN for None); `RewardError` names the function and
-        the completion's prompt index when one raises or returns the wrong number of rewards."""
+    def score(self, prompts: list, completions: list, columns: dict[str, list],
+              shared: dict[str, Any] | None = None) -> torch.Tensor:
+        """Each function's reward of each completion [B, F] (NaN for None), called with `prompts`, `completions`,
+        the per-completion `columns` and the `shared` keyword arguments (`trl_arguments`); `RewardError` names the
+        function and the completion's prompt index when one raises or returns the wrong number of rewards."""
         out = torch.full((len(completions), len(self.funcs)), math.nan)
         for f, (name, func) in enumerate(zip(self.names, self.funcs, strict=True)):
-            out[:, f] = torch.tensor(_call(name, func, prompts, completions, columns), dtype=torch.float32)
+            out[:, f] = torch.tensor(_call(name, func, prompts, completions, columns, shared or {}),
+                                     dtype=torch.float32)
         return out
 
 
@@ -95,12 +144,13 @@ def _import(path: str) -> RewardFn:
     return func
 
 
-def _call(name: str, func: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, list]) -> list:
+def _call(name: str, func: RewardFn, prompts: list, completions: list, columns: dict[str, list],
+          shared: dict[str, Any]) -> list:
     """The function's rewards as floats (None -> NaN), or `RewardError` naming what went wrong and where."""
     try:
-        values = list(func(prompts=prompts, completions=completions, **columns))
+        values = list(func(prompts=prompts, completions=completions, **columns, **shared))
     except Exception as e:  # a user function may raise anything: find the completion it fails on
-        index = _first_failing(func, prompts, completions, columns)
+        index = _first_failing(func, prompts, completions, columns, shared)
         where = f" on completion {index} (prompt {prompts[index]!r})" if index is not None else ""
         raise RewardError(f"reward '{name}' raised{where}: {type(e).__name__}: {e}") from e
     if len(values) != len(completions):
@@ -113,11 +163,11 @@ def _call(name: str, func: RewardFn, prompts: list[str], completions: list[str],
     return [math.nan if v is None else float(v) for v in values]
 
 
-def _first_failing(func: RewardFn, prompts, completions, columns) -> int | None:
+def _first_failing(func: RewardFn, prompts, completions, columns, shared) -> int | None:
     for i in range(len(completions)):
         try:
             func(prompts=prompts[i:i + 1], completions=completions[i:i + 1],
-                 **{k: v[i:i + 1] for k, v in columns.items()})
+                 **{k: v[i:i + 1] for k, v in columns.items()}, **shared)
         except Exception:  # the same failure, now located
             return i
     return None

@@ -10,7 +10,7 @@ base64 of their float32 bytes (exact, and compact in the checkpoint's JSON meta)
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,13 +30,15 @@ class ScoredRollout:
     rewards: torch.Tensor
     advantages: torch.Tensor
     metrics: dict[str, float]
+    extra_columns: dict[str, list] = field(default_factory=dict)
+    """Columns reward functions added to the completions table (TRL's `log_extra`)."""
 
     def table(self, step: int, names: list[str]) -> dict[str, list]:
         """The completions table of `step` (TRL's columns): step, prompt, completion, each reward function's
         reward under its name, and the advantage; one row per completion."""
         rewards = {name: self.rewards[:, f].tolist() for f, name in enumerate(names)}
         return {"step": [step] * len(self.completions), "prompt": self.prompts, "completion": self.completions,
-                **rewards, "advantage": self.advantages.tolist()}
+                **rewards, "advantage": self.advantages.tolist(), **self.extra_columns}
 
     def state_dict(self, group: int, old_logps: list[torch.Tensor]) -> dict[str, Any]:
         """JSON-able: the rollout (each prompt's tokens once per group of `group`), texts, rewards, advantages,

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, TrainerState
 
 from mt_ray.config.run import RunConfig
 from mt_ray.data.loader import pad_token_id
@@ -27,7 +27,7 @@ from mt_ray.models.discovery import ModelSpec
 from mt_ray.training.auto_fit import rollout_placement
 from mt_ray.training.grpo.old_logps import keep_old_logps
 from mt_ray.training.grpo.prompts import PromptStream, read_prompts
-from mt_ray.training.grpo.rewards import advantages_and_metrics, load_rewards
+from mt_ray.training.grpo.rewards import RewardLogs, advantages_and_metrics, load_rewards, trl_arguments
 from mt_ray.training.grpo.rollout import LocalSampler, Rollout, completion_batches
 from mt_ray.training.grpo.scored import ScoredRollout
 
@@ -77,14 +77,21 @@ class GrpoSteps:
         generate_s = time.perf_counter() - start
         texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         grouped = [p for p in prompts for _ in range(g.num_generations)]
-        columns = {k: [p.columns.get(k) for p in grouped] for k in grouped[0].columns}
-        per_func = self.rewards.score([p.text for p in grouped], texts, columns)
+        logs = RewardLogs()
+        per_func = self.rewards.score(*trl_arguments(grouped, texts, rollout.completion_ids, self._trainer_state(),
+                                                     logs))
         advantages, metrics = advantages_and_metrics(per_func, self.rewards, g.num_generations, g.scale_rewards)
         new_tokens = sum(rollout.lengths)
-        metrics = {**metrics, **completion_metrics(rollout), "rollout/refresh_s": refresh_s,
+        metrics = {**metrics, **logs.means(), **completion_metrics(rollout), "rollout/refresh_s": refresh_s,
                    "rollout/generate_s": generate_s, "rollout/tokens_per_s": new_tokens / max(generate_s, 1e-9)}
-        self.scored = ScoredRollout(rollout, [p.text for p in grouped], texts, per_func, advantages, metrics)
+        self.scored = ScoredRollout(rollout, [p.text for p in grouped], texts, per_func, advantages, metrics,
+                                    dict(logs.columns))
         self.batches = self._micro_batches(self.scored)
+
+    def _trainer_state(self) -> TrainerState:
+        """What TRL hands reward functions as `trainer_state` (for shaping rewards by training progress)."""
+        epoch = self.stream.epoch + self.stream.index / len(self.stream.prompts)
+        return TrainerState(global_step=self._step, max_steps=self.cfg.training.steps, epoch=epoch)
 
     def _micro_batches(self, scored: ScoredRollout) -> list[dict]:
         return completion_batches(scored.rollout, scored.advantages, self.g.mask_truncated_completions,

@@ -3,8 +3,6 @@ same MLflow run, with system metrics, and its exported model logged, registered 
 
 import json
 
-import pytest
-
 import mt_ray.training.launch as launch
 from jobs.train import main
 from tests.conftest import StopAt
@@ -23,8 +21,9 @@ def test_an_interrupted_run_resumes_its_mlflow_run_and_logs_a_model_that_generat
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
     build = launch.build_callbacks
     monkeypatch.setattr(launch, "build_callbacks", lambda cfg, run: [*build(cfg, run), StopAt(3)])
-    with pytest.raises(KeyboardInterrupt):
-        main(ARGS)
+    assert main(ARGS) == 130  # Ctrl-C: one line naming the checkpoint and the command that resumes
+    assert capsys.readouterr().err.strip().endswith(
+        f"checkpoints/step-00000002; resume: python -m jobs.train {' '.join(ARGS)}")
     client = MlflowClient(f"sqlite:///{tmp_path}/runs/mlflow.db")
     experiment = client.get_experiment_by_name("mt-ray")
     [interrupted] = client.search_runs([experiment.experiment_id])

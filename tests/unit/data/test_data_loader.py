@@ -176,7 +176,7 @@ def test_config_errors_name_the_dotted_key() -> None:
 def test_demo_registry_is_the_default(tokenizer) -> None:
     assert DataConfig().registry is None
     assert set(load_registry(demo_registry_path()).entries) == {"demo_alpaca", "demo_sharegpt", "demo_mllm",
-                                                                 "dpo_en_demo", "demo_math_prompts"}
+                                                                 "dpo_en_demo", "kto_en_demo", "demo_math_prompts"}
 
 
 def local_entries(folder: Path) -> list[str]:
@@ -232,3 +232,18 @@ def test_state_from_another_dataset_list_is_refused(tokenizer) -> None:
         build_dataloader(small_config(), tokenizer, 1).load_state_dict(state)
     with pytest.raises(ConfigError, match="version"):
         build_dataloader(small_config(), tokenizer, 1).load_state_dict({"version": 0})
+
+
+def test_max_samples_keeps_the_first_rows_of_each_dataset(tokenizer, tmp_path: Path) -> None:
+    """LLaMA-Factory's max_samples: the first N rows in file order of every dataset (then shuffled); an epoch is
+    what is left, counted as training packs it."""
+    for name in ("a", "b"):
+        write_jsonl(tmp_path / f"{name}.jsonl", [{"instruction": f"{name}{i}", "output": f"x {i}"} for i in range(9)])
+    registry = write_registry(tmp_path, {n: {"file_name": f"{n}.jsonl"} for n in ("a", "b")})
+    config = small_config(registry=registry, datasets=["a", "b"], packing=False, max_samples=3)
+    loader = build_dataloader(config, tokenizer, 6)
+    rows = {tokenizer.decode(ids).split("user\n")[1].split("<")[0] for ids in next(loader)["input_ids"].tolist()}
+    assert rows == {"a0", "a1", "a2", "b0", "b1", "b2"}
+    assert build_dataloader(config, tokenizer, 6).count_epoch_rows() == 6
+    packed = config.model_copy(update={"packing": True, "max_seq_len": 64})
+    assert build_dataloader(packed, tokenizer, 1).count_epoch_rows() < 6  # short examples share rows

@@ -119,3 +119,10 @@ def test_tensors_without_a_gradient_step_as_torch_adamw_skips_a_none_grad(chunk)
     torch.testing.assert_close(store.master_of("layers.0"), torch.cat([r.detach() for r in refs]), rtol=1e-6, atol=1e-7)
     assert behind == {f"layers.0@{span[0][0]}:{span[0][1]}": 2, f"layers.0@{span[2][0]}:{span[2][1]}": 2,
                       f"layers.0@{span[5][0]}:{span[5][1]}": 1}
+
+
+def test_warmup_ratio_rounds_up_as_transformers():
+    cfg = OptimizerConfig(lr=1.0, warmup_ratio=0.1, schedule="constant")
+    assert cfg.warmup(95) == 10 and lr_at(5, cfg, 95) == pytest.approx(0.5) and lr_at(10, cfg, 95) == 1.0
+    with pytest.raises(ValueError, match="warmup_steps or warmup_ratio"):
+        OptimizerConfig(warmup_steps=3, warmup_ratio=0.1)
