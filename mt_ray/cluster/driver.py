@@ -37,10 +37,10 @@ import torch
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-from transformers import GenerationConfig
 
 from mt_ray.cluster.arena import ArenaAccess, ring_numel
 from mt_ray.cluster.config import ClusterConfig
+from mt_ray.cluster.driver_state import ShardedState
 from mt_ray.cluster.errors import ClusterError, ClusterLostError, StepTimeoutError
 from mt_ray.cluster.partition import ShardPlan
 from mt_ray.cluster.placement import RolloutPlace, check_nodes, check_plan, init_ray
@@ -48,12 +48,11 @@ from mt_ray.cluster.shard import CoordinatorShard
 from mt_ray.cluster.sizing import GIB, landers, size_cluster
 from mt_ray.cluster.split import Batch, count_loss_tokens, rows, shard_batch
 from mt_ray.cluster.stages import WHOLE_MICRO_BATCHES, stage_objective, summed_metrics
-from mt_ray.cluster.wire import from_numpy, to_numpy
+from mt_ray.cluster.wire import to_numpy
 from mt_ray.cluster.worker import EngineWorker
 from mt_ray.engine.batch import preference_counts
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.grpo import GrpoConfig
-from mt_ray.engine.host_store import plan_layout
 from mt_ray.engine.optimizer import lr_at
 from mt_ray.engine.preference import PreferenceConfig
 from mt_ray.engine.results import EvalResult, StepResult
@@ -62,7 +61,6 @@ from mt_ray.engine.step_time import Machine, predicted_step_seconds
 from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import ModelSpec, discover
 from mt_ray.models.vision import VISION_EMBED, VISION_PROJECTOR
-from mt_ray.models.weights import export_hf
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +96,7 @@ class DataParallelResult:
     step_seconds: list[float] = field(default_factory=list)  # driver wall time of each step, recoveries included
 
 
-class DataParallelTrainer:
+class DataParallelTrainer(ShardedState):
     """Controller of one run: a coordinator shard per node, `num_workers` engine workers, the step loop.
 
     It trains like a `StreamingEngine` (`train_step`, `save_checkpoint`, `export`, ...), so the
@@ -250,7 +248,7 @@ class DataParallelTrainer:
         else:
             state = ray.put({k: to_numpy(v.detach().contiguous()) for k, v in weights.items()})
             calls = [s.load_state_dict.remote(state) for s in shards]
-        self._ask_shards(calls)
+        self._ask_shards(calls, self._io_timeout_s())
         self.arenas = self._ask_shards([s.arena_handle.remote() for s in shards])
         return shards
 
@@ -304,7 +302,7 @@ class DataParallelTrainer:
         calls = []
         for node in range(self.cluster.num_nodes):
             ranks = range(node * per, (node + 1) * per)
-            address, port = ray.get(self.workers[ranks[0]].rendezvous.remote())
+            address, port = ray.get(self.workers[ranks[0]].rendezvous.remote(), timeout=self.cluster.placement_timeout_s)
             calls += [self.workers[r].join_group.remote(address, port, i, per, self.cluster.placement_timeout_s)
                       for i, r in enumerate(ranks)]
         ray.get(calls, timeout=self.cluster.placement_timeout_s)
@@ -361,7 +359,7 @@ class DataParallelTrainer:
         timeout = self._step_timeout(batch)
         self._inflight = [w.train_step.remote(step, s, n_global, timeout, counts)
                           for w, s in zip(self.workers, shards, strict=True)]
-        norms = [s.local_norm_sq.remote(self.generation, step) for s in self.shards]
+        norms = [s.local_norm_sq.remote(self.generation, step, timeout) for s in self.shards]
         if self.after_launch is not None:
             self.after_launch(step, self)
         # The driver waits here for every worker's share of the step (its gradients summed on its node)...
@@ -464,7 +462,7 @@ class DataParallelTrainer:
         log.warning("worker(s) %s lost in step %d (%s); %s; resuming at step %d", lost, step, event.error, action, resume)
         # Workers that finished the step are healthy: they rejoin (no restart, no re-import); the rest are replaced.
         fresh = self._build_workers(resume, [r for r in range(self.num_workers) if r not in healthy])
-        ray.get([self.workers[r].rejoin.remote(self.generation, resume) for r in healthy])
+        ray.get([self.workers[r].rejoin.remote(self.generation, resume) for r in healthy], timeout=self.weights_timeout_s)
         self.workers = [fresh.get(r, w) for r, w in enumerate(self.workers)]
         self._form_groups()
         return resume
@@ -517,89 +515,6 @@ class DataParallelTrainer:
                 pass
         return healthy, lost
 
-    @staticmethod
-    def _ask_shards(refs: list[ray.ObjectRef]) -> list:
-        """The answers of shard calls; losing a shard loses its part of the run's state."""
-        try:
-            return ray.get(refs)
-        except RayActorError as e:
-            raise ClusterLostError("a coordinator shard (or its node) was lost with its part of the training "
-                                   "state; restart from a checkpoint") from e
-
-    # ------------------------------------------------------------------ state, checkpoints, export
-
-    def synchronize(self) -> None:
-        """Wait until every update of the steps run so far is in the shards' master weights."""
-        self._ask_shards([s.wait_updated.remote(self.step_idx) for s in self.shards])
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights by Hugging Face name (copies: they outlive the trainer and its Ray)."""
-        return {k: v.clone() for k, v in self._fetch_state().items()}
-
-    def export(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32,
-               extra_files: tuple[Path, ...] = (), generation: GenerationConfig | None = None) -> Path:
-        """Write a Hugging Face folder here, on the driver's node (where checkpoints and MLflow are), `extra_files`
-        copied in (an image-text model's processor files)."""
-        return export_hf(self.spec, self._fetch_state(), out_dir, tokenizer, dtype, extra_files=extra_files,
-                         generation=generation)
-
-    def _fetch_state(self) -> dict[str, torch.Tensor]:
-        """Master weights as read-only views of the objects fetched from the shards."""
-        self.synchronize()
-        parts = self._ask_shards([s.state_part.remote() for s in self.shards])
-        return {k: from_numpy(a, torch.float32) for part in parts for k, a in part.items()}
-
-    def save_checkpoint(self, manager, step: int, extra_meta: dict) -> str:
-        """Every shard writes its range of the flat state at once; the manifest (the single engine's
-        format, so any worker or node count resumes from it) is written here, last."""
-        self.synchronize()
-        layout = plan_layout(self.spec, None)
-        ranges = self.plan.flat_ranges()  # frozen units have no moments: the moment buffers are shorter
-        shard_bytes = manager.config.shard_bytes
-        records = {name: _plan_pieces(name, ranges[name][-1][1], shard_bytes, [hi for _, hi in ranges[name][:-1]])
-                   for name in ranges}
-
-        def write(writer) -> dict:
-            calls = []
-            for i, shard in enumerate(self.shards):
-                mine = {n: ranges[n][i] for n in ranges}
-                pieces = {n: [p for p in r.pieces if mine[n][0] <= p.start < mine[n][1]] for n, r in records.items()}
-                calls.append(shard.write_checkpoint_part.remote(writer, pieces, {n: lo for n, (lo, _) in mine.items()},
-                                                                manager.config.io_workers))
-            return {f: rec for part in self._ask_shards(calls) for f, rec in part.items()}
-
-        meta = {"step": step, "layout": layout.describe(), **extra_meta}
-        behind = {u: c for part in self._ask_shards([s.adam_counts_behind.remote(step) for s in self.shards])
-                  for u, c in part.items()}
-        if behind:  # as the single engine's meta: units whose Adam count is not the step
-            meta["adam_counts"] = behind
-        return manager.save_with(step, records, meta, write)
-
-    def restore_checkpoint(self, manager, uri: str | None = None) -> dict:
-        """Every shard reads its range of a checkpoint (of any run shape) at once; workers rejoin at its step."""
-        layout = plan_layout(self.spec, None)
-        self.synchronize()
-
-        def read(stored) -> dict:
-            layout.check_matches(stored.manifest.meta["layout"])
-            ranges = self.plan.flat_ranges()
-            self._ask_shards([s.read_checkpoint_part.remote(stored, {n: ranges[n][i][0] for n in ranges})
-                              for i, s in enumerate(self.shards)])
-            return stored.manifest.meta
-
-        meta = manager.load_with(read, uri)
-        self.generation += 1
-        self._ask_shards([s.start.remote(self.generation, meta["step"]) for s in self.shards])
-        ray.get([w.rejoin.remote(self.generation, meta["step"]) for w in self.workers])
-        self.step_idx = meta["step"]
-        self._kept.clear()
-        return meta
-
-    def memory_metrics(self) -> dict[str, float]:
-        """Peak host memory growth of the most loaded node since its shard started, per parameter."""
-        reports = self._ask_shards([s.host_bytes.remote() for s in self.shards])
-        return {"host_bytes_per_param": max(r["node_growth"] for r in reports) / self.spec.num_params}
-
     def close(self) -> None:
         for actor in [*self.workers, *self.shards]:
             ray.kill(actor, no_restart=True)
@@ -615,9 +530,3 @@ def freeze_options(spec: ModelSpec) -> dict[str, bool]:
         return {}
     return {"freeze_vision_tower": spec.unit(VISION_EMBED).frozen,
             "freeze_multi_modal_projector": spec.unit(VISION_PROJECTOR).frozen}
-
-
-def _plan_pieces(name: str, numel: int, shard_bytes: int, cuts: list[int]):
-    from mt_ray.tracking.ckpt_format import plan_pieces  # tracking is needed only when checkpointing
-
-    return plan_pieces(name, torch.float32, [numel], shard_bytes, cuts)

@@ -37,15 +37,16 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import ray
 import torch
+from ray.exceptions import GetTimeoutError
 
 from mt_ray.cluster.arena import ABSENT, FAILED, PRESENT, SLOT, STOPPED, ArenaHandle, ArenaLayout, NodeArena
 from mt_ray.cluster.errors import ClusterError, StaleGenerationError
 from mt_ray.cluster.grad_sum import sum_in_order, use_sum_threads
-from mt_ray.cluster.node_memory import NodeMemoryPeak, process_bytes
+from mt_ray.cluster.node_memory import NodeMemoryPeak
 from mt_ray.cluster.partition import ShardPlan
+from mt_ray.cluster.shard_io import ShardStateIO
 from mt_ray.cluster.shard_state import (
     Generation,
     GradSlots,
@@ -56,17 +57,16 @@ from mt_ray.cluster.shard_state import (
 )
 from mt_ray.cluster.wire import from_numpy, to_numpy
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
-from mt_ray.engine.host_store import HostStore, peak_rss_bytes
-from mt_ray.engine.optimizer import UnitOptimizer, counts_behind, lr_at, restore_counts
+from mt_ray.engine.host_store import HostStore
+from mt_ray.engine.optimizer import UnitOptimizer, lr_at
 from mt_ray.engine.optimizer_worker import OptimizerWorker
 from mt_ray.models.discovery import discover
-from mt_ray.models.weights import init_random, load_safetensors
 
 PUBLISH_THREADS = 2  # casts and puts of updated units for other nodes, beside the optimizer (several nodes only)
 PEER_WAIT_S = 600.0  # how long a message of a newer generation waits for this shard to start it
 
 
-class CoordinatorShard:
+class CoordinatorShard(ShardStateIO):
     """A Ray actor with concurrent (threaded) calls; see the module docstring."""
 
     def __init__(self, model, engine_cfg: dict, opt_cfg: dict, total_steps: int, shard: int, num_shards: int,
@@ -134,61 +134,6 @@ class CoordinatorShard:
     def arena_handle(self) -> ArenaHandle:
         """What this node's workers map the arena with."""
         return self.arena.handle()
-
-    # ------------------------------------------------------------------ weights in and out
-
-    def load_random(self, seed: int = 0) -> None:
-        init_random(self.spec, self._load_owned, seed, "cpu")  # every unit, so the RNG stream matches one engine
-
-    def load_pretrained(self, folder: str) -> None:
-        load_safetensors(self.spec, folder, self._load_owned)
-
-    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        tensors = {k: from_numpy(a, torch.float32) for k, a in state.items()}
-        for unit in self.spec.units:
-            self._load_owned(unit, tensors)
-
-    def _load_owned(self, unit, tensors: dict[str, torch.Tensor]) -> None:
-        """An owned unit's weights into the master; every unit's into the reference, where the arena keeps one."""
-        if unit.name in self.owned_names:
-            self.store.load_named(unit, tensors)
-        if self.arena.layout.ref_offsets:  # cast as the single engine's snapshot of its fp32 master casts it
-            for name, view in self.store.named_views(unit, self.arena.reference(unit.name)).items():
-                view.copy_(tensors[name].detach().to(torch.float32))
-
-    # The readers below run between steps, once `wait_updated` has returned: nothing is updating.
-
-    def state_part(self) -> dict[str, np.ndarray]:
-        """fp32 master weights of this shard's units, by Hugging Face name."""
-        return {k: to_numpy(v) for k, v in self.store.state_dict().items()}
-
-    def write_checkpoint_part(self, writer, pieces: dict[str, list], starts: dict[str, int], io_workers: int) -> dict:
-        """Store this shard's pieces of the flat master/moment tensors (its range of each begins at `starts[name]`)."""
-        from mt_ray.tracking.ckpt_format import ShardSource  # tracking is needed only when checkpointing
-
-        flat = self.store.flat_state()
-        sources = [ShardSource(p.file, name, p.start, flat[name][p.start - starts[name]:p.start - starts[name] + p.numel])
-                   for name, ps in pieces.items() for p in ps]
-        with ThreadPoolExecutor(io_workers, thread_name_prefix="ckpt-write") as io:
-            return dict(zip([s.file for s in sources], io.map(writer.write_file, sources), strict=True))
-
-    def read_checkpoint_part(self, stored, starts: dict[str, int]) -> None:
-        """Read this shard's range of a stored checkpoint (cut for any number of shards) into its state;
-        `starts`: where the range begins in each flat tensor. Adam counts become the checkpoint's, as the
-        single engine's do."""
-        for name, buf in self.store.flat_state().items():
-            stored.read_range(name, starts[name], starts[name] + buf.numel(), buf)
-        meta = stored.manifest.meta
-        restore_counts(self.optimizers, meta["step"], meta.get("adam_counts", {}))
-
-    def adam_counts_behind(self, step: int) -> dict[str, int]:
-        """This shard's units whose Adam count is not `step` (`counts_behind`), for a checkpoint's meta."""
-        return counts_behind(self.optimizers, step)
-
-    def host_bytes(self) -> dict[str, int]:
-        """Peak growth of this node's used memory since the shard started, this process's peak RSS, and its
-        memory now (`process_bytes`)."""
-        return {"node_growth": self.node_memory.growth, "shard_rss_peak": peak_rss_bytes(), **process_bytes()}
 
     # ------------------------------------------------------------------ generations
 
@@ -360,15 +305,23 @@ class CoordinatorShard:
             self._cond.wait_for(lambda: self.gen is not None and self.gen.number >= generation, timeout=PEER_WAIT_S)
             return None if self._stale(generation) else self.gen
 
-    def local_norm_sq(self, generation: int, step: int) -> float:
+    def local_norm_sq(self, generation: int, step: int, timeout_s: float = PEER_WAIT_S) -> float:
         """Once every unit of this shard is summed for `step` (and partials sent on have arrived): its norm²
-        (0 with one worker in the run: the driver takes its GPU's)."""
+        (0 with one worker in the run: the driver takes its GPU's). Bounded by `timeout_s`, naming what is missing."""
         with self._cond:
-            self._cond.wait_for(lambda: self._stale(generation) or self._error is not None
-                                or len(self.gen.norms.get(step, {})) == len(self.trained))
+            done = self._cond.wait_for(lambda: self._stale(generation) or self._error is not None
+                                       or len(self.gen.norms.get(step, {})) == len(self.trained), timeout=timeout_s)
             self._raise_if_stale(generation)
             gen = self.gen
-        ray.get(gen.forwarded.pop(step, []))  # the owners have our partial sums (surfaces their errors)
+            if not done:
+                missing = [u for u in self.trained if u not in gen.norms.get(step, {})]
+                raise ClusterError(f"shard {self.shard}: step {step}'s sums of {missing[:4]} ({len(missing)} units) "
+                                   f"did not come within {timeout_s:g} s (cluster.step_timeout_s)")
+        try:  # the owners have our partial sums (surfaces their errors)
+            ray.get(gen.forwarded.pop(step, []), timeout=timeout_s)
+        except GetTimeoutError:
+            raise ClusterError(f"shard {self.shard}: another node's shard did not take step {step}'s partial sums "
+                               f"within {timeout_s:g} s (cluster.step_timeout_s)") from None
         return self._norm_total(gen.norms.get(step, {}))  # a shard of frozen units alone has none
 
     def apply_norm(self, step: int, norm_sq: float) -> None:
@@ -533,8 +486,8 @@ class CoordinatorShard:
         calls = [p.put_weights.remote(gen.number, unit, version, [ref]) for i, p in enumerate(self.peers) if i != self.shard]
         self.seconds["publish"] += time.perf_counter() - t0
         try:
-            ray.get(calls)
-        except BaseException as e:  # a peer lost: the driver finds out from its own calls
+            ray.get(calls, timeout=PEER_WAIT_S)
+        except BaseException as e:  # a peer lost or hung: the driver finds out from its own calls
             with self._cond:
                 if not self._stale(gen.number):
                     self._error = e

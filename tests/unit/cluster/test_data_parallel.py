@@ -245,3 +245,27 @@ def test_a_start_that_fails_after_placement_leaves_nothing_of_its_own_behind(loc
     assert live == []
     trainer = DataParallelTrainer(tiny_config("llama"), ENGINE, OPT, num_workers=2, total_steps=1, weights=0)
     trainer.close()
+
+
+def test_four_workers_of_a_64_layer_model_never_stall_and_match_one_engine(local_ray):
+    """Deeper than the shard's call threads once were (a blocking report held one per unsummed unit): four workers'
+    reports are one-way and acknowledged in the arena, so 64 layers' gradients, three workers' through rings of a
+    few pieces, finish the step; losses and weights equal one engine's on the whole batch."""
+    cfg = tiny_config("llama", num_hidden_layers=64)
+    batch = tiny_batches(n_micro=4, batch=2, seq=8, seed=3)
+    engine = StreamingEngine(discover(cfg), ENGINE, OPT, total_steps=1)
+    try:
+        engine.load_random(seed=0)
+        ref = engine.train_step(batch).loss.item()
+        ref_state = {k: v.clone() for k, v in engine.state_dict().items()}
+    finally:
+        engine.close()
+    trainer = DataParallelTrainer(cfg, ENGINE, OPT, num_workers=4, total_steps=1, weights=0,
+                                  cluster=ClusterConfig(grad_ring_mb=0.05, step_timeout_s=300, cpus_per_worker=0.5))
+    try:
+        loss = trainer.train_step(batch).loss.item()
+        state = trainer.state_dict()
+    finally:
+        trainer.close()
+    assert loss == pytest.approx(ref, rel=1e-5)
+    assert_same_weights(state, ref_state)
