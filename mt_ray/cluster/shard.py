@@ -34,6 +34,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -48,6 +49,7 @@ from mt_ray.cluster.node_memory import NodeMemoryPeak
 from mt_ray.cluster.partition import ShardPlan
 from mt_ray.cluster.shard_io import ShardStateIO
 from mt_ray.cluster.shard_state import (
+    GET_POLL_S,
     Generation,
     GradSlots,
     Landing,
@@ -63,7 +65,8 @@ from mt_ray.engine.optimizer_worker import OptimizerWorker
 from mt_ray.models.discovery import discover
 
 PUBLISH_THREADS = 2  # casts and puts of updated units for other nodes, beside the optimizer (several nodes only)
-PEER_WAIT_S = 600.0  # how long a message of a newer generation waits for this shard to start it
+PEER_WAIT_S = 600.0
+FORWARD_INFLIGHT = 2  # partial sums sent to one owner and not yet summed there  # how long a message of a newer generation waits for this shard to start it
 
 
 class CoordinatorShard(ShardStateIO):
@@ -108,6 +111,7 @@ class CoordinatorShard(ShardStateIO):
         self._casts = self._build_casts()
         self._publisher = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="mt-ray-publish")
         # The sums run on numba's team, sized for the reduce thread alone (numba's count holds per thread).
+        self._forwarder = ThreadPoolExecutor(1, thread_name_prefix="mt-ray-forward")  # partial sums to other nodes
         self._reducer = ThreadPoolExecutor(1, thread_name_prefix="mt-ray-reduce", initializer=use_sum_threads,
                                            initargs=(sum_threads,))
         self.peers: list = []
@@ -184,6 +188,9 @@ class CoordinatorShard(ShardStateIO):
             gen.stopped = True
             self._cond.notify_all()
         self.arena.set_state(STOPPED)  # workers waiting for weights or for acknowledgements give up
+        with self._cond:
+            for summed in gen.partials_summed.values():  # peers waiting for a sum that will not come
+                summed.set()
         self._reducer.submit(lambda: None).result()  # sums already queued have finished
         norms = gen.norms.get(step, {})
         complete = step in gen.ended or len(norms) == len(self.trained)
@@ -229,6 +236,7 @@ class CoordinatorShard(ShardStateIO):
             self.gen.opt.close()
         self._publisher.shutdown(wait=False)
         self._reducer.shutdown(wait=False)
+        self._forwarder.shutdown(wait=False)
 
     # ------------------------------------------------------------------ workers' calls
 
@@ -277,8 +285,14 @@ class CoordinatorShard(ShardStateIO):
         except StaleGenerationError:
             return
         with self._cond:
-            if gen is self.gen and not gen.stopped:
-                self._add_contribution(gen, step, unit, node, parts)
+            if gen is not self.gen or gen.stopped:
+                return
+            self._add_contribution(gen, step, unit, node, parts)
+            summed = gen.partials_summed.setdefault((step, unit), threading.Event())
+        del parts
+        # Answered once the unit's sum has read it: the sender keeps FORWARD_INFLIGHT partials unsummed here at most,
+        # so the object stores never hold more than that many unit gradients per peer (nothing spills).
+        summed.wait(PEER_WAIT_S)
 
     def put_weights(self, generation: int, unit: str, version: int, weights: list[ray.ObjectRef]) -> None:
         """Another shard's unit after `version` steps, in the compute dtype: copied into this node's arena.
@@ -376,7 +390,8 @@ class CoordinatorShard(ShardStateIO):
         if owner == self.shard:
             self._add_contribution(gen, step, unit, self.shard, parts)
         else:
-            self._reducer.submit(self._guarded, gen, (step, unit), self._forward_partial, owner, parts)
+            # On the forwarding thread: it may wait for the owner to sum earlier partials, and the sums here go on.
+            self._forwarder.submit(self._guarded, gen, (step, unit), self._forward_partial, owner, parts)
 
     def _add_contribution(self, gen: Generation, step: int, unit: str, node: int, parts: list[torch.Tensor]) -> None:
         """A node's contribution to an owned unit (lock held); the last one starts the sum."""
@@ -403,17 +418,30 @@ class CoordinatorShard(ShardStateIO):
             self.arena.set_state(FAILED)
         finally:
             with self._cond:
+                if len(key) == 2 and (summed := gen.partials_summed.pop(key, None)) is not None:
+                    summed.set()  # the other nodes' partials of this unit are read
                 seqs = gen.acks.pop(key, [])
                 if gen is self.gen and not gen.stopped:  # a stopped generation's workers stop waiting anyway
                     for local, seq in seqs:
                         self.arena.ack(local, seq)
 
     def _forward_partial(self, gen: Generation, step: int, unit: str, owner: int, parts: list[torch.Tensor]) -> None:
-        """This node's sum of a unit another shard owns (in its slot; `parts` empty: unused) goes to the owner."""
+        """This node's sum of a unit another shard owns (in its slot; `parts` empty: unused) goes to the owner, once
+        fewer than FORWARD_INFLIGHT of the partials sent there are still unsummed (bounded: PEER_WAIT_S)."""
         gen.local_norms.pop((step, unit), None)  # the owner takes the norm of the nodes' sum
+        inflight = gen.forward_inflight.setdefault(owner, deque())
+        deadline = time.monotonic() + PEER_WAIT_S
+        while len(inflight) >= FORWARD_INFLIGHT:
+            if ray.wait([inflight[0]], timeout=GET_POLL_S)[0]:
+                inflight.popleft()
+            elif gen.stopped:
+                return  # the driver decides what this step becomes
+            elif time.monotonic() > deadline:
+                raise ClusterError(f"shard {owner} did not sum this node's partial gradients within {PEER_WAIT_S:g} s")
         # The one copy of this node's gradient that crosses the network.
         ref = ray.put(to_numpy(self.arena.grad(unit))) if parts else None
         call = self.peers[owner].put_partial.remote(gen.number, step, self.shard, unit, [ref])
+        inflight.append(call)
         with self._cond:
             gen.forwarded.setdefault(step, []).append(call)
 

@@ -3,6 +3,8 @@ thread teams it sums and updates with (mt_ray.cluster.shard runs them)."""
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,6 +60,8 @@ class Generation:
     remote: dict[tuple[int, str], dict[int, list[torch.Tensor]]] = field(default_factory=dict)
     norms: dict[int, dict[str, torch.Tensor | None]] = field(default_factory=dict)  # None: the lone worker's GPU has it
     forwarded: dict[int, list[ray.ObjectRef]] = field(default_factory=dict)
+    forward_inflight: dict[int, deque[ray.ObjectRef]] = field(default_factory=dict)  # owner -> partials not summed
+    partials_summed: dict[tuple[int, str], threading.Event] = field(default_factory=dict)  # set once read by the sum
     acks: dict[tuple, list[tuple[int, int]]] = field(default_factory=dict)  # (step, unit[, piece]) -> reports it ends
     advanced: dict[int, int] = field(default_factory=dict)  # version -> trained units updated to it
     touched: set[int] = field(default_factory=set)
