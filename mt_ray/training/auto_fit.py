@@ -78,7 +78,9 @@ def apply_auto_fit(cfg: RunConfig, spec: ModelSpec) -> RunConfig:
                          *([f"rollout.placement={rec['rollout_placement']}"] if "rollout_placement" in rec else [])])
     message = (f"auto_fit for a {gpu_gb:.3g} GiB GPU and {host_gb:.3g} GiB of host memory: {choices} (predicted "
                f"{rec['device_gib']:.3g} GiB GPU, {rec['host_gib']:.3g} GiB host, {rec['predicted_step_s']:.3g} s/step)"
-               + (f"; {rec['placement_reason']}" if "placement_reason" in rec else ""))
+               + (f"; {rec['placement_reason']}" if "placement_reason" in rec else "")
+               # the batch is the user's: say what bounds it and which batch would hide the optimizer, not change it
+               + (f"; {rec['optimizer_advice']}" if "optimizer_advice" in rec else ""))
     print(message, flush=True)  # on the console, as the trainer says where it resumes from
     log.info(message)
     return fitted
