@@ -103,6 +103,8 @@ def export_hf(spec: ModelSpec, state: dict[str, torch.Tensor], out_dir: str | Pa
     tmp.mkdir(parents=True)
     config = copy.deepcopy(spec.config)
     config.dtype = dtype
+    if hasattr(config, "quantization_config"):  # loaded dequantized (`dequantize.py`): the export is plain weights
+        del config.quantization_config
     config.architectures = [type(spec.skeleton).__name__]
     config.save_pretrained(tmp)
     # A weight tied between layers is written once, under its owner's name, as save_pretrained writes it.
