@@ -16,6 +16,11 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(model_type="qwen2", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=832, tie_word_embeddings=True,
                  max_position_embeddings=2048),
+    # the demo's size with experts (8 of them, 2 a token): CPU smoke runs of the MoE paths
+    "tiny-moe": dict(model_type="qwen3_moe", hidden_size=128, intermediate_size=384, moe_intermediate_size=64,
+                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+                     num_experts_per_tok=2, norm_topk_prob=True, vocab_size=832, tie_word_embeddings=True,
+                     max_position_embeddings=2048),
     "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2.5-3b": dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
