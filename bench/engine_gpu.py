@@ -123,7 +123,7 @@ def measure(engine: StreamingEngine, args, cfg, profile: bool = False, mbs: list
                attn=args.attn, attn_used=spec.config._attn_implementation,
                host_bytes_per_param=peak_rss_bytes() / spec.num_params, peak_gpu_gib=peak_gpu,
                calc_gpu_gib=predicted, calc_step_s=predicted_step_seconds(spec, ecfg, args.seq, args.batch, stage=stage,
-                                                                          micro_batch=args.micro))
+                                                                          micro_batch=args.micro, opt=engine.opt_cfg))
     return row
 
 
@@ -152,6 +152,8 @@ def run_moe_suite(args) -> list[dict]:
         cfg = shape_config(shape, layers=layers)
         run = argparse.Namespace(**{**vars(args), "shape": shape, "layers": layers})
         engine, setup_s = build_engine(run, cfg)
+        keep = str(args.keep_activations)  # one value here: 0 (full recompute, as issue 38's rows ran), or auto
+        engine.set_keep_activations(keep if keep == "auto" else int(keep))
         try:
             for batch in batches:
                 run.batch = batch
