@@ -247,6 +247,10 @@ class _Search:
         there = Option(o.cfg, micro, device_bytes(self.spec, o.cfg, micro, seq, high, self.image_tokens, self.stage)["total"],
                        host_bytes(self.spec, o.cfg, self.opt, seq, high, self.stage), 0.0)
         hidden = self.step_time(o, seq, high)
+        if switch and high / hidden.total <= global_batch / parts.total * NEAR_FASTEST:
+            return {"optimizer_advice": f"the resident schedule waits for the host's whole Adam pass "
+                    f"({parts.optimizer:.3g} s a step); streaming would hide it at a global batch of {high} sequences "
+                    "but trains no more tokens a second here"}
         active = (f", {6 * self.spec.active_text_params * seq * high / hidden.total / 1e12:.0f} active TFLOPS"
                   if self.spec.routed_active_params else "")
         fits = (f"{hidden.total:.3g} s a step{active}" if self.fits(there) else
