@@ -23,8 +23,9 @@ from mt_ray.models.presets import preset_config
 OPT = OptimizerConfig(lr=1e-5, weight_decay=0.01, max_grad_norm=1.0, schedule="constant")
 
 
-def shape_config(name: str, attn: str = "sdpa") -> PretrainedConfig:
-    cfg = preset_config(name)
+def shape_config(name: str, attn: str = "sdpa", layers: int | None = None) -> PretrainedConfig:
+    """The preset `name` (cut to its first `layers` layers when given), with the attention backend set."""
+    cfg = preset_config(name, layers=layers)
     cfg._attn_implementation = attn
     return cfg
 

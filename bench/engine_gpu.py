@@ -17,6 +17,14 @@ Full recompute against kept activations (`engine.keep_activations`), one row eac
 
     python bench/engine_gpu.py --kernels liger --keep-activations 0,auto --out bench/results/keep_activations_7b.json
 
+A mixture of experts' rows add active TFLOPS (6 x active params x tokens / step) beside model TFLOPS, and with
+`--module-times` the seconds a step its routed experts, routers and attention take, forward and backward (one
+extra step with hooks, `bench/module_times.py`). The MoE suite (issue 38): the 12-layer Qwen3-30B-A3B cut at
+128 x 1024 and 512 x 1024 on one engine, then the dense 7B row, into one file:
+
+    python bench/engine_gpu.py --suite moe --kernels liger --stream-master --grad-dtype compute --module-times \
+        --out bench/results/moe_qwen3_30b_a3b_12l.json
+
 Side-by-side runs against DeepSpeed, FSDP2 and plain PyTorch are `bench/compare.py`.
 """
 
@@ -43,6 +51,7 @@ from bench.common import (  # noqa: E402
     shape_config,
     write_json,
 )
+from bench.module_times import ModuleTimes  # noqa: E402
 from mt_ray.engine import EngineConfig, StreamingEngine  # noqa: E402
 from mt_ray.engine.preference import PreferenceConfig  # noqa: E402
 from mt_ray.engine.sizing import SFT, Stage, device_bytes  # noqa: E402
@@ -98,7 +107,13 @@ def measure(engine: StreamingEngine, args, cfg, profile: bool = False, mbs: list
     opt_wait_s = (engine.streamer.optimizer_wait_s - wait0) / args.steps
     peak_gpu = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     split = profile_steps(engine, mbs) if profile else {}
+    if getattr(args, "module_times", False):
+        split.update(module_seconds(engine, mbs))
     row = metrics(args, cfg, spec.num_params, step_s, "mt-ray")
+    if spec.routed_active_params:  # a mixture of experts: what its tokens compute with
+        tokens = args.batch * args.seq
+        row.update(active_params_b=spec.active_text_params / 1e9,
+                   active_tflops=6 * spec.active_text_params * tokens / step_s / 1e12)
     kept = engine.kept.last_count  # `auto` as resolved, for the calculator's figures
     ecfg = ecfg.model_copy(update={"keep_activations": kept})
     predicted = device_bytes(spec, ecfg, args.micro, args.seq, args.batch, stage=stage)["total"] / 2**30
@@ -108,8 +123,49 @@ def measure(engine: StreamingEngine, args, cfg, profile: bool = False, mbs: list
                attn=args.attn, attn_used=spec.config._attn_implementation,
                host_bytes_per_param=peak_rss_bytes() / spec.num_params, peak_gpu_gib=peak_gpu,
                calc_gpu_gib=predicted, calc_step_s=predicted_step_seconds(spec, ecfg, args.seq, args.batch, stage=stage,
-                                                                          micro_batch=args.micro))
+                                                                          micro_batch=args.micro, opt=engine.opt_cfg))
     return row
+
+
+def module_seconds(engine: StreamingEngine, mbs: list[dict]) -> dict:
+    """One more step with hooks on the layers' experts, routers and attention: each one's seconds, forward (with the
+    recompute) and backward."""
+    times = ModuleTimes(engine)
+    try:
+        times.active = True
+        engine.train_step(mbs)
+        engine.synchronize()
+        times.active = False
+        return times.seconds(1)
+    finally:
+        times.remove()
+
+
+def run_moe_suite(args) -> list[dict]:
+    """The MoE shape (`--moe-shape` cut to `--moe-layers`) at each `--moe-batches` on one engine, then the dense
+    `--dense-shape` at `--batch`, each engine closed before the next is built (one host holds one); rows written to
+    `--out` as they finish."""
+    rows: list[dict] = []
+    plan = [(args.moe_shape, args.moe_layers, [int(b) for b in args.moe_batches.split(",")]),
+            (args.dense_shape, None, [args.batch])]
+    for shape, layers, batches in plan:
+        cfg = shape_config(shape, layers=layers)
+        run = argparse.Namespace(**{**vars(args), "shape": shape, "layers": layers})
+        engine, setup_s = build_engine(run, cfg)
+        keep = str(args.keep_activations)  # one value here: 0 (full recompute, as issue 38's rows ran), or auto
+        engine.set_keep_activations(keep if keep == "auto" else int(keep))
+        try:
+            for batch in batches:
+                run.batch = batch
+                try:
+                    rows.append({**measure(engine, run, cfg, profile=args.profile), "setup_s": setup_s})
+                except (torch.OutOfMemoryError, InsufficientMemoryError) as e:
+                    rows.append({"system": "mt-ray", "shape": shape, "batch": batch,
+                                 "status": f"out of GPU memory: {e}"[:300]})
+                write_json(args.out, {"args": vars(args), "device": device_name(), "rows": rows})
+        finally:
+            engine.close()
+    return rows
 
 
 def run_engine(args, cfg) -> dict:
@@ -221,6 +277,7 @@ def _union(spans: list[tuple[float, float]]) -> float:
 def add_run_args(p: argparse.ArgumentParser) -> None:
     """Model shape, batch and engine options, shared with the side-by-side comparison."""
     p.add_argument("--shape", default="qwen2.5-7b")
+    p.add_argument("--layers", type=int, help="cut the shape to its first N layers (a large MoE on a smaller host)")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--micro", type=int, default=16)
@@ -241,6 +298,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="profile one extra step for the time split")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (a tiny --shape)")
+    p.add_argument("--module-times", action="store_true", help="one more step timing the layers' routed experts, "
+                   "routers and attention, forward and backward (a mixture of experts' time split)")
 
 
 def main() -> None:
@@ -249,13 +308,25 @@ def main() -> None:
     p.add_argument("--runs", help="comma list of PACKED_DOCS:ATTN variants to measure on one engine, e.g. "
                    "0:sdpa,256:sdpa,256:varlen (replaces --packed-docs and --attn)")
     p.add_argument("--out", default="bench/results/engine_gpu.json")
+    p.add_argument("--suite", choices=["moe"], help="moe: --moe-shape at each --moe-batches, then --dense-shape")
+    p.add_argument("--moe-shape", default="qwen3-30b-a3b")
+    p.add_argument("--moe-layers", type=int, default=12, help="the MoE shape's layers in the suite (12: 8.1 B "
+                   "parameters, what a 128 GiB host holds)")
+    p.add_argument("--moe-batches", default="128,512", help="the suite's MoE global batches, comma-separated")
+    p.add_argument("--dense-shape", default="qwen2.5-7b", help="the suite's dense row, at --batch")
     args = p.parse_args()
 
-    cfg = shape_config(args.shape)
-    rows = run_variants(args, cfg, args.out) if args.runs else run_keeps(args, cfg, args.out)
-    cols = ["system", "shape", "params_b", "batch", "seq", "keep_activations", "kept_graphs", "packed_docs", "attn", "attn_used", "step_s", "tokens_per_s", "model_tflops", "tflops_with_attn",
-            "peak_gpu_gib", "calc_gpu_gib", "host_bytes_per_param", "h2d_busy_s", "compute_busy_s", "d2h_busy_s", "optimizer_s",
-            "optimizer_wait_s", "gpu_idle_frac", "gpu_step_s", "calc_step_s"]
+    if args.suite:
+        rows = run_moe_suite(args)
+    else:
+        cfg = shape_config(args.shape, layers=args.layers)
+        rows = run_variants(args, cfg, args.out) if args.runs else run_keeps(args, cfg, args.out)
+    cols = ["system", "shape", "params_b", "active_params_b", "batch", "seq", "keep_activations", "kept_graphs",
+            "packed_docs", "attn", "attn_used", "step_s", "tokens_per_s", "model_tflops", "active_tflops",
+            "tflops_with_attn", "peak_gpu_gib", "calc_gpu_gib", "host_bytes_per_param", "h2d_busy_s", "compute_busy_s",
+            "d2h_busy_s", "optimizer_s", "optimizer_wait_s", "experts_forward_s", "experts_backward_s",
+            "router_forward_s", "router_backward_s", "attention_forward_s", "attention_backward_s", "gpu_idle_frac",
+            "gpu_step_s", "calc_step_s"]
     print_table(rows, cols)
     write_json(args.out, {"args": vars(args), "device": device_name(), "rows": rows})
 

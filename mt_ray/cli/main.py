@@ -28,18 +28,22 @@ def main(argv: list[str] | None = None) -> int:
 
     calc = sub.add_parser("calc", help="the fastest configuration that fits this GPU and host, as a config snippet")
     calc.add_argument("--config", help="YAML run config providing the model, engine and optimizer (or --preset/--path)")
-    calc.add_argument("--preset", help="built-in model shape, e.g. qwen2.5-7b")
+    calc.add_argument("--preset", help="built-in model shape, e.g. qwen2.5-7b, qwen3-30b-a3b, gpt-oss-20b")
     calc.add_argument("--path", help="local Hugging Face model folder")
+    calc.add_argument("--layers", type=int, help="cut the model to its first N layers (a large shape on a smaller host)")
+    calc.add_argument("--gpu", help="plan for this card: rtx3080, rtx3090, rtx4080, rtx4090, rtx5090, a100-40gb, "
+                      "a100-80gb, l40s, h100, h200, gh200 (its memory, layer TFLOPS and host link; each flag below "
+                      "overrides its figure). Default: the local GPU's, else an H100's figures")
     calc.add_argument("--seq", type=int, help="sequence length (default: the config's data.max_seq_len, else 1024)")
     calc.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: the config's "
                       "micro_batch_size x grad_accum_steps, else 128)")
-    calc.add_argument("--gpu-mem-gb", type=float, help="GPU memory in GiB (default: the local GPU's)")
+    calc.add_argument("--gpu-mem-gb", type=float, help="GPU memory in GiB (default: --gpu's, else the local GPU's)")
     calc.add_argument("--host-mem-gb", type=float, help="host memory for training in GiB (default: what this host "
                       "has available: the cgroup limit, else MemAvailable)")
-    calc.add_argument("--h2d-gbps", type=float, default=50.0, help="host<->GPU link bandwidth in GB/s, each direction "
-                      "(50: the H100 host's PCIe 5.0, measured; about 25 for PCIe 4.0 x16)")
-    calc.add_argument("--gpu-tflops", type=float, default=500.0, help="bf16 decoder-layer throughput of the GPU "
-                      "(500: measured on the H100)")
+    calc.add_argument("--h2d-gbps", type=float, help="host<->GPU link bandwidth in GB/s, each direction (default: "
+                      "--gpu's; 50 for the H100 host's PCIe 5.0, measured; about 25 for PCIe 4.0 x16)")
+    calc.add_argument("--gpu-tflops", type=float, help="bf16 TFLOPS a decoder layer reaches on the GPU, as 8 x params "
+                      "x tokens a streamed step (default: --gpu's; 600 measured on the H100 and H200)")
     calc.add_argument("--nvme-gbps", type=float, help="direct read and write GB/s of an NVMe disk for optimizer "
                       "state: lets the search move state there when the host cannot hold it")
     calc.add_argument("--nvme-mixed-gbps", type=float, help="with --nvme-gbps: GB/s read and written together "
@@ -65,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     info = sub.add_parser("info", help="what the engine discovers about a model")
     info.add_argument("--preset", help="built-in model shape")
     info.add_argument("--path", help="local Hugging Face model folder")
+    info.add_argument("--layers", type=int, help="cut the model to its first N layers")
 
     args = parser.parse_args(argv)
     try:
@@ -101,21 +106,13 @@ def _sweep(args) -> int:
 
 
 def _calc(args) -> int:
-    from mt_ray.engine.calculator import (
-        config_snippet,
-        local_gpu_memory_gb,
-        longest_context,
-        recommend,
-        render_recommendation,
-    )
+    from mt_ray.engine.calculator import config_snippet, longest_context, recommend, render_recommendation
     from mt_ray.engine.config import EngineConfig
-    from mt_ray.engine.host_store import GIB, available_host_bytes
     from mt_ray.engine.sizing import SFT
-    from mt_ray.engine.step_time import Machine
     from mt_ray.training.auto_fit import stage_shape
 
     for flag in ("seq", "global_batch", "gpu_mem_gb", "host_mem_gb", "h2d_gbps", "gpu_tflops", "nvme_gbps",
-                 "nvme_mixed_gbps"):
+                 "nvme_mixed_gbps", "layers"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
@@ -126,11 +123,7 @@ def _calc(args) -> int:
     if args.global_batch is None:
         args.global_batch = 1 if args.max_seq else (
             run.training.micro_batch_size * run.training.grad_accum_steps if run else 128)
-    gpu = args.gpu_mem_gb if args.gpu_mem_gb is not None else local_gpu_memory_gb()
-    host = args.host_mem_gb if args.host_mem_gb is not None else available_host_bytes() / GIB
-    read, write, mixed = _disk_bandwidth(args)
-    machine = Machine(layer_tflops=args.gpu_tflops, h2d_gbps=args.h2d_gbps, nvme_read_gbps=read, nvme_write_gbps=write,
-                      nvme_mixed_gbps=mixed)
+    machine, gpu, host, assumed = _calc_machine(args)
     engine = EngineConfig(device="cpu", compute_dtype="bf16")
     if run:  # the config's engine, as it runs on a GPU (bf16 unless it names a dtype)
         dtype = "bf16" if run.engine.compute_dtype == "auto" else run.engine.compute_dtype
@@ -145,18 +138,57 @@ def _calc(args) -> int:
         rec = recommend(spec, args.seq, args.global_batch, gpu, host, cfg=engine, opt=opt, machine=machine,
                         image_tokens=args.image_tokens, stage=stage)
     model = run.model.model_dump(exclude_defaults=True) if run else {"path": args.path} if args.path else {
-        "preset": args.preset or "tiny"}
+        "preset": args.preset or "tiny", **({"overrides": {"num_hidden_layers": args.layers}} if args.layers else {})}
     cluster = _cluster_sizing(spec, args, stage) if args.workers is not None or args.nodes > 1 else None
     if args.json:
-        print(json.dumps({**rec, "config": config_snippet(rec, model) if rec["fits"] else None,
+        print(json.dumps({"assumptions": assumed, **rec, "config": config_snippet(rec, model) if rec["fits"] else None,
                           **({"cluster": cluster.as_dict()} if cluster else {})}, indent=2))
         return 0 if rec["fits"] else 1
+    print("assumed: " + "; ".join(f"{k} {v}" for k, v in assumed.items()) + "\n")
     print(render_recommendation(rec, model))
     if cluster is not None:
         from mt_ray.cluster.sizing import render_cluster
 
         print(render_cluster(cluster))
     return 0 if rec["fits"] else 1
+
+
+def _calc_machine(args):
+    """The machine the calculation plans for: (step-time Machine, GPU GiB, host GiB, the assumptions in words), from
+    --gpu's figures (else the local GPU's, else an H100's) with each flag given overriding its figure."""
+    from mt_ray.engine.calculator import local_gpu_memory_gb
+    from mt_ray.engine.gpus import GPUS, gpu, local_gpu
+    from mt_ray.engine.host_store import GIB, available_host_bytes
+    from mt_ray.engine.step_time import Machine
+
+    card, where = (gpu(args.gpu), "--gpu") if args.gpu else (None, "")
+    if card is None and args.gpu_mem_gb is None:
+        memory = local_gpu_memory_gb()
+        card, where = _local_card(memory, local_gpu), "this machine's GPU"
+    if card is None:
+        card, where = GPUS["h100"], "not given: an H100's figures (--gpu NAME for another card)"
+    gpu_mem = args.gpu_mem_gb if args.gpu_mem_gb is not None else card.memory_gib
+    host = args.host_mem_gb if args.host_mem_gb is not None else available_host_bytes() / GIB
+    read, write, mixed = _disk_bandwidth(args)
+    machine = Machine(layer_tflops=args.gpu_tflops or card.layer_tflops, h2d_gbps=args.h2d_gbps or card.h2d_gbps,
+                      nvme_read_gbps=read, nvme_write_gbps=write, nvme_mixed_gbps=mixed)
+    assumed = {
+        "GPU": f"{card.name} ({where}; {card.source})",
+        "GPU memory": f"{gpu_mem:.3g} GiB" + (" (--gpu-mem-gb)" if args.gpu_mem_gb is not None else ""),
+        "layer TFLOPS": f"{machine.layer_tflops:g} bf16" + (" (--gpu-tflops)" if args.gpu_tflops else ""),
+        "host link": f"{machine.h2d_gbps:g} GB/s each way" + (" (--h2d-gbps)" if args.h2d_gbps else ""),
+        "host memory": f"{host:.3g} GiB" + (" (--host-mem-gb)" if args.host_mem_gb is not None
+                                            else " (this host's available memory; --host-mem-gb for another)"),
+        "host Adam": f"{machine.adam_gparams_per_s:g} G params/s",
+    }
+    return machine, gpu_mem, host, assumed
+
+
+def _local_card(memory_gib: float, match):
+    """The table's card for the local CUDA GPU (None where it is not in the table: its memory alone is used)."""
+    import torch
+
+    return match(torch.cuda.get_device_name(), memory_gib)
 
 
 def _disk_bandwidth(args) -> tuple[float | None, float | None, float | None]:
@@ -213,16 +245,16 @@ def _run_config(args):
 
 
 def _spec(args, run=None):
-    from mt_ray.models.discovery import discover
-    from mt_ray.models.presets import preset_config
+    from mt_ray.models.discovery import discover, load_config
+    from mt_ray.models.presets import cut_config, preset_config
 
     if run is not None or getattr(args, "config", None):
         from mt_ray.training import build_model_spec
 
         return build_model_spec(run or _run_config(args))
     if args.path:
-        return discover(args.path)
-    return discover(preset_config(args.preset or "tiny"))
+        return discover(cut_config(load_config(args.path), args.layers) if args.layers else args.path)
+    return discover(preset_config(args.preset or "tiny", layers=args.layers))
 
 
 _COMMANDS = {"train": _train, "sweep": _sweep, "calc": _calc, "export": _export, "info": _info}

@@ -38,7 +38,7 @@ from mt_ray.engine.sizing import (
     rollout_host_bytes,
     vision_sizes,
 )
-from mt_ray.engine.step_time import Machine, predicted_step_seconds
+from mt_ray.engine.step_time import Machine, StepTime, predicted_step_seconds, step_time
 from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import ModelSpec
 
@@ -64,6 +64,8 @@ LONGEST_SEQ = 1 << 22  # the longest context `longest_context` looks for (4M tok
 # Knobs the search sets, as EngineConfig fields, in the order the snippet lists them.
 SEARCHED = ("schedule", "checkpoint_every", "checkpoint_placement", "prefetch_units", "loss_chunk_tokens",
             "mlp_chunk_tokens", "stream_master", "grad_dtype", "keep_activations", "state_placement")
+# How far beyond the asked global batch the calculator looks for one that hides the optimizer.
+HIDING_BATCH_LIMIT = 64
 # Where the optimizer state may go, in the order tried: a tier is taken only when none before it fits the host.
 PLACEMENTS = ("host", "nvme_moments", "nvme")
 
@@ -84,6 +86,10 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
               max_micro_tokens: int = MAX_MICRO_TOKENS, image_tokens: int = 0, stage: Stage = SFT) -> dict:
     """The fastest configuration that fits `gpu_mem_gb` and `host_mem_gb` (GiB), or why none does.
 
+    With it come what bounds its step (`bound`: compute, link, disk, or optimizer where the GPU waits for the host's
+    Adam) and the step's parts; where the optimizer bounds it, the smallest global batch that hides the optimizer
+    under the GPU's work (`hiding_batch`), and whether the configuration still fits there (`optimizer_advice`).
+
     `cfg` gives everything not searched (dtype, kernels, grad slabs) and the stream_master and
     gradient dtype to prefer on a tie; `opt` decides whether clipping holds every gradient.
     `image_tokens`: an image-text model's image tokens per sample (part of `seq`), for its vision tower.
@@ -97,8 +103,9 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
         return rec if rec["fits"] else recommend(*args, stage=replace(stage, rollout_placement="streamed"))
     search = _Search.build(spec, gpu_mem_gb, host_mem_gb, cfg, opt, machine, max_micro_tokens, image_tokens, stage)
     machine = search.machine
-    out = {"params": spec.num_params, "seq": seq, "global_batch": global_batch, "gpu_mem_gb": gpu_mem_gb,
-           "host_mem_gb": host_mem_gb, "h2d_gbps": machine.h2d_gbps}
+    out = {"params": spec.num_params, **({"active_params": spec.active_text_params} if spec.routed_active_params else {}),
+           "seq": seq, "global_batch": global_batch, "gpu_mem_gb": gpu_mem_gb, "host_mem_gb": host_mem_gb,
+           "h2d_gbps": machine.h2d_gbps}
     vision = vision_sizes(spec, image_tokens)
     if vision is not None:
         out.update(vision_tower_params=vision.tower_params, vision_projector_params=vision.projector_params,
@@ -128,13 +135,26 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
             f"the host cannot hold the optimizer state ({_gib(search.host_budget)} for it): "
             + ("the moments go" if c.state_placement == "nvme_moments" else "master and moments go")
             + f" to NVMe at {machine.describe_disk()}"))
-    return {
+    parts = search.step_time(best, seq, global_batch)
+    rec = {
         **out, "fits": True, **{k: getattr(c, k) for k in SEARCHED}, "prefetch_units": c.prefetch_units or
         c.checkpoint_every, "micro_batch_size": best.micro_batch, "grad_accum_steps": global_batch // best.micro_batch,
         "device_gib": best.device / GIB, "host_gib": best.host / GIB, "host_bytes_per_param": best.host / spec.num_params,
         "host_rss_gib": (best.host + PROCESS_RSS_BYTES) / GIB,
         "predicted_step_s": best.seconds, "model_tflops": 6 * spec.text_params * seq * global_batch / best.seconds / 1e12,
+        **_time_split(spec, parts, seq * global_batch),
     }
+    if parts.bound == "optimizer":
+        rec.update(search.hiding_batch(best, seq, global_batch))
+    return rec
+
+
+def _time_split(spec: ModelSpec, parts: StepTime, tokens: int) -> dict:
+    """What bounds the step and its parts; a mixture of experts' active TFLOPS (6 x active params x tokens)."""
+    active = ({"active_tflops": 6 * spec.active_text_params * tokens / parts.total / 1e12}
+              if spec.routed_active_params else {})
+    return {**active, "bound": parts.bound, "compute_s": parts.compute, "link_s": parts.link,
+            "optimizer_s": parts.optimizer, "optimizer_exposed_s": parts.optimizer_exposed}
 
 
 def longest_context(spec: ModelSpec, gpu_mem_gb: float, host_mem_gb: float, global_batch: int = 1,
@@ -196,6 +216,50 @@ class _Search:
                     self.spec, c, seq, global_batch, self.machine, self.image_tokens, self.stage, micro, self.opt)
                 device = device_bytes(self.spec, c, micro, seq, global_batch, self.image_tokens, self.stage)["total"]
                 yield Option(c, micro, device, host[key], secs)
+
+    def step_time(self, o: Option, seq: int, global_batch: int) -> StepTime:
+        """The parts of `o`'s predicted step (as `options` times it: per micro-batch only where it keeps graphs)."""
+        micro = o.micro_batch if kept_count(o.cfg) else None
+        return step_time(self.spec, o.cfg, seq, global_batch, self.machine, self.image_tokens, self.stage, micro,
+                         self.opt)
+
+    def hiding_batch(self, o: Option, seq: int, global_batch: int) -> dict:
+        """The smallest global batch (in `o`'s micro-batches, up to HIDING_BATCH_LIMIT times this one) at which `o`'s
+        configuration is no longer optimizer-bound, whether it fits there, and the advice in words. The resident
+        schedule exposes the whole pass at any batch: its streamed twin is the one that can hide it."""
+        parts = self.step_time(o, seq, global_batch)
+        switch = o.cfg.schedule == "resident"
+        if switch:
+            o = replace(o, cfg=o.cfg.model_copy(update={"schedule": "stream", "keep_activations": 0}))
+        micro = o.micro_batch
+
+        def bound(batch: int) -> str:
+            return self.step_time(o, seq, batch).bound
+
+        high = global_batch * HIDING_BATCH_LIMIT // micro * micro
+        if bound(high) == "optimizer":
+            return {"optimizer_advice": f"optimizer-bound even at {high} sequences a step: the host's Adam needs more "
+                    "memory bandwidth or cores (or a smaller model)"}
+        low = global_batch  # optimizer-bound here; `high` is not
+        while high - low > micro:
+            mid = (low + high) // 2 // micro * micro
+            low, high = (mid, high) if bound(mid) == "optimizer" else (low, mid)
+        there = Option(o.cfg, micro, device_bytes(self.spec, o.cfg, micro, seq, high, self.image_tokens, self.stage)["total"],
+                       host_bytes(self.spec, o.cfg, self.opt, seq, high, self.stage), 0.0)
+        hidden = self.step_time(o, seq, high)
+        if switch and high / hidden.total <= global_batch / parts.total * NEAR_FASTEST:
+            return {"optimizer_advice": f"the resident schedule waits for the host's whole Adam pass "
+                    f"({parts.optimizer:.3g} s a step); streaming would hide it at a global batch of {high} sequences "
+                    "but trains no more tokens a second here"}
+        active = (f", {6 * self.spec.active_text_params * seq * high / hidden.total / 1e12:.0f} active TFLOPS"
+                  if self.spec.routed_active_params else "")
+        fits = (f"{hidden.total:.3g} s a step{active}" if self.fits(there) else
+                f"this configuration does not fit it ({_gib(there.device)} GPU, {_gib(there.host)} host): see "
+                f"mt-ray calc --global-batch {high}")
+        advice = (f"optimizer-bound: the host's Adam takes {parts.optimizer:.3g} s a step and the GPU waits "
+                  f"{parts.optimizer_exposed:.3g} s of it; a global batch of {high} sequences"
+                  + (" with engine.schedule: stream" if switch else "") + f" hides it under the GPU's work ({fits})")
+        return {"hiding_batch": high, "optimizer_advice": advice}
 
     def _with_kept(self, c: EngineConfig, micro: int, seq: int, global_batch: int) -> EngineConfig:
         """`keep_activations: auto` resolved to the block graphs that fit the GPU budget beside the rest (0 when
@@ -361,7 +425,7 @@ def render_recommendation(rec: dict, model: dict | None = None) -> str:
 def local_gpu_memory_gb(device: torch.device | None = None) -> float:
     """Memory of the local CUDA GPU (GiB), for a calculation that was given none."""
     if not torch.cuda.is_available():
-        raise ConfigError("no CUDA GPU here to read the memory of: give the GPU memory in GiB "
-                          "(mt-ray calc --gpu-mem-gb 24, or engine.gpu_memory_limit_gb: 24)")
+        raise ConfigError("no CUDA GPU here to read the memory of: name the card (mt-ray calc --gpu rtx4090) or give "
+                          "its memory in GiB (mt-ray calc --gpu-mem-gb 24, or engine.gpu_memory_limit_gb: 24)")
     return torch.cuda.get_device_properties(device or torch.device("cuda")).total_memory / GIB
 

@@ -172,7 +172,7 @@ def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2, kernels: s
     c = spec.text_config
     d = c.hidden_size
     q, kv = _attention_widths(c)
-    inter = _widest(c, "intermediate_size") or 4 * d
+    inter = mlp_width(spec)
     attn = (d + 3 * q + 4 * kv + d) * dtype_bytes  # qkv, rotary temporaries, attention out, o_proj in
     if chunked:
         return attn + 2 * d * dtype_bytes
@@ -182,6 +182,20 @@ def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2, kernels: s
     norms = 2 * d * (4 + 4 + dtype_bytes) if dtype_bytes < 4 else 2 * d * 4
     mlp = (d + 4 * inter) * dtype_bytes  # gate, up, act(gate), act*up
     return norms + attn + mlp
+
+
+def mlp_width(spec: ModelSpec) -> int:
+    """The intermediate width a token's MLP activations span: the config's, or a mixture of experts' routed width
+    where wider (each token's `top_k` experts, as many gated matrices as a dense MLP of that width: GPT-OSS's 4 x
+    2880, Mixtral's 2 x 14336)."""
+    c = spec.text_config
+    width = _widest(c, "intermediate_size") or 4 * c.hidden_size
+    for kind, shares in spec.routed_shares.items():
+        unit = next((u for u in spec.layer_units if u.kind == kind), None)
+        if shares and unit is not None:
+            routed = sum(p.numel * shares.get(p.local_name, 0.0) for p in unit.params)
+            width = max(width, round(routed / (3 * c.hidden_size)))
+    return width
 
 
 def _attention_widths(c) -> tuple[int, int]:
@@ -214,7 +228,7 @@ def layer_backward_bytes(spec: ModelSpec, cfg: EngineConfig, mb_tokens: int) -> 
     """
     c, size = spec.text_config, cfg.dtype.itemsize
     d = c.hidden_size
-    inter = _widest(c, "intermediate_size") or 4 * d
+    inter = mlp_width(spec)
     if not runs_chunked(cfg, mb_tokens):
         return mb_tokens * inter * size * (1 if cfg.kernels == "liger" else 2)
     q, kv = _attention_widths(c)
@@ -470,6 +484,8 @@ def describe_model(spec: ModelSpec) -> str:
         f"model_type: {spec.config.model_type}",
         f"parameters: {spec.num_params / 1e9:.3f} B (embedding {spec.unit('embed').numel / 1e6:.1f} M, "
         f"head {spec.unit('head').numel / 1e6:.1f} M, tied={spec.tied})",
+        *([f"active parameters: {spec.active_text_params / 1e9:.3f} B a token (routed experts: top-k of each bank)"]
+          if spec.routed_active_params else []),
         f"layers: {spec.num_layers}",
         *[f"  {kind}: {n} layers, {next(u.numel for u in spec.layer_units if u.kind == kind) / 1e6:.1f} M params each"
           for kind, n in kinds.items()],

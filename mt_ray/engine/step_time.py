@@ -29,9 +29,17 @@ from mt_ray.models.discovery import ModelSpec
 class Machine:
     """Measured ceilings used for time predictions (H100 PCIe host, see PERFORMANCE.md)."""
 
-    layer_tflops: float = 500.0  # bf16 decoder-layer fwd+bwd throughput
+    # bf16 decoder-layer throughput, counted as 8·N·T a streamed step: the 7B step at 128 x 1024 ran at 452 model
+    # TFLOPS (6·N·T) on an H200 and 445 on an H100 with Liger, 600 counted so (a layer alone: 497-524 as 6·N·T)
+    layer_tflops: float = 600.0
     h2d_gbps: float = 50.0  # the host link, each direction (pinned copies run at 48-55 GB/s either way)
-    adam_gparams_per_s: float = 3.0
+    # The host's AdamW over a whole state: 26 bytes a parameter through memory, about 2 G params/s on the 16-core
+    # hosts (4.15 s for the 8.1 B-parameter MoE cut on an H200's host; 4 G params/s only on cache-sized chunks).
+    adam_gparams_per_s: float = 2.0
+    # The routed experts' rate against `layer_tflops`: transformers' grouped_mm banks at the Qwen3-30B-A3B shape
+    # (2048 wide, 768-wide experts, 8 of 128 a token) reached about a third of a dense layer's on an H200 (issue 38's
+    # rows: 6.25 s at 128 x 1024, 17.5 s at 512 x 1024, fb5f52c).
+    experts_efficiency: float = 0.33
     # Direct read and write bandwidth of the disk under engine.nvme_path (`mt-ray calc --probe-disk`); None: no
     # disk to hold optimizer state, so the search keeps it in host memory.
     nvme_read_gbps: float | None = None
@@ -78,15 +86,66 @@ def chunked_numel(spec: ModelSpec) -> int:
     return total
 
 
+# Of a streamed step's FLOPs, the forward's share: one pass of four (forward, recompute, backward's two).
+STREAM_FORWARD_SHARE = 1 / 4
+
+
+# Exposed optimizer time beyond this share of a step names the step optimizer-bound.
+OPTIMIZER_BOUND_SHARE = 0.05
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A predicted step and its parts (seconds): the GPU's compute, the busier direction of the host link, the
+    host optimizer's pass over every trained parameter and the part of it the GPU waits for, and the uploads a
+    prefetch shallower than K leaves exposed. `total` is the step; `bound` names what sets it."""
+
+    total: float
+    compute: float
+    link: float
+    optimizer: float
+    optimizer_exposed: float
+    stall: float = 0.0
+    disk: bool = False
+
+    @property
+    def bound(self) -> str:
+        """'optimizer' where the GPU waits for the host's Adam more than OPTIMIZER_BOUND_SHARE of the step, else
+        what the rest of the step waits for: 'disk' (state on NVMe), 'link' or 'compute'."""
+        if self.optimizer_exposed > OPTIMIZER_BOUND_SHARE * self.total:
+            return "optimizer"
+        if self.disk and self.total > 1.01 * (max(self.compute, self.link) + self.optimizer_exposed + self.stall):
+            return "disk"
+        return "link" if self.link > self.compute else "compute"
+
+
+def compute_params(spec: ModelSpec, machine: Machine) -> float:
+    """The parameters a token computes with, the routed experts' weighted by how much slower they run
+    (`Machine.experts_efficiency`): what the step's FLOPs are counted on at `layer_tflops`."""
+    return spec.active_text_params + spec.routed_active_params * (1 / machine.experts_efficiency - 1)
+
+
 def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_batch: int,
                            machine: Machine = Machine(), image_tokens: int = 0, stage: Stage = SFT,
                            micro_batch: int | None = None, opt: OptimizerConfig | None = None) -> float:
+    """The step's predicted seconds (`step_time`'s total)."""
+    return step_time(spec, cfg, seq, global_batch, machine, image_tokens, stage, micro_batch, opt).total
+
+
+def step_time(spec: ModelSpec, cfg: EngineConfig, seq: int, global_batch: int, machine: Machine = Machine(),
+              image_tokens: int = 0, stage: Stage = SFT, micro_batch: int | None = None,
+              opt: OptimizerConfig | None = None) -> StepTime:
     """Compute or the host link, whichever bounds, plus what the GPU waits for: the optimizer time
     it cannot hide, and the uploads a prefetch shallower than K leaves exposed.
 
-    Streaming: 8·N·T (full recompute), weights cross twice, and only the embedding's update is
-    exposed (layers update under the next forward). Resident: 6·N·T, weights cross once, and the
-    whole optimizer pass is exposed (the next step's first micro-batch waits for every layer).
+    A token computes with its active parameters (a mixture of experts: the routed experts it picks, at their
+    own rate, `compute_params`); the link, the gradients and the optimizer carry all of them.
+    Streaming: 8·N·T (full recompute), weights cross twice, and the optimizer pass over every trained
+    parameter hides under the GPU's work where it is short enough: with clipping the updates wait for the norm
+    and run in forward order under the next step's forward, which trails them; without, each unit updates as
+    its gradient lands, under the backward, and the next forward waits for the backlog (the embedding, updated
+    last, at least). Resident: 6·N·T, weights cross once, and the whole optimizer pass is exposed (the next
+    step's first micro-batch waits for every layer).
     Gradients cross back once; hidden states parked in host memory cross both ways (per token,
     each block's checkpoint and the gradient flowing back). An image-text model's tokens compute with the
     language model alone; its vision tower adds `VisionSizes.flops` for `image_tokens` per sample.
@@ -101,7 +160,8 @@ def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_
     tokens = global_batch * seq
     n = spec.num_params
     resident = cfg.schedule == "resident"
-    flops = (6 if resident else 8) * (spec.text_params * tokens + attention_flops(spec.text_config, tokens, seq) / 6)
+    active = compute_params(spec, machine)
+    flops = (6 if resident else 8) * (active * tokens + attention_flops(spec.text_config, tokens, seq) / 6)
     if runs_chunked(cfg, seq):  # micro-batches of a sequence or more run in chunks
         flops += 2 * chunked_numel(spec) * tokens
     vision = vision_sizes(spec, image_tokens)
@@ -110,12 +170,12 @@ def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_
     if stage.head_again:
         flops += 2 * lm_head_numel(spec) * tokens
     if stage.reference:
-        flops += 2 * (spec.text_params * tokens + attention_flops(spec.text_config, tokens, seq) / 6)
+        flops += 2 * (active * tokens + attention_flops(spec.text_config, tokens, seq) / 6)
     kept, n_micro = kept_count(cfg), max(1, global_batch // (micro_batch or global_batch))
     blocks = num_blocks(spec, cfg)
     if kept:
-        layers_numel = sum(u.numel for u in spec.layer_units)
-        recompute = 2 * (layers_numel * tokens + attention_flops(spec.text_config, tokens, seq) / 6)
+        layers_active = active - (spec.text_params - sum(u.numel for u in spec.layer_units))
+        recompute = 2 * (layers_active * tokens + attention_flops(spec.text_config, tokens, seq) / 6)
         flops -= recompute * min(kept, blocks * n_micro) / (blocks * n_micro)
     compute = flops / (machine.layer_tflops * 1e12)
     weight_size = 4 if cfg.stream_master else 2  # per parameter per pass
@@ -127,20 +187,22 @@ def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_
         h2d += (3 * blocks + 2) * hidden  # forward and backward fetches of checkpoints and gradients
         d2h += (2 * blocks + 2) * hidden
     link = max(h2d, d2h) / (machine.h2d_gbps * 1e9)
-    exposed = n if resident else spec.unit("embed").numel
-    exposed_opt = exposed / (machine.adam_gparams_per_s * 1e9)
+    clips = (opt or OptimizerConfig()).max_grad_norm > 0
+    optimizer = sum(u.numel for u in spec.trainable_units) / (machine.adam_gparams_per_s * 1e9)
+    embed_opt = spec.unit("embed").numel / (machine.adam_gparams_per_s * 1e9)
     # A block's first micro-batch waits for the K - depth uploads not yet in flight, each pass.
     layer_upload = max(u.numel for u in spec.layer_units) * weight_size / (machine.h2d_gbps * 1e9)
     depth = cfg.prefetch_units or cfg.checkpoint_every
     stall = 0.0 if resident else 2 * blocks * max(0, cfg.checkpoint_every - depth) * layer_upload
-    if cfg.state_placement == "host":
-        return max(compute, link) + exposed_opt + stall
-    clips = (opt or OptimizerConfig()).max_grad_norm > 0
-    return _disk_step_seconds(spec, cfg, machine, compute, link, exposed_opt, clips) + stall
-
-
-# Of a streamed step's FLOPs, the forward's share: one pass of four (forward, recompute, backward's two).
-STREAM_FORWARD_SHARE = 1 / 4
+    if cfg.state_placement != "host":
+        total = _disk_step_seconds(spec, cfg, machine, compute, link, embed_opt, clips) + stall
+        return StepTime(total, compute, link, optimizer, embed_opt, stall, disk=True)
+    if resident:
+        exposed = optimizer
+    else:  # the window the pass hides in: the next forward's (clipping) or the backward's
+        window = compute * (STREAM_FORWARD_SHARE if clips else 1 - STREAM_FORWARD_SHARE)
+        exposed = max(embed_opt, optimizer - window)
+    return StepTime(max(compute, link) + exposed + stall, compute, link, optimizer, exposed, stall)
 
 
 def _disk_step_seconds(spec: ModelSpec, cfg: EngineConfig, machine: Machine, compute: float, link: float,

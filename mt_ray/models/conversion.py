@@ -35,6 +35,7 @@ from transformers.core_model_loading import (
 )
 
 from mt_ray.errors import CheckpointError
+from mt_ray.models.dequantize import Dequantizer, quant_method
 from mt_ray.models.discovery import ModelSpec
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -70,8 +71,12 @@ class CheckpointReader:
     def __init__(self, spec: ModelSpec, folder: str | Path):
         self.spec = spec
         self.folder = Path(folder)
-        self.weight_map = _weight_map(self.folder)
+        self._files = _weight_map(self.folder)
         self._handles: dict[str, object] = {}
+        # a released quantized checkpoint (MXFP4, FP8 blocks) is read as the full-precision tensors it stands for
+        self.dequantizer = Dequantizer(quant_method(spec.config), self._files)
+        self.weight_map = self.dequantizer.weight_map
+        self.dequantizer.check(self.folder, {k: self._meta(k) for k in self.weight_map})
         self._groups, unused = _plan_groups(spec.skeleton, self.weight_map)
         self._check_no_extra(unused)
         self._group_of = self._check_shapes()
@@ -97,30 +102,25 @@ class CheckpointReader:
         self.close()
 
     def _read(self, key: str) -> torch.Tensor:
-        fname = self.weight_map[key]
-        if fname not in self._handles:
-            self._handles[fname] = safe_open(str(self.folder / fname), framework="pt")
-        return self._handles[fname].get_tensor(key)
+        """The tensor `key` (a full-precision name), dequantized where the checkpoint stores it coded."""
+        return self.dequantizer.read(key, self._read_stored)
 
     def _meta(self, key: str) -> torch.Tensor:
-        """A meta tensor of the checkpoint tensor's shape and dtype, from the file header alone."""
-        fname = self.weight_map[key]
+        """A meta tensor of what `_read` returns for `key`, from the file headers alone."""
+        return self.dequantizer.meta(key, self._meta_stored)
+
+    def _handle(self, key: str):
+        fname = self._files[key]
         if fname not in self._handles:
             self._handles[fname] = safe_open(str(self.folder / fname), framework="pt")
-        piece = self._handles[fname].get_slice(key)
-        return torch.empty(piece.get_shape(), dtype=_DTYPES.get(piece.get_dtype(), torch.float32), device="meta")
+        return self._handles[fname]
 
-    def _check_precision(self) -> None:
-        """Quantized weights would load as their raw codes (no scales applied): refuse them."""
-        quant = getattr(self.spec.config, "quantization_config", None)
-        coded = [f"{k} ({t.dtype})" for g in self._groups for _, k in g.sources
-                 if (t := self._meta(k)).dtype not in _FULL_PRECISION]
-        if quant or coded:
-            method = quant.get("quant_method", quant) if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
-            raise CheckpointError(
-                f"{self.folder} holds quantized weights ({method or ', '.join(coded[:_SHOWN])}); mt-ray trains "
-                "full-precision weights: dequantize the checkpoint to bf16 or fp32 first"
-            )
+    def _read_stored(self, key: str) -> torch.Tensor:
+        return self._handle(key).get_tensor(key)
+
+    def _meta_stored(self, key: str) -> torch.Tensor:
+        piece = self._handle(key).get_slice(key)
+        return torch.empty(piece.get_shape(), dtype=_DTYPES.get(piece.get_dtype(), torch.float32), device="meta")
 
     def _check_no_extra(self, unused: list[str]) -> None:
         """Tensors the model has no place for mean the checkpoint is not for this config (more layers or
@@ -139,7 +139,6 @@ class CheckpointReader:
 
     def _check_shapes(self) -> dict[str, _Group]:
         """Convert every group on the meta device; map each model tensor to the group that makes it."""
-        self._check_precision()
         # A mirror of a weight tied between layers is stored once, under its owner's name (it may be there too).
         expected = {p.hf_name: p.shape for u in self.spec.units for p in u.params if p.tied_to is None}
         group_of: dict[str, _Group] = {}
@@ -213,9 +212,7 @@ def _weight_map(folder: Path) -> dict[str, str]:
         return dict.fromkeys(f.keys(), SAFE_SINGLE)
 
 
-_FULL_PRECISION = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-
 # safetensors' dtype names, for the meta tensors of the shape check.
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu}

@@ -29,6 +29,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models import nesting
 from mt_ray.models.body_source import first_use
+from mt_ray.models.experts import active_fraction_by_param
 from mt_ray.models.mask_modules import mask_only_children, selects_keys
 from mt_ray.models.nesting import shallow_copy
 from mt_ray.models.no_grad_paths import reached_with_encoder_only, runs_without_grad
@@ -182,6 +183,29 @@ class ModelSpec:
     def text_params(self) -> int:
         """The language model's parameters (all of them for a text model): what each token computes with."""
         return sum(u.numel for u in self.units if not is_vision_unit(u.name))
+
+    @cached_property
+    def routed_shares(self) -> dict[str, dict[str, float]]:
+        """By layer kind, each routed expert parameter's share one token computes with (`experts.py`)."""
+        return {kind: active_fraction_by_param(layer, self.text_config) for kind, layer in self.layer_kinds.items()}
+
+    def active_numel(self, unit: UnitSpec) -> int:
+        """`unit`'s parameters one token computes with: a MoE layer's routed banks count `top_k` of `num_experts`."""
+        shares = self.routed_shares.get(unit.kind, {})
+        return round(sum(p.numel * shares.get(p.local_name, 1.0) for p in unit.params)) if shares else unit.numel
+
+    @cached_property
+    def active_text_params(self) -> int:
+        """The language model's parameters one token computes with (`text_params` for a dense model): what the
+        FLOPs follow, while memory, the link and the optimizer follow every parameter."""
+        return self.text_params - sum(u.numel - self.active_numel(u) for u in self.layer_units)
+
+    @cached_property
+    def routed_active_params(self) -> int:
+        """Of `active_text_params`, the routed experts' (0 for a dense model): they compute as grouped GEMMs, at
+        their own rate."""
+        return round(sum(p.numel * self.routed_shares[u.kind].get(p.local_name, 0.0)
+                         for u in self.layer_units if self.routed_shares.get(u.kind) for p in u.params))
 
     @property
     def trainable_units(self) -> list[UnitSpec]:

@@ -108,6 +108,8 @@ def export_hf(spec: ModelSpec, state: dict[str, torch.Tensor], out_dir: str | Pa
     tmp.mkdir(parents=True)
     config = copy.deepcopy(spec.config)
     config.dtype = dtype
+    if hasattr(config, "quantization_config"):  # loaded dequantized (`dequantize.py`): the export is plain weights
+        del config.quantization_config
     config.architectures = [type(spec.skeleton).__name__]
     text_config = config.get_text_config()
     for key in ("eos_token_id", "pad_token_id"):

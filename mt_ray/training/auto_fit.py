@@ -14,11 +14,15 @@ Without auto_fit a run keeps its own settings, but one that no configuration of 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
+
+import torch
 
 from mt_ray.config.run import RunConfig
 from mt_ray.engine.calculator import GPU_HEADROOM, SEARCHED, local_gpu_memory_gb, recommend
 from mt_ray.engine.config import EngineConfig
 from mt_ray.engine.direct_io import measure_disk
+from mt_ray.engine.gpus import Gpu, local_gpu
 from mt_ray.engine.host_store import GIB, available_host_bytes
 from mt_ray.engine.sizing import Stage, device_bytes
 from mt_ray.engine.step_time import Machine
@@ -78,7 +82,9 @@ def apply_auto_fit(cfg: RunConfig, spec: ModelSpec) -> RunConfig:
                          *([f"rollout.placement={rec['rollout_placement']}"] if "rollout_placement" in rec else [])])
     message = (f"auto_fit for a {gpu_gb:.3g} GiB GPU and {host_gb:.3g} GiB of host memory: {choices} (predicted "
                f"{rec['device_gib']:.3g} GiB GPU, {rec['host_gib']:.3g} GiB host, {rec['predicted_step_s']:.3g} s/step)"
-               + (f"; {rec['placement_reason']}" if "placement_reason" in rec else ""))
+               + (f"; {rec['placement_reason']}" if "placement_reason" in rec else "")
+               # the batch is the user's: say what bounds it and which batch would hide the optimizer, not change it
+               + (f"; {rec['optimizer_advice']}" if "optimizer_advice" in rec else ""))
     print(message, flush=True)  # on the console, as the trainer says where it resumes from
     log.info(message)
     return fitted
@@ -96,17 +102,29 @@ def _search(cfg: RunConfig, spec: ModelSpec) -> tuple[float, float, dict]:
 
 
 def _machine(engine: EngineConfig) -> Machine:
-    """The default machine, with the disk under `engine.nvme_path` measured when one is set (the search may then
-    move optimizer state there, only if the host cannot hold it)."""
+    """This GPU's figures where the calculator's table knows the card (`gpus.py`; else an H100's), with the disk
+    under `engine.nvme_path` measured when one is set (the search may then move optimizer state there, only if the
+    host cannot hold it)."""
+    card = _local_card(engine)
+    machine = Machine(layer_tflops=card.layer_tflops, h2d_gbps=card.h2d_gbps) if card else Machine()
     if not engine.nvme_path:
-        return Machine()
+        return machine
     try:
         speed = measure_disk(engine.nvme_path, PROBE_BYTES)
     except OSError as e:
         raise ConfigError(f"engine.nvme_path {engine.nvme_path}: {e}; point it at an existing, writable folder on an "
                           "NVMe disk") from None
     log.info("engine.nvme_path %s: %s", engine.nvme_path, speed.describe())
-    return Machine(nvme_read_gbps=speed.read_gbps, nvme_write_gbps=speed.write_gbps, nvme_mixed_gbps=speed.mixed_gbps)
+    return replace(machine, nvme_read_gbps=speed.read_gbps, nvme_write_gbps=speed.write_gbps,
+                   nvme_mixed_gbps=speed.mixed_gbps)
+
+
+def _local_card(engine: EngineConfig) -> Gpu | None:
+    """The table's card for the run's CUDA device (None on the CPU, or for a card not in the table)."""
+    device = engine.resolve_device()
+    if device.type != "cuda":
+        return None
+    return local_gpu(torch.cuda.get_device_name(device), local_gpu_memory_gb(device))
 
 
 def refuse_what_cannot_fit(cfg: RunConfig, spec: ModelSpec) -> None:

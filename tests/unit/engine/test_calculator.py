@@ -11,7 +11,7 @@ from mt_ray.config.run import load_run_config
 from mt_ray.engine.calculator import SEARCHED, config_snippet, longest_context, recommend
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.sizing import GIB, device_bytes, host_bytes
-from mt_ray.engine.step_time import Machine
+from mt_ray.engine.step_time import Machine, step_time
 from mt_ray.models.discovery import discover
 from mt_ray.models.presets import preset_config
 
@@ -59,10 +59,14 @@ def test_smaller_cards_trade_checkpoints_k_and_loss_chunk_for_memory(qwen7b):
 
 def test_the_link_bandwidth_enters_the_step_time(qwen7b):
     """At 8 x 1k the weights' two passes outweigh the compute on a 25 GB/s PCIe 4.0 link (full recompute: a block
-    kept for every micro-batch would also save its backward upload)."""
+    kept for every micro-batch would also save its backward upload), on a host whose Adam keeps up (at 2 G params/s
+    the optimizer would bound so short a step)."""
     cfg = EngineConfig(device="cpu", compute_dtype="bf16", keep_activations=0)
-    fast = recommend(qwen7b, 1024, 8, gpu_mem_gb=24, host_mem_gb=128, cfg=cfg, machine=Machine(h2d_gbps=50))
-    slow = recommend(qwen7b, 1024, 8, gpu_mem_gb=24, host_mem_gb=128, cfg=cfg, machine=Machine(h2d_gbps=25))
+    fast = recommend(qwen7b, 1024, 8, gpu_mem_gb=24, host_mem_gb=128, cfg=cfg,
+                     machine=Machine(h2d_gbps=50, adam_gparams_per_s=50))
+    slow = recommend(qwen7b, 1024, 8, gpu_mem_gb=24, host_mem_gb=128, cfg=cfg,
+                     machine=Machine(h2d_gbps=25, adam_gparams_per_s=50))
+    assert slow["bound"] == "link" and fast["bound"] == "compute"
     assert slow["predicted_step_s"] > 1.15 * fast["predicted_step_s"]
     assert not slow["stream_master"]  # streaming the fp32 master would double the bytes on the slow link
 
@@ -173,3 +177,40 @@ def test_state_moves_to_nvme_only_when_the_host_cannot_hold_it():
     assert home["predicted_step_s"] > 2 * home["disk_gib"] * 2**30 / 3e9 * 0.99
     big = recommend(spec, 1024, 64, 10, 256, machine=disk)
     assert big["fits"] and big["state_placement"] == "host"
+
+
+def test_calc_counts_a_mixture_of_experts_active_parameters_and_names_what_bounds_it(capsys):
+    """Qwen3-30B-A3B cut to 2 layers at 16 x 1k: compute follows the 8 of 128 experts a token uses, the host's Adam
+    every parameter, so the optimizer bounds the step; the batch the calculator proposes hides it."""
+    args = ["calc", "--preset", "qwen3-30b-a3b", "--layers", "2", "--gpu", "h200", "--host-mem-gb", "128", "--json"]
+    assert main([*args, "--global-batch", "16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    spec = discover(preset_config("qwen3-30b-a3b", layers=2))
+    assert (out["params"], out["active_params"]) == (spec.num_params, spec.active_text_params)
+    assert out["active_params"] < out["params"] / 2  # embedding and head (622 M) are most of a 2-layer cut
+    assert out["bound"] == "optimizer" and out["optimizer_exposed_s"] > 0.05 * out["predicted_step_s"]
+    batch = out["hiding_batch"]
+    assert f"a global batch of {batch} sequences with engine.schedule: stream hides it" in out["optimizer_advice"]
+    assert "num_hidden_layers: 2" in out["config"]
+    # the resident schedule (16k-token micro-batches) exposes the whole pass; streamed, the batch hides it, one
+    # micro-batch fewer does not
+    cfg = chosen_engine(out).model_copy(update={"schedule": "stream", "keep_activations": 0})
+    h200 = Machine(layer_tflops=600, h2d_gbps=50)
+    assert step_time(spec, cfg, 1024, batch, h200).bound == "compute"
+    assert step_time(spec, cfg, 1024, batch - out["micro_batch_size"], h200).bound == "optimizer"
+
+
+def test_calc_for_a_named_card_prints_the_assumptions_it_used(capsys):
+    """An RTX 3080: its 10 GiB, the layer TFLOPS estimated from its bf16 peak and its PCIe 4.0 link, always printed."""
+    assert main(["calc", "--preset", "qwen2.5-1.5b", "--gpu", "RTX 3080", "--host-mem-gb", "64"]) == 0
+    out = capsys.readouterr().out
+    assumed = out.splitlines()[0]
+    assert assumed.startswith("assumed: GPU rtx3080 (--gpu; estimated")
+    assert "GPU memory 10 GiB; layer TFLOPS 36 bf16; host link 25 GB/s each way; host memory 64 GiB" in assumed
+    assert main(["calc", "--preset", "qwen2.5-1.5b", "--gpu", "rtx3080", "--gpu-tflops", "50", "--host-mem-gb", "64",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["gpu_mem_gb"] == 10 and out["assumptions"]["layer TFLOPS"] == "50 bf16 (--gpu-tflops)"
+    assert main(["calc", "--preset", "tiny", "--gpu", "rtx9090", "--host-mem-gb", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--gpu rtx9090: not a card the calculator knows" in err and "rtx3080" in err

@@ -9,7 +9,7 @@ from mt_ray.cli.main import main
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.direct_io import DiskSpeed, measure_disk
 from mt_ray.engine.sizing import PROCESS_RSS_BYTES, disk_bytes, host_bytes, rss_bytes, state_files_plan
-from mt_ray.engine.step_time import Machine, predicted_step_seconds
+from mt_ray.engine.step_time import Machine, predicted_step_seconds, step_time
 from mt_ray.models.discovery import discover
 from mt_ray.models.presets import preset_config
 
@@ -58,8 +58,9 @@ def test_the_disk_waits_through_the_forward_or_with_clipping_the_backward(qwen3b
     """Disk-bound: the step is the optimizer pass plus the part of the step the disk cannot work in (the forward
     without clipping, the backward with it: three times as long), less the window it reads ahead meanwhile."""
     cfg = bench_engine()
-    slow = Machine(nvme_read_gbps=2.0, nvme_write_gbps=2.0, nvme_mixed_gbps=2.0)
-    compute = step(qwen3b, bench_engine("host"), Machine()) - qwen3b.unit("embed").numel / 3e9
+    # a 500-TFLOPS GPU: its forward outlasts the disk's read-ahead window (at 600 the window covers it)
+    slow = Machine(layer_tflops=500, nvme_read_gbps=2.0, nvme_write_gbps=2.0, nvme_mixed_gbps=2.0)
+    compute = step_time(qwen3b, bench_engine("host"), 1024, 32, slow, micro_batch=8, opt=NO_CLIP).compute
     passes = 2 * disk_bytes(qwen3b, cfg) / 2e9
     window = 4 * state_files_plan(qwen3b, cfg).slot_bytes / 2e9
     assert step(qwen3b, cfg, slow) == pytest.approx(passes + compute / 4 - window, rel=1e-6)
@@ -69,12 +70,13 @@ def test_the_disk_waits_through_the_forward_or_with_clipping_the_backward(qwen3b
 
 
 def test_a_fast_disk_leaves_only_the_embedding_exposed(qwen3b):
-    """Compute-bound: the step is host placement's plus the embedding's chunks beyond the window; a disk fast
-    enough costs nothing over host placement."""
-    host = step(qwen3b, bench_engine("host"), Machine())
-    fast = Machine(nvme_read_gbps=1e6, nvme_write_gbps=1e6, nvme_mixed_gbps=1e6)
+    """Compute-bound (a host whose Adam keeps up with the step: at 2 G params/s it would bound this short one): the
+    step is host placement's plus the embedding's chunks beyond the window; a disk fast enough costs nothing over
+    host placement."""
+    host = step(qwen3b, bench_engine("host"), Machine(adam_gparams_per_s=1e3))
+    fast = Machine(nvme_read_gbps=1e6, nvme_write_gbps=1e6, nvme_mixed_gbps=1e6, adam_gparams_per_s=1e3)
     assert step(qwen3b, bench_engine(), fast) == pytest.approx(host, rel=1e-5)
-    quick = Machine(nvme_read_gbps=100, nvme_write_gbps=100, nvme_mixed_gbps=100)
+    quick = Machine(nvme_read_gbps=100, nvme_write_gbps=100, nvme_mixed_gbps=100, adam_gparams_per_s=1e3)
     plan = state_files_plan(qwen3b, bench_engine())
     embed = (2 * plan.file_bytes["embed"] - 4 * plan.slot_bytes) / 100e9
     assert step(qwen3b, bench_engine(), quick) == pytest.approx(host + embed, rel=1e-6)
@@ -83,7 +85,7 @@ def test_a_fast_disk_leaves_only_the_embedding_exposed(qwen3b):
 def test_the_resident_schedule_waits_for_the_whole_pass(qwen3b):
     cfg = bench_engine(schedule="resident")
     disk = Machine(nvme_read_gbps=2.0, nvme_write_gbps=2.0, nvme_mixed_gbps=2.0)
-    compute = step(qwen3b, bench_engine("host", schedule="resident"), Machine()) - qwen3b.num_params / 3e9
+    compute = step_time(qwen3b, bench_engine("host", schedule="resident"), 1024, 32, Machine(), micro_batch=8).compute
     assert step(qwen3b, cfg, disk) == pytest.approx(compute + 2 * disk_bytes(qwen3b, cfg) / 2e9, rel=1e-6)
 
 

@@ -160,19 +160,18 @@ def test_a_missing_expert_is_named_by_the_fused_tensor_it_leaves_short(tmp_path)
     assert "model.layers.2.mlp.experts.gate_up_proj: expected (4, 128, 32), found (3, 128, 32)" in message
 
 
-def test_quantized_checkpoints_are_refused(tmp_path):
-    """fp8 codes would load as numbers without their scales: refused, by config and by tensor dtype."""
+def test_codes_without_their_scales_are_refused(tmp_path):
+    """fp8 codes would load as numbers without their scales: refused by tensor dtype, naming the fix (released
+    MXFP4 and FP8-block checkpoints, with their scales, load dequantized: tests/unit/models/test_dequantize.py)."""
     config = tiny_config("llama")
 
     def fp8(t):
         t["model.layers.0.mlp.up_proj.weight"] = t["model.layers.0.mlp.up_proj.weight"].to(torch.float8_e4m3fn)
 
     write_checkpoint(tmp_path / "codes", config, fp8)
-    assert "model.layers.0.mlp.up_proj.weight (torch.float8_e4m3fn)" in load_error(tmp_path / "codes", config)
-    write_checkpoint(tmp_path / "declared", config, lambda t: None)
-    config.quantization_config = {"quant_method": "fp8"}
-    assert "holds quantized weights (fp8); mt-ray trains full-precision weights" in load_error(
-        tmp_path / "declared", config)
+    message = load_error(tmp_path / "codes", config)
+    assert "without their scales (model.layers.0.mlp.up_proj.weight (torch.float8_e4m3fn)" in message
+    assert "dequantize=True" in message
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen2-tied", "qwen3_moe", "mixtral", "deepseek_v3",

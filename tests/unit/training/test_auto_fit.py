@@ -75,3 +75,16 @@ def test_without_auto_fit_a_context_nothing_fits_is_refused_before_the_first_ste
     assert "whatever the engine settings. GPU: the leanest configuration" in err
     seq = int(err.split("; seq ")[1].split(" fits at global batch 8")[0])
     assert 0 < seq < 65536 and seq % 128 == 0
+
+
+def test_auto_fit_says_when_the_host_optimizer_bounds_the_step(capsys):
+    """A tiny mixture of experts computes in microseconds while the host's Adam updates every expert: auto_fit's
+    line names the step optimizer-bound and what batch (if any) would hide it."""
+    from mt_ray.training import build_model_spec
+    from mt_ray.training.auto_fit import apply_auto_fit
+
+    cfg = load_run_config(None, ["model.preset=tiny-moe", "engine.device=cpu", "engine.auto_fit=true",
+                                 "engine.gpu_memory_limit_gb=8", "engine.host_memory_limit_gb=16"])
+    apply_auto_fit(cfg, build_model_spec(cfg))
+    out = capsys.readouterr().out
+    assert "auto_fit for a 8 GiB GPU" in out and "; optimizer-bound" in out
