@@ -329,7 +329,7 @@ class LayerContextBuilder:
         self.num_layers = len(layers)
         self.model_type = spec.config.model_type
         self.bounds_not_masks = takes_document_bounds(spec.config._attn_implementation)
-        self.nested, self.own_positions = nesting.is_nested(spec), False
+        self.nested, self.own_positions = nesting.is_nested(spec.skeleton, spec.base, spec.layers_attr), False
         self._fit_stand_ins(spec, device)
         self.carried = self._carried_inputs(spec, device)
         if spec.tail_code is not None:
