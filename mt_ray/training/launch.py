@@ -54,7 +54,7 @@ def run_once(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
     except BaseException as e:
         for cb in callbacks:
             if hasattr(cb, "tracker"):
-                cb.tracker.close("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+                cb.tracker.close("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED", error=e)
         raise
     finally:
         trainer.close()
