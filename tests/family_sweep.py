@@ -61,6 +61,7 @@ _SIZES: dict[str, object] = dict(
     vocab_size_per_layer_input=SWEEP_VOCAB, hidden_size_per_layer_input=8,
     # windows and sparse-attention top-k shorter than a document, so they bite
     sliding_window=4, attention_chunk_size=4, sliding_window_size=4, attention_window_size=4, index_topk=4,
+    floor_scale=4,  # Llama 4's attention-temperature floor (8192 in the default): past it the scale changes
     # older and encoder-decoder families' own names
     rotary_dim=4, decoder_attention_heads=4, encoder_attention_heads=4, decoder_ffn_dim=64, encoder_ffn_dim=64,
     decoder_layers=LAYERS, encoder_layers=LAYERS, num_encoder_layers=LAYERS, num_decoder_layers=LAYERS,
@@ -121,6 +122,8 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     # a short-convolution layer, then an attention layer with experts (layer kinds are None in the default)
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "lfm2": {"layer_types": ["conv", "full_attention"]},  # the default is all attention; LFM2's checkpoints are not
+    # a NoPE layer, whose attention temperature (past `floor_scale`) follows the token's index in the row
+    "llama4_text": {"no_rope_layers": [1, 0]},
     "mamba2": {"num_heads": 8},  # heads x head_dim = expand x hidden
     "nemotron": {"num_key_value_heads": 2},  # None in the default, read as a number
     "qwen4_exp": _QWEN4_EXP,

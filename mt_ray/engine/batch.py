@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mt_ray.engine.preference import Sequences, add_counts, sequences_of
+from mt_ray.engine.preference import Sequences, add_counts, chosen_continues, sequences_of
 from mt_ray.models.context import Documents, document_spans
 from mt_ray.models.document_images import DocumentImages, Image, collate
 
@@ -24,9 +24,10 @@ class MicroBatch:
 
     input_ids_BT: torch.Tensor
     position_ids_BT: torch.Tensor
-    loss_index: torch.Tensor  # flat indices (into B*T) of tokens whose next token carries loss
-    loss_target: torch.Tensor  # the label each of those tokens predicts
-    num_loss_tokens: int
+    loss_index: torch.Tensor  # flat indices (into B*T) of the tokens the head computes: those whose next token
+    # carries loss, and with `prompt_nll` the chosen sequences' prompt tokens (ORPO's NLL as TRL takes it)
+    loss_target: torch.Tensor  # the label (a chosen prompt's token: the next token) each of those tokens predicts
+    num_loss_tokens: int  # tokens whose next token carries loss
     num_tokens: int
     documents: Documents  # where each document lies in the flattened batch (position-id restarts)
     images: Image | None = None  # the image inputs (pixel_values, image_grid_thw, ...), in token order; None where
@@ -39,6 +40,11 @@ class MicroBatch:
     ref_logps: torch.Tensor | None = None  # [S] the reference's log-prob sum of each sequence; GRPO: [N] per token
     advantages: torch.Tensor | None = None  # [S] GRPO: each sequence slot's advantage (0 where no completion)
     old_logps: torch.Tensor | None = None  # [N] GRPO: the sampling policy's log-prob of each loss token
+    num_selected: int = -1  # entries of `loss_index` (the loss tokens unless `prompt_nll` added prompt tokens)
+
+    def __post_init__(self) -> None:
+        if self.num_selected < 0:
+            self.num_selected = self.num_loss_tokens
 
     @property
     def positions(self) -> torch.Tensor:
@@ -55,7 +61,7 @@ class MicroBatch:
 
 
 def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
-                        images_of: DocumentImages | None = None) -> MicroBatch:
+                        images_of: DocumentImages | None = None, prompt_nll: bool = False) -> MicroBatch:
     """Shift labels (token t predicts label t+1, as transformers does) and select the loss tokens.
 
     `batch["images"]`, where present, holds each row's images (a list per row of the processor's
@@ -65,7 +71,8 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
     in loss-token order, as `evaluate` collected them). An image-text model's `images_of` splits the images by
     document where it needs to (its documents run alone) and gives a model with multi-dimensional rotary
     positions its [R, B, T] positions (host tensors), and a body that reads a prefix from its token types
-    (PaliGemma's) its `token_type_ids`, each document marked alone.
+    (PaliGemma's) its `token_type_ids`, each document marked alone. `prompt_nll` (ORPO's NLL as TRL takes it) also
+    selects each chosen sequence's tokens whose next token is its prompt's, targeting that token.
     """
     input_ids = batch["input_ids"]
     if input_ids.dim() != 2:
@@ -76,6 +83,9 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
     if position_ids is None:
         position_ids = torch.arange(T).expand(B, T)
     flat, index = _loss_positions(labels)
+    n_loss, prompt_N = int(index.numel()), None
+    if prompt_nll and "seq_role" in batch:
+        flat, index, prompt_N = _with_chosen_prompts(batch, flat, index)
     pin = device.type == "cuda"
     spans = document_spans(position_ids)
     cu_seq_lens = torch.tensor([s for s, _ in spans] + [B * T], dtype=torch.int32)
@@ -86,7 +96,7 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
     types = images_of.token_types(input_ids, labelled, spans) if images_of is not None else None
     own = [collate(d) for d in split] if split is not None and images_of.per_document else None
     images = collate(listed) if own is None else None  # documents that run alone take only their own
-    seqs = sequences_of(batch["seq_role"], batch["segment_ids"], index, lambda t: _to(t, device, pin)) \
+    seqs = sequences_of(batch["seq_role"], batch["segment_ids"], index, lambda t: _to(t, device, pin), prompt_N) \
         if "seq_role" in batch else None
     ref, advantages, old = batch.get("ref_logps"), batch.get("advantages"), batch.get("old_logps")
     if old is not None and old.numel() != index.numel():
@@ -96,7 +106,7 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
         position_ids_BT=_to(position_ids.contiguous(), device, pin),
         loss_index=_to(index, device, pin),
         loss_target=_to(flat[index], device, pin),
-        num_loss_tokens=int(index.numel()),
+        num_loss_tokens=n_loss,
         num_tokens=B * T,
         documents=Documents(spans, _to(cu_seq_lens, device, pin), max(e - s for s, e in spans),
                             [_images_to(d, device, pin) for d in own] if own is not None else None,
@@ -107,6 +117,7 @@ def prepare_micro_batch(batch: dict[str, Any], device: torch.device,
         ref_logps=_to(ref.reshape(-1).float(), device, pin) if ref is not None else None,
         advantages=_to(advantages.reshape(-1).float(), device, pin) if advantages is not None else None,
         old_logps=_to(old.reshape(-1).float(), device, pin) if old is not None else None,
+        num_selected=int(index.numel()),
     )
 
 
@@ -128,6 +139,20 @@ def _loss_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     shifted[:, :-1] = labels[:, 1:]
     flat = shifted.reshape(-1)
     return flat, (flat != IGNORE_INDEX).nonzero().squeeze(1)
+
+
+def _with_chosen_prompts(batch: dict[str, Any], flat: torch.Tensor,
+                         index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The shifted targets, selected positions (in order) and prompt marks with the chosen sequences' unlabelled
+    tokens added: each targets its next token, so the chosen sequence's NLL runs over its prompt as well."""
+    B, T = batch["input_ids"].shape
+    continues = chosen_continues(batch["seq_role"], batch["segment_ids"]).reshape(-1)
+    prompt = continues & (flat == IGNORE_INDEX)
+    nxt = torch.zeros_like(batch["input_ids"])
+    nxt[:, :-1] = batch["input_ids"][:, 1:]
+    flat = torch.where(prompt, nxt.reshape(-1), flat)
+    index = (prompt | (flat != IGNORE_INDEX)).nonzero().squeeze(1)
+    return flat, index, prompt[index]
 
 
 def _images_to(images: Image | None, device: torch.device, pin: bool) -> Image | None:

@@ -294,7 +294,8 @@ class StreamingEngine(WeightsIO):
         return [range(s, min(s + K, L)) for s in range(0, L, K)]
 
     def _prepare(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[MicroBatch]:
-        return [prepare_micro_batch(b, self.device, self.context.document_images) for b in micro_batches]
+        prompt_nll = self.pref is not None and self.pref.objective.prompt_nll  # ORPO's NLL over the chosen prompts
+        return [prepare_micro_batch(b, self.device, self.context.document_images, prompt_nll) for b in micro_batches]
 
     def _upload_plan(self, mbs: list[MicroBatch]) -> list[str]:
         layers = [f"layers.{i}" for i in range(self.spec.num_layers)]

@@ -163,6 +163,7 @@ class GroupObjective:
     """
 
     token_wise = True
+    prompt_nll = False  # the head selects the loss tokens alone
 
     def __init__(self, cfg: GrpoConfig):
         self.cfg = cfg

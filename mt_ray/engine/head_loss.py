@@ -73,7 +73,7 @@ class LossHead:
                 loss_sum += loss
             else:
                 g_sel = torch.empty_like(sel_ND)
-                for s in range(0, mb.num_loss_tokens, self.chunk):
+                for s in range(0, mb.num_selected, self.chunk):
                     x = sel_ND[s : s + self.chunk].detach().requires_grad_()
                     with torch.enable_grad():
                         loss = chunk_loss(head, weights, x, mb.loss_target[s : s + self.chunk])
@@ -98,7 +98,7 @@ class LossHead:
                 self.pref.eval_head(head, weights, h_BTD, mb)
                 continue
             sel_ND = h_BTD.flatten(0, 1).index_select(0, mb.loss_index)
-            for s in range(0, mb.num_loss_tokens, self.chunk):
+            for s in range(0, mb.num_selected, self.chunk):
                 loss_sum += chunk_loss(head, weights, sel_ND[s : s + self.chunk], mb.loss_target[s : s + self.chunk])
         return loss_sum
 

@@ -14,11 +14,14 @@ rejected, KTO or KL-twin sequence; `n` its loss tokens) and feeds them, with the
            z = max(0, mean over the micro-batch's KL twins of (s - r)), no gradient
 
 A step's loss is the mean of these over its pairs (KTO: its examples), plus `ftx` times the mean
-token NLL of the chosen (KTO: desirable) sequences (ORPO adds that NLL with weight 1 + ftx). Since
-every term is a function of the sequence sums, the gradient reaching each loss token is dL/ds of
-its sequence: the head runs one forward without a graph for `s`, then its usual chunked forward and
-backward with each token's log-prob weighted by that coefficient (`PreferenceHead`). Rewards and
-log-probs are reported under TRL's metric names.
+token NLL of the chosen (KTO: desirable) responses. ORPO's NLL (`pref.orpo_nll`) is, as `ORPOTrainer`'s
+`concatenated_forward` takes it, the token mean over the chosen sequences' prompt and response tokens
+(`trl`: the head then also selects the chosen prompts' tokens, summed apart from the responses' as
+`p`), or each pair's mean response-token NLL averaged over the pairs (`llamafactory`). Since every term
+is a function of the sequence sums, the gradient reaching each selected token is dL/ds (or dL/dp) of its
+sequence: the head runs one forward without a graph for `s`, then its usual chunked forward and backward
+with each token's log-prob weighted by that coefficient (`PreferenceHead`). Rewards, log-probs and
+ORPO's `nll_loss`, `log_odds_ratio` and `log_odds_chosen` are reported under TRL's metric names.
 
 Shape key: S sequences of a micro-batch (rows x segment columns), N loss tokens, V vocabulary.
 """
@@ -58,6 +61,10 @@ class PreferenceConfig(BaseModel):
     """cDPO's label smoothing for sigmoid and simpo: the chance that a pair's labels are flipped."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin γ (LLaMA-Factory's simpo_gamma)."""
+    orpo_nll: Literal["trl", "llamafactory"] = "trl"
+    """ORPO's NLL term: `trl`: the token mean over the chosen sequences' prompt and response tokens, as TRL's
+    ORPOTrainer takes it; `llamafactory`: each pair's mean response-token NLL, averaged over the pairs (LLaMA-Factory's
+    orpo `sft_loss`)."""
     kto_chosen_weight: float = Field(1.0, gt=0)
     """KTO: weight of the desirable examples' loss (TRL's desirable_weight)."""
     kto_rejected_weight: float = Field(1.0, gt=0)
@@ -80,24 +87,42 @@ def check_stage(stage: str, cfg: PreferenceConfig) -> None:
 class Sequences:
     """Where a micro-batch's sequences are (device index tensors, made on the host) and its host counts."""
 
-    index: torch.Tensor  # [N] the sequence of each loss token
+    index: torch.Tensor  # [N] the sequence of each selected token; a chosen prompt's token (`prompt_nll`): S + its
+    # sequence, so its log-prob sums apart
     num: int  # S
     tokens: torch.Tensor  # [S] loss tokens of each sequence (float)
     chosen: torch.Tensor  # pair k's chosen and rejected sequence (DPO), or the desirable ones (KTO)
     rejected: torch.Tensor
     kl: torch.Tensor  # KTO's KL twins
-    counts: dict[str, int]  # pairs, chosen_tokens, desirable, undesirable, kl_batches, completions, loss_tokens
+    counts: dict[str, int]  # pairs, chosen_tokens, chosen_sequence_tokens, desirable, undesirable, kl_batches,
+    # completions, loss_tokens
+    slots: int = 0  # sums the head's log-probs add into: S, or 2S with the chosen prompts' tokens
+
+    def __post_init__(self) -> None:
+        self.slots = self.slots or self.num
 
 
-def sequences_of(seq_role: torch.Tensor, segment_ids: torch.Tensor, loss_index: torch.Tensor,
-                 to_device) -> Sequences:
+def chosen_continues(seq_role: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] the tokens of a chosen sequence whose next token is in that sequence: the tokens whose next-token
+    NLL `ORPOTrainer` takes (prompt and response; a sequence's first token is predicted by none of them)."""
+    same = torch.zeros_like(segment_ids, dtype=torch.bool)
+    same[:, :-1] = segment_ids[:, :-1] == segment_ids[:, 1:]
+    return same & (seq_role.gather(1, segment_ids) == CHOSEN)
+
+
+def sequences_of(seq_role: torch.Tensor, segment_ids: torch.Tensor, loss_index: torch.Tensor, to_device,
+                 prompt_N: torch.Tensor | None = None) -> Sequences:
     """Index a micro-batch's sequences from its host tensors: `seq_role` [B, W], `segment_ids` [B, T] and the
-    flat loss-token positions."""
+    flat positions of the selected tokens; `prompt_N` marks those that are a chosen prompt's (no label: their log-probs
+    sum into slots of their own, after the S sequences')."""
     B, W = seq_role.shape
     T = segment_ids.shape[1]
     index = (loss_index // T) * W + segment_ids.reshape(-1)[loss_index]
+    labelled = index if prompt_N is None else index[~prompt_N]
+    if prompt_N is not None:
+        index = torch.where(prompt_N, index + B * W, index)
     roles = seq_role.reshape(-1)
-    tokens = torch.bincount(index, minlength=B * W)
+    tokens = torch.bincount(labelled, minlength=B * W)
 
     def where(*kinds: int) -> torch.Tensor:
         return torch.isin(roles, torch.tensor(kinds)).nonzero().squeeze(1)
@@ -107,11 +132,12 @@ def sequences_of(seq_role: torch.Tensor, segment_ids: torch.Tensor, loss_index: 
     kl = where(KL)
     good = where(CHOSEN, DESIRABLE)
     counts = {"pairs": int((roles == CHOSEN).sum()), "chosen_tokens": int(tokens[good].sum()),
+              "chosen_sequence_tokens": int(chosen_continues(seq_role, segment_ids).sum()),
               "desirable": int((roles == DESIRABLE).sum()), "undesirable": int((roles == UNDESIRABLE).sum()),
               "kl_batches": int(kl.numel() > 0), "completions": int((roles == COMPLETION).sum()),
-              "loss_tokens": int(loss_index.numel())}
+              "loss_tokens": int(labelled.numel())}
     return Sequences(to_device(index), B * W, to_device(tokens.float()), to_device(chosen), to_device(rejected),
-                     to_device(kl), counts)
+                     to_device(kl), counts, B * W * (1 if prompt_N is None else 2))
 
 
 class Objective:
@@ -125,25 +151,28 @@ class Objective:
         self.cfg = cfg
         self.needs_reference = stage == "kto" or cfg.loss not in REFERENCE_FREE
         self.average = stage == "dpo" and cfg.loss in REFERENCE_FREE  # ORPO, SimPO: mean token log-probs
-        self.nll_weight = cfg.ftx + (1.0 if stage == "dpo" and cfg.loss == "orpo" else 0.0)
+        self.orpo = stage == "dpo" and cfg.loss == "orpo"
+        self.prompt_nll = self.orpo and cfg.orpo_nll == "trl"  # the head selects the chosen prompts' tokens too
         self.temperature = 1.0
 
     def reference_of(self, logp_N: torch.Tensor, mb) -> torch.Tensor:
         """What the reference contributes: each sequence's log-prob sum [S]."""
-        return _sequence_sums(logp_N, mb.seqs)
+        return _sequence_sums(logp_N, mb.seqs)[: mb.seqs.num]
 
     def token_loss(self, logp_N: torch.Tensor, mb, norm: dict[str, int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """`loss` of the micro-batch's sequence sums, from its token log-probs (so its gradient reaches each token)."""
-        return self.loss(_sequence_sums(logp_N, mb.seqs), mb.ref_logps, mb.seqs.tokens, mb.seqs, norm)
+        sums, S = _sequence_sums(logp_N, mb.seqs), mb.seqs.num
+        return self.loss(sums[:S], mb.ref_logps, mb.seqs.tokens, mb.seqs, norm, sums[S:] if self.prompt_nll else None)
 
     def examples(self, counts: dict[str, int]) -> int:
         """What the step's loss is a mean over: pairs, or KTO examples."""
         return counts["pairs"] if self.stage == "dpo" else counts["desirable"] + counts["undesirable"]
 
     def loss(self, s_S: torch.Tensor, r_S: torch.Tensor | None, n_S: torch.Tensor, seqs: Sequences,
-             norm: dict[str, int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             norm: dict[str, int], p_S: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the step's loss (normalised by the step's counts `norm`) and its
-        metric sums (summed over its pairs or examples; `metrics` turns them into means)."""
+        metric sums (summed over its pairs or examples; `metrics` turns them into means). `p_S`: each sequence's
+        prompt-token log-prob sum (ORPO's `trl` NLL)."""
         if self.stage == "kto":
             loss, sums = self._kto(s_S, r_S, seqs)
         else:
@@ -151,9 +180,25 @@ class Objective:
         nll = -s_S.index_select(0, seqs.chosen).sum()
         sums["nll"] = nll.detach()
         total = loss / max(1, self.examples(norm))
-        if self.nll_weight:
-            total = total + self.nll_weight * nll / max(1, norm["chosen_tokens"])
+        if self.cfg.ftx:
+            total = total + self.cfg.ftx * nll / max(1, norm["chosen_tokens"])
+        if self.orpo:
+            orpo_nll = self._orpo_nll(nll, s_S, n_S, seqs, p_S)
+            sums["orpo_nll"] = orpo_nll.detach()
+            total = total + orpo_nll / self._orpo_nll_count(norm)
         return total, sums
+
+    def _orpo_nll(self, nll: torch.Tensor, s_S: torch.Tensor, n_S: torch.Tensor, seqs: Sequences,
+                  p_S: torch.Tensor | None) -> torch.Tensor:
+        """The micro-batch's sum of ORPO's NLL term: over the chosen sequences' prompt and response tokens (`trl`),
+        or of each chosen response's mean token NLL (`llamafactory`)."""
+        if self.cfg.orpo_nll == "llamafactory":
+            return -(s_S.index_select(0, seqs.chosen) / n_S.index_select(0, seqs.chosen).clamp(min=1)).sum()
+        return nll - p_S.index_select(0, seqs.chosen).sum()
+
+    def _orpo_nll_count(self, counts: dict[str, int]) -> int:
+        """What ORPO's NLL sum is a mean over: the chosen sequences' predicted tokens (`trl`), or the pairs."""
+        return max(1, counts["pairs"] if self.cfg.orpo_nll == "llamafactory" else counts["chosen_sequence_tokens"])
 
     def _pairs(self, s_S, r_S, n_S, seqs):
         cfg, beta = self.cfg, self.cfg.beta
@@ -165,9 +210,13 @@ class Objective:
         else:
             rew_c = beta * (s_c - r_S.index_select(0, seqs.chosen)).detach()
             rew_r = beta * (s_r - r_S.index_select(0, seqs.rejected)).detach()
+        extra = {}
         if cfg.loss == "orpo":
             log_odds = (s_c - s_r) - (_log1mexp(s_c) - _log1mexp(s_r))
-            losses = -beta * F.logsigmoid(log_odds)
+            ratio = F.logsigmoid(log_odds)
+            losses = -beta * ratio
+            # TRL's names: `log_odds_ratio` is the mean logσ of the log-odds, `log_odds_chosen` the mean log-odds
+            extra = {"log_odds_ratio": ratio.detach().sum(), "log_odds_chosen": log_odds.detach().sum()}
         elif cfg.loss == "simpo":
             losses = _smoothed(beta * (s_c - s_r) - cfg.simpo_gamma, cfg.label_smoothing)
         else:
@@ -180,7 +229,7 @@ class Objective:
                 losses = (lr_c / n_c - lr_r / n_r - 1 / (2 * beta)) ** 2
         sums = {"loss": losses.detach().sum(), "rewards/chosen": rew_c.sum(), "rewards/rejected": rew_r.sum(),
                 "rewards/accuracies": (rew_c > rew_r).float().sum(), "rewards/margins": (rew_c - rew_r).sum(),
-                "logps/chosen": s_c.detach().sum(), "logps/rejected": s_r.detach().sum()}
+                "logps/chosen": s_c.detach().sum(), "logps/rejected": s_r.detach().sum(), **extra}
         return losses.sum(), sums
 
     def _kto(self, s_S, r_S, seqs):
@@ -209,16 +258,20 @@ class Objective:
             out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
         else:
             p = max(1, counts["pairs"])
-            out = {k: v / p for k, v in sums.items() if k.startswith(("rewards/", "logps/"))}
+            out = {k: v / p for k, v in sums.items() if k.startswith(("rewards/", "logps/", "log_odds_"))}
         out["loss"] = sums["loss"] / max(1, self.examples(counts))
-        if self.nll_weight:
-            out["nll_loss"] = sums["nll"] / max(1, counts["chosen_tokens"])
-            out["loss"] = out["loss"] + self.nll_weight * out["nll_loss"]
+        if self.cfg.ftx:
+            sft = sums["nll"] / max(1, counts["chosen_tokens"])
+            out["sft_loss" if self.orpo else "nll_loss"] = sft
+            out["loss"] = out["loss"] + self.cfg.ftx * sft
+        if self.orpo:
+            out["nll_loss"] = sums["orpo_nll"] / self._orpo_nll_count(counts)
+            out["loss"] = out["loss"] + out["nll_loss"]
         return out
 
 
 def _sequence_sums(logp_N: torch.Tensor, seqs: Sequences) -> torch.Tensor:
-    return torch.zeros(seqs.num, dtype=logp_N.dtype, device=logp_N.device).index_add(0, seqs.index, logp_N)
+    return torch.zeros(seqs.slots, dtype=logp_N.dtype, device=logp_N.device).index_add(0, seqs.index, logp_N)
 
 
 def add_sums(total: dict[str, torch.Tensor], part: dict[str, torch.Tensor]) -> None:

@@ -272,8 +272,8 @@ class PreferenceSteps:
         chunk)`), head gradients into `grad_sums`. Returns the selected hidden states' gradient and the log-probs."""
         chunk = self.e.cfg.loss_chunk_tokens
         g_sel = torch.empty_like(sel_ND)
-        logp_N = torch.empty(mb.num_loss_tokens, dtype=torch.float32, device=sel_ND.device)
-        for s in range(0, mb.num_loss_tokens, chunk):
+        logp_N = torch.empty(mb.num_selected, dtype=torch.float32, device=sel_ND.device)
+        for s in range(0, mb.num_selected, chunk):
             part = slice(s, s + chunk)
             x = sel_ND[part].detach().requires_grad_()
             with torch.enable_grad():
@@ -303,9 +303,9 @@ class PreferenceSteps:
 def token_logps(head: UnitTemplate, weights: Weights, sel_ND: torch.Tensor, mb: MicroBatch, chunk: int,
                 temperature: float = 1.0) -> torch.Tensor:
     """Each selected token's log-prob of its target under logits / temperature, in chunks (no graph) [N]."""
-    logp_N = torch.empty(mb.num_loss_tokens, dtype=torch.float32, device=sel_ND.device)
+    logp_N = torch.empty(mb.num_selected, dtype=torch.float32, device=sel_ND.device)
     with torch.no_grad():
-        for s in range(0, mb.num_loss_tokens, chunk):
+        for s in range(0, mb.num_selected, chunk):
             logits_NV = _scaled(head(weights, sel_ND[s : s + chunk]).float(), temperature)
             logp_N[s : s + chunk] = -F.cross_entropy(logits_NV, mb.loss_target[s : s + chunk], reduction="none")
     return logp_N

@@ -99,7 +99,8 @@ class HeadModule(nn.Module):
         for attr in spec.tail_attrs:
             self.add_module(attr, getattr(spec.base, attr))
         self.lm_head = spec.skeleton.get_output_embeddings()
-        for name, module in head_extras(spec).items():  # BERT's prediction head, run by the family's forward
+        extras = head_extras(spec.skeleton, spec.base, spec.between_attrs, spec.unread_attrs)
+        for name, module in extras.items():  # BERT's prediction head, run by the family's forward
             self.add_module(name, module)
         causal_lm, body = _logits_forward(spec)
         body_path = next(n for n, m in causal_lm.named_modules() if m is body)

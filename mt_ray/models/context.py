@@ -51,7 +51,7 @@ from mt_ray.models.deepstack import Injection, deepstack_tap
 from mt_ray.models.discovery import ModelSpec, embed_module, meta_free_buffers_to
 from mt_ray.models.document_images import DocumentImages, Image, Span
 from mt_ray.models.handoff import Handoff, hand_on, nested_handoff, plan_handoffs
-from mt_ray.models.packing_probe import packed_differs, same_arguments
+from mt_ray.models.packing_probe import beyond_probe, packed_differs, reads_row_index, same_arguments
 from mt_ray.models.side_channels import SideChannel, open_side_channels, side_channels
 from mt_ray.models.stream_tail import Stream, TailReached, capture, measure
 from mt_ray.models.tail_module import check_per_token
@@ -329,7 +329,7 @@ class LayerContextBuilder:
         self.num_layers = len(layers)
         self.model_type = spec.config.model_type
         self.bounds_not_masks = takes_document_bounds(spec.config._attn_implementation)
-        self.nested, self.own_positions = nesting.is_nested(spec), False
+        self.nested, self.own_positions = nesting.is_nested(spec.skeleton, spec.base, spec.layers_attr), False
         self._fit_stand_ins(spec, device)
         self.carried = self._carried_inputs(spec, device)
         if spec.tail_code is not None:
@@ -339,7 +339,7 @@ class LayerContextBuilder:
         self.rope_axes = self._rope_axes(embed.weight.shape[-1], device)
         # also runs the body around the stand-ins once; its rows carry no labels, so a prefix body (PaliGemma) reads
         # every token as prefix there, and one whose packed prefixes see each other runs each document alone
-        exact = self._packed_rows_exact(spec, device)
+        exact = self._packed_rows_exact(spec, device, layers)
         self.prefix = "token_type_ids" in self.token_types and self._reads_prefix(spec, device)
         self.isolate_documents = spec.isolate_documents or not exact or self.own_positions
         if self.isolate_documents and self.deepstack is not None:
@@ -472,17 +472,23 @@ class LayerContextBuilder:
                torch.arange(2, device=device).expand(rows + 1, 1, 2))
         return rows + 1 if rows and self._records(row) else rows
 
-    def _packed_rows_exact(self, spec: ModelSpec, device: torch.device) -> bool:
-        """Whether a packed row's documents reach the layers as they would alone (`packing_probe`)."""
+    def _packed_rows_exact(self, spec: ModelSpec, device: torch.device, layers: nn.ModuleList) -> bool:
+        """Whether a packed row's documents reach the layers, and are computed there, as they would be alone
+        (`packing_probe`): no layer computes from the row's own index, no threshold is past the probe's rows, and
+        every layer's arguments for a packed document are its own."""
         hidden = spec.skeleton.get_input_embeddings().weight.shape[-1]
         with self._stand_ins_run():
             differs = packed_differs(lambda *row: self._record(self.probe_weights, *row), spec.config, hidden, device,
                                      self.rope_axes, masks=not self.bounds_not_masks,
                                      learned_positions=bool(self.pre_layer))
-        if differs is not None:
-            logger.info("'%s': %s differs for a document packed after another, so each document runs alone",
-                        self.model_type, differs)
-        return differs is None
+        row = (torch.zeros(1, 2, hidden, device=device), torch.zeros(1, 2, dtype=torch.long, device=device),
+               torch.arange(2, device=device).expand(*([self.rope_axes, 1] if self.rope_axes else [1]), 2))
+        given = {k for kw in self._record(self.probe_weights, *row)[1] for k in kw}  # what the layers are handed
+        why = f"{differs} differs for a document packed with others" if differs is not None else \
+            reads_row_index(layers, given) or beyond_probe(spec.config)
+        if why is not None:
+            logger.info("'%s': %s, so each document of a packed row runs alone", self.model_type, why)
+        return why is None
 
     def _reads_prefix(self, spec: ModelSpec, device: torch.device) -> bool:
         """Whether the body reads token type 0 as a prefix that attends both ways (PaliGemma: the image and the

@@ -22,7 +22,7 @@ import textwrap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -31,9 +31,6 @@ from transformers.utils import ModelOutput
 
 from mt_ray.errors import ModelNotSupportedError
 from mt_ray.models.packing_probe import same_arguments
-
-if TYPE_CHECKING:  # discovery builds on this module: its spec is only named here
-    from mt_ray.models.discovery import ModelSpec
 
 T = TypeVar("T")
 
@@ -202,10 +199,11 @@ def one_entry_each(skeleton: nn.Module, params: list[T], elsewhere: set[str]) ->
     return out
 
 
-def is_nested(spec: ModelSpec) -> bool:
-    """Whether the spec's body keeps its embedding or its layer list in a container (`find_nested` read it)."""
-    embed = spec.skeleton.get_input_embeddings()
-    return "." in spec.layers_attr or all(c is not embed for c in spec.base.children())
+def is_nested(skeleton: nn.Module, base: nn.Module, layers_attr: str) -> bool:
+    """Whether the body `base` keeps its embedding or its layer list (at `layers_attr`) in a container (`find_nested`
+    read it)."""
+    embed = skeleton.get_input_embeddings()
+    return "." in layers_attr or all(c is not embed for c in base.children())
 
 
 def numbers_own_positions(record: Callable[..., tuple[torch.Tensor, list[dict]]], hidden: int,
@@ -237,14 +235,16 @@ def check_hands_back(model_type: str, out: Any, last: torch.Tensor) -> None:
             "which mt-ray does not replay before the LM head; this family cannot be trained yet")
 
 
-def head_extras(spec: ModelSpec) -> dict[str, nn.Module]:
-    """The head unit's modules beyond its final norm and LM head, by their names' first part (`between.`, `unread.`),
-    each a container holding them at their paths, so the unit's names bind through it."""
+def head_extras(skeleton: nn.Module, base: nn.Module, between: tuple[str, ...],
+                unread: tuple[str, ...]) -> dict[str, nn.Module]:
+    """The head unit's modules beyond its final norm and LM head, by their names' first part (`between.`: paths in
+    the causal LM `skeleton`; `unread.`: paths in the body `base`), each a container holding them at their paths, so
+    the unit's names bind through it."""
     out = {}
-    if spec.between_attrs:
-        out[BETWEEN] = tree(spec.skeleton, spec.between_attrs)
-    if spec.unread_attrs:
-        out[UNREAD] = tree(spec.base, spec.unread_attrs)
+    if between:
+        out[BETWEEN] = tree(skeleton, between)
+    if unread:
+        out[UNREAD] = tree(base, unread)
     return out
 
 

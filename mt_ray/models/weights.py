@@ -42,7 +42,7 @@ def unit_module(spec: ModelSpec, unit: UnitSpec) -> nn.Module:
         parts.update({a: getattr(spec.base, a) for a in spec.tail_attrs})
         if not spec.tied or any(p.local_name.startswith("lm_head.") for p in unit.params):  # a tied head's bias
             parts["lm_head"] = spec.skeleton.get_output_embeddings()
-        return nn.ModuleDict({**parts, **head_extras(spec)})
+        return nn.ModuleDict({**parts, **head_extras(spec.skeleton, spec.base, spec.between_attrs, spec.unread_attrs)})
     return spec.base.get_submodule(spec.layers_attr)[int(unit.name.split(".")[1])]
 
 

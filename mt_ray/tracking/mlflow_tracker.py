@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
+ERROR_TAG = "mt_ray.error"  # on a FAILED run: the error that ended it (its type and first line)
 # A key is secret when one of its words (split on . _ - and spaces) or adjacent word pairs is here;
 # word-wise so that max_tokens, pad_token_id or security_level stay visible.
 _SECRET_WORDS = {"secret", "password", "passwd", "credential", "credentials", "apikey", "token", "uri", "url",
@@ -253,11 +254,14 @@ class MlflowTracker:
             raise
         child.close("FINISHED")
 
-    def close(self, status: RunStatus = "FINISHED") -> None:
-        """End the run with ``status``; later calls do nothing."""
+    def close(self, status: RunStatus = "FINISHED", error: BaseException | None = None) -> None:
+        """End the run with ``status`` (and the ``error`` that ended it, as the `mt_ray.error` tag); later calls do
+        nothing."""
         if self._system_metrics is not None:
             self._stop_system_metrics()
         if self.active:
+            if error is not None:
+                self.client.set_tag(self.run_id, ERROR_TAG, error_line(error))
             self.client.set_terminated(self.run_id, status)
             self.run_id = None
 
@@ -354,6 +358,12 @@ class MlflowTracker:
 
     def _log_json(self, payload: Any, name: str) -> None:
         self.log_text(json.dumps(payload, indent=2, default=str), name)
+
+
+def error_line(error: BaseException) -> str:
+    """An error as one line: its type and the first line of its message (a run's `mt_ray.error` tag)."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:500]
 
 
 def is_secret(key: str, value: Any) -> bool:

@@ -2,8 +2,11 @@
 
 The trials are ordinary runs whose tracking config names the sweep's run as parent and tags them
 with their trial id (`mt_ray.sweep.trial_id`), so the driver finds a trial's run by that tag. It
-closes a trial's run when Tune ends the trial: a trial stopped by ASHA is ended by Tune, maybe
-before its own run could close, and a trial restarted by a resumed sweep leaves an open run behind.
+closes a trial's run when Tune ends the trial (a trial restarted by a resumed sweep leaves an open run
+behind): FINISHED, tagged with its stop reason, where the scheduler stopped it; FAILED, tagged with its error
+(`mt_ray.error`), where it errored. A trial's own process closes its run as well, last (a stopped trial
+finishes its run before Tune ends its actor: `sweep.trial_trainable`), so a run that failed while finishing
+stays FAILED; the sweep counts it among its errors (`failed_trials`), so the sweep and its runs agree.
 Imports Ray Tune: use it where Ray is installed (the `cluster` extra).
 """
 
@@ -14,12 +17,14 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from ray.tune import Callback
 
-from mt_ray.tracking.mlflow_tracker import MlflowTracker, RunStatus, TrackingConfig
+from mt_ray.tracking.mlflow_tracker import ERROR_TAG, MlflowTracker, RunStatus, TrackingConfig, error_line
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
 BEST_CONFIG_ARTIFACT = "best_config.yaml"
+TRIAL_ID_TAG = "mt_ray.sweep.trial_id"
+STOPPED_TAG = "mt_ray.sweep.stopped_early"  # on a trial's run the scheduler stopped: why
 
 
 def open_sweep_run(tracker: MlflowTracker, record: dict[str, Any] | None, params: dict[str, Any],
@@ -32,10 +37,21 @@ def open_sweep_run(tracker: MlflowTracker, record: dict[str, Any] | None, params
 def trial_runs(client: MlflowClient, parent_run_id: str, trial_id: str, status: str | None = None) -> list:
     """Child runs of the sweep's run tagged with `trial_id` (newest first), optionally only those in `status`."""
     experiment = client.get_run(parent_run_id).info.experiment_id
-    where = f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.`mt_ray.sweep.trial_id` = '{trial_id}'"
+    where = f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.`{TRIAL_ID_TAG}` = '{trial_id}'"
     if status is not None:
         where += f" and attributes.status = '{status}'"
     return client.search_runs([experiment], where, order_by=["attributes.start_time DESC"])
+
+
+def failed_trials(tracker: MlflowTracker) -> dict[str, str]:
+    """The sweep's trials whose run ended FAILED, each with its error (its `mt_ray.error` tag)."""
+    if not tracker.active:
+        return {}
+    experiment = tracker.client.get_run(tracker.run_id).info.experiment_id
+    runs = tracker.client.search_runs([experiment], f"tags.mlflow.parentRunId = '{tracker.run_id}' and "
+                                                    "attributes.status = 'FAILED'")
+    return {r.data.tags.get(TRIAL_ID_TAG, r.info.run_id): r.data.tags.get(ERROR_TAG, "its run failed")
+            for r in runs}
 
 
 def best_trial_run(tracker: MlflowTracker, trial_id: str, best_config: dict[str, Any]) -> dict[str, str]:
@@ -71,18 +87,22 @@ class TrialRunsCallback(Callback):
         self._close_open_runs(trial.trial_id, "KILLED")  # left behind by a sweep killed while this trial ran
 
     def on_trial_complete(self, iteration: int, trials: list, trial, **info: Any) -> None:
-        if self.parent_run_id is not None and trial.last_result.get("step", self.steps) < self.steps:
+        step = trial.last_result.get("step", self.steps)
+        if self.parent_run_id is not None and step < self.steps:
             for run in trial_runs(self._client(), self.parent_run_id, trial.trial_id)[:1]:
-                self._client().set_tag(run.info.run_id, "mt_ray.sweep.stopped_early", "true")
+                self._client().set_tag(run.info.run_id, STOPPED_TAG, f"stopped by the scheduler at step {step}")
         self._close_open_runs(trial.trial_id, "FINISHED")
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info: Any) -> None:
-        self._close_open_runs(trial.trial_id, "FAILED")
+        error = trial.get_error()
+        self._close_open_runs(trial.trial_id, "FAILED", error_line(error) if error is not None else None)
 
-    def _close_open_runs(self, trial_id: str, status: RunStatus) -> None:
+    def _close_open_runs(self, trial_id: str, status: RunStatus, error: str | None = None) -> None:
         if self.parent_run_id is None:
             return
         for run in trial_runs(self._client(), self.parent_run_id, trial_id, status="RUNNING"):
+            if error is not None and ERROR_TAG not in run.data.tags:
+                self._client().set_tag(run.info.run_id, ERROR_TAG, error)
             self._client().set_terminated(run.info.run_id, status)
 
     def _client(self) -> MlflowClient:

@@ -98,7 +98,7 @@ def run_once(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
     except BaseException as e:
         for cb in callbacks:
             if hasattr(cb, "tracker"):
-                cb.tracker.close("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+                cb.tracker.close("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED", error=e)
         built = trainer is not None and trainer.finished is None
         if built and trainer.step == 0 and trainer.resumed_from is None:
             run.release()  # nothing trained, nothing saved: the name is free for the corrected config

@@ -4,7 +4,9 @@ short by ASHA.
 Each trial is `mt_ray.training.launch`'s run of the base config with the trial's sampled keys set: the same
 data pipeline, checkpoints and MLflow logging as `mt-ray train`, as an MLflow child run of the
 sweep's run. It reports to Tune at every evaluation (`training.eval_every`); ASHA compares trials
-there and stops the worse ones, which then end like any run (summary, checkpoint, MLflow run).
+there and stops the worse ones, which then end like any run (summary, checkpoint, MLflow run) before Tune
+ends their process (`trial_trainable`). A trial that errors, or whose run fails while it ends, counts among
+the sweep's errors, named (`trial_errors`), and its MLflow run is FAILED with the error as its tag.
 
 State is durable: Tune's experiment and every trial's checkpoints live under the sweep's storage
 (`SweepStorage`), so `resume=True` keeps the finished trials and restarts the running ones, each
@@ -16,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,8 @@ from mt_ray.config.run import RunConfig, TrainingConfig, set_key, validate_run_c
 from mt_ray.config.sweep import Dimension, SweepConfig
 from mt_ray.errors import ConfigError, MtRayError
 from mt_ray.tracking import MlflowTracker, TrackingConfig
-from mt_ray.tracking.tune_runs import TrialRunsCallback, best_trial_run, open_sweep_run
+from mt_ray.tracking.mlflow_tracker import error_line
+from mt_ray.tracking.tune_runs import TrialRunsCallback, best_trial_run, failed_trials, open_sweep_run
 from mt_ray.training.callbacks import Callback
 from mt_ray.training.run_dir import resolve_storage, run_tracking_config
 from mt_ray.training.sweep_storage import BEST_CONFIG, SweepStorage
@@ -35,6 +39,10 @@ from mt_ray.verbosity import library_log_level
 
 # Paths in a run config that a trial, running in a folder of its own, must see as the driver sees them.
 _PATH_KEYS = ("model.path", "model.tokenizer", "data.registry")
+# Set in a trial's process once the scheduler stopped it and its run is ending (`TuneReportCallback`).
+_ENDING = threading.Event()
+_WAKE_S = 5.0  # how long a stopped trial's thread may take to wake from its report and start ending its run
+_END_S = 300.0  # how long Tune's stop waits for a stopped trial's run to end (summary, checkpoint, MLflow)
 
 
 class SweepInterruptedError(MtRayError):
@@ -55,6 +63,7 @@ class TuneReportCallback(Callback):
         try:
             report({**metrics, "step": step, "loss": loss})
         except SystemExit:  # how Tune stops a function trial: its report raises once the scheduler decided
+            _ENDING.set()
             trainer.request_stop("stopped early by the ASHA scheduler")
 
 
@@ -72,6 +81,8 @@ class TrialPlan:
     storage: SweepStorage
     parent_run_id: str | None
     sweep_name: str
+    callbacks: tuple[Callback, ...] = ()
+    """Callbacks every trial's run adds to its own (picklable: they travel to the trials' processes)."""
 
     def trial_config(self, sampled: dict[str, Any], trial_id: str) -> RunConfig:
         """The base config with the sampled keys set: a run of its own under `<sweep>/trials/`, a child MLflow run."""
@@ -102,10 +113,49 @@ def run_trial(sampled: dict[str, Any], plan: TrialPlan) -> None:
 
     from mt_ray.training.launch import run
 
-    summary = run(plan.trial_config(sampled, tune.get_context().get_trial_id()), extra_callbacks=[TuneReportCallback()])
+    summary = run(plan.trial_config(sampled, tune.get_context().get_trial_id()),
+                  extra_callbacks=[*plan.callbacks, TuneReportCallback()])
     if "stopped_early" not in summary:  # every eval metric the run has (a preference stage's rewards among them)
         report({k: v for k, v in summary.items() if k.startswith("eval_")}
                | {"step": summary["steps"], "loss": summary["final_loss"]})
+
+
+def trial_trainable(plan: TrialPlan):
+    """`run_trial` as Tune's function trainable, whose stop waits for a trial the scheduler stopped to end its run.
+
+    Tune stops a function trial by waking its thread from `tune.report` with SystemExit and returns at once; the
+    process then ends, and the thread with it, maybe halfway through the run's summary, checkpoint or MLflow run
+    (which then stayed open, or failed). Here the stop first lets that thread end the run (`end_stopped_run`).
+    """
+    from ray import tune
+    from ray.tune.trainable.function_trainable import wrap_function
+
+    class Trial(wrap_function(tune.with_parameters(run_trial, plan=plan))):
+        def cleanup(self) -> None:
+            end_stopped_run()
+            super().cleanup()
+
+    Trial.__name__ = "run_trial"  # the trials' folder names, as Tune names them after the function
+    return Trial
+
+
+def end_stopped_run() -> None:
+    """In a trial's process, as Tune stops it: wake its thread from its report and, where the scheduler stopped it
+    (`_ENDING`, set by `TuneReportCallback`), wait up to `_END_S` while it ends its run; a trial stopped while
+    training (the sweep interrupted) is not waited for."""
+    from ray.train._internal.session import get_session
+
+    session = get_session()
+    if session is None or not session.training_started:
+        return
+    session.finish(timeout=0)  # a thread waiting in its report raises SystemExit there
+    thread = session.training_thread
+    waited = 0.0
+    while thread.is_alive() and not _ENDING.is_set() and waited < _WAKE_S:
+        thread.join(timeout=0.05)
+        waited += 0.05
+    if _ENDING.is_set():
+        thread.join(timeout=_END_S)
 
 
 def plain(sampled: dict[str, Any]) -> dict[str, Any]:
@@ -121,13 +171,15 @@ def apply_sampled(base: dict[str, Any], sampled: dict[str, Any]) -> dict[str, An
     return values
 
 
-def run_sweep(base: dict[str, Any], space: list[Dimension], sweep: SweepConfig, resume: bool = False) -> dict[str, Any]:
+def run_sweep(base: dict[str, Any], space: list[Dimension], sweep: SweepConfig, resume: bool = False,
+              trial_callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
     """Run (or with `resume`, continue) the sweep; returns the best trial, its config file and counts.
 
     `base` is a run config's raw values (as `load_run_values` reads them), `space` the checked
     dimensions (`load_space`). The sweep lives in `sweep.storage`, by default `<training.storage>/sweeps`;
     its MLflow run and the trials' runs go to the run config's MLflow store (by default the one in
     `training.storage`). Ray is joined at `cluster.address` or RAY_ADDRESS, else started here.
+    `trial_callbacks` join every trial's run callbacks (picklable).
     """
     base = absolute_paths(base)
     cfg = validate_run_config(base)
@@ -142,7 +194,7 @@ def run_sweep(base: dict[str, Any], space: list[Dimension], sweep: SweepConfig, 
         try:
             storage.write_record({"base": base, "space": [d.describe() for d in space],
                                   "keys": [d.key for d in space], "run_id": tracker.run_id})
-            plan = TrialPlan(base, storage, tracker.run_id, sweep.name)
+            plan = TrialPlan(base, storage, tracker.run_id, sweep.name, tuple(trial_callbacks))
             results = _tuner(plan, cfg, space, sweep, tracking, resume).fit()
             summary = summarize(results, base, cfg.training.steps, storage, tracker, sweep)
         except BaseException as e:
@@ -209,7 +261,8 @@ def summarize(results, base: dict[str, Any], steps: int, storage: SweepStorage, 
     if unfinished:
         raise SweepInterruptedError(f"the sweep stopped with {unfinished} trials unfinished; continue it with --resume "
                                     f"(--storage {storage.root} --name {storage.name})")
-    finished = [r for r in results if r.metrics and sweep.metric in r.metrics]
+    errors = trial_errors(results, tracker)
+    finished = [r for r in results if r.metrics and sweep.metric in r.metrics and _trial_id(r) not in errors]
     if not finished:
         raise ConfigError(f"no trial reported {sweep.metric}; see the trial errors above")
     best = results.get_best_result(metric=sweep.metric, mode=sweep.mode, scope="last")
@@ -220,12 +273,24 @@ def summarize(results, base: dict[str, Any], steps: int, storage: SweepStorage, 
         "best_trial": trial_id, "metric": sweep.metric, "best_value": best.metrics[sweep.metric],
         "best_eval_loss": best.metrics["eval_loss"], "best_step": best.metrics["step"],
         "best_config": plain(best.config), "best_config_path": path,
-        "trials": len(results), "errors": len(results.errors),
+        "trials": len(results), "errors": len(errors), "trial_errors": errors,
         "stopped_early": sum(r.metrics["step"] < steps for r in finished), "run_id": tracker.run_id,
     }
     summary.update(best_trial_run(tracker, trial_id, best_values))
     tracker.log_summary(summary)
     return summary
+
+
+def trial_errors(results, tracker: MlflowTracker) -> dict[str, str]:
+    """Each trial that errored in Tune, or whose MLflow run ended FAILED (it failed while ending its run), by its
+    id, with its error."""
+    errors = {_trial_id(r): error_line(r.error) for r in results if r.error is not None}
+    return errors | failed_trials(tracker)
+
+
+def _trial_id(result) -> str:
+    """A Tune result's trial id (its metrics carry it once it reported; else its folder's name says it)."""
+    return str(result.metrics.get("trial_id") or Path(result.path).name)
 
 
 def _tuner(plan: TrialPlan, cfg: RunConfig, space: list[Dimension], sweep: SweepConfig, tracking: TrackingConfig,
@@ -236,7 +301,7 @@ def _tuner(plan: TrialPlan, cfg: RunConfig, space: list[Dimension], sweep: Sweep
 
     storage = plan.storage
     resources = trial_resources(cfg, sweep, ray.cluster_resources().get("GPU", 0) >= 1)
-    trainable = tune.with_resources(tune.with_parameters(run_trial, plan=plan), resources)
+    trainable = tune.with_resources(trial_trainable(plan), resources)
     if resume:
         return tune.Tuner.restore(f"{storage.tune_storage_path}/{storage.name}", trainable, resume_unfinished=True,
                                   storage_filesystem=storage.filesystem)

@@ -37,7 +37,8 @@ from mt_ray.training.run_dir import EXPORT_DIR, RunDir
 log = logging.getLogger(__name__)
 
 # The last logged value of these (TRL's names) goes into a preference or GRPO run's summary.
-STAGE_METRICS = ("reward", "frac_reward", "logps/", "completions/", "kl", "clip_ratio/", "rollout/")
+STAGE_METRICS = ("reward", "frac_reward", "logps/", "completions/", "kl", "clip_ratio/", "rollout/", "nll_loss",
+                 "sft_loss", "log_odds_")
 
 
 class Trainer:

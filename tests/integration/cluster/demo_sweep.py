@@ -1,5 +1,9 @@
-"""The sweep the integration tests run: jobs/configs/demo.yaml made small, over jobs/spaces/demo.yaml."""
+"""The sweep the integration tests run: jobs/configs/demo.yaml made small, over jobs/spaces/demo.yaml; and callbacks
+that force a trial's outcome (they travel to the trials' processes, so they live in a module, not a test)."""
 
+import time
+
+from mt_ray.training.callbacks import Callback
 from tests.conftest import ROOT
 
 STEPS = 6
@@ -9,3 +13,26 @@ DEMO_OVERRIDES = [f"training.steps={STEPS}", "training.eval_every=2", "data.val_
                   "engine.device=cpu", "checkpoint.every_steps=2"]
 DEMO = str(ROOT / "jobs/configs/demo.yaml")
 SPACE = str(ROOT / "jobs/spaces/demo.yaml")
+
+
+class FailAtFirstEval(Callback):
+    """Fails the trial whose `optimizer.lr` is `lr` at its first evaluation, before it reports: a trial that errors."""
+
+    def __init__(self, lr: float):
+        self.lr = lr
+
+    def on_evaluate(self, trainer, step: int, metrics: dict) -> None:
+        if trainer.cfg.optimizer.lr == self.lr:
+            raise RuntimeError(f"forced failure of the trial with lr {self.lr}")
+
+
+class SlowEnd(Callback):
+    """Takes `seconds` to end a run the scheduler stopped, between the stop and the run's summary: longer than Tune
+    takes to end a stopped trial's process unless the trial's stop waits for its run."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_step_end(self, trainer, step: int) -> None:
+        if trainer.stop_reason is not None:
+            time.sleep(self.seconds)

@@ -18,7 +18,14 @@ from mt_ray.config.run import load_run_values  # noqa: E402
 from mt_ray.config.sweep import SweepConfig, build_space, load_space  # noqa: E402
 from mt_ray.training.sweep import run_sweep  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
-from tests.integration.cluster.demo_sweep import DEMO, DEMO_OVERRIDES, SPACE, STEPS  # noqa: E402
+from tests.integration.cluster.demo_sweep import (  # noqa: E402
+    DEMO,
+    DEMO_OVERRIDES,
+    SPACE,
+    STEPS,
+    FailAtFirstEval,
+    SlowEnd,
+)
 
 
 @pytest.fixture(scope="module")
@@ -114,17 +121,34 @@ def test_the_best_config_trains_with_mt_ray_train(sweep):
 def test_a_dpo_sweep_keeps_the_trial_with_the_highest_eval_reward_accuracy(local_ray, tmp_path):
     """`--metric eval_rewards/accuracies` on the DPO demo: every trial reports its held-out reward accuracy (and no
     eval perplexity, which a preference run does not have). lr 2e-2 overshoots: at step 2 its accuracy is below
-    lr 1e-5's, so ASHA, maximising, stops it there, and the best trial is the other."""
+    lr 1e-5's, so ASHA, maximising, stops it there, and the best trial is the other. Each outcome is forced, not
+    left to load: the stopped trial takes 4 s to end its run (longer than Tune takes to end its process, unless the
+    stop waits for the run), and the trial with lr 3e-2 fails at its first evaluation. The stopped trial's run is
+    FINISHED with its summary and stop reason; the failed one counts in `errors`, named, and its run is FAILED with
+    its error."""
+    from mlflow import MlflowClient
+
     base = load_run_values(str(ROOT / "jobs/configs/dpo_demo.yaml"), [
         "training.steps=4", "training.eval_every=2", "data.val_size=8", "data.max_seq_len=128",
-        "training.grad_accum_steps=1", "engine.device=cpu", "training.export=false", "tracking.enabled=false",
-        f"training.storage={tmp_path}"])
-    space = build_space({"optimizer.lr": {"grid": [1.0e-5, 2.0e-2]}}, base)
+        "training.grad_accum_steps=1", "engine.device=cpu", "training.export=false", f"training.storage={tmp_path}",
+        f"tracking.tracking_uri=sqlite:///{tmp_path / 'sweep.db'}", "tracking.experiment=dpo-sweep"])
+    space = build_space({"optimizer.lr": {"grid": [1.0e-5, 2.0e-2, 3.0e-2]}}, base)
     summary = run_sweep(base, space, SweepConfig(samples=1, max_concurrent=1, name="dpo",
-                                                 metric="eval_rewards/accuracies"))
-    assert summary["metric"] == "eval_rewards/accuracies" and summary["trials"] == 2 and summary["errors"] == 0
+                                                 metric="eval_rewards/accuracies"),
+                        trial_callbacks=[FailAtFirstEval(3.0e-2), SlowEnd(4.0)])
+    assert summary["metric"] == "eval_rewards/accuracies" and summary["trials"] == 3 and summary["errors"] == 1
+    [(failed_id, error)] = summary["trial_errors"].items()
+    assert error == "RuntimeError: forced failure of the trial with lr 0.03"
     assert summary["stopped_early"] == 1 and summary["best_config"] == {"optimizer.lr": 1.0e-5}
     [written] = (tmp_path / "sweeps" / "dpo" / "trials").glob(f"*{summary['best_trial']}/summary.json")
     best = json.loads(written.read_text())
     assert summary["best_value"] == best["eval_rewards/accuracies"] and summary["best_eval_loss"] == best["eval_loss"]
     assert "eval_perplexity" not in best
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'sweep.db'}")
+    runs = {r.data.tags["mt_ray.sweep.trial_id"]: r for r in child_runs(client, summary["run_id"])}
+    assert runs[failed_id].info.status == "FAILED" and runs[failed_id].data.tags["mt_ray.error"] == error
+    [stopped] = [r for r in runs.values() if "mt_ray.sweep.stopped_early" in r.data.tags]
+    assert stopped.info.status == runs[summary["best_trial"]].info.status == "FINISHED"
+    assert stopped.data.tags["mt_ray.sweep.stopped_early"] == "stopped by the scheduler at step 2"
+    assert stopped.data.metrics["summary.steps"] == 2  # it ended its run (summary, checkpoint) before its process

@@ -28,9 +28,10 @@ from tests.tiny_models import VOCAB, preference_sequence, tiny_config  # noqa: E
 STEPS = 2  # step 0: the policy is the reference (rewards 0); step 1: it has moved away from it
 OPT = OptimizerConfig(lr=1e-2, eps=1e-3, max_grad_norm=1.0, schedule="constant")
 ENGINE = EngineConfig(device="cpu", compute_dtype="fp32", checkpoint_every=2, loss_chunk_tokens=7)
-CASES = {  # stage, pref: the DPO loss with its SFT term, a reference-free loss, KTO
+CASES = {  # stage, pref: the DPO loss with its SFT term, reference-free losses (ORPO's NLL over the prompts too), KTO
     "dpo-sigmoid": ("dpo", PreferenceConfig(beta=0.5, ftx=0.3)),
     "simpo": ("dpo", PreferenceConfig(loss="simpo", beta=2.0, simpo_gamma=0.3)),
+    "orpo": ("dpo", PreferenceConfig(loss="orpo", beta=0.5, ftx=0.2)),
     "kto": ("kto", PreferenceConfig(beta=0.5, kto_rejected_weight=1.5)),
 }
 

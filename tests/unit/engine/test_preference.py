@@ -2,8 +2,8 @@
 streamed and resident schedules, packed and unpacked.
 
 TRL computes its loss with its own trainer (`DPOTrainer.compute_loss`, `KTOTrainer.compute_loss`) or, for
-the experimental ORPO and SimPO (CPO) trainers, its own loss functions on the model's log-probs; its gradients
-then take one plain torch AdamW step, which the engine's update must equal.
+the experimental SimPO (CPO) trainer, its own loss function on the model's log-probs; its gradients then take one
+plain torch AdamW step, which the engine's update must equal. ORPO runs `ORPOTrainer.train` itself, two steps.
 """
 
 from __future__ import annotations
@@ -178,13 +178,91 @@ def test_a_closed_engine_that_streams_a_reference_is_freed_with_its_last_referen
     assert_freed_once_closed(trained_engine)
 
 
-# ---------------------------------------------------------------------------------------------- ORPO, SimPO
+# ---------------------------------------------------------------------------------------------- ORPO
 
 
-def trl_reference_free(policy, pairs, loss: str, beta: float, gamma: float, smoothing: float, ftx: float):
-    """TRL's ORPOTrainer.odds_ratio_loss or CPOTrainer.cpo_loss (loss_type simpo, cpo_alpha = ftx) on the
-    model's mean token log-probs, with its token-mean NLL of the chosen responses."""
-    from trl.experimental.cpo import CPOTrainer
+ORPO_PAIRS = [{"prompt": f"Question {i}: what is {i} plus {3 * i}?", "chosen": f" It is {4 * i}.",
+               "rejected": f" Maybe {i + 7}, or not at all{'!' * i}"} for i in range(PAIRS)]
+ORPO_METRICS = [*DPO_METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen"]
+ORPO_OPT = OptimizerConfig(lr=1e-2, eps=1e-3, max_grad_norm=0.0, schedule="constant")
+
+
+@pytest.fixture(scope="module")
+def orpo_trainer_run():
+    """TRL's ORPOTrainer, unmodified, trained two steps on ORPO_PAIRS (all four a step) from a tiny Llama: the
+    config, the starting weights, the pairs as it tokenized them (mt-ray's sequences), its logged metrics and
+    its weights after."""
+    from datasets import Dataset
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    from mt_ray.data import load_tiny_tokenizer
+
+    tok = load_tiny_tokenizer()
+    cfg = tiny_config("llama", vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    policy = reference_model(cfg)
+    start = copy.deepcopy(policy.state_dict())
+    args = ORPOConfig(output_dir="/tmp/mt-ray-trl", report_to=[], use_cpu=True, bf16=False, max_length=64, beta=0.5,
+                      per_device_train_batch_size=PAIRS, max_steps=2, learning_rate=ORPO_OPT.lr,
+                      adam_epsilon=ORPO_OPT.eps, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
+                      logging_steps=1, save_strategy="no", seed=0)
+    trainer = ORPOTrainer(model=policy, args=args, train_dataset=Dataset.from_list(ORPO_PAIRS), processing_class=tok)
+    groups = [[preference_sequence(ids[:labels.count(-100)], ids[labels.count(-100):], role)
+               for ids, labels, role in ((row[f"{side}_input_ids"], row[f"{side}_labels"], r)
+                                         for side, r in (("chosen", ROLE_CHOSEN), ("rejected", ROLE_REJECTED)))]
+              for row in trainer.train_dataset]
+    assert all(len(g[0].input_ids) > g[0].prompt_len > 3 for g in groups)  # prompts the NLL must cover
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    return cfg, start, groups, logged, {k: v.detach().clone() for k, v in policy.state_dict().items()}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_orpo_equals_trl_orpo_trainer(orpo_trainer_run, layout):
+    """pref.loss orpo trains as ORPOTrainer does, its NLL over the chosen prompts and responses: each step's loss
+    and TRL's metrics, and the weights after two steps (the engine's step split in two micro-batches)."""
+    cfg, start, groups, logged, theirs = orpo_trainer_run
+    engine_kw, packed = LAYOUTS[layout]
+    engine = StreamingEngine(discover(cfg), EngineConfig(device="cpu", compute_dtype="fp32", **engine_kw), ORPO_OPT,
+                             total_steps=2, stage="dpo", pref=PreferenceConfig(beta=0.5, loss="orpo"))
+    try:
+        engine.load_state_dict(start)
+        for step in logged:
+            result = engine.train_step(micro_batches(groups, packed))
+            assert result.loss.item() == pytest.approx(step["loss"], rel=1e-5)
+            for name in ORPO_METRICS:
+                assert result.metrics[name].item() == pytest.approx(step[name], rel=1e-4, abs=1e-5), name
+        for name, w in engine.state_dict().items():
+            torch.testing.assert_close(w, theirs[name], atol=2e-6, rtol=1e-5, msg=name)
+    finally:
+        engine.close()
+
+
+def test_orpo_llamafactory_nll_is_each_pairs_mean_response_nll():
+    """pref.orpo_nll llamafactory: LLaMA-Factory's orpo loss, -a_c + β·(-logσ(log-odds)) per pair with a the mean
+    response-token log-prob, averaged over the pairs (its `odds_ratio_loss` written out); one step's loss, NLL and
+    weights."""
+    cfg, policy, _ = models()
+    pairs = make_pairs(seed=3)
+    groups = [[preference_sequence(p["prompt_ids"], p["chosen_ids"], ROLE_CHOSEN),
+               preference_sequence(p["prompt_ids"], p["rejected_ids"], ROLE_REJECTED)] for p in pairs]
+    pref = PreferenceConfig(beta=0.5, loss="orpo", orpo_nll="llamafactory")
+    loss, metrics, state = engine_step(cfg, policy, None, micro_batches(groups, True), "dpo", pref,
+                                       LAYOUTS["stream-packed"][0])
+    chosen, rejected = mean_logps(policy, pairs)
+    log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
+    sft = -chosen
+    total = (sft + 0.5 * -F.logsigmoid(log_odds)).mean()
+    assert loss == pytest.approx(total.item(), rel=1e-5)
+    assert metrics["nll_loss"] == pytest.approx(sft.mean().item(), rel=1e-5)
+    for name, w in torch_step(policy, total).items():
+        torch.testing.assert_close(state[name], w, atol=2e-6, rtol=1e-5, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------- SimPO
+
+
+def mean_logps(policy, pairs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's mean response-token log-prob of each pair's chosen and rejected sequence (with graph)."""
     from trl.experimental.orpo import ORPOTrainer
 
     seqs = [(p["prompt_ids"], p[k]) for k in ("chosen_ids", "rejected_ids") for p in pairs]
@@ -195,16 +273,20 @@ def trl_reference_free(policy, pairs, loss: str, beta: float, gamma: float, smoo
     policy.train()
     logits = policy(input_ids=ids, attention_mask=mask, use_cache=False).logits
     logps = ORPOTrainer.get_batch_logps(logits, labels, average_log_prob=True)
-    chosen, rejected = logps[:PAIRS], logps[PAIRS:]
-    nll = F.cross_entropy(logits[:PAIRS, :-1].reshape(-1, VOCAB), labels[:PAIRS, 1:].reshape(-1))
-    me = SimpleNamespace(beta=beta, accelerator=SimpleNamespace(device="cpu"), loss_type=loss, simpo_gamma=gamma,
+    return logps[:len(pairs)], logps[len(pairs):]
+
+
+def trl_simpo(policy, pairs, beta: float, gamma: float, smoothing: float, ftx: float):
+    """TRL's CPOTrainer.cpo_loss (loss_type simpo) on the model's mean token log-probs, with the token-mean NLL of
+    the chosen responses weighted by `ftx`."""
+    from trl.experimental.cpo import CPOTrainer
+
+    chosen, rejected = mean_logps(policy, pairs)
+    nll = -(chosen * torch.tensor([len(p["chosen_ids"]) for p in pairs])).sum() / sum(len(p["chosen_ids"]) for p in pairs)
+    me = SimpleNamespace(beta=beta, accelerator=SimpleNamespace(device="cpu"), loss_type="simpo", simpo_gamma=gamma,
                          label_smoothing=smoothing, alpha=0.0)
-    if loss == "orpo":
-        losses, rew_c, rew_r, _, _ = ORPOTrainer.odds_ratio_loss(me, chosen, rejected)
-        total = (1 + ftx) * nll - losses.mean()
-    else:
-        losses, rew_c, rew_r = CPOTrainer.cpo_loss(me, chosen, rejected)
-        total = losses.mean() + ftx * nll
+    losses, rew_c, rew_r = CPOTrainer.cpo_loss(me, chosen, rejected)
+    total = losses.mean() + ftx * nll
     metrics = {"rewards/chosen": rew_c.mean().item(), "rewards/rejected": rew_r.mean().item(),
                "rewards/accuracies": (rew_c > rew_r).float().mean().item(),
                "rewards/margins": (rew_c - rew_r).mean().item(), "logps/chosen": chosen.mean().item(),
@@ -213,17 +295,15 @@ def trl_reference_free(policy, pairs, loss: str, beta: float, gamma: float, smoo
 
 
 @pytest.mark.parametrize("layout", ["stream-packed", "resident-packed", "stream-unpacked"])
-@pytest.mark.parametrize("loss", ["orpo", "simpo"])
-def test_reference_free_losses_equal_trl(loss, layout):
+def test_simpo_equals_trl(layout):
     engine_kw, packed = LAYOUTS[layout]
     cfg, policy, _ = models()
     pairs = make_pairs(seed=1)
     groups = [[preference_sequence(p["prompt_ids"], p["chosen_ids"], ROLE_CHOSEN),
                preference_sequence(p["prompt_ids"], p["rejected_ids"], ROLE_REJECTED)] for p in pairs]
-    smoothing, ftx = (0.0, 0.0) if loss == "orpo" else (0.1, 0.3)
-    pref = PreferenceConfig(beta=2.0, loss=loss, simpo_gamma=0.4, label_smoothing=smoothing, ftx=ftx)
+    pref = PreferenceConfig(beta=2.0, loss="simpo", simpo_gamma=0.4, label_smoothing=0.1, ftx=0.3)
     ours = engine_step(cfg, policy, None, micro_batches(groups, packed), "dpo", pref, engine_kw)
-    theirs = trl_reference_free(policy, pairs, loss, 2.0, 0.4, smoothing, ftx)
+    theirs = trl_simpo(policy, pairs, 2.0, 0.4, 0.1, 0.3)
     assert_same(ours, theirs, DPO_METRICS)
 
 
