@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
 
+from mt_ray.config.run import RunConfig
+from mt_ray.models.discovery import ModelSpec
 from mt_ray.tracking import TrackingConfig
+from mt_ray.training.run_dir import RunDir
 
-if TYPE_CHECKING:
-    from mt_ray.training.trainer import Trainer
 
 def interactive() -> bool:
     """Whether progress goes to a terminal (a bar redrawn in place) rather than a file or pipe (lines)."""
@@ -22,9 +22,9 @@ def progress_line(step: int, steps: int, values: dict[str, str]) -> str:
     return f"step {step}/{steps}: " + ", ".join(f"{k} {v}" for k, v in values.items())
 
 
-def banner(trainer: Trainer) -> str:
-    """Three lines as the first step starts: what trains on what, how, and where its outputs go."""
-    cfg, spec, run = trainer.cfg, trainer.spec, trainer.run
+def banner(cfg: RunConfig, spec: ModelSpec, run: RunDir, step: int) -> str:
+    """Three lines as the first step starts (`step`: where it starts): what trains on what, how, and where its
+    outputs go."""
     t, d, e = cfg.training, cfg.data, cfg.engine
     model = cfg.model.path or cfg.model.preset
     params = spec.num_params
@@ -34,7 +34,7 @@ def banner(trainer: Trainer) -> str:
     workers = (f", {cfg.cluster.num_workers} Ray engine workers on {cfg.cluster.num_nodes} node(s)"
                if cfg.cluster.num_workers > 1 else "")
     rows = f"packed rows of {d.max_seq_len} tokens" if d.packing else f"one example a row, at most {d.max_seq_len} tokens"
-    start = f" from step {trainer.step}" if trainer.step else ""
+    start = f" from step {step}" if step else ""
     return (f"run {run.name}: {t.stage} of {model} ({type(spec.skeleton).__name__}, {size} parameters) on "
             f"{device}{workers}\n"
             f"  data {', '.join(d.datasets)} (template {d.template}, {rows}); {t.steps} steps of "

@@ -107,7 +107,7 @@ class Trainer:
         self._maybe_precompute_reference()  # with the starting weights: before a resume restores the policy
         self._maybe_resume()
         self.run.claim(self.cfg)
-        print(banner(self), flush=True)
+        print(banner(self.cfg, self.spec, self.run, self.step), flush=True)
         for cb in self.callbacks:
             cb.on_train_start(self)
         # A bar redrawn in place on a terminal; in a file (a Ray job's log, a pipe) one line per log_every steps.
