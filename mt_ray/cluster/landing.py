@@ -186,8 +186,7 @@ class ArenaGrads:
 
     def flush(self) -> None:
         """Return once the shard has summed every gradient submitted so far."""
-        self._ship.join()
-        self._acks.join()
+        self.flush_quietly()
         self._raise_if_failed()
 
     def rejoin(self, generation: int) -> None:

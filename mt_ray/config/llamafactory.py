@@ -175,6 +175,7 @@ def _weights(value: Any, _: dict[str, Any]) -> Assignments:
 
 
 _LORA = unused("only read with finetuning_type: lora")
+_VIDEO = unused("mt-ray trains on images; a row with videos is refused")
 _NOT_LEARNED = "how many processes prepare the data; mt-ray tokenizes ahead of the steps in a background thread"
 
 RULES: dict[str, Rule] = {
@@ -185,10 +186,10 @@ RULES: dict[str, Rule] = {
     "cache_dir": unused("nothing is downloaded: model_name_or_path is a local folder"),
     "image_max_pixels": to("data.image_max_pixels", convert=int),
     "image_min_pixels": to("data.image_min_pixels", convert=int),
-    "video_max_pixels": unused("mt-ray trains on images; a row with videos is refused"),
-    "video_min_pixels": unused("mt-ray trains on images; a row with videos is refused"),
-    "video_fps": unused("mt-ray trains on images; a row with videos is refused"),
-    "video_maxlen": unused("mt-ray trains on images; a row with videos is refused"),
+    "video_max_pixels": _VIDEO,
+    "video_min_pixels": _VIDEO,
+    "video_fps": _VIDEO,
+    "video_maxlen": _VIDEO,
     "use_reentrant_gc": unused("the engine recomputes blocks of engine.checkpoint_every layers without torch's "
                                "checkpointing"),
     "flash_attn": _attention,
