@@ -1,4 +1,7 @@
-"""The node's gradient sum: fp32 over the parts in the order given, rounded once, its norm² on any thread count."""
+"""The node's gradient sum: fp32 over the parts in the order given, rounded once, its norm² on any thread count.
+
+The norm² is exact to fp32 rounding within a block (squares summed in fp32 lanes) and the blocks add in fp64: within
+1e-6 of the fp64 norm², as torch's own fp32 `clip_grad_norm_` is, and the same on every thread count."""
 
 import threading
 
@@ -9,6 +12,7 @@ import torch
 from mt_ray.cluster.grad_sum import BLOCK, sum_in_order, use_sum_threads
 
 N = 3 * BLOCK + 777  # several blocks, the last one short
+NORM_RTOL = 1e-6  # fp32 lanes within a block
 
 
 def _parts(count: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -34,7 +38,7 @@ def test_the_sum_is_bit_identical_to_fp32_addition_in_order_rounded_once(dtype, 
     norm_sq = sum_in_order(parts, out)
     assert torch.equal(out, expected.to(dtype))
     assert norm_sq.dtype == torch.float64
-    torch.testing.assert_close(norm_sq, expected.double().square().sum(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(norm_sq, expected.double().square().sum(), rtol=NORM_RTOL, atol=0)
 
 
 def test_the_sum_may_land_on_its_first_part_and_a_lone_part_gives_its_norm_alone():
@@ -45,7 +49,7 @@ def test_the_sum_may_land_on_its_first_part_and_a_lone_part_gives_its_norm_alone
     before = parts[0].clone()
     norm_sq = sum_in_order([parts[0]], None)
     assert torch.equal(parts[0], before)
-    torch.testing.assert_close(norm_sq, before.double().square().sum(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(norm_sq, before.double().square().sum(), rtol=NORM_RTOL, atol=0)
 
 
 def test_the_result_does_not_depend_on_the_thread_count():
