@@ -39,8 +39,10 @@ from mt_ray.verbosity import library_log_level
 
 # Paths in a run config that a trial, running in a folder of its own, must see as the driver sees them.
 _PATH_KEYS = ("model.path", "model.tokenizer", "data.registry")
-# Set in a trial's process once the scheduler stopped it and its run is ending (`TuneReportCallback`).
+# Set in a trial's process once the scheduler stopped it and its run is ending (`TuneReportCallback`), and once
+# `run_trial`'s run has ended (its thread then still hands Tune its end, which a stopping trial never takes).
 _ENDING = threading.Event()
+_ENDED = threading.Event()
 _WAKE_S = 5.0  # how long a stopped trial's thread may take to wake from its report and start ending its run
 _END_S = 300.0  # how long Tune's stop waits for a stopped trial's run to end (summary, checkpoint, MLflow)
 
@@ -113,8 +115,11 @@ def run_trial(sampled: dict[str, Any], plan: TrialPlan) -> None:
 
     from mt_ray.training.launch import run
 
-    summary = run(plan.trial_config(sampled, tune.get_context().get_trial_id()),
-                  extra_callbacks=[*plan.callbacks, TuneReportCallback()])
+    try:
+        summary = run(plan.trial_config(sampled, tune.get_context().get_trial_id()),
+                      extra_callbacks=[*plan.callbacks, TuneReportCallback()])
+    finally:
+        _ENDED.set()
     if "stopped_early" not in summary:  # every eval metric the run has (a preference stage's rewards among them)
         report({k: v for k, v in summary.items() if k.startswith("eval_")}
                | {"step": summary["steps"], "loss": summary["final_loss"]})
@@ -141,7 +146,7 @@ def trial_trainable(plan: TrialPlan):
 
 def end_stopped_run() -> None:
     """In a trial's process, as Tune stops it: wake its thread from its report and, where the scheduler stopped it
-    (`_ENDING`, set by `TuneReportCallback`), wait up to `_END_S` while it ends its run; a trial stopped while
+    (`_ENDING`, set by `TuneReportCallback`), wait up to `_END_S` until its run has ended; a trial stopped while
     training (the sweep interrupted) is not waited for."""
     from ray.train._internal.session import get_session
 
@@ -154,8 +159,8 @@ def end_stopped_run() -> None:
     while thread.is_alive() and not _ENDING.is_set() and waited < _WAKE_S:
         thread.join(timeout=0.05)
         waited += 0.05
-    if _ENDING.is_set():
-        thread.join(timeout=_END_S)
+    if _ENDING.is_set():  # the run's end, not the thread's: past it the thread waits on Tune, which is stopping
+        _ENDED.wait(timeout=_END_S)
 
 
 def plain(sampled: dict[str, Any]) -> dict[str, Any]:
