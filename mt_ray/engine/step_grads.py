@@ -84,7 +84,7 @@ class StepGrads:
         """Ship a finished fp32 gradient to the host and queue its optimizer update (`skip`: spans without one)."""
         self.sent.add(unit)
         if self.reduce is None:
-            self.norm_sq += torch.linalg.vector_norm(acc).square()
+            self.norm_sq += norm_sq_of(acc)
             grad = acc.to(self.grad_dtype)
         else:
             # The node's collective runs in the gradient dtype, off the compute stream; only the engine that ships
@@ -92,7 +92,7 @@ class StepGrads:
             grad = self.reduce(unit, acc.to(self.grad_dtype))
             if grad is None:
                 return
-            self.norm_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+            self.norm_sq += norm_sq_of(grad)
         done_on_compute = self.streams.record(self.streams.compute)
         if self.worker.copies_out:
             # The sink copies it out from a thread of its own: room in its landing is never waited for here.
@@ -119,3 +119,11 @@ class StepGrads:
             norm_ready = self.streams.record(self.streams.d2h)
         self.outbox.add(self.norm_sq, norm_ready)  # a later step must not reuse it before the copy
         self.worker.end_step(self.norm_sq_host, norm_ready, self.lr)
+
+
+def norm_sq_of(grad: torch.Tensor) -> torch.Tensor:
+    """‖grad‖² in fp32, for the clip. On the CPU torch's fp32 norm sums each vector lane in turn (6e-4 off at 10 M
+    elements, so one engine's clip differed from the cluster's exact one), so there it accumulates in fp64; a GPU's
+    tree reduction in fp32 is exact to fp32 rounding and reads the gradient once."""
+    dtype = torch.float64 if grad.device.type == "cpu" else torch.float32
+    return torch.linalg.vector_norm(grad, dtype=dtype).square().float()

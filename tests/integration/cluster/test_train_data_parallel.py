@@ -45,10 +45,8 @@ def test_two_workers_match_one_engine_and_resume_exactly(local_ray, tmp_path):
 
     assert dp_summary["steps"] == one_summary["steps"] == STEPS
     assert [h["step"] for h in dp_history] == list(range(1, STEPS + 1))
-    # 2e-5: since the seventh session the two workers' losses differ from one engine's by up to 1.6e-5 relative from
-    # step 1 (before any update) in this test's Ray, not in a plain one (3e-8); unexplained, see the closing note.
-    assert [h["loss"] for h in dp_history] == pytest.approx([h["loss"] for h in one_history], rel=2e-5)
-    assert [h["grad_norm"] for h in dp_history] == pytest.approx([h["grad_norm"] for h in one_history], rel=2e-5)
+    assert [h["loss"] for h in dp_history] == pytest.approx([h["loss"] for h in one_history], abs=1e-5)
+    assert [h["grad_norm"] for h in dp_history] == pytest.approx([h["grad_norm"] for h in one_history], rel=1e-5)
     assert [h["lr"] for h in dp_history] == [h["lr"] for h in one_history]
     assert all(h["host_bytes_per_param"] > 0 for h in dp_history)
     assert_close_weights(dp_weights, one_weights, atol=1e-5)
