@@ -363,7 +363,7 @@ class DataParallelTrainer(ShardedState):
         if self.after_launch is not None:
             self.after_launch(step, self)
         # The driver waits here for every worker's share of the step (its gradients summed on its node)...
-        outs = self._wait_workers(step, timeout)
+        outs = self._wait_workers(step, timeout, norms)
         # ...then for every shard's norm², whose total (shard order, so a rerun clips alike) starts the updates;
         # where one worker lands the only gradients (a lone worker, or one node's NCCL sum) it is that GPU's.
         shard_norm_sq = sum(self._ask_shards(norms))  # also: every partial sum sent on has arrived
@@ -387,14 +387,18 @@ class DataParallelTrainer(ShardedState):
         estimate = predicted_step_seconds(self.spec, self.engine_cfg, seq, rows(batch) / self.num_workers, machine)
         return max(STEP_TIMEOUT_FLOOR_S, STEP_TIMEOUT_FACTOR * estimate)
 
-    def _wait_workers(self, step: int, timeout: float) -> list[dict]:
-        """Every worker's answer for `step`; a step past `timeout` is a hung step, named with what it waits for."""
-        pending, deadline = list(self._inflight), time.monotonic() + timeout
-        while pending:
+    def _wait_workers(self, step: int, timeout: float, shard_calls: list[ray.ObjectRef]) -> list[dict]:
+        """Every worker's answer for `step`; a step past `timeout` is a hung step, named with what it waits for.
+        `shard_calls` (the shards' calls of the step) are watched too: a lost shard ends the wait at once, where
+        its node's workers would otherwise wait out their own bounds on it."""
+        workers, deadline = set(self._inflight), time.monotonic() + timeout
+        pending = [*self._inflight, *shard_calls]
+        while workers.intersection(pending):
             done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not done:
                 break
-            ray.get(done)  # a lost worker's error surfaces at once, not after the others' answers
+            ray.get(done)  # a lost worker's (or shard's) error surfaces at once, not after the others' answers
+        pending = [ref for ref in pending if ref in workers]
         if pending:
             late = [r for r, ref in enumerate(self._inflight) if ref in pending]
             waits = {u: ranks for part in self._ask_shards([s.pending.remote(step) for s in self.shards])
