@@ -3,7 +3,8 @@
 Per node (the most loaded one): its coordinator shard's fp32 state (12 B/param of its part; 4 for
 a frozen unit, which has no moments), whose master is part of the node's shared-memory arena;
 the rest of the arena (other nodes' units in the compute dtype, a preference stage's reference in
-it, a gradient slot per trained unit, and a gradient ring for each worker after the node's first); each worker's own process; and an
+it, a gradient slot per trained unit the node owns, a pool of a few units where the node sums those it does not,
+and a gradient ring for each worker after the node's first); each worker's own process; and an
 object store that carries only batches and, with several nodes, unit-sized transfers between them.
 The worker count adds only its rings and processes: `per_worker_bytes`, named, and nothing model-sized.
 GRPO adds a rollout replica's process beside each worker (its copy of the policy is on the worker's GPU, refreshed
@@ -43,6 +44,8 @@ class ClusterSizing:
     state_bytes: int
     arena_bytes: int  # beside the master, which `state_bytes` counts
     reference_bytes: int  # of `arena_bytes`: a preference stage's reference (compute dtype), once per node
+    slot_bytes: int  # of `arena_bytes`: the gradient slots of the trained units the node owns
+    pool_bytes: int  # of `arena_bytes`: where the node sums the units other nodes own (a few units; 0 on one node)
     rings: int  # one for each worker after the node's first, which lands in the slots (none with grad_reduce nccl)
     landers: int  # workers landing gradients on the node (each has acknowledgement words in the arena)
     ring_bytes: int
@@ -100,7 +103,7 @@ def size_cluster(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, num_w
     return ClusterSizing(
         num_nodes=num_nodes, workers_per_node=per_node, params=spec.num_params, shard_params=shard,
         state_bytes=sum(state_cost(u) for u in part), arena_bytes=layout.nbytes - 4 * layout.master_numel - rings - acks,
-        reference_bytes=layout.reference_bytes,
+        reference_bytes=layout.reference_bytes, slot_bytes=layout.slot_bytes, pool_bytes=layout.pool_bytes,
         rings=layout.num_rings, landers=layout.num_local, ring_bytes=layout.ring_bytes,
         worker_process_bytes=WORKER_PROCESS_BYTES, rollout_process_bytes=per_node * WORKER_PROCESS_BYTES if rollout else 0,
         object_store_bytes=int(transit * STORE_SLACK) + STORE_BASE_BYTES,
@@ -120,7 +123,8 @@ def render_cluster(sizing: ClusterSizing) -> str:
     rows = [
         ("nodes x workers per node", f"{s.num_nodes} x {s.workers_per_node}"),
         ("shard state (fp32 master, m, v)", f"{s.state_bytes / GIB:.1f} GiB"),
-        ("shared arena beside the master", f"{s.arena_bytes / GIB:.1f} GiB (gradients, other nodes' weights"
+        ("shared arena beside the master", f"{s.arena_bytes / GIB:.1f} GiB (gradients {s.slot_bytes / GIB:.1f}, "
+                                           f"pool {s.pool_bytes / GIB:.1f}, other nodes' weights"
                                            + (f", reference {s.reference_bytes / GIB:.1f} GiB)" if s.reference_bytes
                                               else ")")),
         ("per worker (ring + process)", f"{s.per_worker_bytes / GIB:.2f} GiB"),
