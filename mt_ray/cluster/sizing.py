@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from mt_ray.cluster.arena import ACK_WORDS, ArenaLayout, ring_numel
+from mt_ray.cluster.arena import ACK_WORDS, FORWARD_INFLIGHT, ArenaLayout, ring_numel
 from mt_ray.cluster.partition import ShardPlan, state_cost
 from mt_ray.cluster.shard import PUBLISH_THREADS
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
@@ -96,8 +96,12 @@ def size_cluster(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, num_w
     rings = layout.num_rings * layout.ring_bytes
     acks = layout.num_local * ACK_BYTES
     largest = max(u.numel for u in spec.units)
-    # Several nodes: partial sums going out and coming in, and updated units cast for the other nodes.
-    transit = (num_nodes - 1) * largest * (2 * g + PUBLISH_THREADS * w) if num_nodes > 1 else 0
+    # Several nodes, at most unit-sized objects each: per peer, FORWARD_INFLIGHT partial sums this node has put for
+    # it and as many of its own pulled here, and PUBLISH_THREADS of its updated units pulled here; beside them this
+    # node's own PUBLISH_THREADS updated units, put once for every peer.
+    peers = num_nodes - 1
+    partials = 2 * FORWARD_INFLIGHT * max(u.numel for u in spec.trainable_units) * g
+    transit = peers * (partials + PUBLISH_THREADS * largest * w) + PUBLISH_THREADS * largest * w if peers else 0
     # Trained units this node neither owns nor updates: their gradients go out, their new weights come in.
     remote = sum(u.numel for u in spec.trainable_units) - shard_trained
     return ClusterSizing(

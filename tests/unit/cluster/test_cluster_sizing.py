@@ -86,7 +86,8 @@ def test_the_calculator_counts_every_byte_of_the_arena_and_a_node_holds_slots_fo
             assert owned * 2 <= s.slot_bytes < owned * 2 + 4096 * len(plan.units_of(node))
     one, two = size_cluster(spec_7b, CFG, OptimizerConfig(), 2, 1), size_cluster(spec_7b, CFG, OptimizerConfig(), 4, 2)
     assert one.pool_bytes == 0 and 0 < two.pool_bytes < 0.3 * (spec_7b.num_params - two.shard_params) * 2
-    assert two.node_host_bytes_per_param < 9.6  # was 10.3: a bf16 slot for every unit (2 B/param) on each node
+    # Was a bf16 slot for every trained unit on each node (2 B/param): now its own half's and a pool of a few units.
+    assert two.slot_bytes + two.pool_bytes < 0.7 * spec_7b.num_params * 2
 
 
 def test_grpo_adds_its_rollout_replicas_processes_and_nothing_model_sized(spec_7b):
