@@ -15,10 +15,14 @@ Nothing model-sized is copied or put per step:
   updates a unit only once every local worker's gradient of it is in, which each worker sends
   after its last upload of the unit in the step has landed, so no upload ever reads a unit
   being written. A worker waits for a word to reach its step before uploading.
-- **gradients.** Every trained unit has a slot in the gradient dtype. The node's first worker
-  lands its device->host copy straight in the slot (a lone worker's is then used as it is);
-  each further worker lands in a ring of its own (a fixed size, at most RING_CAP_MB), in pieces
-  of at most half the ring, and the shard adds each piece, in rank order, into the slot's range.
+- **gradients.** Every trained unit the shard owns has a slot in the gradient dtype, where its step's sum waits
+  for the optimizer (with clipping, until every gradient of the step is in). The node's first worker lands its
+  device->host copy of an owned unit straight in the slot (a lone worker's is then used as it is); its copy of a
+  unit another node owns goes, whole, into the node's **pool** (a ring of a few of the largest such units,
+  `pool_numel`): the node's sum of it is made there and leaves once `ray.put` has copied it for the owner, so a
+  node holds slots for its own part of the model alone. Each further worker lands in a ring of its own (a fixed
+  size, at most RING_CAP_MB), in pieces of a quarter of the ring, and the shard adds each piece, in rank order,
+  into the first worker's landing (slot or pool).
 - **acknowledgements.** A ring of words per local worker: the shard writes `seq + 1` at `seq % ACK_WORDS` once
   what the worker reported as its `seq`-th landing is summed (a ring piece: its part of the ring may be reused). A
   worker's report is a one-way message (`put_grad` returns at once), so no shard thread is held per gradient and
@@ -29,7 +33,7 @@ Nothing model-sized is copied or put per step:
 
 Layout (byte offsets, each region 4 KiB-aligned, computed alike by the shard and its workers):
 header words (generation, state, one version per unit), acknowledgements, weights, reference, gradient slots,
-rings.
+pool, rings.
 """
 
 from __future__ import annotations
@@ -60,6 +64,10 @@ POLL_S = (1e-4, 2e-3)  # a version wait polls from the first to the second, doub
 RING_CAP_MB = 1024
 RING_PIECES = 4  # a ring holds this many pieces: the shard sums one while the worker lands the next
 ACK_WORDS = 1024  # acknowledgement words per local worker: at most this many reports outstanding
+FORWARD_INFLIGHT = 2  # partial sums a node has sent one owner that are not yet summed there
+# Units another node owns whose node sum a node holds at once in its pool: those sent and waiting for room at their
+# owner (FORWARD_INFLIGHT), one being summed here and one landing.
+POOL_UNITS = FORWARD_INFLIGHT + 2
 
 
 def _align(n: int) -> int:
@@ -77,6 +85,18 @@ def ring_numel(spec: ModelSpec, grad_dtype: torch.dtype, cap_mb: float | None = 
     return max(RING_PIECES, min(wanted, cap))
 
 
+def pool_numel(spec: ModelSpec, plan: ShardPlan, shard: int) -> int:
+    """Elements of shard `shard`'s pool, where its node sums the trained units another node owns: POOL_UNITS of the
+    largest such layers, and at least the largest such unit (an embedding or a head lands whole); never more than
+    all of them. 0 on one node."""
+    owned = {u.name for u in plan.units_of(shard)}
+    remote = [u.numel for u in spec.trainable_units if u.name not in owned]
+    if not remote:
+        return 0
+    layers = [u.numel for u in spec.trainable_units if u.name not in owned and u.name.startswith("layers.")]
+    return min(sum(remote), max(max(remote), POOL_UNITS * max(layers or remote)))
+
+
 @dataclass(frozen=True)
 class ArenaLayout:
     """Where everything lives in one node's arena, in bytes."""
@@ -90,8 +110,10 @@ class ArenaLayout:
     master_numel: int
     ref_offsets: dict[str, int]  # a preference stage's reference, each unit in the compute dtype (empty: none)
     ref_dtype: torch.dtype
-    grad_offsets: dict[str, int]
+    grad_offsets: dict[str, int]  # the owned trained units' slots
     grad_dtype: torch.dtype
+    pool_offset: int
+    pool_numel: int
     ring_offset: int
     ring_numel: int
     num_rings: int
@@ -120,14 +142,18 @@ class ArenaLayout:
             off = _align(off + u.numel * dtype.itemsize)
         grad_offsets = {}
         for u in spec.trainable_units:
-            grad_offsets[u.name] = off
-            off = _align(off + u.numel * grad_dtype.itemsize)
-        rings = num_local - 1  # the node's first worker lands in the slots themselves
+            if u.name in owned:
+                grad_offsets[u.name] = off
+                off = _align(off + u.numel * grad_dtype.itemsize)
+        pool_offset, pool = off, pool_numel(spec, plan, shard)
+        off = _align(off + pool * grad_dtype.itemsize)
+        rings = num_local - 1  # the node's first worker lands in the slots and the pool
         ring = ring or ring_numel(spec, grad_dtype)
         return cls(tuple(u.name for u in spec.units), num_local, weight_offsets, weight_dtypes,
                    {u.name: u.numel for u in spec.units}, master_offset or 0, sum(u.numel for u in spec.units
                                                                                   if u.name in owned),
-                   ref_offsets, dtype, grad_offsets, grad_dtype, off, ring, rings, off + rings * _align(ring * grad_dtype.itemsize))
+                   ref_offsets, dtype, grad_offsets, grad_dtype, pool_offset, pool, off, ring, rings,
+                   off + rings * _align(ring * grad_dtype.itemsize))
 
     @property
     def reference_bytes(self) -> int:
@@ -136,6 +162,15 @@ class ArenaLayout:
             return 0
         last = self.units[-1]
         return _align(self.ref_offsets[last] + self.numels[last] * self.ref_dtype.itemsize) - self.ref_offsets[self.units[0]]
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of the owned units' gradient slots."""
+        return self.pool_offset - min(self.grad_offsets.values(), default=self.pool_offset)
+
+    @property
+    def pool_bytes(self) -> int:
+        return _align(self.pool_numel * self.grad_dtype.itemsize)
 
     @property
     def ring_bytes(self) -> int:
@@ -178,7 +213,7 @@ class NodeArena:
         if layout.nbytes > free:
             raise InsufficientMemoryError(
                 f"the node's shared-memory arena needs {layout.nbytes / GIB:.1f} GiB (fp32 state's master, the "
-                f"gradients, {layout.num_rings} worker rings, a reference of {layout.reference_bytes / GIB:.1f} GiB) "
+                f"gradients, a pool of {layout.pool_bytes / GIB:.1f} GiB, {layout.num_rings} worker rings, a reference of {layout.reference_bytes / GIB:.1f} GiB) "
                 f"but only {free / GIB:.1f} GiB is free; spread the "
                 "state over more nodes (cluster.num_nodes), run fewer workers per node, or use a larger host")
         fd = os.memfd_create("mt-ray-arena", os.MFD_CLOEXEC)
@@ -222,11 +257,15 @@ class NodeArena:
         return self._view(lay.ref_offsets[unit], lay.numels[unit], lay.ref_dtype)
 
     def grad(self, unit: str) -> torch.Tensor:
-        """The unit's gradient slot (where the node's first worker lands it, and where a sum goes)."""
+        """An owned unit's gradient slot (where the node's first worker lands it, and where its sum goes)."""
         return self._view(self.layout.grad_offsets[unit], self.layout.numels[unit], self.layout.grad_dtype)
 
+    def pool(self) -> torch.Tensor:
+        """Where the node's first worker lands the units other nodes own, whole, and the shard sums them."""
+        return self._view(self.layout.pool_offset, self.layout.pool_numel, self.layout.grad_dtype)
+
     def ring(self, rank: int) -> torch.Tensor:
-        """Local worker `rank`'s gradient ring (rank 0 has none: it lands in the slots)."""
+        """Local worker `rank`'s gradient ring (rank 0 has none: it lands in the slots and the pool)."""
         lay = self.layout
         if not 0 < rank <= lay.num_rings:
             raise IndexError(f"local worker {rank} has no ring; the node has rings for workers 1 to {lay.num_rings}")

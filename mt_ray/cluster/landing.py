@@ -2,10 +2,10 @@
 shard's acknowledgement.
 
 The engine hands each finished gradient over on the device (`copies_out`) and goes on launching the backward. A
-ship thread finds room for it in the arena (the node's first worker lands in the unit's slot; each further worker in
-a ring of its own, in pieces), copies it there on a copy stream of its own, tells the node's coordinator shard where
+ship thread finds room for it in the arena (the node's first worker lands it whole, in the unit's slot or, for a unit
+another node owns, in the node's pool; each further worker in a ring of its own, in pieces), copies it there on a copy stream of its own, tells the node's coordinator shard where
 it landed (a one-way `put_grad`, a few bytes) and frees the device copy. An ack thread waits, bounded, for the
-shard's acknowledgement in the arena and frees that part of the ring. The only wait left on the engine's thread is
+shard's acknowledgement in the arena and frees that part of the ring or pool. The only wait left on the engine's thread is
 for room on the device: gradients held there before they land are at most a ring's worth (two layers', what the
 engine's device plan keeps for gradients on their way out), or one gradient where it is larger.
 """
@@ -33,41 +33,45 @@ CHECK_CALL_S = 0.1  # how often a wait for an acknowledgement checks that the re
 class LandingBuffers:
     """Where each gradient's device->host copy lands in the arena.
 
-    The node's first worker lands every gradient whole in the unit's slot, where the shard adds the others' to it (a
-    lone worker's is used as it is). Each further worker lands in a ring of its own, in pieces of a quarter of it
-    (`ArenaLayout.pieces`), handed out first in, first out, and freed as the shard acknowledges each piece's sum; a
-    full ring holds the ship thread (never the engine's) until then. The engine sees only `close`.
+    The node's first worker lands every gradient whole: a unit its node's shard owns in the unit's slot, where the
+    shard adds the others' to it (a lone worker's is used as it is); a unit another node owns in the node's pool, where
+    its node sum is made and sent on. Each further worker lands in a ring of its own, in pieces of a quarter of it
+    (`ArenaLayout.pieces`). Pool and rings are handed out first in, first out, and freed as the shard acknowledges
+    the report (a ring piece once summed, a pool landing once its sum is put for the owner); a full one holds the
+    ship thread (never the engine's) until then, bounded by `timeout_s`. The engine sees only `close`.
     """
 
-    def __init__(self, arena: NodeArena, local_rank: int, numels: dict[str, int], ring: bool, timeout_s: float):
+    def __init__(self, arena: NodeArena, local_rank: int, numels: dict[str, int], timeout_s: float):
         self.arena = arena
         self.numels = numels
-        self.ring = arena.ring(local_rank) if ring else None
+        self.whole = local_rank == 0  # the first worker lands whole gradients, in slots and the pool
+        self.ring = arena.pool() if self.whole else arena.ring(local_rank)
+        self.what = "the node's gradient pool" if self.whole else "this worker's gradient ring"
         self.timeout_s = timeout_s
         self._cond = threading.Condition()
         self._live: deque[list] = deque()  # [(unit, piece start), ring lo, ring hi, freed], oldest first
 
     def pieces(self, unit: str) -> list[tuple[int, int]]:
         n = self.numels[unit]
-        return [(0, n)] if self.ring is None else self.arena.layout.pieces(n)
+        return [(0, n)] if self.whole else self.arena.layout.pieces(n)
 
     def acquire(self, unit: str, lo: int, hi: int) -> tuple[torch.Tensor, int]:
         """Room for elements [lo, hi) of `unit`'s gradient: the host view, and where it is (SLOT, or its offset in
-        the ring, as the shard's `put_grad` takes it)."""
-        if self.ring is None:
+        the pool or ring, as the shard's `put_grad` takes it)."""
+        if self.whole and unit in self.arena.layout.grad_offsets:
             return self.arena.grad(unit), SLOT
         n = hi - lo
         with self._cond:
             if not self._cond.wait_for(lambda: self._fit(n) is not None, timeout=self.timeout_s):
-                raise ClusterError(f"no room in this worker's gradient ring for {unit}'s piece at {lo} within "
+                raise ClusterError(f"no room in {self.what} for {unit}'s piece at {lo} within "
                                    f"cluster.step_timeout_s={self.timeout_s:g} s: the coordinator shard has not summed "
-                                   "its last pieces")
+                                   "(or sent on) the gradients before it")
             at = self._fit(n)
             self._live.append([(unit, lo), at, at + n, False])
         return self.ring[at : at + n], at
 
     def release(self, unit: str, lo: int) -> None:
-        """The shard has summed the piece of `unit` starting at `lo`: its part of the ring may be reused."""
+        """The shard is done with the piece of `unit` starting at `lo`: its part of the ring may be reused."""
         with self._cond:
             for entry in self._live:
                 if entry[0] == (unit, lo) and not entry[3]:
@@ -104,7 +108,7 @@ class _Report:
     generation: int
     seq: int
     unit: str
-    piece: int | None  # a ring piece's start (freed on acknowledgement); None: a whole landing, or an unused unit
+    held: int | None  # the start of a piece of the ring or pool, freed on acknowledgement; None: a slot, or unused
     call: ray.ObjectRef
 
 
@@ -221,12 +225,13 @@ class ArenaGrads:
                 if generation != self.generation:
                     continue  # a stopped generation's gradient: nothing waits for it
                 if grad is None:  # unused: one report for the whole unit
-                    self._report(generation, step, unit, None, None)
+                    self._report(generation, step, unit, None, None, None)
                     continue
                 for lo, hi in self.landing.pieces(unit):
                     host, where = self.landing.acquire(unit, lo, hi)
                     self._copy(host, grad[lo:hi], ready)
-                    self._report(generation, step, unit, where, None if where == SLOT else lo)
+                    self._report(generation, step, unit, where, None if self.landing.whole else lo,
+                                 None if where == SLOT else lo)
             except BaseException as e:  # surfaced to the engine thread by submit/flush
                 self._error = e
             finally:
@@ -249,21 +254,24 @@ class ArenaGrads:
             landed.record(self.copy_stream)
         landed.synchronize()  # the piece is in the arena before the shard hears of it
 
-    def _report(self, generation: int, step: int, unit: str, where: int | None, piece: int | None) -> None:
+    def _report(self, generation: int, step: int, unit: str, where: int | None, piece: int | None,
+                held: int | None) -> None:
+        """Tell the shard where `unit`'s gradient (its `piece`; None: whole) landed; `held`: the piece of the ring or
+        pool it holds until the acknowledgement."""
         if not self._outstanding.acquire(timeout=self.timeout_s):  # every acknowledgement word is in use
             raise ClusterError(f"worker {self.rank}: {ACK_WORDS - 1} reports went unacknowledged for "
                                f"cluster.step_timeout_s={self.timeout_s:g} s (before {unit}'s)")
         seq, self._seq = self._seq, self._seq + 1
         call = self.shard.put_grad.remote(generation, step, self.rank, unit, where, piece, seq)
-        self._acks.put(_Report(generation, seq, unit, piece, call))
+        self._acks.put(_Report(generation, seq, unit, held, call))
 
     def _ack_loop(self) -> None:
         while True:
             report: _Report = self._acks.get()
             try:
                 self._wait_acked(report)
-                if report.piece is not None:
-                    self.landing.release(report.unit, report.piece)
+                if report.held is not None:
+                    self.landing.release(report.unit, report.held)
             except StaleGenerationError:
                 pass  # the generation was stopped: the driver decides what its step becomes
             except BaseException as e:

@@ -2,13 +2,12 @@
 
 The model is cut into contiguous parts (mt_ray.cluster.partition), one per node. Each node's
 shard owns the node's shared-memory arena (mt_ray.cluster.arena), whose weights its workers
-stream and whose gradient slots and rings they land their gradients in. It plays two roles:
-- **node reducer.** A worker tells it where each unit gradient landed (`put_grad`, a few bytes):
-  the node's first worker lands it whole in the unit's slot (a lone worker's is the sum), the
-  others in pieces in their rings. Once every local worker's piece of a range is in, the range
-  is summed in fp32, in rank order, and rounded into the slot once. The node's
-  sum of a unit another shard owns is sent to that owner, once: each node's gradients cross
-  the network once.
+stream and whose gradient slots, pool and rings they land their gradients in. It plays two roles:
+- **node reducer** (mt_ray.cluster.shard_sums). A worker tells it where each unit gradient landed
+  (`put_grad`, a few bytes): the node's first worker lands it whole, in the unit's slot, or in the
+  node's pool for a unit another node owns (a lone worker's is the sum); the others in pieces in
+  their rings. Each range is summed in fp32, in rank order, and rounded once into the first
+  worker's landing. The node's sum of a unit another shard owns is sent to that owner, once.
 - **owner.** For its own units it adds the nodes' partial sums (node order) in the slot and
   hands the slot to the engine's `OptimizerWorker`, which updates the master in place, in the
   arena. Each update bumps the unit's version word there, which is all a local worker waits
@@ -34,29 +33,27 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
 import torch
 from ray.exceptions import GetTimeoutError
 
-from mt_ray.cluster.arena import ABSENT, FAILED, PRESENT, SLOT, STOPPED, ArenaHandle, ArenaLayout, NodeArena
+from mt_ray.cluster.arena import ABSENT, FAILED, PRESENT, STOPPED, ArenaHandle, ArenaLayout, NodeArena
 from mt_ray.cluster.errors import ClusterError, StaleGenerationError
 from mt_ray.cluster.grad_sum import sum_in_order, use_sum_threads
 from mt_ray.cluster.node_memory import NodeMemoryPeak
 from mt_ray.cluster.partition import ShardPlan
 from mt_ray.cluster.shard_io import ShardStateIO
 from mt_ray.cluster.shard_state import (
-    GET_POLL_S,
+    PEER_WAIT_S,
     Generation,
     GradSlots,
-    Landing,
     Snapshot,
     read_unless_stopped,
     split_threads,
 )
+from mt_ray.cluster.shard_sums import ShardSums
 from mt_ray.cluster.wire import from_numpy, to_numpy
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import HostStore
@@ -65,11 +62,9 @@ from mt_ray.engine.optimizer_worker import OptimizerWorker
 from mt_ray.models.discovery import discover
 
 PUBLISH_THREADS = 2  # casts and puts of updated units for other nodes, beside the optimizer (several nodes only)
-PEER_WAIT_S = 600.0
-FORWARD_INFLIGHT = 2  # partial sums sent to one owner and not yet summed there  # how long a message of a newer generation waits for this shard to start it
 
 
-class CoordinatorShard(ShardStateIO):
+class CoordinatorShard(ShardSums, ShardStateIO):
     """A Ray actor with concurrent (threaded) calls; see the module docstring."""
 
     def __init__(self, model, engine_cfg: dict, opt_cfg: dict, total_steps: int, shard: int, num_shards: int,
@@ -240,60 +235,6 @@ class CoordinatorShard(ShardStateIO):
 
     # ------------------------------------------------------------------ workers' calls
 
-    def put_grad(self, generation: int, step: int, rank: int, unit: str, where: int | None,
-                 piece: int | None, seq: int) -> None:
-        """Local worker `rank`'s gradient of `unit` has landed: in the unit's slot (`where` SLOT), at element
-        `where` of its ring, or nowhere (None): its rows did not use the unit (a vision unit, no image).
-        `piece`: the start of the piece of the gradient it reports (a ring's, `ArenaLayout.pieces`); None: all.
-
-        Returns at once: the sum is queued once every local worker's piece is in, and the arena acknowledges the
-        worker's report `seq` when it is done (a ring piece once summed, so that part of the ring may be reused; a
-        whole landing once the node is done with the unit's sum).
-        """
-        with self._cond:
-            if self._stale(generation):
-                return
-            gen = self.gen
-            local = rank % self.num_local
-            landing = gen.local.get((step, unit))
-            if landing is None:
-                ends = self.pieces[unit]
-                landing = gen.local[(step, unit)] = Landing({lo: {} for lo in ends}, ends, len(ends))
-            if piece is None:
-                landing.unit_seqs.append((local, seq))
-            else:
-                landing.piece_seqs.setdefault(piece, []).append((local, seq))
-            for lo in landing.ends if piece is None else [piece]:
-                got = landing.got[lo]
-                got[local] = where
-                if len(got) == self.num_local:
-                    self._on_piece(gen, step, unit, lo, landing)
-
-    def put_partial(self, generation: int, step: int, node: int, unit: str, partial: list[ray.ObjectRef | None]) -> None:
-        """Another node's sum of its workers' gradients of a unit this shard owns, as `[ref]` (`[None]`: none of
-        them used the unit).
-
-        Fetched here, on this call's thread, so partials from several nodes arrive at once, as Ray
-        fetches task arguments; but where a dying owner cannot hang the fetch (`read_unless_stopped`).
-        """
-        gen = self._generation_of(generation)
-        if gen is None:
-            return
-        try:
-            parts = [] if partial[0] is None else [from_numpy(read_unless_stopped(gen, partial[0]),
-                                                              self.cfg.grad_torch_dtype)]
-        except StaleGenerationError:
-            return
-        with self._cond:
-            if gen is not self.gen or gen.stopped:
-                return
-            self._add_contribution(gen, step, unit, node, parts)
-            summed = gen.partials_summed.setdefault((step, unit), threading.Event())
-        del parts
-        # Answered once the unit's sum has read it: the sender keeps FORWARD_INFLIGHT partials unsummed here at most,
-        # so the object stores never hold more than that many unit gradients per peer (nothing spills).
-        summed.wait(PEER_WAIT_S)
-
     def put_weights(self, generation: int, unit: str, version: int, weights: list[ray.ObjectRef]) -> None:
         """Another shard's unit after `version` steps, in the compute dtype: copied into this node's arena.
 
@@ -344,138 +285,6 @@ class CoordinatorShard(ShardStateIO):
         gen.norms.pop(step, None)
         gen.ended.add(step)
         gen.opt.end_step(torch.tensor(norm_sq, dtype=torch.float32), None, lr_at(step, self.opt_cfg, self.total_steps))
-
-    # ------------------------------------------------------------------ sums
-
-    def _landed(self, unit: str, rank: int, where: int, lo: int, hi: int) -> torch.Tensor:
-        """Where local worker `rank`'s elements [lo, hi) of `unit`'s gradient landed."""
-        if where == SLOT:
-            return self.arena.grad(unit)[lo:hi]
-        return self.arena.ring(rank)[where : where + hi - lo]
-
-    def _on_piece(self, gen: Generation, step: int, unit: str, lo: int, landing: Landing) -> None:
-        """Every local worker's piece at `lo` of `unit` is in (lock held): a lone worker's gradient is its node's
-        sum as it lies; several workers' pieces are summed into the slot on the reduce thread."""
-        if self.num_local == 1:
-            del gen.local[(step, unit)]
-            self._on_local_sum(gen, step, unit, landing.got[lo][0] is not None, None, landing.unit_seqs)
-        else:
-            gen.acks[(step, unit, lo)] = landing.piece_seqs.pop(lo, [])
-            self._reducer.submit(self._guarded, gen, (step, unit, lo), self._sum_piece, lo, landing)
-
-    def _sum_piece(self, gen: Generation, step: int, unit: str, lo: int, landing: Landing) -> None:
-        """Sum the local workers' piece at `lo` of `unit` into the slot, in rank order; the last piece's sum
-        hands the node's sum on."""
-        got, hi = landing.got[lo], landing.ends[lo]
-        parts = [self._landed(unit, r, got[r], lo, hi) for r in sorted(got) if got[r] is not None]
-        norm_sq = sum_in_order(parts, self.arena.grad(unit)[lo:hi]) if parts else None
-        with self._cond:
-            if norm_sq is not None:
-                landing.norm_sq += norm_sq
-                landing.used = True
-            landing.left -= 1
-            if landing.left == 0 and gen.local.pop((step, unit), None) is landing:
-                self._on_local_sum(gen, step, unit, landing.used, landing.norm_sq, landing.unit_seqs)
-
-    def _on_local_sum(self, gen: Generation, step: int, unit: str, used: bool, norm_sq: torch.Tensor | None,
-                      seqs: list[tuple[int, int]]) -> None:
-        """The node's sum of `unit` is in its slot, `used` by some worker's rows (lock held): add it as this node's
-        part, or send it on to the unit's owner. `norm_sq`: the sum's, where several local workers made it; `seqs`:
-        the whole landings' reports, acknowledged once the node is done with the unit."""
-        gen.acks[(step, unit)] = seqs
-        parts = [self.arena.grad(unit)] if used else []  # none: no worker's rows used the unit
-        if norm_sq is not None and used:
-            gen.local_norms[(step, unit)] = norm_sq
-        owner = self.plan.owner(unit)
-        if owner == self.shard:
-            self._add_contribution(gen, step, unit, self.shard, parts)
-        else:
-            # On the forwarding thread: it may wait for the owner to sum earlier partials, and the sums here go on.
-            self._forwarder.submit(self._guarded, gen, (step, unit), self._forward_partial, owner, parts)
-
-    def _add_contribution(self, gen: Generation, step: int, unit: str, node: int, parts: list[torch.Tensor]) -> None:
-        """A node's contribution to an owned unit (lock held); the last one starts the sum."""
-        got = gen.remote.setdefault((step, unit), {})
-        got[node] = parts
-        if len(got) < self.num_shards:
-            return
-        del gen.remote[(step, unit)]
-        # Node order, each node's workers in rank order: the sum never depends on arrival order.
-        ordered = [t for n in range(self.num_shards) for t in got[n]]
-        self._reducer.submit(self._guarded, gen, (step, unit), self._sum_owned, ordered)
-
-    def _guarded(self, gen: Generation, key: tuple, fn: Callable, *args) -> None:
-        """Run one sum on the reduce thread; whatever happens, the reports it completes (`key`: (step, unit), or
-        (step, unit, piece start)) are acknowledged (a failure also marks the arena FAILED, which ends their wait)."""
-        t0 = time.perf_counter()
-        try:
-            fn(gen, *key[:2], *args)
-            self.seconds["sum"] += time.perf_counter() - t0
-        except BaseException as e:
-            with self._cond:
-                self._error = self._error or e
-                self._cond.notify_all()
-            self.arena.set_state(FAILED)
-        finally:
-            with self._cond:
-                if len(key) == 2 and (summed := gen.partials_summed.pop(key, None)) is not None:
-                    summed.set()  # the other nodes' partials of this unit are read
-                seqs = gen.acks.pop(key, [])
-                if gen is self.gen and not gen.stopped:  # a stopped generation's workers stop waiting anyway
-                    for local, seq in seqs:
-                        self.arena.ack(local, seq)
-
-    def _forward_partial(self, gen: Generation, step: int, unit: str, owner: int, parts: list[torch.Tensor]) -> None:
-        """This node's sum of a unit another shard owns (in its slot; `parts` empty: unused) goes to the owner, once
-        fewer than FORWARD_INFLIGHT of the partials sent there are still unsummed (bounded: PEER_WAIT_S)."""
-        gen.local_norms.pop((step, unit), None)  # the owner takes the norm of the nodes' sum
-        inflight = gen.forward_inflight.setdefault(owner, deque())
-        deadline = time.monotonic() + PEER_WAIT_S
-        while len(inflight) >= FORWARD_INFLIGHT:
-            if ray.wait([inflight[0]], timeout=GET_POLL_S)[0]:
-                inflight.popleft()
-            elif gen.stopped:
-                return  # the driver decides what this step becomes
-            elif time.monotonic() > deadline:
-                raise ClusterError(f"shard {owner} did not sum this node's partial gradients within {PEER_WAIT_S:g} s")
-        # The one copy of this node's gradient that crosses the network.
-        ref = ray.put(to_numpy(self.arena.grad(unit))) if parts else None
-        call = self.peers[owner].put_partial.remote(gen.number, step, self.shard, unit, [ref])
-        inflight.append(call)
-        with self._cond:
-            gen.forwarded.setdefault(step, []).append(call)
-
-    def _sum_owned(self, gen: Generation, step: int, unit: str, parts: list[torch.Tensor]) -> None:
-        """Every node's sum of an owned unit is in (`parts`, node order; this node's is its slot)."""
-        local_norm = gen.local_norms.pop((step, unit), None)
-        if not parts:  # no worker's rows used the unit (a vision unit in a step without images): like torch with a
-            self._to_optimizer(gen, step, unit, None, torch.zeros(()))  # None `.grad`, the unit and its count stay
-            return
-        slot = self.arena.grad(unit)
-        if len(parts) > 1:  # several nodes: theirs added to this one's, in node order
-            norm_sq = sum_in_order(parts, slot)
-        elif parts[0].data_ptr() == slot.data_ptr():  # this node's workers' alone, already summed in the slot
-            norm_sq = local_norm if local_norm is not None else None if self.gpu_norm else sum_in_order(parts, None)
-        else:  # one other node's alone
-            norm_sq = sum_in_order(parts, slot)
-        del parts  # other nodes' objects can be freed now
-        self._to_optimizer(gen, step, unit, slot, norm_sq)
-
-    def _to_optimizer(self, gen: Generation, step: int, unit: str, grad: torch.Tensor | None,
-                      norm_sq: torch.Tensor | None) -> None:
-        """Queue the unit's update; `norm_sq` None: its gradient's norm is the lone worker's GPU's."""
-        with self._cond:
-            if gen.stopped:
-                return
-            gen.opt.submit(unit, grad, None, lr_at(step, self.opt_cfg, self.total_steps))
-            if not self.clips:
-                gen.touched.add(step)
-            gen.norms.setdefault(step, {})[unit] = norm_sq
-            self._cond.notify_all()
-
-    def _norm_total(self, norms: dict[str, torch.Tensor | None]) -> float:
-        # Summed in unit order, not arrival order, so a rerun clips with the same coefficient.
-        return float(sum(norms[u].double() for u in self.trained if norms.get(u) is not None))
 
     # ------------------------------------------------------------------ updates out
 

@@ -20,6 +20,7 @@ from mt_ray.engine.optimizer_worker import OptimizerWorker
 # with teams of 8 and 23 it held 1.05, Adam 3.7 Gparam/s against 4.5 (bench/gradient_sum.py).
 SUM_THREADS = 8
 GET_POLL_S = 1.0  # how often a read of another node's object checks that its generation still runs
+PEER_WAIT_S = 600.0  # how long a message of a newer generation waits for this shard to start it, and a peer's answer
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Landing:
     piece_seqs: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # piece start -> (local rank, report)
     unit_seqs: list[tuple[int, int]] = field(default_factory=list)  # whole landings' and unused units' reports
     norm_sq: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))  # of the fp32 sums
+    dest: torch.Tensor | None = None  # where the node's sum is made (`CoordinatorShard._node_sum`), from the first sum
 
     def ranks_in(self) -> list[int]:
         """Local workers whose every piece is in."""

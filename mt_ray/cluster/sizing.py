@@ -3,7 +3,8 @@
 Per node (the most loaded one): its coordinator shard's fp32 state (12 B/param of its part; 4 for
 a frozen unit, which has no moments), whose master is part of the node's shared-memory arena;
 the rest of the arena (other nodes' units in the compute dtype, a preference stage's reference in
-it, a gradient slot per trained unit, and a gradient ring for each worker after the node's first); each worker's own process; and an
+it, a gradient slot per trained unit the node owns, a pool of a few units where the node sums those it does not,
+and a gradient ring for each worker after the node's first); each worker's own process; and an
 object store that carries only batches and, with several nodes, unit-sized transfers between them.
 The worker count adds only its rings and processes: `per_worker_bytes`, named, and nothing model-sized.
 GRPO adds a rollout replica's process beside each worker (its copy of the policy is on the worker's GPU, refreshed
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from mt_ray.cluster.arena import ACK_WORDS, ArenaLayout, ring_numel
+from mt_ray.cluster.arena import ACK_WORDS, FORWARD_INFLIGHT, ArenaLayout, ring_numel
 from mt_ray.cluster.partition import ShardPlan, state_cost
 from mt_ray.cluster.shard import PUBLISH_THREADS
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
@@ -43,6 +44,8 @@ class ClusterSizing:
     state_bytes: int
     arena_bytes: int  # beside the master, which `state_bytes` counts
     reference_bytes: int  # of `arena_bytes`: a preference stage's reference (compute dtype), once per node
+    slot_bytes: int  # of `arena_bytes`: the gradient slots of the trained units the node owns
+    pool_bytes: int  # of `arena_bytes`: where the node sums the units other nodes own (a few units; 0 on one node)
     rings: int  # one for each worker after the node's first, which lands in the slots (none with grad_reduce nccl)
     landers: int  # workers landing gradients on the node (each has acknowledgement words in the arena)
     ring_bytes: int
@@ -93,14 +96,18 @@ def size_cluster(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, num_w
     rings = layout.num_rings * layout.ring_bytes
     acks = layout.num_local * ACK_BYTES
     largest = max(u.numel for u in spec.units)
-    # Several nodes: partial sums going out and coming in, and updated units cast for the other nodes.
-    transit = (num_nodes - 1) * largest * (2 * g + PUBLISH_THREADS * w) if num_nodes > 1 else 0
+    # Several nodes, at most unit-sized objects each: per peer, FORWARD_INFLIGHT partial sums this node has put for
+    # it and as many of its own pulled here, and PUBLISH_THREADS of its updated units pulled here; beside them this
+    # node's own PUBLISH_THREADS updated units, put once for every peer.
+    peers = num_nodes - 1
+    partials = 2 * FORWARD_INFLIGHT * max(u.numel for u in spec.trainable_units) * g
+    transit = peers * (partials + PUBLISH_THREADS * largest * w) + PUBLISH_THREADS * largest * w if peers else 0
     # Trained units this node neither owns nor updates: their gradients go out, their new weights come in.
     remote = sum(u.numel for u in spec.trainable_units) - shard_trained
     return ClusterSizing(
         num_nodes=num_nodes, workers_per_node=per_node, params=spec.num_params, shard_params=shard,
         state_bytes=sum(state_cost(u) for u in part), arena_bytes=layout.nbytes - 4 * layout.master_numel - rings - acks,
-        reference_bytes=layout.reference_bytes,
+        reference_bytes=layout.reference_bytes, slot_bytes=layout.slot_bytes, pool_bytes=layout.pool_bytes,
         rings=layout.num_rings, landers=layout.num_local, ring_bytes=layout.ring_bytes,
         worker_process_bytes=WORKER_PROCESS_BYTES, rollout_process_bytes=per_node * WORKER_PROCESS_BYTES if rollout else 0,
         object_store_bytes=int(transit * STORE_SLACK) + STORE_BASE_BYTES,
@@ -120,7 +127,8 @@ def render_cluster(sizing: ClusterSizing) -> str:
     rows = [
         ("nodes x workers per node", f"{s.num_nodes} x {s.workers_per_node}"),
         ("shard state (fp32 master, m, v)", f"{s.state_bytes / GIB:.1f} GiB"),
-        ("shared arena beside the master", f"{s.arena_bytes / GIB:.1f} GiB (gradients, other nodes' weights"
+        ("shared arena beside the master", f"{s.arena_bytes / GIB:.1f} GiB (gradients {s.slot_bytes / GIB:.1f}, "
+                                           f"pool {s.pool_bytes / GIB:.1f}, other nodes' weights"
                                            + (f", reference {s.reference_bytes / GIB:.1f} GiB)" if s.reference_bytes
                                               else ")")),
         ("per worker (ring + process)", f"{s.per_worker_bytes / GIB:.2f} GiB"),

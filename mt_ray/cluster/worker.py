@@ -3,7 +3,7 @@
 The engine is the ordinary single-device `StreamingEngine` with its seams filled: `ArenaWeights`
 streams each unit straight from the arena (the owning shard's fp32 master, cast on the GPU as
 the single engine's `stream_master` does), once the unit's version word says the previous step's
-update is in; `LandingBuffers` are where its gradients land (the arena's slots, or this worker's
+update is in; `LandingBuffers` are where its gradients land (the arena's slots and pool, or this worker's
 ring there, mt_ray.cluster.landing); `ArenaGrads` copies each out from a thread of its own and tells the node's
 coordinator shard where it landed. A preference
 stage's reference (and GRPO's, at β > 0) streams from the arena too (`ArenaReference`). A GRPO
@@ -104,7 +104,7 @@ class EngineWorker:
         self.weights = ArenaWeights(self.arena, generation, timeout_s)
         local_rank = rank % num_local
         self.landing = LandingBuffers(self.arena, local_rank, {u.name: u.numel for u in spec.trainable_units},
-                                      local_rank > 0, timeout_s)
+                                      timeout_s)
         self.grads = ArenaGrads(shard, rank, local_rank, generation, self.weights, self.landing,
                                 [u.name for u in spec.units], timeout_s, cfg.resolve_device())
         self.engine = StreamingEngine(spec, cfg, OptimizerConfig(**opt_cfg), total_steps, grad_sink=self.grads,

@@ -14,11 +14,14 @@ STEPS = 3
 OPT = OptimizerConfig(lr=2e-3, weight_decay=0.1, max_grad_norm=1.0, warmup_steps=1, schedule="cosine")
 ENGINE = EngineConfig(device="cpu", compute_dtype="fp32", checkpoint_every=2)
 # 2 micro-batches of 4 rows: each of the 4 workers gets one row of each.
+# 8 layers: each node sums the 5 units the other owns in a pool of 4 layers' gradients, so its first worker's landing
+# waits for a place that a sum sent on frees.
+MODEL = tiny_config("llama", num_hidden_layers=8)
 BATCHES = [tiny_batches(n_micro=2, batch=4, seed=s) for s in range(STEPS)]
 
 
 def single_engine():
-    engine = StreamingEngine(discover(tiny_config("llama")), ENGINE, OPT, total_steps=STEPS)
+    engine = StreamingEngine(discover(MODEL), ENGINE, OPT, total_steps=STEPS)
     try:
         engine.load_random(seed=0)
         results = [engine.train_step(b) for b in BATCHES]
@@ -30,7 +33,7 @@ def single_engine():
 def test_two_nodes_of_two_workers_match_one_engine(two_node_ray):
     ref_losses, ref_norms, ref_state = single_engine()
     cluster = ClusterConfig(num_nodes=2, cpus_per_worker=1, snapshot_every=0, placement_timeout_s=60)
-    trainer = DataParallelTrainer(tiny_config("llama"), ENGINE, OPT, num_workers=4, total_steps=STEPS,
+    trainer = DataParallelTrainer(MODEL, ENGINE, OPT, num_workers=4, total_steps=STEPS,
                                   cluster=cluster, weights=0)
     try:
         result = trainer.train(BATCHES)

@@ -9,11 +9,13 @@ import torch
 from mt_ray.cluster.arena import (
     ABSENT,
     ACK_WORDS,
+    POOL_UNITS,
     RING_PIECES,
     SLOT,
     STOPPED,
     ArenaLayout,
     NodeArena,
+    pool_numel,
     ring_numel,
 )
 from mt_ray.cluster.errors import ClusterError, StaleGenerationError
@@ -44,7 +46,34 @@ def test_a_worker_maps_the_arena_the_shard_made_and_sees_its_writes():
     assert worker.version(owned[0]) == 3 and worker.version(layout.units[0]) == ABSENT
     assert worker.ring(1).numel() == ring_numel(discover(tiny_config("llama")), torch.bfloat16)
     with pytest.raises(IndexError, match="local worker 0 has no ring"):
-        worker.ring(0)  # the first worker lands in the slots
+        worker.ring(0)  # the first worker lands in the slots and the pool
+
+
+def test_a_node_holds_slots_for_its_own_units_and_sums_the_others_in_a_bounded_pool():
+    spec = discover(tiny_config("llama", num_hidden_layers=8))
+    plan = ShardPlan.build(spec, 2)
+    layout = ArenaLayout.build(spec, plan, 0, torch.bfloat16, torch.bfloat16, 2)
+    owned = {u.name for u in plan.units_of(0)}
+    remote = [u for u in spec.trainable_units if u.name not in owned]
+    assert set(layout.grad_offsets) == {u.name for u in spec.trainable_units if u.name in owned}
+    layer = max(u.numel for u in remote if u.name.startswith("layers."))
+    assert layout.pool_numel == pool_numel(spec, plan, 0) == max(POOL_UNITS * layer, max(u.numel for u in remote))
+    assert layout.pool_numel < sum(u.numel for u in remote)  # not a slot per unit
+    assert pool_numel(spec, ShardPlan.build(spec, 1), 0) == 0  # one node owns every unit
+    # The first worker lands owned units in their slots, the others whole in the pool, first in, first out; a full
+    # pool holds its ship thread until the shard has sent the oldest on (its acknowledgement frees the place).
+    arena = NodeArena.create(layout)
+    first = LandingBuffers(arena, 0, {u.name: u.numel for u in spec.trainable_units}, timeout_s=0.2)
+    mine = next(iter(layout.grad_offsets))
+    assert first.acquire(mine, 0, layout.numels[mine])[1] == SLOT
+    layers = [u for u in remote if u.name.startswith("layers.")][:POOL_UNITS + 1]
+    places = [first.acquire(u.name, 0, u.numel)[1] for u in layers[:POOL_UNITS]]
+    assert places == [i * layers[0].numel for i in range(POOL_UNITS)] and first.pieces(layers[0].name) == [(0, layer)]
+    with pytest.raises(ClusterError, match=f"no room in the node's gradient pool for {layers[-1].name}'s piece at 0"):
+        first.acquire(layers[-1].name, 0, layers[-1].numel)
+    first.release(layers[0].name, 0)
+    view, at = first.acquire(layers[-1].name, 0, layers[-1].numel)
+    assert at == 0 and view.data_ptr() == arena.pool().data_ptr()
 
 
 def test_a_version_wait_ends_with_the_step_or_names_the_unit():
@@ -73,7 +102,7 @@ def test_a_ring_hands_out_gradients_first_in_first_out_and_waits_when_full():
     arena = arena_of(workers=2)
     size = arena.layout.ring_numel
     numels = {"a": size // 2, "b": size // 2, "c": size // 3, "d": size // 2}
-    ring = LandingBuffers(arena, 1, numels, ring=True, timeout_s=0.2)
+    ring = LandingBuffers(arena, 1, numels, timeout_s=0.2)
     (a, at_a), (b, at_b) = ring.acquire("a", 0, size // 2), ring.acquire("b", 0, size // 2)
     assert (at_a, at_b) == (0, size // 2) and a.data_ptr() != b.data_ptr()
     with pytest.raises(ClusterError, match="no room in this worker's gradient ring for c's piece at 0"):
@@ -86,7 +115,7 @@ def test_a_ring_hands_out_gradients_first_in_first_out_and_waits_when_full():
     # A lone worker on the node lands in the unit's slot itself, whole.
     unit = next(iter(arena.layout.grad_offsets))
     n = arena.layout.numels[unit]
-    slots = LandingBuffers(arena, 0, {unit: n}, ring=False, timeout_s=1)
+    slots = LandingBuffers(arena, 0, {unit: n}, timeout_s=1)
     assert slots.pieces(unit) == [(0, n)]
     view, where = slots.acquire(unit, 0, n)
     assert view.data_ptr() == arena.grad(unit).data_ptr() and where == SLOT
@@ -102,7 +131,7 @@ def test_a_gradient_larger_than_a_ring_piece_lands_in_pieces_that_cover_it():
     assert len(pieces) >= 8 and pieces[0][0] == 0 and pieces[-1][1] == largest
     assert all(hi - lo <= ring // RING_PIECES and hi == nxt
                for (lo, hi), (nxt, _) in zip(pieces, pieces[1:] + [(largest, 0)], strict=True))
-    landing = LandingBuffers(NodeArena.create(layout), 1, {"big": largest}, ring=True, timeout_s=0.2)
+    landing = LandingBuffers(NodeArena.create(layout), 1, {"big": largest}, timeout_s=0.2)
     assert landing.pieces("big") == pieces
     # Pieces land while the shard sums the ones before: a ring's worth fit at once, the next waits for the first.
     for lo, hi in pieces[:RING_PIECES]:
