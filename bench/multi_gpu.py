@@ -77,20 +77,19 @@ SETTLE_SLACK = 1 << 30
 _START: list[int] = []  # the node's used memory before the first row
 
 
-def row_memory() -> NodeMemoryPeak:
+def row_memory() -> tuple[NodeMemoryPeak, int]:
     """The node's memory sampler for one row, started once the previous row's memory is back (Ray's processes,
-    arenas and object store give their pages back after shutdown returns), within SETTLE_S. Its growth counts
-    from the bench's start, never from a baseline an earlier row's leftovers still raise: the nccl row, run after
-    the host row, read 4.86 B/param that way, below the fp32 state it holds."""
+    arenas and object store give their pages back after shutdown returns), within SETTLE_S, and what the earlier
+    rows still hold then (reported with the row). Its growth counts from the bench's start, never from a baseline an
+    earlier row's leftovers still raise: the nccl row, run after the host row, read 4.86 B/param that way, below the
+    fp32 state it holds."""
     if not _START:
         _START.append(node_used_bytes())
     deadline = time.monotonic() + SETTLE_S
     while node_used_bytes() > _START[0] + SETTLE_SLACK and time.monotonic() < deadline:
         time.sleep(1.0)
-    memory = NodeMemoryPeak()
-    memory.leftover = memory.baseline - _START[0]  # what the earlier rows still hold (reported with the row)
-    memory.baseline = min(memory.baseline, _START[0])
-    return memory
+    now = node_used_bytes()
+    return NodeMemoryPeak(baseline=min(now, _START[0])), now - _START[0]
 
 
 def row(args, cfg, system: str, gpus: int, step_s: float, growth: int, calc: float, losses: list[float],
@@ -108,7 +107,7 @@ def run_single(args, cfg, system: str = "single-engine", init: str = "cuda", bat
     """The single engine on one GPU, no Ray: the speed each data-parallel GPU should match. `init` cpu and
     `batch_of` N: its weights initialised on the CPU, as the cluster's shards do, and the global batch of N
     GPUs, so an N-GPU cluster row's losses compare with its."""
-    memory = row_memory()
+    memory, leftover = row_memory()
     engine = StreamingEngine(discover(cfg), engine_config(args), optimizer(args), total_steps=args.warmup + args.steps)
     try:
         init_random(engine.spec, engine.store.load_named, 0, init)
@@ -129,7 +128,7 @@ def run_single(args, cfg, system: str = "single-engine", init: str = "cuda", bat
     memory.close()
     return row(args, cfg, system, 1, sum(times[args.warmup:]) / args.steps, memory.growth, float("nan"), losses,
                {"grad_reduce": None, "weight_wait_s": None, "adam_s": adam, "sum_s": None, "publish_s": None,
-                "leftover_host_gib": memory.leftover / 2**30},
+                "leftover_host_gib": leftover / 2**30},
                rows=args.rows_per_gpu * batch_of)
 
 
@@ -137,7 +136,7 @@ def run_cluster(args, cfg, system: str, gpus: int, nodes: int, reduce: str = "ho
     """`gpus` workers over `nodes` Ray nodes of this host, each on its own fresh Ray; `reduce` is
     `cluster.grad_reduce` (nccl: a node's GPUs sum each gradient between them)."""
 
-    memory = row_memory()  # before Ray: its processes, the arenas and the object store count too
+    memory, leftover = row_memory()  # before Ray: its processes, the arenas and the object store count too
     spec = discover(cfg)
     sizing = size_cluster(spec, engine_config(args), optimizer(args), gpus, nodes, reduce)
     store = int(args.store_gb * 2**30) if args.store_gb else max(sizing.object_store_bytes, MIN_STORE)
@@ -161,7 +160,7 @@ def run_cluster(args, cfg, system: str, gpus: int, nodes: int, reduce: str = "ho
     finally:
         shutdown()
     memory.close()
-    split = {**{k: after[k] - before[k] for k in after}, **processes, "leftover_host_gib": memory.leftover / 2**30}
+    split = {**{k: after[k] - before[k] for k in after}, **processes, "leftover_host_gib": leftover / 2**30}
     # Every node of the run is on this host: its growth is all nodes', so the calculator's figure counts each.
     calc = sizing.node_host_bytes_per_param * nodes
     return row(args, cfg, system, gpus, sum(result.step_seconds) / args.steps, memory.growth, calc,

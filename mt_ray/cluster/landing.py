@@ -45,7 +45,7 @@ class LandingBuffers:
         self.arena = arena
         self.numels = numels
         self.whole = local_rank == 0  # the first worker lands whole gradients, in slots and the pool
-        self.ring = arena.pool() if self.whole else arena.ring(local_rank)
+        self.space = arena.pool() if self.whole else arena.ring(local_rank)  # handed out first in, first out
         self.what = "the node's gradient pool" if self.whole else "this worker's gradient ring"
         self.timeout_s = timeout_s
         self._cond = threading.Condition()
@@ -68,7 +68,7 @@ class LandingBuffers:
                                    "(or sent on) the gradients before it")
             at = self._fit(n)
             self._live.append([(unit, lo), at, at + n, False])
-        return self.ring[at : at + n], at
+        return self.space[at : at + n], at
 
     def release(self, unit: str, lo: int) -> None:
         """The shard is done with the piece of `unit` starting at `lo`: its part of the ring may be reused."""
@@ -92,7 +92,7 @@ class LandingBuffers:
 
     def _fit(self, n: int) -> int | None:
         """Where `n` contiguous elements are free after the newest live gradient, wrapping once; None if nowhere."""
-        size = self.ring.numel()
+        size = self.space.numel()
         if not self._live:
             return 0 if n <= size else None
         tail, head = self._live[0][1], self._live[-1][2]

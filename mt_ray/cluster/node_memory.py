@@ -31,10 +31,12 @@ def process_bytes() -> dict[str, int]:
 
 
 class NodeMemoryPeak:
-    """Samples `node_used_bytes` on a daemon thread from construction on; `growth` is the peak rise."""
+    """Samples `node_used_bytes` on a daemon thread from construction on; `growth` is the peak rise over `baseline`
+    (default: the reading at construction)."""
 
-    def __init__(self, interval_s: float = 0.05):
-        self.baseline = self.peak = node_used_bytes()
+    def __init__(self, interval_s: float = 0.05, baseline: int | None = None):
+        self.peak = node_used_bytes()
+        self.baseline = self.peak if baseline is None else baseline
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, args=(interval_s,), name="mt-ray-mem", daemon=True)
         self._thread.start()

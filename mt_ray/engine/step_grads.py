@@ -133,4 +133,3 @@ def norm_sq_of(grad: torch.Tensor) -> torch.Tensor:
         return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
     norms = torch._foreach_norm(list(grad.reshape(-1).float().split(CPU_NORM_SLICE)))
     return torch.stack(norms).double().square().sum().float()
-
