@@ -27,7 +27,7 @@ from tests.family_checks import (
     reference_step,
     save_checkpoint,
 )
-from tests.family_sweep import sweep_case
+from tests.family_sweep import save_tiny, sweep_case
 from tests.tiny_models import CHECKPOINT_FAMILIES, checkpoint_config
 from tests.vlm_sweep import image_text_case
 
@@ -70,6 +70,17 @@ def test_every_image_text_family_the_sweep_trains_trains_on_cuda(model_type, tmp
     if outcome.status in ("refused", "skipped"):
         pytest.skip(f"{outcome.status} (as on the CPU): {outcome.reason.splitlines()[0]}")
     assert outcome.status == "matched", outcome.reason
+
+
+@pytest.mark.parametrize(("chunk", "floor_scale"), [(8, 8192), (64, 3)], ids=["chunk-in-row", "temperature-floor"])
+def test_llama4_packed_rows_train_as_each_document_alone_on_cuda(tmp_path, chunk, floor_scale):
+    """tests/unit/models/test_packing_probe.py's Llama 4 case (chunks shorter than the row, or a temperature floor
+    shorter than it) with the engine and the reference on CUDA: the probe's verdict holds on the GPU's kernels."""
+    save_tiny("llama4_text", tmp_path, attention_chunk_size=chunk, floor_scale=floor_scale, no_rope_layers=[1, 0])
+    docs = documents()
+    ref_loss, before, ref_state = reference_step(tmp_path, docs, device="cuda")
+    result, state = engine_step(tmp_path, [packed_micro_batch(docs)], device="cuda", compute_dtype="fp32")
+    assert_same_step(state, before, ref_state, result.loss.item(), ref_loss, rtol=1e-3, atol=1e-6)
 
 
 needs_liger = pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="needs liger-kernel")
