@@ -131,5 +131,5 @@ def norm_sq_of(grad: torch.Tensor) -> torch.Tensor:
     reduction in fp32 is exact to fp32 rounding and reads the gradient once."""
     if grad.device.type != "cpu":
         return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-    norms = torch._foreach_norm(list(grad.reshape(-1).float().split(CPU_NORM_SLICE)))
+    norms = torch._foreach_norm(list(grad.reshape(-1).split(CPU_NORM_SLICE)), dtype=torch.float32)
     return torch.stack(norms).double().square().sum().float()
