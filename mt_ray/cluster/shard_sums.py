@@ -110,7 +110,8 @@ class ShardSums:
 
     def _on_piece(self, gen: Generation, step: int, unit: str, lo: int, landing: Landing) -> None:
         """Every local worker's piece at `lo` of `unit` is in (lock held): a lone worker's gradient is its node's
-        sum as it lies; several workers' pieces are summed into the slot on the reduce thread."""
+        sum as it lies; several workers' pieces are summed on the reduce thread into the unit's slot (a unit this
+        node owns) or its place in the pool (another node's)."""
         if self.num_local == 1:
             del gen.local[(step, unit)]
             used = landing.got[lo][0] is not None
