@@ -9,8 +9,7 @@ written once, on a thread team of the calling thread's own (`numba.set_num_threa
 count is process-wide), with per-block norm partials added in block order, so the result is the same on any number
 of threads.
 
-bf16 travels as its 16-bit words (numba has no bfloat16): widened by a shift, narrowed with round-to-nearest-even as
-torch rounds (NaN stays NaN).
+bf16 travels as its 16-bit words (`engine.bf16_words`).
 """
 
 from __future__ import annotations
@@ -18,67 +17,13 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
-from llvmlite import ir
 from numba import njit, prange
-from numba.core import types
-from numba.extending import intrinsic, overload
 
 from mt_ray.cluster.wire import to_numpy
+from mt_ray.engine.bf16_words import narrow, widen
 
 BLOCK = 1 << 16  # elements per parallel task
 SUB = 1 << 10  # elements summed into an L1-resident fp32 buffer, then squared and narrowed from it
-
-
-@intrinsic
-def _f32_of(typingctx, bits):
-    """The float32 whose bits are `bits` (uint32)."""
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.uint32), codegen
-
-
-@intrinsic
-def _bits_of(typingctx, value):
-    """The bits (uint32) of a float32."""
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.uint32(types.float32), codegen
-
-
-def _widen(x):
-    """An element of a part as float32 (resolved per dtype by `_widen_impl`)."""
-
-
-@overload(_widen, inline="always")
-def _widen_impl(x):
-    if x == types.uint16:  # bf16 words: the upper half of a float32
-        return lambda x: _f32_of(np.uint32(x) << np.uint32(16))
-    if x == types.float32:
-        return lambda x: x
-    return None
-
-
-def _narrow(a, like):
-    """float32 `a` in the dtype of `like` (resolved per dtype by `_narrow_impl`)."""
-
-
-@overload(_narrow, inline="always")
-def _narrow_impl(a, like):
-    if like == types.uint16:
-        def to_bf16(a, like):
-            u = _bits_of(a)
-            if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-                return np.uint16(0x7FC0)  # NaN stays a (quiet) NaN
-            return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-
-        return to_bf16
-    if like == types.float32:
-        return lambda a, like: a
-    return None
 
 
 @njit(nogil=True, cache=True, boundscheck=False, fastmath={"reassoc", "nsz"})
@@ -107,16 +52,16 @@ def _sum_kernel(parts, out, write):
             # Slices, not offsets from `lo`: LLVM vectorises loops over a view's own elements (3x here).
             first = parts[0][lo:hi]
             for j in range(hi - lo):
-                acc[j] = _widen(first[j])
+                acc[j] = widen(first[j])
             for k in range(1, len(parts)):  # each part in turn over the buffer: every element's adds in part order
                 part = parts[k][lo:hi]
                 for j in range(hi - lo):
-                    acc[j] += _widen(part[j])
+                    acc[j] += widen(part[j])
             sq += _square_sum(acc, hi - lo)
             if write:
                 target = out[lo:hi]
                 for j in range(hi - lo):
-                    target[j] = _narrow(acc[j], target[j])
+                    target[j] = narrow(acc[j], target[j])
         partial[b] = sq
     total = 0.0
     for b in range(blocks):  # block order: the same norm on any thread count

@@ -25,7 +25,7 @@ does) and hands the global norm back (`apply_norm`); no unit is updated before e
 of the step is in.
 
 Sums run on one reduce thread and Adam on the optimizer thread, each with an intra-op team of its own
-(`shard_state.split_threads`): the sums on numba's team (`cluster.grad_sum`), Adam on torch's.
+(`shard_state.split_threads`): numba's, whose count holds per thread (`cluster.grad_sum`, `engine.host_adamw`).
 """
 
 from __future__ import annotations

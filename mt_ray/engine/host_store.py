@@ -24,6 +24,7 @@ from typing import ClassVar
 import psutil
 import torch
 
+from mt_ray.engine.bf16_words import WORD_DTYPES
 from mt_ray.engine.config import EngineConfig
 from mt_ray.engine.direct_io import build_file_io, probe_direct_io
 from mt_ray.engine.pinning import register_pinned, unregister_pinned
@@ -244,9 +245,17 @@ class HostStore:
         update until `chunk_updated`."""
         return self.state.acquire(unit, lo, hi)
 
-    def chunk_updated(self, unit: str, lo: int, hi: int, state: ChunkState) -> None:
-        """Re-derive the chunk's streamed copy from its updated master and hand the chunk back to the tier."""
-        if self.copy is not None:
+    def copy_of(self, unit: str, lo: int, hi: int) -> torch.Tensor | None:
+        """Elements [lo, hi) of a unit's streamed copy, for an optimizer that writes it with the update (bf16 or
+        fp32; None where there is none or it is another dtype)."""
+        if self.copy is None or self.copy.dtype not in WORD_DTYPES:
+            return None
+        return self._slice(self.copy, unit)[lo:hi]
+
+    def chunk_updated(self, unit: str, lo: int, hi: int, state: ChunkState, copy_written: bool = False) -> None:
+        """Re-derive the chunk's streamed copy from its updated master (unless the optimizer wrote it: `copy_of`) and
+        hand the chunk back to the tier."""
+        if self.copy is not None and not copy_written:
             self._slice(self.copy, unit)[lo:hi].copy_(state.master)
         self._copy_to_mirrors(unit, lo, hi)
         self.state.release(unit, lo)

@@ -1,10 +1,11 @@
 """AdamW over the host store's flat unit buffers, and the learning-rate schedule.
 
 Each unit gets one optimizer over its chunks (`state_files.chunk_bounds`: the decayed and
-non-decayed slices, cut to the store's chunk size), whose parameters and Adam moments are bound,
-chunk by chunk as it steps, to the store's state (`HostStore.chunk`: views of its buffers, or a
-slot read from NVMe), so the optimizer allocates nothing and a checkpoint of the store is a
-checkpoint of the optimizer. It keeps only the step counts.
+non-decayed slices, cut to the store's chunk size), which updates the store's state chunk by chunk
+(`HostStore.chunk`: views of its buffers, or a slot read from NVMe), so the optimizer allocates
+nothing and a checkpoint of the store is a checkpoint of the optimizer. It keeps only the step
+counts. The update is `engine.host_adamw`'s one-pass kernel (`optimizer.impl: numba`, the default),
+or torch's or DeepSpeed's optimizer with one parameter bound to each chunk's state.
 
 A tensor that got no gradient in a step (`skip`: LLaVA's tower norm, which `get_image_features` never reads) is
 left as torch's AdamW leaves a parameter whose `.grad` is None: weights and moments untouched, no decay, and its
@@ -14,11 +15,13 @@ own step count stays behind the unit's (`lags`), so its bias correction is its o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from mt_ray.engine.config import OptimizerConfig
+from mt_ray.engine.host_adamw import AdamStep, adamw_step
 from mt_ray.engine.host_store import HostStore
 from mt_ray.engine.state_files import chunk_bounds
 from mt_ray.errors import ConfigError
@@ -26,6 +29,9 @@ from mt_ray.models.discovery import UnitSpec
 
 Spans = tuple[tuple[int, int], ...]
 """[lo, hi) ranges of a unit's flat state, sorted and disjoint."""
+
+Scratch = Callable[[int], torch.Tensor]
+"""fp32 room for at least n elements, into which torch's AdamW gets a gradient upcast (the caller's, reused)."""
 
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
@@ -75,46 +81,60 @@ class UnitOptimizer:
         """`chunk_numel`: elements per chunk, by default the store's (a file-backed store's chunks are its records)."""
         self.store = store
         self.unit = unit.name
+        self.cfg = cfg
         self.use_ds = cfg.impl == "deepspeed"
         if self.use_ds and not deepspeed_available():
             raise ConfigError("optimizer.impl: deepspeed needs DeepSpeed's CPUAdam, which does not import or build "
-                              "here; pip install deepspeed (with a C++ toolchain), or use impl: torch")
-        groups = [{"params": [nn.Parameter(torch.empty(0), requires_grad=False)],  # bound to the state per step
-                   "weight_decay": cfg.weight_decay if decays else 0.0, "bounds": (lo, hi)}
-                  for lo, hi, decays in chunk_bounds(unit, chunk_numel or store.chunk_numel)]
-        self.opt = _build(groups, cfg, self.use_ds)
+                              "here; pip install deepspeed (with a C++ toolchain), or use impl: numba")
+        self.bounds = chunk_bounds(unit, chunk_numel or store.chunk_numel)
+        # torch's and DeepSpeed's optimizers step one bound parameter a chunk; the numba kernel needs none.
+        self.opt = None if cfg.impl == "numba" else _build(
+            [{"params": [nn.Parameter(torch.empty(0), requires_grad=False)],  # bound to the state per step
+              "weight_decay": cfg.weight_decay if decays else 0.0} for _, _, decays in self.bounds], cfg, self.use_ds)
         self.count = 0  # updates the unit has had
         self.lags: dict[tuple[int, int], int] = {}  # spans that missed updates of their unit (`skip`), and how many
 
-    def step(self, grad: torch.Tensor, lr: float, clip_coef: float = 1.0, scratch: torch.Tensor | None = None,
+    def step(self, grad: torch.Tensor, lr: float, clip_coef: float = 1.0, scratch: Scratch = torch.empty,
              read_only: bool = False, skip: Spans = ()) -> None:
         """One AdamW update from the unit's flat gradient, scaled by `clip_coef`; the `skip` spans got no gradient.
 
-        Chunks are stepped one at a time (torch skips parameters without a gradient), each
-        bound to its state from the store and handed back to it after, and each reading its slice
-        of `grad`; a compute-dtype gradient is upcast through `scratch` (fp32, at least the
-        chunk's size), and so is a `read_only` one (fused AdamW writes the unscaled gradient back).
-        A chunk is stepped in runs that share a step count, the skipped ones left out.
+        Chunks are stepped one at a time, each bound to its state from the store and handed back to it after, and
+        each reading its slice of `grad`, in runs that share a step count, the skipped ones left out (torch skips
+        parameters without a gradient). The numba kernel reads the gradient as it is and writes the chunk's streamed
+        copy itself; torch's upcasts a compute-dtype gradient through `scratch`, and a `read_only` one too (fused
+        AdamW writes the scaled gradient back).
         """
-        for g in self.opt.param_groups:
-            lo, hi = g["bounds"]
-            g["lr"] = lr
-            p = g["params"][0]
+        for i, (lo, hi, decays) in enumerate(self.bounds):
             chunk = self.store.chunk(self.unit, lo, hi)
+            copy = self.store.copy_of(self.unit, lo, hi) if self.opt is None else None
             for a, b, lag in _runs(lo, hi, skip, self.lags):
-                p.data = chunk.master[a - lo : b - lo]
-                self.opt.state[p] = {"step": self._count_state(self.count - lag),
-                                     "exp_avg": chunk.exp_avg[a - lo : b - lo],
-                                     "exp_avg_sq": chunk.exp_avg_sq[a - lo : b - lo]}
-                part = grad[a:b]
-                p.grad = part if part.dtype == torch.float32 and not read_only else scratch[: b - a].copy_(part)
-                self._apply_clip(p.grad, clip_coef)
-                self.opt.step()
-                p.grad = None
-            self.store.chunk_updated(self.unit, lo, hi, chunk)
+                state = (chunk.master[a - lo : b - lo], chunk.exp_avg[a - lo : b - lo],
+                         chunk.exp_avg_sq[a - lo : b - lo])
+                if self.opt is None:
+                    adam = AdamStep(lr, *self.cfg.betas, self.cfg.eps, self.cfg.weight_decay if decays else 0.0,
+                                    self.count - lag + 1, clip_coef)
+                    adamw_step(*state, grad[a:b], adam, None if copy is None else copy[a - lo : b - lo])
+                else:
+                    part = grad[a:b]
+                    if part.dtype != torch.float32 or read_only:
+                        part = scratch(b - a).copy_(part)
+                    self._step_torch(self.opt.param_groups[i], state, part, lr, clip_coef, lag)
+            self.store.chunk_updated(self.unit, lo, hi, chunk, copy_written=copy is not None)
         self.count += 1
         for span in skip:
             self.lags[span] = self.lags.get(span, 0) + 1
+
+    def _step_torch(self, group: dict, state: tuple[torch.Tensor, ...], grad: torch.Tensor, lr: float,
+                    clip_coef: float, lag: int) -> None:
+        """One run through torch's (or DeepSpeed's) optimizer, its one parameter bound to the run's state."""
+        group["lr"] = lr
+        p = group["params"][0]
+        p.data = state[0]
+        self.opt.state[p] = {"step": self._count_state(self.count - lag), "exp_avg": state[1], "exp_avg_sq": state[2]}
+        p.grad = grad
+        self._apply_clip(p.grad, clip_coef)
+        self.opt.step()
+        p.grad = None
 
     def _count_state(self, count: int) -> int | torch.Tensor:
         return count if self.use_ds else torch.tensor(float(count))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mt_ray.engine.host_adamw import use_threads
 from mt_ray.engine.host_store import CHUNK_NUMEL, HostStore
 from mt_ray.engine.optimizer import Spans, UnitOptimizer
 from mt_ray.engine.transfer import GradBuffers
@@ -72,7 +73,7 @@ class OptimizerWorker:
         self._queue: queue.Queue[_Grad | _EndOfStep | None] = queue.Queue()
         self._pending: list[_Grad] = []
         self.last_clip_coef = 1.0
-        self._scratch: torch.Tensor | None = None  # fp32 upcast buffer for compute-dtype gradients
+        self._scratch: torch.Tensor | None = None  # `_scratch_of`
         self.busy_seconds = 0.0  # CPU time spent updating, for the benchmark's time split
         # Without clipping units update as their gradients land (the backward's order), with it in forward order:
         # a store whose state is on disk reads ahead in that order.
@@ -134,6 +135,7 @@ class OptimizerWorker:
     def _run(self) -> None:
         if self.threads:
             torch.set_num_threads(self.threads)
+            use_threads(self.threads)  # numba's team, for the host AdamW: its own count per thread
         try:
             while (item := self._queue.get()) is not None:
                 self._handle(item)
@@ -171,13 +173,18 @@ class OptimizerWorker:
         if g.landed is not None:
             g.landed.synchronize()  # this gradient's device->host copy is complete
         t0 = time.perf_counter()
-        if (g.grad.dtype != torch.float32 or self.grads_read_only) and self._scratch is None:
-            self._scratch = torch.empty(min(CHUNK_NUMEL, max(self.buffers.numels.values())))
-        self.optimizers[g.unit].step(g.grad, g.lr, coef, self._scratch, self.grads_read_only,  # refreshes the copy
+        self.optimizers[g.unit].step(g.grad, g.lr, coef, self._scratch_of, self.grads_read_only,  # refreshes the copy
                                      g.skip)
         self.buffers.release(g.unit)
         self.busy_seconds += time.perf_counter() - t0
         self._advance(g.unit)
+
+    def _scratch_of(self, numel: int) -> torch.Tensor:
+        """fp32 room for `numel` elements (at most a chunk), allocated once on first use: only torch's AdamW, on a
+        compute-dtype or read-only gradient, asks for it."""
+        if self._scratch is None:
+            self._scratch = torch.empty(min(CHUNK_NUMEL, max(self.buffers.numels.values())))
+        return self._scratch[:numel]
 
     def _advance(self, unit: str) -> None:
         with self._cond:
