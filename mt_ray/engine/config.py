@@ -91,6 +91,12 @@ class EngineConfig(_Strict):
         "cross-entropy, and MoE experts transformers' own (Liger's fused experts compute fp32 as TF32). "
         "'torch': the family's transformers code.",
     )
+    moe_experts: Literal["grouped", "transformers"] = Field(
+        "grouped",
+        description="'grouped': a mixture of experts' routed banks run as two grouped GEMMs around the gated "
+        "activation with nothing else over the tokens (`models.grouped_experts`); a bank it cannot express keeps "
+        "transformers' code, with a one-line notice why. 'transformers': the family's configured experts code.",
+    )
     host_memory_limit_gb: float | None = Field(
         None, gt=0, description="Host memory this job may use; default: cgroup limit, else MemAvailable."
     )

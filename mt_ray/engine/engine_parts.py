@@ -7,6 +7,8 @@ and their thread) and the weight streamer.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
@@ -21,7 +23,10 @@ from mt_ray.errors import ConfigError
 from mt_ray.models.attention import resolve_attention
 from mt_ray.models.chunking import apply_token_chunks
 from mt_ray.models.discovery import ModelSpec
+from mt_ray.models.grouped_experts import apply_grouped_experts
 from mt_ray.models.kernels import apply_kernels
+
+logger = logging.getLogger(__name__)
 
 
 def check_seams(spec: ModelSpec, stage: str, grad_sink: GradSink | None, weight_source: WeightSource | None) -> None:
@@ -62,6 +67,8 @@ def apply_model_options(spec: ModelSpec, cfg: EngineConfig, device: torch.device
     the templates are built from them."""
     spec.config._attn_implementation = resolve_attention(spec, cfg.attn_implementation, device, cfg.dtype)
     apply_kernels(spec, cfg.kernels, device)
+    if cfg.moe_experts == "grouped" and (notice := apply_grouped_experts(spec.skeleton)) is not None:
+        logger.warning(notice)
     apply_token_chunks(spec, cfg.mlp_chunk_tokens)  # around whichever forward the kernels left
 
 
