@@ -11,7 +11,12 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from mt_ray.models.grouped_experts import IMPLEMENTATION, apply_grouped_experts, experts_banks, unsupported_reason
+from mt_ray.models.grouped_experts import (
+    IMPLEMENTATION,
+    apply_grouped_experts,
+    experts_banks,
+    unsupported_reason,
+)
 from tests.family_sweep import tiny_config
 
 
