@@ -53,11 +53,13 @@ from bench.common import (  # noqa: E402
 )
 from bench.module_times import ModuleTimes  # noqa: E402
 from mt_ray.engine import EngineConfig, StreamingEngine  # noqa: E402
+from mt_ray.engine.optimizer import UnitOptimizer  # noqa: E402
 from mt_ray.engine.preference import PreferenceConfig  # noqa: E402
 from mt_ray.engine.sizing import SFT, Stage, device_bytes  # noqa: E402
 from mt_ray.engine.step_time import predicted_step_seconds  # noqa: E402
 from mt_ray.errors import InsufficientMemoryError  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
+from mt_ray.models.grouped_experts import IMPLEMENTATION, experts_banks  # noqa: E402
 
 
 def build_engine(args, cfg, stage: str = "sft", pref: PreferenceConfig | None = None) -> tuple[StreamingEngine, float]:
@@ -112,12 +114,15 @@ def measure(engine: StreamingEngine, args, cfg, profile: bool = False, mbs: list
     row = metrics(args, cfg, spec.num_params, step_s, "mt-ray")
     if spec.routed_active_params:  # a mixture of experts: what its tokens compute with
         tokens = args.batch * args.seq
+        # Megatron's and NeMo's convention leaves out the input embedding, a lookup with no matrix product.
+        nonembed = spec.active_text_params - (0 if spec.config.tie_word_embeddings else spec.unit("embed").numel)
         row.update(active_params_b=spec.active_text_params / 1e9,
-                   active_tflops=6 * spec.active_text_params * tokens / step_s / 1e12)
+                   active_tflops=6 * spec.active_text_params * tokens / step_s / 1e12,
+                   active_tflops_nonembed=6 * nonembed * tokens / step_s / 1e12)
     kept = engine.kept.last_count  # `auto` as resolved, for the calculator's figures
     ecfg = ecfg.model_copy(update={"keep_activations": kept})
     predicted = device_bytes(spec, ecfg, args.micro, args.seq, args.batch, stage=stage)["total"] / 2**30
-    row.update(split, keep_activations=engine.cfg.keep_activations, kept_graphs=kept,
+    row.update(split, keep_activations=engine.cfg.keep_activations, kept_graphs=kept, variant=getattr(args, "variant", None),
                optimizer_s=opt_s, optimizer_wait_s=opt_wait_s, losses=[float(x) for x in losses],
                packed_docs=args.packed_docs,
                attn=args.attn, attn_used=spec.config._attn_implementation,
@@ -141,10 +146,26 @@ def module_seconds(engine: StreamingEngine, mbs: list[dict]) -> dict:
         times.remove()
 
 
+def use_variant(engine: StreamingEngine, variant: str) -> None:
+    """Switch `engine` between steps to `variant`, EXPERTS:OPTIMIZER: the routed experts' code (`grouped`, mt-ray's,
+    or `transformers`, its grouped_mm) and the host AdamW (`optimizer.impl`: numba or torch), so the suite compares
+    them on one host store. Waits for the previous step's updates first."""
+    experts, impl = variant.split(":")
+    for bank in experts_banks(engine.spec.skeleton).values():
+        bank.config._experts_implementation = IMPLEMENTATION if experts == "grouped" else "grouped_mm"
+    engine.synchronize()  # the optimizers are idle until the next step
+    if impl != engine.opt_cfg.impl:
+        engine.opt_cfg = engine.opt_cfg.model_copy(update={"impl": impl})
+        for name, old in list(engine.optimizers.items()):  # the worker reads this same dict
+            new = UnitOptimizer(engine.store, engine.spec.unit(name), engine.opt_cfg)
+            new.set_step(old.step_count(), old.span_lags())
+            engine.optimizers[name] = new
+
+
 def run_moe_suite(args) -> list[dict]:
     """The MoE shape (`--moe-shape` cut to `--moe-layers`) at each `--moe-batches` on one engine, then the dense
-    `--dense-shape` at `--batch`, each engine closed before the next is built (one host holds one); rows written to
-    `--out` as they finish."""
+    `--dense-shape` at `--batch`, each engine closed before the next is built (one host holds one), each batch in
+    every `--variants` entry; rows written to `--out` as they finish."""
     rows: list[dict] = []
     plan = [(args.moe_shape, args.moe_layers, [int(b) for b in args.moe_batches.split(",")]),
             (args.dense_shape, None, [args.batch])]
@@ -154,15 +175,22 @@ def run_moe_suite(args) -> list[dict]:
         engine, setup_s = build_engine(run, cfg)
         keep = str(args.keep_activations)  # one value here: 0 (full recompute, as issue 38's rows ran), or auto
         engine.set_keep_activations(keep if keep == "auto" else int(keep))
+        variants = args.variants.split(",")
+        if layers is None:  # a dense model has no experts: its rows differ in the optimizer alone
+            variants = list(dict.fromkeys(f"grouped:{v.split(':')[1]}" for v in variants))
         try:
             for batch in batches:
                 run.batch = batch
-                try:
-                    rows.append({**measure(engine, run, cfg, profile=args.profile), "setup_s": setup_s})
-                except (torch.OutOfMemoryError, InsufficientMemoryError) as e:
-                    rows.append({"system": "mt-ray", "shape": shape, "batch": batch,
-                                 "status": f"out of GPU memory: {e}"[:300]})
-                write_json(args.out, {"args": vars(args), "device": device_name(), "rows": rows})
+                for variant in variants:
+                    run.variant = variant
+                    use_variant(engine, variant)
+                    try:
+                        rows.append({**measure(engine, run, cfg, profile=args.profile), "setup_s": setup_s})
+                    except (torch.OutOfMemoryError, InsufficientMemoryError) as e:
+                        rows.append({"system": "mt-ray", "shape": shape, "batch": batch, "variant": variant,
+                                     "status": f"out of GPU memory: {e}"[:300]})
+                    write_json(args.out, {"args": vars(args), "device": device_name(), "rows": rows})
+                    print(f"{shape} {batch} {variant}: {rows[-1].get('step_s', 0):.2f} s", flush=True)
         finally:
             engine.close()
     return rows
@@ -314,6 +342,9 @@ def main() -> None:
                    "parameters, what a 128 GiB host holds)")
     p.add_argument("--moe-batches", default="128,512", help="the suite's MoE global batches, comma-separated")
     p.add_argument("--dense-shape", default="qwen2.5-7b", help="the suite's dense row, at --batch")
+    p.add_argument("--variants", default="grouped:numba", help="the suite's comma list of EXPERTS:OPTIMIZER to "
+                   "measure each batch with on one engine: experts grouped (mt-ray's) or transformers (its "
+                   "grouped_mm), optimizer.impl numba or torch; e.g. grouped:numba,transformers:torch")
     args = p.parse_args()
 
     if args.suite:
@@ -321,8 +352,9 @@ def main() -> None:
     else:
         cfg = shape_config(args.shape, layers=args.layers)
         rows = run_variants(args, cfg, args.out) if args.runs else run_keeps(args, cfg, args.out)
-    cols = ["system", "shape", "params_b", "active_params_b", "batch", "seq", "keep_activations", "kept_graphs",
+    cols = ["system", "shape", "variant", "params_b", "active_params_b", "batch", "seq", "keep_activations", "kept_graphs",
             "packed_docs", "attn", "attn_used", "step_s", "tokens_per_s", "model_tflops", "active_tflops",
+            "active_tflops_nonembed",
             "tflops_with_attn", "peak_gpu_gib", "calc_gpu_gib", "host_bytes_per_param", "h2d_busy_s", "compute_busy_s",
             "d2h_busy_s", "optimizer_s", "optimizer_wait_s", "experts_forward_s", "experts_backward_s",
             "router_forward_s", "router_backward_s", "attention_forward_s", "attention_backward_s", "gpu_idle_frac",
