@@ -12,6 +12,7 @@ intermediate (forward and backward of both projections).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -133,7 +134,7 @@ def main() -> None:
                 apply_grouped_experts(module)
             elif impl is not None:
                 module.config._experts_implementation = impl
-            run = gemms_only(module, x, index, weights) if impl is None else (lambda: module(x, index, weights))
+            run = gemms_only(module, x, index, weights) if impl is None else functools.partial(module, x, index, weights)
             ms = step_ms(run, args.reps)
             rows.append({"variant": name, "tokens": tokens, "ms": ms, "tflops": flops / ms / 1e9,
                          **{f"{k}_ms": v for k, v in kernel_split(run).items()}})
