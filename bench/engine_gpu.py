@@ -167,8 +167,8 @@ def run_moe_suite(args) -> list[dict]:
     `--dense-shape` at `--batch`, each engine closed before the next is built (one host holds one), each batch in
     every `--variants` entry; rows written to `--out` as they finish."""
     rows: list[dict] = []
-    plan = [(args.moe_shape, args.moe_layers, [int(b) for b in args.moe_batches.split(",")]),
-            (args.dense_shape, None, [args.batch])]
+    plan = [(args.moe_shape, args.moe_layers, [int(b) for b in args.moe_batches.split(",")])]
+    plan += [(args.dense_shape, None, [args.batch])] if args.dense_shape else []
     for shape, layers, batches in plan:
         cfg = shape_config(shape, layers=layers)
         run = argparse.Namespace(**{**vars(args), "shape": shape, "layers": layers})
@@ -341,7 +341,7 @@ def main() -> None:
     p.add_argument("--moe-layers", type=int, default=12, help="the MoE shape's layers in the suite (12: 8.1 B "
                    "parameters, what a 128 GiB host holds)")
     p.add_argument("--moe-batches", default="128,512", help="the suite's MoE global batches, comma-separated")
-    p.add_argument("--dense-shape", default="qwen2.5-7b", help="the suite's dense row, at --batch")
+    p.add_argument("--dense-shape", default="qwen2.5-7b", help="the suite's dense row, at --batch ('': none)")
     p.add_argument("--variants", default="grouped:numba", help="the suite's comma list of EXPERTS:OPTIMIZER to "
                    "measure each batch with on one engine: experts grouped (mt-ray's) or transformers (its "
                    "grouped_mm), optimizer.impl numba or torch; e.g. grouped:numba,transformers:torch")
