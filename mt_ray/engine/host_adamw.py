@@ -113,7 +113,10 @@ def adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Te
     n = master.numel()
     state = [words_of(t) for t in (master, exp_avg, exp_avg_sq)]
     target = words_of(copy) if copy is not None else np.empty(0, np.float32)
-    _adamw_kernel(*state, words_of(grad), target, step.args(), eights_end(n))
+    # Blocks handed out one at a time as threads come free, not split evenly up front: a thread that shares its
+    # core with the engine's own (launching kernels, landing gradients) would otherwise hold every other one up.
+    with numba.parallel_chunksize(1):
+        _adamw_kernel(*state, words_of(grad), target, step.args(), eights_end(n))
 
 
 def use_threads(threads: int) -> None:
