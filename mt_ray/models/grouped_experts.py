@@ -7,8 +7,8 @@ restores the token order with another scatter. Here the token-expert pairs are s
 tokens gathered into that order with a backward that adds each token's `top_k` rows in fp32 (a gather and a sum, no
 scatter), the expert outputs put back in token order by the inverse permutation (its backward the forward
 permutation), and weighted and summed over `top_k` exactly as transformers does (the product rounded in the compute
-dtype, the sum accumulated in fp32). The products are `torch.nn.functional.grouped_mm` on the same operands, so
-forward results equal transformers' to the bit where its grouped GEMM runs the same kernel.
+dtype, the sum accumulated in fp32). The products go through transformers' own grouped GEMM dispatcher on the same
+operands, so the forward equals transformers' to the bit.
 
 It runs the experts transformers declares through `use_experts_implementation` as a concatenated gate-and-up bank
 with SiLU, no bias and the default gate (Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, GLM-4-MoE, ...); any other bank
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
+from transformers.integrations.moe import ExpertsInterface, _default_apply_gate, _grouped_mm
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +82,9 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     x_SD = _Dispatch.apply(hidden_states.to(weight), order, inverse, top_k)
     gate_up = self.gate_up_proj if self.is_transposed else self.gate_up_proj.transpose(-2, -1)  # [E, D, 2I]
     down = self.down_proj if self.is_transposed else self.down_proj.transpose(-2, -1)  # [E, I, D]
-    gate, up = F.grouped_mm(x_SD, gate_up, offs=offsets).chunk(2, dim=-1)
-    y_SD = F.grouped_mm(self.act_fn(gate) * up, down, offs=offsets)
+    # transformers' dispatcher: torch's grouped_mm, or its own per-expert fallback where torch's cannot run.
+    gate, up = _grouped_mm(x_SD, gate_up, offs=offsets).chunk(2, dim=-1)
+    y_SD = _grouped_mm(self.act_fn(gate) * up, down, offs=offsets)
     y_NKD = _Permute.apply(y_SD, inverse, order).view(num_tokens, top_k, -1)
     # transformers' order of operations: the weighted rows rounded (in the dtype the two promote to), their sum over
     # K accumulated in fp32.
@@ -107,8 +108,6 @@ def unsupported_reason(bank: nn.Module) -> str | None:
     act = getattr(bank, "act_fn", None)
     if not (isinstance(act, (type(ACT2FN["silu"]), nn.SiLU)) or act is F.silu):
         return f"its experts' activation is {getattr(act, '__name__', type(act).__name__)}, not SiLU"
-    if not hasattr(F, "grouped_mm"):
-        return f"torch {torch.__version__} has no torch.nn.functional.grouped_mm (2.10 or later)"
     return None
 
 
