@@ -31,6 +31,7 @@ Side-by-side runs against DeepSpeed, FSDP2 and plain PyTorch are `bench/compare.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -193,6 +194,10 @@ def run_moe_suite(args) -> list[dict]:
                     print(f"{shape} {batch} {variant}: {rows[-1].get('step_s', 0):.2f} s", flush=True)
         finally:
             engine.close()
+            # The next shape's store needs this one's memory back (one host holds one): drop the engine now, not
+            # when `build_engine` returns the next.
+            del engine
+            gc.collect()
     return rows
 
 
