@@ -9,7 +9,9 @@ chunk as the engine does (16 M elements a chunk).
   bf16 copy written in the same pass (`optimizer.impl: numba`);
 - `copy_gbps`: the host's memory bandwidth as a plain fp32 copy sees it (bytes read + written a second);
 - `gpu_over_link` (CUDA): master and moments carried to the GPU and back around torch's fused CUDA AdamW, on two
-  copy streams overlapped with the update: what a GPU share of the update could take.
+  copy streams overlapped with the update: what a GPU share of the update could take;
+- `numba_under_dma` (CUDA): the numba kernel while the link copies pinned host memory to the GPU without pause, as
+  the next step's weight uploads do while the engine's update runs (`dma_gbps`: what the link moved meanwhile).
 
 Each way runs on the same state, `--threads` (default: every core but one, as the engine's optimizer thread), and
 checks that the numba kernel equals torch's engine path bit for bit on the first chunk.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -145,6 +148,31 @@ def gpu_over_link(s: dict, numel: int, reps: int) -> float:
     return timed(one_pass, numel, reps)
 
 
+def numba_under_dma(s: dict, numel: int, reps: int) -> tuple[float, float]:
+    """The numba kernel's G params/s while another thread streams a pinned 2 GiB buffer to the GPU back to back,
+    and the GB/s that stream moved meanwhile."""
+    src = torch.empty(1 << 29).pin_memory()
+    dst = torch.empty(1 << 29, device="cuda")
+    stream, stop, moved = torch.cuda.Stream(), threading.Event(), [0]
+
+    def upload():
+        with torch.cuda.stream(stream):
+            while not stop.is_set():
+                dst.copy_(src, non_blocking=True)
+                stream.synchronize()
+                moved[0] += src.numel() * 4
+
+    step = AdamStep(LR, *BETAS, EPS, WD, 2, CLIP)
+    worker = threading.Thread(target=upload, daemon=True)
+    worker.start()
+    t0 = time.perf_counter()
+    rate = timed(lambda: [adamw_step(s["master"][lo:hi], s["exp_avg"][lo:hi], s["exp_avg_sq"][lo:hi],
+                                     s["grad16"][lo:hi], step) for lo, hi in chunks(numel)], numel, reps)
+    stop.set()
+    worker.join()
+    return rate, moved[0] / (time.perf_counter() - t0) / 1e9
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params-b", type=float, default=1.0, help="state size in G parameters (16 bytes each here)")
@@ -163,8 +191,9 @@ def main() -> None:
     rows[-1]["numba_bit_identical"] = identical_on_first_chunk(s)
     if torch.cuda.is_available():
         rows[-1]["gpu_over_link"] = gpu_over_link(s, numel, args.reps)
+        rows[-1]["numba_under_dma"], rows[-1]["dma_gbps"] = numba_under_dma(s, numel, args.reps)
     print_table(rows, ["threads", "params_b", "torch_fused_fp32", "torch_engine_path", "numba", "numba_with_copy",
-                       "copy_gbps", "gpu_over_link", "numba_bit_identical"])
+                       "copy_gbps", "gpu_over_link", "numba_under_dma", "dma_gbps", "numba_bit_identical"])
     write_json(args.out, {"args": vars(args), "device": device_name(), "cores": cores, "rows": rows})
 
 

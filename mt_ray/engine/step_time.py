@@ -33,13 +33,18 @@ class Machine:
     # TFLOPS (6·N·T) on an H200 and 445 on an H100 with Liger, 600 counted so (a layer alone: 497-524 as 6·N·T)
     layer_tflops: float = 600.0
     h2d_gbps: float = 50.0  # the host link, each direction (pinned copies run at 48-55 GB/s either way)
-    # The host's AdamW over a whole state: 26 bytes a parameter through memory, about 2 G params/s on the 16-core
-    # hosts (4.15 s for the 8.1 B-parameter MoE cut on an H200's host; 4 G params/s only on cache-sized chunks).
-    adam_gparams_per_s: float = 2.0
-    # The routed experts' rate against `layer_tflops`: transformers' grouped_mm banks at the Qwen3-30B-A3B shape
-    # (2048 wide, 768-wide experts, 8 of 128 a token) reached about a third of a dense layer's on an H200 (issue 38's
-    # rows: 6.25 s at 128 x 1024, 17.5 s at 512 x 1024, fb5f52c).
-    experts_efficiency: float = 0.33
+    # The host's AdamW over a whole state as the engine runs it, while the next step's weights stream: the one-pass
+    # numba kernel (`optimizer.impl: numba`, 26 bytes a parameter through memory) updated the 8.1 B-parameter MoE
+    # cut in 3.3-3.4 s busy on an H200's 16-core host (bench/results/moe_qwen3_30b_a3b_12l.json), where it alone
+    # reaches 4.1-4.7 G params/s (bench/optimizer_host.py); torch's fused AdamW through an fp32 scratch copy
+    # (`impl: torch`) 2 G params/s.
+    adam_gparams_per_s: float = 2.6
+    torch_adam_gparams_per_s: float = 2.0
+    # The routed experts' rate against `layer_tflops` at the Qwen3-30B-A3B shape (2048 wide, 768-wide experts, 8 of
+    # 128 a token) on an H200, fitted to the MoE suite's 128 and 512 x 1024 rows: mt-ray's grouped path
+    # (`engine.moe_experts: grouped`) about half a dense layer's; transformers' grouped_mm banks about a third.
+    experts_efficiency: float = 0.47
+    transformers_experts_efficiency: float = 0.31
     # Direct read and write bandwidth of the disk under engine.nvme_path (`mt-ray calc --probe-disk`); None: no
     # disk to hold optimizer state, so the search keeps it in host memory.
     nvme_read_gbps: float | None = None
@@ -119,10 +124,18 @@ class StepTime:
         return "link" if self.link > self.compute else "compute"
 
 
-def compute_params(spec: ModelSpec, machine: Machine) -> float:
-    """The parameters a token computes with, the routed experts' weighted by how much slower they run
-    (`Machine.experts_efficiency`): what the step's FLOPs are counted on at `layer_tflops`."""
-    return spec.active_text_params + spec.routed_active_params * (1 / machine.experts_efficiency - 1)
+def compute_params(spec: ModelSpec, machine: Machine, experts: str = "grouped") -> float:
+    """The parameters a token computes with, the routed experts' weighted by how much slower they run on the
+    `experts` path (`EngineConfig.moe_experts`; `Machine.experts_efficiency`): what the step's FLOPs are counted on at
+    `layer_tflops`."""
+    efficiency = machine.experts_efficiency if experts == "grouped" else machine.transformers_experts_efficiency
+    return spec.active_text_params + spec.routed_active_params * (1 / efficiency - 1)
+
+
+def adam_seconds(numel: int, machine: Machine, opt: OptimizerConfig) -> float:
+    """The host AdamW's pass over `numel` parameters with `opt.impl`'s rate (DeepSpeed's taken as torch's)."""
+    rate = machine.adam_gparams_per_s if opt.impl == "numba" else machine.torch_adam_gparams_per_s
+    return numel / (rate * 1e9)
 
 
 def predicted_step_seconds(spec: ModelSpec, cfg: EngineConfig, seq: int, global_batch: int,
@@ -160,7 +173,8 @@ def step_time(spec: ModelSpec, cfg: EngineConfig, seq: int, global_batch: int, m
     tokens = global_batch * seq
     n = spec.num_params
     resident = cfg.schedule == "resident"
-    active = compute_params(spec, machine)
+    active = compute_params(spec, machine, cfg.moe_experts)
+    opt = opt or OptimizerConfig()
     flops = (6 if resident else 8) * (active * tokens + attention_flops(spec.text_config, tokens, seq) / 6)
     if runs_chunked(cfg, seq):  # micro-batches of a sequence or more run in chunks
         flops += 2 * chunked_numel(spec) * tokens
@@ -187,15 +201,15 @@ def step_time(spec: ModelSpec, cfg: EngineConfig, seq: int, global_batch: int, m
         h2d += (3 * blocks + 2) * hidden  # forward and backward fetches of checkpoints and gradients
         d2h += (2 * blocks + 2) * hidden
     link = max(h2d, d2h) / (machine.h2d_gbps * 1e9)
-    clips = (opt or OptimizerConfig()).max_grad_norm > 0
-    optimizer = sum(u.numel for u in spec.trainable_units) / (machine.adam_gparams_per_s * 1e9)
-    embed_opt = spec.unit("embed").numel / (machine.adam_gparams_per_s * 1e9)
+    clips = opt.max_grad_norm > 0
+    optimizer = adam_seconds(sum(u.numel for u in spec.trainable_units), machine, opt)
+    embed_opt = adam_seconds(spec.unit("embed").numel, machine, opt)
     # A block's first micro-batch waits for the K - depth uploads not yet in flight, each pass.
     layer_upload = max(u.numel for u in spec.layer_units) * weight_size / (machine.h2d_gbps * 1e9)
     depth = cfg.prefetch_units or cfg.checkpoint_every
     stall = 0.0 if resident else 2 * blocks * max(0, cfg.checkpoint_every - depth) * layer_upload
     if cfg.state_placement != "host":
-        total = _disk_step_seconds(spec, cfg, machine, compute, link, embed_opt, clips) + stall
+        total = _disk_step_seconds(spec, cfg, machine, compute, link, embed_opt, opt) + stall
         return StepTime(total, compute, link, optimizer, embed_opt, stall, disk=True)
     if resident:
         exposed = optimizer
@@ -206,7 +220,7 @@ def step_time(spec: ModelSpec, cfg: EngineConfig, seq: int, global_batch: int, m
 
 
 def _disk_step_seconds(spec: ModelSpec, cfg: EngineConfig, machine: Machine, compute: float, link: float,
-                       exposed_opt: float, clips: bool) -> float:
+                       exposed_opt: float, opt: OptimizerConfig) -> float:
     """A step whose optimizer state is on disk, as the engine's pipeline runs it (state_files.FileTier).
 
     The optimizer pass reads and writes every chunk of state once (`Machine.disk_seconds`), no faster than the
@@ -221,7 +235,8 @@ def _disk_step_seconds(spec: ModelSpec, cfg: EngineConfig, machine: Machine, com
     """
     plan = state_files_plan(spec, cfg)
     trained = sum(u.numel for u in spec.trainable_units)
-    optimizer_pass = max(machine.disk_seconds(plan.disk_bytes), trained / (machine.adam_gparams_per_s * 1e9))
+    optimizer_pass = max(machine.disk_seconds(plan.disk_bytes), adam_seconds(trained, machine, opt))
+    clips = opt.max_grad_norm > 0
     if cfg.schedule == "resident":
         return max(compute, link) + optimizer_pass
     window = machine.disk_seconds(cfg.nvme_window * plan.slot_bytes) / 2  # a window's chunks moved one way

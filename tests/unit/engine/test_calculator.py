@@ -214,3 +214,19 @@ def test_calc_for_a_named_card_prints_the_assumptions_it_used(capsys):
     assert main(["calc", "--preset", "tiny", "--gpu", "rtx9090", "--host-mem-gb", "64"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--gpu rtx9090: not a card the calculator knows" in err and "rtx3080" in err
+
+
+# Measured on one H200 (bench/engine_gpu.py --suite moe, bench/RESULTS.md, tenth session): the 12-layer
+# Qwen3-30B-A3B cut and the 7B at 1024-token rows, K=4, full recompute, clip 1.0, stream_master, bf16 gradients,
+# mt-ray's grouped experts and the numba AdamW.
+H200_ROWS = [("qwen3-30b-a3b", 12, 128, 5.12), ("qwen3-30b-a3b", 12, 512, 13.99)]
+
+
+@pytest.mark.parametrize(("preset", "layers", "batch", "measured_s"), H200_ROWS)
+def test_the_step_model_is_within_15_percent_of_the_measured_h200_rows(preset, layers, batch, measured_s):
+    cfg = EngineConfig(device="cuda", compute_dtype="bf16", stream_master=True, grad_dtype="compute",
+                       keep_activations=0, checkpoint_every=4)
+    spec = discover(preset_config(preset, layers=layers))
+    predicted = step_time(spec, cfg, 1024, batch, Machine(layer_tflops=600, h2d_gbps=50), micro_batch=16,
+                          opt=OptimizerConfig(max_grad_norm=1.0))
+    assert abs(predicted.total / measured_s - 1) < 0.15, predicted
