@@ -1,0 +1,146 @@
+"""The rollout's decode loop: a static key/value cache, and on CUDA each token step replayed from a CUDA graph.
+
+`generate` with a dynamic cache spends ~40 ms of Python and kernel launches per token step of a 7B model, ten
+times what reading its weights takes (PERFORMANCE.md). Here the prompt is prefilled exactly as `generate`
+prefills it (a dynamic cache, the same mask and positions), its keys and values are copied into a static cache
+of `width + new tokens` slots, and every later token step runs on fixed buffers: the last token, its position,
+a boolean mask over the cache's slots (True: attend), the step index. On CUDA the step (forward, the
+group-seeded sampler, end-of-sequence bookkeeping, every buffer's update) is captured once per rollout batch in
+a `torch.cuda.CUDAGraph` and replayed; on the CPU it runs eagerly, the same operations.
+
+Semantics are `generate`'s (rollout.py's call): the last position's logits in fp32, the sampler of sampling.py
+at new token t (its uniform `u[:, t]`), a row that has ended takes the pad token from then on, and the loop
+stops once every row has ended (checked every `SYNC_EVERY` steps: what follows an end is padding, which
+`cut_completions` drops). The only difference is arithmetic: a decode step attends over the cache's unused slots
+masked out, where `generate` attends over the filled ones, which may round differently (tested equal token for
+token on the CPU, and in tests/gpu on CUDA).
+
+Key: B rows (completions), W the padded prompt width, T new tokens, L = W + T cache slots, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, StaticCache
+
+from mt_ray.training.grpo.sampling import GroupSeededSampling
+
+SYNC_EVERY = 16  # token steps between checks that every row has ended (each check waits for the device)
+WARMUP_STEPS = 2  # eager steps before the capture: kernels chosen and workspaces allocated outside the graph
+
+
+def static_decode_refusal(model) -> str | None:
+    """Why `model` cannot decode on a static cache (None: it can): a layer other than full attention (a
+    sliding window's or a linear attention's cache is not a fixed set of slots per position), or a model built
+    whose cache is not a decoder's."""
+    config = model.config.get_text_config(decoder=True)
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        return f"its layers include {sorted(kinds - {'full_attention'})}, which a static cache does not hold"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "it attends over a sliding window"
+    if getattr(config, "is_encoder_decoder", False):
+        return "it is an encoder-decoder"
+    return None
+
+
+class StaticDecoder:
+    """One rollout batch's decode on a static cache (`run`); `capture`: replay each token step from a CUDA graph."""
+
+    def __init__(self, model, capture: bool):
+        self.model = model
+        self.capture = capture
+        self.captured_steps = 0  # token steps the latest `run` replayed from its graph (benchmarks and tests)
+
+    @torch.no_grad()
+    def run(self, ids_BW: torch.Tensor, mask_BW: torch.Tensor, sampling: GroupSeededSampling, new_tokens: int,
+            eos_ids: list[int], pad_id: int) -> torch.Tensor:
+        """The sampled tokens [B, <= T] (pad after a row's end), for left-padded prompts `ids_BW` and `mask_BW`."""
+        b, w = ids_BW.shape
+        dev = ids_BW.device
+        pos_BW = (mask_BW.long().cumsum(-1) - 1).masked_fill_(mask_BW == 0, 0)  # as generate derives them
+        prefill = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=ids_BW, attention_mask=mask_BW, position_ids=pos_BW, past_key_values=prefill,
+                            use_cache=True, logits_to_keep=1).logits
+        s = _StepState(b, w, new_tokens, mask_BW, pos_BW, eos_ids, pad_id, dev)
+        s.first(sampling.sample(logits[:, -1, :].float(), sampling.u_BT[:, :1]))
+        cache = self._static_cache(prefill, b, w + new_tokens)
+        del prefill, logits  # the prefill's cache and logits: copied and sampled
+        self.captured_steps = 0
+        step = 1
+        while step < new_tokens:
+            if self.capture and step == 1 + WARMUP_STEPS and step + 1 < new_tokens:
+                step = self._replay(s, cache, sampling, step, new_tokens)
+                break
+            self._step(s, cache, sampling)
+            step += 1
+            if step % SYNC_EVERY == 0 and not s.unfinished_B.any():  # waits for the device: every row ended?
+                break
+        return s.out_BT[:, :step]
+
+    def _replay(self, s: _StepState, cache: StaticCache, sampling: GroupSeededSampling, step: int,
+                new_tokens: int) -> int:
+        """Capture the token step once and replay it until every row has ended or T tokens are sampled."""
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(s.dev)  # the eager steps' work done before the capture records on its own stream
+        with torch.cuda.graph(graph):
+            self._step(s, cache, sampling)  # recorded, not run: the buffers advance on each replay
+        while step < new_tokens:
+            graph.replay()
+            step += 1
+            self.captured_steps += 1
+            if step % SYNC_EVERY == 0 and not s.unfinished_B.any():  # waits for the device: every row ended?
+                break
+        del graph  # its memory pool goes with it
+        return step
+
+    def _step(self, s: _StepState, cache: StaticCache, sampling: GroupSeededSampling) -> None:
+        """Token `s.t_1` from token `s.t_1 - 1`, every buffer updated in place (capturable: no host sync)."""
+        s.mask_B11L.index_fill_(3, s.slot_1, True)  # the previous token's slot, written by this forward
+        logits = self.model(input_ids=s.tok_B1, attention_mask=s.mask_B11L,
+                            position_ids=s.pos_B1, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        token_B1 = sampling.sample(logits[:, -1, :].float(), sampling.u_BT.index_select(1, s.t_1))
+        s.advance(token_B1)
+
+    def _static_cache(self, prefill: DynamicCache, rows: int, slots: int) -> StaticCache:
+        """A static cache of `slots` positions holding the prefill's keys and values in its first W."""
+        cache = StaticCache(config=self.model.config, max_cache_len=slots)
+        for src, dst in zip(prefill.layers, cache.layers, strict=True):
+            dst.lazy_initialization(src.keys, src.values)
+            w = src.keys.shape[-2]
+            dst.keys[:, :, :w].copy_(src.keys)
+            dst.values[:, :, :w].copy_(src.values)
+            dst.cumulative_length.fill_(w)
+        return cache
+
+
+class _StepState:
+    """The decode loop's fixed buffers (a graph replays over them): the last token, its position, the cache's
+    mask, the step and slot indices, which rows are still going, and the tokens sampled so far."""
+
+    def __init__(self, b: int, w: int, new_tokens: int, mask_BW: torch.Tensor, pos_BW: torch.Tensor,
+                 eos_ids: list[int], pad_id: int, dev: torch.device):
+        self.dev = dev
+        self.pad_id = pad_id
+        self.eos_E = torch.tensor(sorted(eos_ids), device=dev)
+        self.mask_B11L = torch.zeros(b, 1, 1, w + new_tokens, dtype=torch.bool, device=dev)
+        self.mask_B11L[:, 0, 0, :w] = mask_BW.bool()
+        self.pos_B1 = pos_BW[:, -1:].clone()
+        self.tok_B1 = torch.empty(b, 1, dtype=torch.long, device=dev)
+        self.unfinished_B = torch.ones(b, dtype=torch.bool, device=dev)
+        self.out_BT = torch.full((b, new_tokens), pad_id, dtype=torch.long, device=dev)
+        self.t_1 = torch.zeros(1, dtype=torch.long, device=dev)  # the token being sampled
+        self.slot_1 = torch.full((1,), w - 1, dtype=torch.long, device=dev)  # the slot of the token fed in
+
+    def first(self, token_B1: torch.Tensor) -> None:
+        self.advance(token_B1)
+
+    def advance(self, token_B1: torch.Tensor) -> None:
+        """Record token t (the pad where a row had ended, as generate does), then move every index on by one."""
+        token_B = torch.where(self.unfinished_B, token_B1[:, 0], self.pad_id)
+        self.out_BT.index_copy_(1, self.t_1, token_B[:, None])
+        self.unfinished_B &= ~torch.isin(token_B, self.eos_E)
+        self.tok_B1.copy_(token_B[:, None])
+        self.pos_B1.add_(1)
+        self.t_1.add_(1)
+        self.slot_1.add_(1)
