@@ -15,16 +15,25 @@ stops once every row has ended (checked every `SYNC_EVERY` steps: what follows a
 masked out, where `generate` attends over the filled ones, which may round differently (tested equal token for
 token on the CPU, and in tests/gpu on CUDA).
 
+A token step's attention reads the cache once per key/value head (`grouped_decode_attention`): with a mask,
+`sdpa` would first repeat every key and value for each query head of its group (7x the cache's bytes a step at
+Qwen2.5-7B, more than its weights at 128 rows).
+
 Key: B rows (completions), W the padded prompt width, T new tokens, L = W + T cache slots, V vocabulary.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import AttentionInterface, DynamicCache, StaticCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from mt_ray.training.grpo.sampling import GroupSeededSampling
 
+DECODE_ATTENTION = "mt_ray_grouped_decode"
 SYNC_EVERY = 16  # token steps between checks that every row has ended (each check waits for the device)
 WARMUP_STEPS = 2  # eager steps before the capture: kernels chosen and workspaces allocated outside the graph
 
@@ -42,6 +51,40 @@ def static_decode_refusal(model) -> str | None:
     if getattr(config, "is_encoder_decoder", False):
         return "it is an encoder-decoder"
     return None
+
+
+def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention of one new token per row over the static cache, each key/value head read once for its group of
+    query heads (query [B, H, 1, D], key and value [B, K, L, D], the boolean mask [B, 1, 1, L]: True attends);
+    fp32 softmax. Anything else (the prefill, a bias or sinks) is `sdpa`'s."""
+    b, h, q_len, d = query.shape
+    k = key.shape[1]
+    if q_len != 1 or attention_mask is None or attention_mask.dtype != torch.bool or kwargs.get("position_bias") \
+            is not None or getattr(module, "sinks", None) is not None or h % k:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    scale = scaling if scaling is not None else d**-0.5
+    q_BKGD = query.reshape(b, k, h // k, d)  # head i reads key/value head i // G, as repeat_kv orders them
+    scores_BKGL = torch.matmul(q_BKGD, key.transpose(-1, -2)).float().mul_(scale)
+    scores_BKGL.masked_fill_(~attention_mask, float("-inf"))
+    probs_BKGL = torch.softmax(scores_BKGL, dim=-1).to(value.dtype)
+    out_BKGD = torch.matmul(probs_BKGL, value)
+    return out_BKGD.reshape(b, 1, h, d), None  # [B, 1, H, D], as sdpa_attention_forward returns it
+
+
+AttentionInterface.register(DECODE_ATTENTION, grouped_decode_attention)
+
+
+@contextlib.contextmanager
+def decode_attention(model) -> Iterator[None]:
+    """The model's layers attend with `grouped_decode_attention` inside (each reads the config's choice per call)."""
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = DECODE_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 class StaticDecoder:
@@ -67,6 +110,11 @@ class StaticDecoder:
         cache = self._static_cache(prefill, b, w + new_tokens)
         del prefill, logits  # the prefill's cache and logits: copied and sampled
         self.captured_steps = 0
+        with decode_attention(self.model):
+            return s.out_BT[:, : self._decode(s, cache, sampling, new_tokens)]
+
+    def _decode(self, s: _StepState, cache: StaticCache, sampling: GroupSeededSampling, new_tokens: int) -> int:
+        """Token steps 1 to T-1 (eager, or the first few eager and the rest replayed); the tokens sampled."""
         step = 1
         while step < new_tokens:
             if self.capture and step == 1 + WARMUP_STEPS and step + 1 < new_tokens:
@@ -76,7 +124,7 @@ class StaticDecoder:
             step += 1
             if step % SYNC_EVERY == 0 and not s.unfinished_B.any():  # waits for the device: every row ended?
                 break
-        return s.out_BT[:, :step]
+        return step
 
     def _replay(self, s: _StepState, cache: StaticCache, sampling: GroupSeededSampling, step: int,
                 new_tokens: int) -> int:
