@@ -8,7 +8,8 @@ a boolean mask over the cache's slots (True: attend), the step index. On CUDA th
 group-seeded sampler, end-of-sequence bookkeeping, every buffer's update) is captured once per rollout batch in
 a `torch.cuda.CUDAGraph` and replayed; on the CPU it runs eagerly, the same operations.
 
-Semantics are `generate`'s (rollout.py's call): the last position's logits in fp32, the sampler of sampling.py
+The prefill runs in row chunks of at most `PREFILL_TOKENS` tokens, so its workspace does not grow with prompts x
+G (the device model's `rollout_bytes`). Semantics are `generate`'s (rollout.py's call): the last position's logits in fp32, the sampler of sampling.py
 at new token t (its uniform `u[:, t]`), a row that has ended takes the pad token from then on, and the loop
 stops once every row has ended (checked every `SYNC_EVERY` steps: what follows an end is padding, which
 `cut_completions` drops). The only difference is arithmetic: a decode step attends over the cache's unused slots
@@ -31,6 +32,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from mt_ray.engine.sizing import PREFILL_TOKENS
 from mt_ray.training.grpo.sampling import GroupSeededSampling
 
 DECODE_ATTENTION = "mt_ray_grouped_decode"
@@ -90,9 +92,11 @@ def decode_attention(model) -> Iterator[None]:
 class StaticDecoder:
     """One rollout batch's decode on a static cache (`run`); `capture`: replay each token step from a CUDA graph."""
 
-    def __init__(self, model, capture: bool):
+    def __init__(self, model, capture: bool, prefill_tokens: int = PREFILL_TOKENS):
+        """`prefill_tokens`: the most prompt tokens (rows x W) one prefill chunk holds."""
         self.model = model
         self.capture = capture
+        self.prefill_tokens = prefill_tokens
         self.captured_steps = 0  # token steps the latest `run` replayed from its graph (benchmarks and tests)
 
     @torch.no_grad()
@@ -102,13 +106,11 @@ class StaticDecoder:
         b, w = ids_BW.shape
         dev = ids_BW.device
         pos_BW = (mask_BW.long().cumsum(-1) - 1).masked_fill_(mask_BW == 0, 0)  # as generate derives them
-        prefill = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=ids_BW, attention_mask=mask_BW, position_ids=pos_BW, past_key_values=prefill,
-                            use_cache=True, logits_to_keep=1).logits
         s = _StepState(b, w, new_tokens, mask_BW, pos_BW, eos_ids, pad_id, dev)
-        s.first(sampling.sample(logits[:, -1, :].float(), sampling.u_BT[:, :1]))
-        cache = self._static_cache(prefill, b, w + new_tokens)
-        del prefill, logits  # the prefill's cache and logits: copied and sampled
+        cache = StaticCache(config=self.model.config, max_cache_len=w + new_tokens)
+        first_B1 = torch.cat([self._prefill(ids_BW, mask_BW, pos_BW, sampling, cache, lo, hi)
+                              for lo, hi in _row_chunks(b, w, self.prefill_tokens)])
+        s.first(first_B1)
         self.captured_steps = 0
         with decode_attention(self.model):
             return s.out_BT[:, : self._decode(s, cache, sampling, new_tokens)]
@@ -150,16 +152,29 @@ class StaticDecoder:
         token_B1 = sampling.sample(logits[:, -1, :].float(), sampling.u_BT.index_select(1, s.t_1))
         s.advance(token_B1)
 
-    def _static_cache(self, prefill: DynamicCache, rows: int, slots: int) -> StaticCache:
-        """A static cache of `slots` positions holding the prefill's keys and values in its first W."""
-        cache = StaticCache(config=self.model.config, max_cache_len=slots)
-        for src, dst in zip(prefill.layers, cache.layers, strict=True):
-            dst.lazy_initialization(src.keys, src.values)
-            w = src.keys.shape[-2]
-            dst.keys[:, :, :w].copy_(src.keys)
-            dst.values[:, :, :w].copy_(src.values)
-            dst.cumulative_length.fill_(w)
-        return cache
+    def _prefill(self, ids_BW: torch.Tensor, mask_BW: torch.Tensor, pos_BW: torch.Tensor,
+                 sampling: GroupSeededSampling, cache: StaticCache, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) prefilled as generate prefills them (a dynamic cache), their keys and values copied into
+        the static cache's first W slots, layer by layer as each is freed; their first tokens [hi - lo, 1]."""
+        chunk = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=ids_BW[lo:hi], attention_mask=mask_BW[lo:hi], position_ids=pos_BW[lo:hi],
+                            past_key_values=chunk, use_cache=True, logits_to_keep=1).logits
+        b, w = ids_BW.shape
+        for src, dst in zip(chunk.layers, cache.layers, strict=True):
+            if not dst.is_initialized:
+                dst.lazy_initialization(src.keys.new_empty(b, *src.keys.shape[1:]),
+                                        src.values.new_empty(b, *src.values.shape[1:]))
+                dst.cumulative_length.fill_(w)
+            dst.keys[lo:hi, :, :w].copy_(src.keys)
+            dst.values[lo:hi, :, :w].copy_(src.values)
+            src.keys = src.values = None  # this chunk's layer is in the static cache: its memory can go
+        return sampling.sample(logits[:, -1, :].float(), sampling.u_BT[lo:hi, :1])
+
+
+def _row_chunks(rows: int, width: int, tokens: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of rows whose prompts hold at most `tokens` tokens together (one row at least)."""
+    per = max(1, tokens // max(1, width))
+    return [(lo, min(rows, lo + per)) for lo in range(0, rows, per)]
 
 
 class _StepState:

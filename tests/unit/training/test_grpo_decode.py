@@ -10,7 +10,9 @@ import torch
 from mt_ray.engine.config import EngineConfig
 from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.models.discovery import discover
-from mt_ray.training.grpo.rollout import build_copy
+from mt_ray.training.grpo.decode import StaticDecoder, _row_chunks
+from mt_ray.training.grpo.rollout import build_copy, cut_completions
+from mt_ray.training.grpo.sampling import GroupSeededSampling, group_uniforms
 from tests.tiny_models import reference_model, tiny_config
 
 PROMPTS = [[5, 9, 11, 3], [7, 8], [20, 21, 22], [4, 5, 6, 7, 8], [30]]  # widths 1 to 5: left padding
@@ -54,3 +56,18 @@ def test_a_sliding_window_family_keeps_generate():
     assert copy.decode == "generate"
     g = GrpoConfig(num_generations=2, max_completion_length=6, temperature=0.9, top_p=1.0)
     assert copy.generate(PROMPTS, g, {2}, 0, 3, decode="static") == copy.generate(PROMPTS, g, {2}, 0, 3)
+
+
+def test_a_prefill_in_row_chunks_samples_what_one_prefill_samples():
+    """Chunks of at most 12 prompt tokens (two rows of width 5 each): the same completions as one chunk's."""
+    copy = _copy("llama")
+    g = GrpoConfig(num_generations=2, max_completion_length=10, temperature=0.9, top_p=0.95)
+    rows = [p for p in PROMPTS for _ in range(2)]
+    ids = torch.tensor([[0] * (5 - len(p)) + p for p in rows])
+    mask = (torch.arange(5) >= torch.tensor([5 - len(p) for p in rows])[:, None]).long()
+    sampling = GroupSeededSampling(group_uniforms(3, 0, 5, 2, 10), 5, 0.9, 0.95)
+    assert _row_chunks(10, 5, 12) == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
+    chunked = StaticDecoder(copy.model, capture=False, prefill_tokens=12).run(ids, mask, sampling, 10, [2], 0)
+    whole = StaticDecoder(copy.model, capture=False).run(ids, mask, sampling, 10, [2], 0)
+    assert torch.equal(chunked, whole)
+    assert copy.generate(PROMPTS, g, {2}, 0, 3).completion_ids == cut_completions(whole.tolist(), {2}, 0)[0]
