@@ -3,10 +3,12 @@ block graphs beside it, and the refusals before step 1. The shape is the issue's
 completions of 64 + 128 tokens, micro-batches of 16, K=4; on the cluster each of 2 workers updates 4 micro-batches
 beside a replica in another process generating 64 completions."""
 
+import json
 from dataclasses import replace
 
 import pytest
 
+from mt_ray.cli.main import main
 from mt_ray.engine.calculator import GPU_HEADROOM
 from mt_ray.engine.config import EngineConfig
 from mt_ray.engine.grpo import GrpoConfig
@@ -67,3 +69,16 @@ def test_on_the_cpu_there_is_nothing_to_plan(spec):
     assert (stage.rollout_placement, kept) == ("resident", 0)
     given = CFG.model_copy(update={"keep_activations": 3})
     assert plan_beside_rollout(spec, given, REPLICA, None, 16, 192, 4)[1] == 3
+
+
+def test_calc_for_workers_plans_each_gpu_with_its_replica_beside_it(capsys):
+    """`--workers 2` on the GRPO demo: each worker's half of the 16 completions, and its replica's copy, cache and
+    context counted whole beside the update (not within what it frees, as one engine's copy is)."""
+    args = ["calc", "--gpu-mem-gb", "80", "--host-mem-gb", "256", "--json", "--config", "jobs/configs/grpo_demo.yaml"]
+    assert main(args) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main([*args, "--workers", "2"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert (one["global_batch"], two["global_batch"]) == (16, 8)
+    beside = two["rollout_copy_gib"] + two["rollout_generation_gib"] + REPLICA_CONTEXT_BYTES / GIB
+    assert two["device_gib"] > beside and two["rollout_placement"] == "resident"
