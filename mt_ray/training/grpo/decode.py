@@ -116,32 +116,38 @@ class StaticDecoder:
             return s.out_BT[:, : self._decode(s, cache, sampling, new_tokens)]
 
     def _decode(self, s: _StepState, cache: StaticCache, sampling: GroupSeededSampling, new_tokens: int) -> int:
-        """Token steps 1 to T-1 (eager, or the first few eager and the rest replayed); the tokens sampled."""
+        """Token steps 1 to T-1, eager or replayed from a graph; returns the tokens sampled (fewer than T where
+        every row had ended)."""
+        if self.capture and new_tokens > 2 + WARMUP_STEPS:
+            return self._replay(s, cache, sampling, new_tokens)
         step = 1
         while step < new_tokens:
-            if self.capture and step == 1 + WARMUP_STEPS and step + 1 < new_tokens:
-                step = self._replay(s, cache, sampling, step, new_tokens)
-                break
             self._step(s, cache, sampling)
             step += 1
             if step % SYNC_EVERY == 0 and not s.unfinished_B.any():  # waits for the device: every row ended?
                 break
         return step
 
-    def _replay(self, s: _StepState, cache: StaticCache, sampling: GroupSeededSampling, step: int,
-                new_tokens: int) -> int:
-        """Capture the token step once and replay it until every row has ended or T tokens are sampled."""
+    def _replay(self, s: _StepState, cache: StaticCache, sampling: GroupSeededSampling, new_tokens: int) -> int:
+        """A few eager steps on the capture's stream (its cuBLAS handle and workspaces made outside the graph,
+        as torch.cuda.graphs asks), the token step captured, then replayed until T tokens or every row ended."""
+        side = torch.cuda.Stream(s.dev)
+        side.wait_stream(torch.cuda.current_stream(s.dev))  # the prefill's buffers written before the side reads them
         graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize(s.dev)  # the eager steps' work done before the capture records on its own stream
-        with torch.cuda.graph(graph):
-            self._step(s, cache, sampling)  # recorded, not run: the buffers advance on each replay
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):
+                self._step(s, cache, sampling)
+            # thread_local: another thread's CUDA calls (the engine's copies, the optimizer's) do not void the capture
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                self._step(s, cache, sampling)  # recorded, not run: the buffers advance on each replay
+        torch.cuda.current_stream(s.dev).wait_stream(side)  # the warm-up's writes land before the first replay
+        step = 1 + WARMUP_STEPS
         while step < new_tokens:
             graph.replay()
             step += 1
             self.captured_steps += 1
             if step % SYNC_EVERY == 0 and not s.unfinished_B.any():  # waits for the device: every row ended?
                 break
-        del graph  # its memory pool goes with it
         return step
 
     def _step(self, s: _StepState, cache: StaticCache, sampling: GroupSeededSampling) -> None:

@@ -139,6 +139,7 @@ class PolicyCopy:
         self.params = dict(self.model.named_parameters())  # a tied head once, under its embedding's name
         self.upload = PinnedUpload(device)
         self.decode = self._best_decode()
+        self.captured_steps = 0  # token steps the latest rollout batch replayed from a CUDA graph (benchmarks, tests)
 
     def _best_decode(self) -> str:
         """`graph` (a CUDA device, every weight resident), else `static`, else `generate` where the family's
@@ -198,14 +199,17 @@ class PolicyCopy:
         copy's life (said once) and the batch decoded again eagerly: the same tokens."""
         if decode not in DECODES:
             raise ValueError(f"decode {decode!r}: one of {', '.join(DECODES)}")
+        self.captured_steps = 0
         if decode == "generate" or self.decode == "generate":  # asked for, or the family's cache cannot be static
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, do_sample=False, num_beams=1, top_k=None, top_p=None,
                 temperature=None, max_new_tokens=new_tokens, logits_processor=LogitsProcessorList([sampling]),
                 eos_token_id=eos, pad_token_id=pad_id)
             return out[:, ids.shape[1]:]
+        # a graph only on a GPU, over resident weights (a streamed copy's hooks wait on their copies each step)
+        decoder = StaticDecoder(self.model, capture=decode == "graph" and ids.is_cuda and self.streamer is None)
         try:
-            return StaticDecoder(self.model, capture=decode == "graph").run(ids, mask, sampling, new_tokens, eos, pad_id)
+            return decoder.run(ids, mask, sampling, new_tokens, eos, pad_id)
         except RuntimeError as e:
             if decode != "graph":
                 raise
@@ -213,6 +217,8 @@ class PolicyCopy:
                         "static cache from now on", e)
             self.decode = "static"
             return StaticDecoder(self.model, capture=False).run(ids, mask, sampling, new_tokens, eos, pad_id)
+        finally:
+            self.captured_steps = decoder.captured_steps
 
     def close(self) -> None:
         if self.streamer is not None:
