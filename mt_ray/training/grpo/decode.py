@@ -168,8 +168,8 @@ class StaticDecoder:
         b, w = ids_BW.shape
         for src, dst in zip(chunk.layers, cache.layers, strict=True):
             if not dst.is_initialized:
-                dst.lazy_initialization(src.keys.new_empty(b, *src.keys.shape[1:]),
-                                        src.values.new_empty(b, *src.values.shape[1:]))
+                k, v = src.keys.shape, src.values.shape  # shapes alone: [B, heads, 0, D] allocates nothing
+                dst.lazy_initialization(src.keys.new_empty(b, k[1], 0, k[3]), src.values.new_empty(b, v[1], 0, v[3]))
                 dst.cumulative_length.fill_(w)
             dst.keys[lo:hi, :, :w].copy_(src.keys)
             dst.values[lo:hi, :, :w].copy_(src.values)
