@@ -208,7 +208,8 @@ class _StepState:
         """Record token t (the pad where a row had ended, as generate does), then move every index on by one."""
         token_B = torch.where(self.unfinished_B, token_B1[:, 0], self.pad_id)
         self.out_BT.index_copy_(1, self.t_1, token_B[:, None])
-        self.unfinished_B &= ~torch.isin(token_B, self.eos_E)
+        # a comparison with each end token (torch.isin sorts and takes `unique` past ~10 rows: a host sync)
+        self.unfinished_B &= ~(token_B[:, None] == self.eos_E).any(dim=1)
         self.tok_B1.copy_(token_B[:, None])
         self.pos_B1.add_(1)
         self.t_1.add_(1)
