@@ -1,7 +1,7 @@
 """GRPO on the Ray cluster: a rollout replica beside each engine worker, as VERL colocates them.
 
 The engine workers only train. Each rollout replica holds a copy of the policy for generation (the single
-engine's `PolicyCopy`, transformers' `generate`: no second decoder) on its worker's GPU (the CPU beside CPU
+engine's `PolicyCopy` and its decode loop, decode.py: no second decoder) on its worker's GPU (the CPU beside CPU
 workers; `cluster.rollout_gpus` gives one replica GPUs of its own instead), and generates a consecutive share of
 each rollout's prompt groups, all replicas at once; the driver joins their completions in prompt order. Each
 group samples from its own seeded stream (sampling.py), so the completions do not depend on the split: one
