@@ -113,8 +113,9 @@ def measure(args, placement: str) -> list[dict]:
     return rows
 
 
-def compare_decodes(args) -> list[dict]:
-    """Each decode path's rollout of the same prompts from one copy, at each shape, seeded and greedy."""
+def compare_decodes(args):
+    """Each decode path's rollout of the same prompts from one copy, at each shape, seeded and greedy: the rows
+    of each shape as it is done."""
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.rollout_shapes.split(",")]
     args.micro = args.generations  # the update is not run: any micro-batch that divides the rows
     cfg = run_config(args, "resident")
@@ -130,8 +131,8 @@ def compare_decodes(args) -> list[dict]:
     for decode in decodes:  # first use of each path's kernels, outside the timings
         copy.generate([stream.take(1)[0].ids], GrpoConfig(num_generations=2, max_completion_length=8), eos, pad, 0,
                       decode=decode)
-    rows = []
     for prompts, g, new_tokens in shapes:
+        rows = []
         ids = [p.ids for p in stream.take(prompts)]
         for sampling, temperature in (("seeded", args.temperature), ("greedy", 1e-6)):
             grpo = GrpoConfig(num_generations=g, max_completion_length=new_tokens, temperature=temperature,
@@ -150,7 +151,7 @@ def compare_decodes(args) -> list[dict]:
                     "equal_rows": sum(same), "rows": len(same), f"equal_to_{reference}": all(same),
                     "equal_token_share": _common_prefix(rollout, ref),
                 })
-    return rows
+        yield rows
 
 
 def _timed_rollout(copy, ids, grpo, eos, pad, decode):
@@ -209,11 +210,13 @@ def main() -> None:
     args = p.parse_args()
     if args.compare_decodes:
         args.rollout_shapes = args.rollout_shapes or f"{args.prompts}x{args.generations}x{args.new_tokens}"
-        rows = compare_decodes(args)
-        print_table(rows, ["shape", "prompts", "G", "new_tokens", "sampling", "decode", "rollout_tokens_per_s",
-                           "captured_steps", "generation_gib", "predicted_generation_gib", "equal_rows", "rows",
-                           "equal_token_share"])
-        write_json(args.out, {"args": vars(args), "rows": rows})
+        rows = []
+        for shape_rows in compare_decodes(args):  # each shape's printed and written as it is done
+            rows += shape_rows
+            print_table(shape_rows, ["shape", "prompts", "G", "new_tokens", "sampling", "decode",
+                                     "rollout_tokens_per_s", "captured_steps", "generation_gib",
+                                     "predicted_generation_gib", "equal_rows", "rows", "equal_token_share"])
+            write_json(args.out, {"args": vars(args), "rows": rows})
         return
     rows = [row for placement in args.rollout_placement.split(",") for row in measure(args, placement)]
     print_table(rows, ["shape", "placement", "G", "new_tokens", "iteration", "kept_blocks", "rollout_tokens_per_s", "refresh_s",
