@@ -210,8 +210,10 @@ class PolicyCopy:
         decoder = StaticDecoder(self.model, capture=decode == "graph" and ids.is_cuda and self.streamer is None)
         try:
             return decoder.run(ids, mask, sampling, new_tokens, eos, pad_id)
+        except torch.OutOfMemoryError:
+            raise  # the device model's miss, not the capture's
         except RuntimeError as e:
-            if decode != "graph":
+            if not decoder.capture:
                 raise
             log.warning("grpo rollouts: the decode step's CUDA graph capture failed (%s); decoding eagerly on the "
                         "static cache from now on", e)
