@@ -9,8 +9,9 @@ group-seeded sampler, end-of-sequence bookkeeping, every buffer's update) is cap
 a `torch.cuda.CUDAGraph` and replayed; on the CPU it runs eagerly, the same operations.
 
 The prefill runs in row chunks of at most `PREFILL_TOKENS` tokens, so its workspace does not grow with prompts x
-G (the device model's `rollout_bytes`). Semantics are `generate`'s (rollout.py's call): the last position's logits in fp32, the sampler of sampling.py
-at new token t (its uniform `u[:, t]`), a row that has ended takes the pad token from then on, and the loop
+G (the device model's `rollout_bytes`). Semantics are `generate`'s (rollout.py's call): the last position's
+logits in fp32, the sampler of sampling.py at new token t (its uniform `u[:, t]`), a row that has ended takes the
+pad token from then on, and the loop
 stops once every row has ended (checked every `SYNC_EVERY` steps: what follows an end is padding, which
 `cut_completions` drops). The only difference is arithmetic: a decode step attends over the cache's unused slots
 masked out, where `generate` attends over the filled ones, which may round differently (tested equal token for
@@ -42,8 +43,8 @@ WARMUP_STEPS = 2  # eager steps before the capture: kernels chosen and workspace
 
 def static_decode_refusal(model) -> str | None:
     """Why `model` cannot decode on a static cache (None: it can): a layer other than full attention (a
-    sliding window's or a linear attention's cache is not a fixed set of slots per position), or a model built
-    whose cache is not a decoder's."""
+    sliding window's or a linear attention's cache is not a fixed set of slots per position), or an
+    encoder-decoder."""
     config = model.config.get_text_config(decoder=True)
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:
@@ -71,7 +72,7 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling=
     scores_BKGL.masked_fill_(~attention_mask, float("-inf"))
     probs_BKGL = torch.softmax(scores_BKGL, dim=-1).to(value.dtype)
     out_BKGD = torch.matmul(probs_BKGL, value)
-    return out_BKGD.reshape(b, 1, h, d), None  # [B, 1, H, D], as sdpa_attention_forward returns it
+    return out_BKGD.reshape(b, 1, h, value.shape[-1]), None  # [B, 1, H, Dv], as sdpa_attention_forward returns it
 
 
 AttentionInterface.register(DECODE_ATTENTION, grouped_decode_attention)
@@ -110,7 +111,7 @@ class StaticDecoder:
         cache = StaticCache(config=self.model.config, max_cache_len=w + new_tokens)
         first_B1 = torch.cat([self._prefill(ids_BW, mask_BW, pos_BW, sampling, cache, lo, hi)
                               for lo, hi in _row_chunks(b, w, self.prefill_tokens)])
-        s.first(first_B1)
+        s.advance(first_B1)
         self.captured_steps = 0
         with decode_attention(self.model):
             return s.out_BT[:, : self._decode(s, cache, sampling, new_tokens)]
@@ -200,9 +201,6 @@ class _StepState:
         self.out_BT = torch.full((b, new_tokens), pad_id, dtype=torch.long, device=dev)
         self.t_1 = torch.zeros(1, dtype=torch.long, device=dev)  # the token being sampled
         self.slot_1 = torch.full((1,), w - 1, dtype=torch.long, device=dev)  # the slot of the token fed in
-
-    def first(self, token_B1: torch.Tensor) -> None:
-        self.advance(token_B1)
 
     def advance(self, token_B1: torch.Tensor) -> None:
         """Record token t (the pad where a row had ended, as generate does), then move every index on by one."""
