@@ -336,6 +336,10 @@ def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int,
     return parts
 
 
+# The rollout copy's refresh casts the master on the device through two staging slots of this many bytes
+# (training/grpo/upload.py), held for the copy's life.
+ROLLOUT_SLOT_BYTES = 64 << 20
+
 # The rollout's prefill runs its prompts in row chunks of at most this many tokens (decode.py): its workspace, one
 # layer's intermediates of a chunk, is bounded whatever the prompts x G.
 PREFILL_TOKENS = 8192
@@ -344,7 +348,7 @@ PREFILL_TOKENS = 8192
 def rollout_bytes(spec: ModelSpec, cfg: EngineConfig, rows: int, tokens: int,
                   streamed: bool = False) -> tuple[int, int]:
     """GRPO's rollout copy on the device (every weight in the compute dtype; `streamed`: all but the decoder
-    layers, and two layer-sized buffers they stream through), and what its generation of `rows` completions of
+    layers, and two layer-sized buffers they stream through; and its refresh's two staging slots), and what its generation of `rows` completions of
     up to `tokens` tokens adds: the static key/value cache (on the device either way) and the larger of the
     prefill's workspace (a chunk's dynamic cache and one layer's intermediates of its tokens) and a token step's
     (`decode_step_bytes`)."""
@@ -355,7 +359,7 @@ def rollout_bytes(spec: ModelSpec, cfg: EngineConfig, rows: int, tokens: int,
                + min(rows * tokens, max(PREFILL_TOKENS, tokens)) * activation_bytes_per_token(spec, size))
     layers = [u.numel for u in spec.layer_units]
     weights = spec.num_params - sum(layers) + 2 * max(layers) if streamed else spec.num_params
-    return weights * size, cache + max(prefill, decode_step_bytes(spec, rows, tokens))
+    return weights * size + 2 * ROLLOUT_SLOT_BYTES, cache + max(prefill, decode_step_bytes(spec, rows, tokens))
 
 
 def decode_step_bytes(spec: ModelSpec, rows: int, tokens: int) -> int:

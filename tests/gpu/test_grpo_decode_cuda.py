@@ -42,13 +42,18 @@ def test_the_graph_decode_samples_what_generate_samples_on_cuda(family, temperat
     assert ours == copy.generate(PROMPTS, g, {2}, 0, 3, decode="static")
 
 
-def test_the_graph_decode_stays_within_the_device_models_generation_bytes():
-    """64 completions of up to 16 + 96 tokens, a 32k vocabulary (the sampler's fp64 rows dominate a step): the
-    memory generation takes beyond the copy is at least its static cache and at most what `rollout_bytes` counts."""
+def test_the_copy_and_its_graph_decode_take_what_the_device_model_counts():
+    """64 completions of up to 16 + 96 tokens, a 32k vocabulary (the sampler's fp64 rows dominate a step): the copy
+    takes `rollout_bytes`' weights (and a rounding), and the memory generation takes beyond it is at least its
+    static cache and at most what `rollout_bytes` counts for generation."""
     config = tiny_config("llama", hidden_size=256, intermediate_size=512, num_attention_heads=8,
                          num_key_value_heads=2, head_dim=32, vocab_size=32000, num_hidden_layers=2,
                          max_position_embeddings=256)
+    spec, cfg = discover(config), EngineConfig(device="cuda", compute_dtype="bf16")
+    weights, predicted = rollout_bytes(spec, cfg, 64, 16 + 96)
+    start = torch.cuda.memory_allocated()
     copy = _copy(config, "bf16", 64, 112)
+    assert weights <= torch.cuda.memory_allocated() - start <= weights + 2**20
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 32000, (int(n),), generator=gen).tolist()
                for n in torch.randint(4, 17, (8,), generator=gen)]
@@ -61,5 +66,4 @@ def test_the_graph_decode_stays_within_the_device_models_generation_bytes():
     taken = torch.cuda.max_memory_allocated() - before
     width = max(len(p) for p in prompts)
     assert copy.captured_steps > 0 and len(rollout.completion_ids) == 64
-    predicted = rollout_bytes(discover(config), EngineConfig(device="cuda", compute_dtype="bf16"), 64, 16 + 96)[1]
     assert kv_cache_bytes(config, 64, width + 96, 2) <= taken <= predicted
