@@ -130,17 +130,22 @@ class StaticDecoder:
         return step
 
     def _replay(self, s: _StepState, cache: StaticCache, sampling: GroupSeededSampling, new_tokens: int) -> int:
-        """A few eager steps on the capture's stream (its cuBLAS handle and workspaces made outside the graph,
-        as torch.cuda.graphs asks), the token step captured, then replayed until T tokens or every row ended."""
+        """A few eager steps on the capture's stream (its cuBLAS handle and workspaces made outside the graph, as
+        torch.cuda.graphs' recipe asks), the token step captured, then replayed until T tokens or every row ended."""
         side = torch.cuda.Stream(s.dev)
         side.wait_stream(torch.cuda.current_stream(s.dev))  # the prefill's buffers written before the side reads them
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
             for _ in range(WARMUP_STEPS):
                 self._step(s, cache, sampling)
-            # thread_local: another thread's CUDA calls (the engine's copies, the optimizer's) do not void the capture
-            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+            # capture_begin, not torch.cuda.graph: that empties the caching allocators (the device's and the pinned
+            # host memory's) first, which the engine sharing this process would allocate again. thread_local:
+            # another thread's CUDA calls (the engine's copies, the optimizer's) do not void the capture.
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
                 self._step(s, cache, sampling)  # recorded, not run: the buffers advance on each replay
+            finally:
+                graph.capture_end()
         torch.cuda.current_stream(s.dev).wait_stream(side)  # the warm-up's writes land before the first replay
         step = 1 + WARMUP_STEPS
         while step < new_tokens:
