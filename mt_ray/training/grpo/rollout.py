@@ -8,7 +8,7 @@ The copy (`PolicyCopy`) is the model's Hugging Face module in the engine's compu
 refreshed from the host master weights after each update, by page-locked DMA with the cast on the device
 (upload.py); the refresh is timed (`rollout/refresh_s`).
 `rollout.placement` says where its weights are: all on the engine's device (`resident`), or its decoder
-layers in page-locked host memory, streamed through two device buffers as `generate` runs them
+layers in page-locked host memory, streamed through two device buffers as the decode loop runs them
 (`streamed`, streamed_copy.py: the embedding, head and key/value cache stay on the device; the refresh then
 writes the host copy). `auto` takes resident where the device model says it fits beside the step. A single
 engine's copy lives in its process (`LocalSampler`); on the Ray cluster the same class lives in a rollout
@@ -112,7 +112,7 @@ def completion_batches(rollout: Rollout, advantages: torch.Tensor, mask_truncate
 
 
 class PolicyCopy:
-    """The policy as a transformers module on the engine's device, for `generate`, refreshed from the master."""
+    """The policy as a transformers module on the engine's device, for generation, refreshed from the master."""
 
     def __init__(self, config: PretrainedConfig, device: torch.device, dtype: torch.dtype, weight_bytes: int,
                  generation_bytes: int, streamed_layers: str | None = None):
