@@ -195,10 +195,10 @@ def main() -> None:
     p.add_argument("--num-iterations", type=int, default=1, help="grpo.num_iterations: updates per rollout")
     p.add_argument("--rollout-placement", default="auto", help="rollout.placement, or several comma-separated "
                    "(resident,streamed) measured one after the other")
-    p.add_argument("--decode", default=None, choices=["graph", "static", "generate"],
+    p.add_argument("--decode", default=None, choices=["graph", "static", "graph_sdpa", "generate"],
                    help="the rollout copy's decode path (default: its own, graph on a GPU)")
     p.add_argument("--compare-decodes", default=None, help="comma-separated decode paths: measure the rollout alone "
-                   "with each (no update), e.g. graph,static,generate")
+                   "with each (no update), e.g. graph,graph_sdpa,static,generate")
     p.add_argument("--rollout-shapes", default=None, help="with --compare-decodes: prompts x G x new tokens, "
                    "comma-separated (default: --prompts x --generations x --new-tokens)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="with --compare-decodes: the copy's")

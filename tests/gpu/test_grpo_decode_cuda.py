@@ -40,6 +40,7 @@ def test_the_graph_decode_samples_what_generate_samples_on_cuda(family, temperat
     assert copy.decode == "graph" and copy.captured_steps > 0  # captured, not fallen back to the eager loop
     assert ours == copy.generate(PROMPTS, g, {2}, 0, 3, decode="generate")
     assert ours == copy.generate(PROMPTS, g, {2}, 0, 3, decode="static")
+    assert ours == copy.generate(PROMPTS, g, {2}, 0, 3, decode="graph_sdpa") and copy.captured_steps > 0
 
 
 def test_the_copy_and_its_graph_decode_take_what_the_device_model_counts():

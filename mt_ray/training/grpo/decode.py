@@ -93,10 +93,13 @@ def decode_attention(model) -> Iterator[None]:
 class StaticDecoder:
     """One rollout batch's decode on a static cache (`run`); `capture`: replay each token step from a CUDA graph."""
 
-    def __init__(self, model, capture: bool, prefill_tokens: int = PREFILL_TOKENS):
-        """`prefill_tokens`: the most prompt tokens (rows x W) one prefill chunk holds."""
+    def __init__(self, model, capture: bool, prefill_tokens: int = PREFILL_TOKENS, grouped: bool = True):
+        """`prefill_tokens`: the most prompt tokens (rows x W) one prefill chunk holds. `grouped`: a token step
+        attends with `grouped_decode_attention`, else with the model's own (`sdpa`, which repeats the cache for each
+        query head of a group first: slower, but the kernel `generate` runs, so in bf16 too it rounds alike)."""
         self.model = model
         self.capture = capture
+        self.grouped = grouped
         self.prefill_tokens = prefill_tokens
         self.captured_steps = 0  # token steps the latest `run` replayed from its graph (benchmarks and tests)
 
@@ -113,7 +116,7 @@ class StaticDecoder:
                               for lo, hi in _row_chunks(b, w, self.prefill_tokens)])
         s.advance(first_B1)
         self.captured_steps = 0
-        with decode_attention(self.model):
+        with decode_attention(self.model) if self.grouped else contextlib.nullcontext():
             return s.out_BT[:, : self._decode(s, cache, sampling, new_tokens)]
 
     def _decode(self, s: _StepState, cache: StaticCache, sampling: GroupSeededSampling, new_tokens: int) -> int:

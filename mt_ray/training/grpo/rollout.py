@@ -46,7 +46,9 @@ from mt_ray.training.grpo.streamed_copy import LayerStreamer, move_all_but
 from mt_ray.training.grpo.upload import PinnedUpload
 
 GIB = 2**30
-DECODES = ("graph", "static", "generate")  # fastest first; `generate` is transformers' own loop, kept as the fallback
+# fastest first: `graph_sdpa` is `graph` with the model's own attention (generate's kernel, a slower step, for a
+# comparison in bf16); `generate` is transformers' own loop, kept as the fallback
+DECODES = ("graph", "static", "graph_sdpa", "generate")
 log = logging.getLogger(__name__)
 
 
@@ -207,7 +209,8 @@ class PolicyCopy:
                 eos_token_id=eos, pad_token_id=pad_id)
             return out[:, ids.shape[1]:]
         # a graph only on a GPU, over resident weights (a streamed copy's hooks wait on their copies each step)
-        decoder = StaticDecoder(self.model, capture=decode == "graph" and ids.is_cuda and self.streamer is None)
+        decoder = StaticDecoder(self.model, capture=decode.startswith("graph") and ids.is_cuda and self.streamer is None,
+                                grouped=decode != "graph_sdpa")
         try:
             return decoder.run(ids, mask, sampling, new_tokens, eos, pad_id)
         except torch.OutOfMemoryError:
@@ -218,7 +221,8 @@ class PolicyCopy:
             log.warning("grpo rollouts: the decode step's CUDA graph capture failed (%s); decoding eagerly on the "
                         "static cache from now on", e)
             self.decode = "static"
-            return StaticDecoder(self.model, capture=False).run(ids, mask, sampling, new_tokens, eos, pad_id)
+            return StaticDecoder(self.model, capture=False, grouped=decoder.grouped).run(ids, mask, sampling,
+                                                                                           new_tokens, eos, pad_id)
         finally:
             self.captured_steps = decoder.captured_steps
 
