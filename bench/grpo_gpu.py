@@ -34,7 +34,7 @@ weights in `--dtype`), each decode path on the same prompts in one process, at e
 tokens/s, the GPU memory its generation took against the device model's `rollout_bytes`, and how many completions
 equal the reference path's (`generate`, today's) token for token:
 
-    python bench/grpo_gpu.py --shape qwen2.5-7b --compare-decodes graph,static,generate \
+    python bench/grpo_gpu.py --shape qwen2.5-7b --compare-decodes graph,graph_sdpa,static,generate \
         --rollout-shapes 16x8x128,64x8x256 --out bench/results/grpo_rollout_7b.json
 
 CPU smoke test of the same path: `python bench/grpo_gpu.py --shape tiny --device cpu --prompts 2 --generations 4
