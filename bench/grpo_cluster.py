@@ -30,6 +30,7 @@ CPU smoke test: `python bench/grpo_cluster.py --shape tiny --device cpu --worker
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from pathlib import Path
 
@@ -124,6 +125,14 @@ def summarize(engine: list[dict], cluster: list[dict], ours: list, theirs: list)
                                                                              "update_s")}}
 
 
+def release_cached_memory() -> None:
+    """The engine row's GPU memory, which this process's caching allocator keeps reserved once freed, handed back:
+    the cluster's worker and replica on the same GPU plan with the whole of it (as bench/multi_gpu.py does)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen2.5-1.5b")
@@ -146,6 +155,7 @@ def main() -> None:
     # the engine first: its state is freed before the cluster's
     engine, theirs = measure(args, 0, workers if args.engine_shares else 1)
     write_json(args.out, {"args": vars(args), "summary": None, "rows": engine})  # kept if the cluster's run is cut
+    release_cached_memory()
     cluster, ours = measure(args, workers)
     summary = {"device": device_name(), **summarize(engine, cluster, ours, theirs)}
     print_table(engine + cluster, COLUMNS)

@@ -28,14 +28,25 @@ engine's ~16 B/param and the streamed copy's 2 B/param of layers come near a 128
     python bench/grpo_gpu.py --shape qwen2.5-1.5b --prompts 64 --generations 8 --new-tokens 256 --warmup 1 \
         --steps 1 --rollout-placement resident,streamed --out bench/results/grpo_streamed_1.5b.json
 
+`--compare-decodes graph,static,generate` measures the rollout alone (no engine, no update: a copy of random
+weights in `--dtype`), each decode path on the same prompts in one process, at each of `--rollout-shapes`
+(prompts x G x new tokens), under the seeded sampler (`--temperature`, `--top-p`) and greedy; each row has its
+tokens/s, the GPU memory its generation took against the device model's `rollout_bytes`, and how many completions
+equal the reference path's (`generate`, today's) token for token:
+
+    python bench/grpo_gpu.py --shape qwen2.5-7b --compare-decodes graph,graph_sdpa,static,generate \
+        --rollout-shapes 16x8x128,64x8x256 --out bench/results/grpo_rollout_7b.json
+
 CPU smoke test of the same path: `python bench/grpo_gpu.py --shape tiny --device cpu --prompts 2 --generations 4
---new-tokens 8 --micro 4 --steps 1 --out /tmp/grpo_tiny.json`.
+--new-tokens 8 --micro 4 --steps 1 --out /tmp/grpo_tiny.json`; of the comparison: `python bench/grpo_gpu.py
+--shape tiny --device cpu --dtype fp32 --compare-decodes static,generate --rollout-shapes 2x4x16 --out /tmp/r.json`.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -44,9 +55,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table, timed_grpo_steps, write_json  # noqa: E402
 from mt_ray.config.run import load_run_config  # noqa: E402
+from mt_ray.data.loader import pad_token_id  # noqa: E402
+from mt_ray.engine.grpo import GrpoConfig  # noqa: E402
+from mt_ray.engine.sizing import GIB, rollout_bytes  # noqa: E402
 from mt_ray.training.backend import build_backend  # noqa: E402
+from mt_ray.training.grpo.prompts import PromptStream, read_prompts  # noqa: E402
+from mt_ray.training.grpo.rollout import build_copy, generation_eos  # noqa: E402
 from mt_ray.training.grpo.steps import GrpoSteps  # noqa: E402
 from mt_ray.training.model_source import load_model_and_tokenizer  # noqa: E402
+
+PROMPT_TOKENS = 64  # grpo.max_prompt_length of every row
 
 
 def run_config(args, placement: str):
@@ -57,7 +75,7 @@ def run_config(args, placement: str):
         f"model.preset={args.shape}", "data.datasets=[demo_math_prompts]", "training.stage=grpo",
         f"training.micro_batch_size={args.micro}", f"training.grad_accum_steps={completions // args.micro}",
         f"training.steps={args.steps + args.warmup}", f"grpo.num_generations={args.generations}",
-        f"grpo.max_completion_length={args.new_tokens}", "grpo.max_prompt_length=64",
+        f"grpo.max_completion_length={args.new_tokens}", f"grpo.max_prompt_length={PROMPT_TOKENS}",
         "grpo.rewards=[{name: format}, {name: 'jobs.rewards:digits'}]", f"engine.device={args.device}",
         f"engine.checkpoint_every={args.k}", f"engine.stream_master={args.stream_master}",
         f"engine.kernels={args.kernels}", f"engine.grad_dtype={args.grad_dtype}",
@@ -73,12 +91,14 @@ def measure(args, placement: str) -> list[dict]:
     spec, tokenizer = load_model_and_tokenizer(cfg)
     engine = build_backend(cfg, spec)
     steps = GrpoSteps(cfg, engine, spec, tokenizer)
+    if args.decode:
+        steps.sampler.copy.decode = args.decode
     rows = []
     try:
         for i, rollout_s, update_s, result in timed_grpo_steps(steps, engine, args.warmup, args.steps):
             m = steps.metrics
             rows.append({
-                "shape": args.shape, "placement": steps.sampler.copy.placement, "prompts": args.prompts, "G": args.generations, "new_tokens": args.new_tokens,
+                "shape": args.shape, "placement": steps.sampler.copy.placement, "decode": steps.sampler.copy.decode, "prompts": args.prompts, "G": args.generations, "new_tokens": args.new_tokens,
                 "rollout_tokens_per_s": m["rollout/tokens_per_s"], "generate_s": m["rollout/generate_s"],
                 "refresh_s": m["rollout/refresh_s"], "rollout_s": rollout_s, "update_s": update_s,
                 "update_tokens": result.num_tokens,
@@ -91,6 +111,70 @@ def measure(args, placement: str) -> list[dict]:
         steps.close()
         engine.close()
     return rows
+
+
+def compare_decodes(args):
+    """Each decode path's rollout of the same prompts from one copy, at each shape, seeded and greedy: the rows
+    of each shape as it is done."""
+    shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.rollout_shapes.split(",")]
+    args.micro = args.generations  # the update is not run: any micro-batch that divides the rows
+    cfg = run_config(args, "resident")
+    cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"compute_dtype": args.dtype})})
+    spec, tokenizer = load_model_and_tokenizer(cfg)
+    device = cfg.engine.resolve_device()
+    most = max(p * g for p, g, _ in shapes)
+    copy = build_copy(spec, cfg.engine, device, most, PROMPT_TOKENS + max(t for *_, t in shapes), "resident")
+    stream = PromptStream(read_prompts(cfg.data, tokenizer, PROMPT_TOKENS), 0)
+    pad, eos = pad_token_id(tokenizer), {tokenizer.eos_token_id, *generation_eos(copy.model)}
+    decodes = args.compare_decodes.split(",")
+    reference = "generate" if "generate" in decodes else decodes[0]
+    for decode in decodes:  # first use of each path's kernels, outside the timings
+        copy.generate([stream.take(1)[0].ids], GrpoConfig(num_generations=2, max_completion_length=8), eos, pad, 0,
+                      decode=decode)
+    for prompts, g, new_tokens in shapes:
+        rows = []
+        ids = [p.ids for p in stream.take(prompts)]
+        for sampling, temperature in (("seeded", args.temperature), ("greedy", 1e-6)):
+            grpo = GrpoConfig(num_generations=g, max_completion_length=new_tokens, temperature=temperature,
+                              top_p=args.top_p if sampling == "seeded" else 1.0)
+            outs = {d: _timed_rollout(copy, ids, grpo, eos, pad, d) for d in decodes}
+            ref = outs[reference][0]
+            for d, (rollout, seconds, peak, captured) in outs.items():
+                same = [a == b for a, b in zip(rollout.completion_ids, ref.completion_ids, strict=True)]
+                rows.append({
+                    "shape": args.shape, "dtype": args.dtype, "prompts": prompts, "G": g, "new_tokens": new_tokens,
+                    "sampling": sampling, "decode": d, "rollout_tokens_per_s": sum(rollout.lengths) / seconds,
+                    "generate_s": seconds, "tokens": sum(rollout.lengths), "captured_steps": captured,
+                    "generation_gib": peak / GIB,
+                    "predicted_generation_gib": rollout_bytes(spec, cfg.engine, prompts * g,
+                                                              PROMPT_TOKENS + new_tokens)[1] / GIB,
+                    "equal_rows": sum(same), "rows": len(same), f"equal_to_{reference}": all(same),
+                    "equal_token_share": _common_prefix(rollout, ref),
+                })
+        yield rows
+
+
+def _timed_rollout(copy, ids, grpo, eos, pad, decode):
+    """The rollout, its seconds (returned with its completions: waited for), the device memory it took beyond what
+    was allocated before it, and the token steps replayed from a CUDA graph."""
+    cuda = copy.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(copy.device)
+        torch.cuda.reset_peak_memory_stats(copy.device)
+    before = torch.cuda.memory_allocated(copy.device) if cuda else 0
+    start = time.perf_counter()
+    rollout = copy.generate(ids, grpo, eos, pad, seed=1, decode=decode)  # .tolist() inside: waits for the device
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(copy.device) - before if cuda else 0
+    return rollout, seconds, peak, copy.captured_steps
+
+
+def _common_prefix(rollout, ref) -> float:
+    """The share of the reference's tokens each completion matches before its first difference."""
+    same = 0
+    for a, b in zip(rollout.completion_ids, ref.completion_ids, strict=True):
+        same += next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return same / max(1, sum(len(b) for b in ref.completion_ids))
 
 
 def main() -> None:
@@ -111,10 +195,29 @@ def main() -> None:
     p.add_argument("--num-iterations", type=int, default=1, help="grpo.num_iterations: updates per rollout")
     p.add_argument("--rollout-placement", default="auto", help="rollout.placement, or several comma-separated "
                    "(resident,streamed) measured one after the other")
+    p.add_argument("--decode", default=None, choices=["graph", "static", "graph_sdpa", "generate"],
+                   help="the rollout copy's decode path (default: its own, graph on a GPU)")
+    p.add_argument("--compare-decodes", default=None, help="comma-separated decode paths: measure the rollout alone "
+                   "with each (no update), e.g. graph,graph_sdpa,static,generate")
+    p.add_argument("--rollout-shapes", default=None, help="with --compare-decodes: prompts x G x new tokens, "
+                   "comma-separated (default: --prompts x --generations x --new-tokens)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="with --compare-decodes: the copy's")
+    p.add_argument("--temperature", type=float, default=1.0, help="with --compare-decodes: the seeded rows'")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --compare-decodes: the seeded rows'")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--out", default="bench/results/grpo_gpu.json")
     args = p.parse_args()
+    if args.compare_decodes:
+        args.rollout_shapes = args.rollout_shapes or f"{args.prompts}x{args.generations}x{args.new_tokens}"
+        rows = []
+        for shape_rows in compare_decodes(args):  # each shape's printed and written as it is done
+            rows += shape_rows
+            print_table(shape_rows, ["shape", "prompts", "G", "new_tokens", "sampling", "decode",
+                                     "rollout_tokens_per_s", "captured_steps", "generation_gib",
+                                     "predicted_generation_gib", "equal_rows", "rows", "equal_token_share"])
+            write_json(args.out, {"args": vars(args), "rows": rows})
+        return
     rows = [row for placement in args.rollout_placement.split(",") for row in measure(args, placement)]
     print_table(rows, ["shape", "placement", "G", "new_tokens", "iteration", "kept_blocks", "rollout_tokens_per_s", "refresh_s",
                        "update_tflops", "step_s", "gpu_mem_gib", "host_bytes_per_param"])

@@ -6,6 +6,7 @@ import argparse
 import json
 import shlex
 import sys
+from dataclasses import replace
 
 from mt_ray.errors import ConfigError, MtRayError
 
@@ -132,6 +133,10 @@ def _calc(args) -> int:
         engine = engine.model_copy(update={"nvme_path": args.probe_disk})
     spec = _spec(args, run)
     opt = run.optimizer if run else None
+    if (args.workers or 1) > 1 and stage.rollout_tokens and not (run and run.cluster.rollout_gpus):
+        # each worker updates its share beside a rollout replica in another process on its GPU
+        args.global_batch = max(1, args.global_batch // args.workers)
+        stage = replace(stage, rollout_rows=args.global_batch, rollout_apart=True)
     if args.max_seq:
         rec = longest_context(spec, gpu, host, args.global_batch, cfg=engine, opt=opt, machine=machine, stage=stage)
     else:

@@ -114,6 +114,9 @@ class DataParallelTrainer(ShardedState):
         self.stage, self.pref, self.grpo = stage, pref or PreferenceConfig(), grpo or GrpoConfig()
         self.objective = stage_objective(stage, self.pref, self.grpo)
         self.reference = Stage.of(stage, self.pref, self.grpo).reference  # each node's arena keeps the reference
+        # GRPO's plan of what shares each worker's GPU (RemoteSampler sets it before step 1; a worker started later
+        # plans the same at its start)
+        self.rollout_beside: dict | None = None
         if engine_cfg.state_placement != "host":  # the shards keep master and moments in the node's shared memory
             raise ConfigError(f"engine.state_placement: {engine_cfg.state_placement} runs on a single engine for now; "
                               "use cluster.num_workers: 1, or state_placement: host")
@@ -263,7 +266,7 @@ class DataParallelTrainer(ShardedState):
                 r, self.model, self.engine_cfg.model_dump(), self.opt_cfg.model_dump(), self.total_steps,
                 self.shards[node], node, self.cluster.num_nodes, self.landers, self.ring, self.arenas[node],
                 self.generation, start_step, self.cluster.placement_timeout_s, self.freeze, self.stage,
-                self.pref.model_dump(), self.grpo.model_dump())
+                self.pref.model_dump(), self.grpo.model_dump(), self.rollout_beside)
         return workers
 
     def rollout_options(self, worker: int = 0) -> dict:

@@ -19,6 +19,7 @@ import functools
 import logging
 import socket
 import time
+from dataclasses import replace
 from datetime import timedelta
 
 import ray
@@ -84,11 +85,12 @@ class EngineWorker:
     def __init__(self, rank: int, model, engine_cfg: dict, opt_cfg: dict, total_steps: int, shard, local_shard: int,
                  num_shards: int, num_local: int, ring: int, arena: ArenaHandle, generation: int, start_step: int,
                  timeout_s: float, freeze: dict[str, bool] | None = None, stage: str = "sft",
-                 pref: dict | None = None, grpo: dict | None = None):
+                 pref: dict | None = None, grpo: dict | None = None, rollout_beside: dict | None = None):
         """Weights and gradients go through `arena`, the node of `local_shard` (`shard`, one of `num_shards`,
         with `num_local` workers landing gradients in it, rings of `ring` elements). `freeze`: the `discover`
         options the driver's spec was found with. `stage`, `pref` and `grpo`: the run's preference or GRPO stage
-        (its reference, where it streams one, is the arena's)."""
+        (its reference, where it streams one, is the arena's). `rollout_beside`: GRPO's plan of what shares this GPU
+        (`plan_rollout`'s arguments), for a worker started after the plan (a lost one's replacement)."""
         spec = discover(model, **(freeze or {}))
         cfg = EngineConfig(**engine_cfg)
         pref_cfg = PreferenceConfig(**(pref or {}))
@@ -112,6 +114,18 @@ class EngineWorker:
                                       pref=pref_cfg, grpo=grpo_cfg,
                                       reference=ArenaReference(self.arena) if reference else None)
         self.engine.step_idx = start_step  # weight versions and the LR schedule follow the shards
+        if rollout_beside is not None:
+            self.plan_rollout(**rollout_beside)
+
+    def plan_rollout(self, rows: int, tokens: int, placement: str, micro_batch: int, n_micro: int) -> str:
+        """Before step 1: a GRPO rollout replica in another process generates `rows` completions of up to `tokens`
+        tokens on this worker's GPU (none: 0 rows), placed as `placement` (`rollout.placement`); plan the kept
+        block graphs beside it for steps of `n_micro` micro-batches of `micro_batch` rows, refused where the
+        replica or `keep_activations` cannot fit. Returns the replica's placement (auto resolved)."""
+        kept = self.engine.kept
+        stage = replace(kept.stage, rollout_tokens=tokens if rows else 0, rollout_rows=rows, rollout_apart=True,
+                        rollout_placement=placement)
+        return kept.plan(self.engine.cfg, micro_batch, tokens, n_micro, stage).rollout_placement
 
     def train_step(self, step: int, micro_batches: list[dict[str, torch.Tensor]], loss_normaliser: int,
                    timeout_s: float, pref_counts: dict[str, int] | None = None) -> dict:

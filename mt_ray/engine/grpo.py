@@ -130,8 +130,10 @@ class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     engine: Literal["transformers", "vllm"] = "transformers"
-    """`transformers`: its `generate` on a copy of the policy on the GPU, refreshed from the master weights after
-    each update. `vllm` is refused for now: where vLLM is installed the weight push is not built yet, and where it
+    """`transformers`: a copy of the policy (a transformers module) on the GPU, refreshed from the master weights
+    after each update, decoding on a static key/value cache with each token step replayed from a CUDA graph
+    (`generate`'s semantics; `generate` itself for a family whose cache cannot be static). TRL's `use_vllm` has no
+    equivalent: vLLM and SGLang are not supported. `vllm` is refused for now: where vLLM is installed the weight push is not built yet, and where it
     is not, the refusal says how to install it."""
 
     placement: Literal["auto", "resident", "streamed"] = "auto"

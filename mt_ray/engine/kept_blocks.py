@@ -13,6 +13,11 @@ backward upload: its forward weights, which the graphs hold, serve its backward 
 Parity: the backward of a kept graph runs the same operations on the same inputs and weights as the
 recompute it replaces, so on CPU losses and weights are bit-identical to full recompute.
 
+GRPO's rollout copy shares the GPU (`Stage`): the engine's own in its process, or the cluster's replica in
+another (`rollout_apart`). `plan_beside_rollout` places the copy (resident or streamed) and resolves the count
+for the rollout's step shape before step 1, so a copy or a number that cannot fit is refused with the sizes
+and the key to change, never as an out-of-memory error mid-step.
+
 How many: a number as given, refused (`InsufficientMemoryError`) on a GPU whose budget (the
 calculator's: `gpu_memory_limit_gb` or the device's memory, times its headroom) holds fewer beside
 the schedule's own peak; `auto` as many as that budget holds, and none on CPU.
@@ -22,13 +27,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from mt_ray.engine.calculator import GPU_HEADROOM
 from mt_ray.engine.config import EngineConfig
-from mt_ray.engine.sizing import GIB, SFT, Stage, device_bytes, max_kept
+from mt_ray.engine.sizing import GIB, SFT, Stage, device_bytes, max_kept, rollout_bytes
 from mt_ray.engine.transfer import StreamSet
 from mt_ray.errors import InsufficientMemoryError
 from mt_ray.models.discovery import ModelSpec
@@ -56,6 +62,18 @@ class KeptBlocks:
             self._counts[key] = resolve_kept(self.spec, cfg, self.streams.device, micro_batch, seq, n_micro,
                                              self.stage)
         self.keep(n_blocks, n_micro, self._counts[key])
+
+    def plan(self, cfg: EngineConfig, micro_batch: int, seq: int, n_micro: int, stage: Stage | None = None) -> Stage:
+        """Before step 1: take `stage` (what shares this GPU: a GRPO rollout copy and its rows), place its copy and
+        resolve `keep_activations` for steps of `n_micro` micro-batches of `micro_batch` x up to `seq` tokens,
+        refused (`InsufficientMemoryError`) where either cannot fit. Returns the stage planned."""
+        stage, kept = plan_beside_rollout(self.spec, cfg, stage or self.stage, _budget_gb(cfg, self.streams.device),
+                                          micro_batch, seq, n_micro)
+        if stage != self.stage:
+            self.stage = stage
+            self._counts.clear()  # planned for what no longer shares the GPU
+        self._counts[(cfg.keep_activations, cfg.schedule, n_micro, micro_batch, seq)] = kept
+        return stage
 
     def keep(self, n_blocks: int, n_micro: int, kept: int) -> None:
         """Keep the first `kept` graphs in backward order (last block first, micro-batch 0 first)."""
@@ -118,9 +136,60 @@ def resolve_kept(spec: ModelSpec, cfg: EngineConfig, device: torch.device, micro
         return 0
     if device.type != "cuda":
         return 0 if cfg.keep_activations == "auto" else cfg.keep_activations
+    return kept_within(spec, cfg, _budget_gb(cfg, device), micro_batch, seq, n_micro, stage)
+
+
+def _budget_gb(cfg: EngineConfig, device: torch.device) -> float | None:
+    """The GPU's GiB the calculator plans for (`gpu_memory_limit_gb` or the device's memory); None on the CPU."""
+    if device.type != "cuda":
+        return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     total_gb = torch.cuda.get_device_properties(index).total_memory / GIB
-    return kept_within(spec, cfg, min(total_gb, cfg.gpu_memory_limit_gb or total_gb), micro_batch, seq, n_micro, stage)
+    return min(total_gb, cfg.gpu_memory_limit_gb or total_gb)
+
+
+def plan_beside_rollout(spec: ModelSpec, cfg: EngineConfig, stage: Stage, gpu_gb: float | None, micro_batch: int,
+                        seq: int, n_micro: int) -> tuple[Stage, int]:
+    """`stage` with its rollout copy placed on a `gpu_gb` GiB GPU (None: the CPU, no GPU to plan for), and the kept
+    block graphs beside it. `auto` takes the resident copy where the step without kept graphs fits beside it, else
+    the streamed one; a copy that cannot fit even streamed, or a `keep_activations` number above the largest that
+    fits, is refused with the sizes and the key to change."""
+    if stage.rollout_tokens and stage.rollout_placement == "auto":
+        resident = replace(stage, rollout_placement="resident")
+        fits = gpu_gb is None or _planned(spec, cfg, micro_batch, seq, n_micro, resident) <= _budget(gpu_gb)
+        stage = resident if fits else replace(stage, rollout_placement="streamed")
+    if gpu_gb is None:
+        return stage, 0 if cfg.keep_activations == "auto" else cfg.keep_activations
+    if stage.rollout_tokens and _planned(spec, cfg, micro_batch, seq, n_micro, stage) > _budget(gpu_gb):
+        raise InsufficientMemoryError(_copy_refusal(spec, cfg, stage, gpu_gb, micro_batch, seq, n_micro))
+    if cfg.schedule != "stream" or cfg.keep_activations == 0:
+        return stage, 0
+    return stage, kept_within(spec, cfg, gpu_gb, micro_batch, seq, n_micro, stage)
+
+
+def _budget(gpu_gb: float) -> float:
+    return gpu_gb * GIB * GPU_HEADROOM
+
+
+def _planned(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int, n_micro: int, stage: Stage) -> int:
+    """The device model's peak of a step with no kept graphs, with what `stage` holds beside it."""
+    base = cfg.model_copy(update={"keep_activations": 0})
+    return device_bytes(spec, base, micro_batch, seq, micro_batch * n_micro, stage=stage)["total"]
+
+
+def _copy_refusal(spec: ModelSpec, cfg: EngineConfig, stage: Stage, gpu_gb: float, micro_batch: int, seq: int,
+                  n_micro: int) -> str:
+    rows = stage.rollout_rows or micro_batch * n_micro
+    copy, generation = rollout_bytes(spec, cfg, rows, stage.rollout_tokens, stage.rollout_streamed)
+    step = _planned(spec, cfg, micro_batch, seq, n_micro, replace(stage, rollout_tokens=0))
+    where = "a rollout replica in its own process" if stage.rollout_apart else "the rollout copy"
+    advice = ("fewer completions per step (training.micro_batch_size x grad_accum_steps), a shorter "
+              "grpo.max_completion_length or max_prompt_length, cluster.rollout_gpus (a GPU of the replica's own) or "
+              "a larger GPU" if stage.rollout_streamed else "rollout.placement: streamed (or auto)")
+    return (f"grpo rollouts: {where} ({stage.rollout_placement}: {copy / GIB:.1f} GiB of weights, {generation / GIB:.1f} "
+            f"GiB of key/value cache and workspace for {rows} completions of up to {stage.rollout_tokens} tokens) does "
+            f"not fit beside the update ({step / GIB:.1f} GiB, {n_micro} micro-batches of {micro_batch} x {seq} tokens) "
+            f"in {GPU_HEADROOM:.0%} of a {gpu_gb:.3g} GiB GPU; use {advice}")
 
 
 def kept_within(spec: ModelSpec, cfg: EngineConfig, gpu_gb: float, micro_batch: int, seq: int, n_micro: int,
@@ -134,9 +203,10 @@ def kept_within(spec: ModelSpec, cfg: EngineConfig, gpu_gb: float, micro_batch: 
     if cfg.keep_activations > largest:
         raise InsufficientMemoryError(
             f"engine.keep_activations {cfg.keep_activations} block graphs do not fit a {gpu_gb:.3g} GiB GPU beside "
-            f"the stream schedule ({n_micro} micro-batches of {micro_batch} x {seq} tokens): the largest that fits "
+            f"the stream schedule ({n_micro} micro-batches of {micro_batch} x {seq} tokens)"
+            + (" and GRPO's rollout copy" if stage.rollout_tokens else "") + ": the largest that fits "
             f"is {largest}; set engine.keep_activations: {largest} (or auto)")
     return cfg.keep_activations
 
 
-__all__ = ["KeptBlocks", "kept_within", "resolve_kept"]
+__all__ = ["KeptBlocks", "kept_within", "plan_beside_rollout", "resolve_kept"]

@@ -48,7 +48,11 @@ class Stage:
     (prompt and completion) with it (`rollout_bytes`). `rollout_placement` (`rollout.placement`): `resident`
     holds every weight of the copy on the device; `streamed` only the layers' two buffers and the rest, its
     decoder layers in host memory (`rollout_host_bytes`); `auto` is counted as resident here, and the calculator
-    and the trainer take streamed where that does not fit.
+    and the trainer take streamed where that does not fit. `rollout_rows`: the completions the copy on this GPU
+    generates at once (0: the step's global batch; a cluster replica: its share). `rollout_apart`: the copy lives in
+    another process on this GPU (the cluster's replica beside its worker), whose caching allocator keeps its
+    generation's memory reserved through the worker's update: that is counted beside the step, not within what
+    the update frees, with the second process's CUDA context (`REPLICA_CONTEXT_BYTES`).
     """
 
     preference: bool = False
@@ -56,6 +60,8 @@ class Stage:
     head_again: bool = False
     rollout_tokens: int = 0
     rollout_placement: str = "resident"
+    rollout_rows: int = 0
+    rollout_apart: bool = False
 
     @property
     def rollout_streamed(self) -> bool:
@@ -77,6 +83,11 @@ class Stage:
 
 
 SFT = Stage()
+
+# A second process on a GPU (the cluster's rollout replica) holds its own CUDA context and its caching allocator's
+# rounding beside the worker's: about 0.5 GiB of context on an H100/H200 with torch's kernels loaded, and the
+# allocator's 2 MiB-block slack over its cache and sampling buffers. An estimate, checked in tests/gpu.
+REPLICA_CONTEXT_BYTES = 1 << 30
 
 
 def grad_buffer_bytes(numels: dict[str, int], dtype: torch.dtype, per_unit: bool, slabs: int) -> int:
@@ -312,24 +323,52 @@ def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int,
         parts["vision_outputs"] = vision.kept_bytes(samples, cfg.dtype.itemsize)
         parts["total"] += parts["vision_outputs"]
     if stage.rollout_tokens:
-        copy, generation = rollout_bytes(spec, cfg, global_batch, stage.rollout_tokens, stage.rollout_streamed)
+        rows = stage.rollout_rows or global_batch
+        copy, generation = rollout_bytes(spec, cfg, rows, stage.rollout_tokens, stage.rollout_streamed)
         parts["rollout_copy"] = copy
+        if stage.rollout_apart:  # another process's: its generation stays reserved through the update
+            parts["rollout_generation"] = generation + REPLICA_CONTEXT_BYTES
+            parts["total"] += copy + parts["rollout_generation"]
+            return parts
         # Generation runs between updates, in the memory an update frees: only what it needs beyond that counts.
         parts["rollout_generation_extra"] = max(0, generation - parts["total"])
         parts["total"] += copy + parts["rollout_generation_extra"]
     return parts
 
 
+# The rollout copy's refresh casts the master on the device through two staging slots of this many bytes
+# (training/grpo/upload.py), held for the copy's life.
+ROLLOUT_SLOT_BYTES = 64 << 20
+
+# The rollout's prefill runs its prompts in row chunks of at most this many tokens (decode.py): its workspace, one
+# layer's intermediates of a chunk, is bounded whatever the prompts x G.
+PREFILL_TOKENS = 8192
+
+
 def rollout_bytes(spec: ModelSpec, cfg: EngineConfig, rows: int, tokens: int,
                   streamed: bool = False) -> tuple[int, int]:
     """GRPO's rollout copy on the device (every weight in the compute dtype; `streamed`: all but the decoder
-    layers, and two layer-sized buffers they stream through), and what its generation of `rows` completions of
-    up to `tokens` tokens adds: the key/value cache (on the device either way), and a decoding step's fp32 logits
-    with the nucleus sampler's sorted copy and indices (16 B per row and vocabulary entry)."""
-    generation = kv_cache_bytes(spec.text_config, rows, tokens, cfg.dtype.itemsize)
+    layers, and two layer-sized buffers they stream through; and its refresh's two staging slots), and what its generation of `rows` completions of
+    up to `tokens` tokens adds: the static key/value cache (on the device either way) and the larger of the
+    prefill's workspace (a chunk's dynamic cache and one layer's intermediates of its tokens) and a token step's
+    (`decode_step_bytes`)."""
+    size = cfg.dtype.itemsize
+    cache = kv_cache_bytes(spec.text_config, rows, tokens, size)
+    chunk_rows = max(1, min(rows, PREFILL_TOKENS // max(1, tokens)))
+    prefill = (kv_cache_bytes(spec.text_config, chunk_rows, tokens, size)
+               + min(rows * tokens, max(PREFILL_TOKENS, tokens)) * activation_bytes_per_token(spec, size))
     layers = [u.numel for u in spec.layer_units]
     weights = spec.num_params - sum(layers) + 2 * max(layers) if streamed else spec.num_params
-    return weights * cfg.dtype.itemsize, generation + rows * spec.text_config.vocab_size * 16
+    return weights * size + 2 * ROLLOUT_SLOT_BYTES, cache + max(prefill, decode_step_bytes(spec, rows, tokens))
+
+
+def decode_step_bytes(spec: ModelSpec, rows: int, tokens: int) -> int:
+    """A token step's workspace: per row and vocabulary entry the fp32 logits, the sampler's fp64 probabilities
+    and cumulative sum and the nucleus sort's values and indices (32 B), and the attention's fp32 scores and
+    probabilities over the cache's slots."""
+    q, _ = _attention_widths(spec.text_config)
+    heads = _widest(spec.text_config, "num_attention_heads") or 1
+    return rows * spec.text_config.vocab_size * 32 + 2 * rows * heads * tokens * 4 + rows * q * 8
 
 
 def kv_cache_bytes(config, rows: int, tokens: int, dtype_bytes: int) -> int:

@@ -1,7 +1,7 @@
 """GRPO on the Ray cluster: a rollout replica beside each engine worker, as VERL colocates them.
 
 The engine workers only train. Each rollout replica holds a copy of the policy for generation (the single
-engine's `PolicyCopy`, transformers' `generate`: no second decoder) on its worker's GPU (the CPU beside CPU
+engine's `PolicyCopy` and its decode loop, decode.py: no second decoder) on its worker's GPU (the CPU beside CPU
 workers; `cluster.rollout_gpus` gives one replica GPUs of its own instead), and generates a consecutive share of
 each rollout's prompt groups, all replicas at once; the driver joins their completions in prompt order. Each
 group samples from its own seeded stream (sampling.py), so the completions do not depend on the split: one
@@ -96,13 +96,16 @@ class RemoteSampler:
     """`LocalSampler`'s surface over the rollout replicas, placed by the data-parallel trainer (`RolloutPlace`,
     `rollout_options`)."""
 
-    def __init__(self, trainer, rows: int, tokens: int, group: int, placement: str = "auto"):
+    def __init__(self, trainer, rows: int, tokens: int, group: int, placement: str = "auto", micro_batch: int = 0):
         """Replicas sized for their share of `rows` completions (whole groups of `group`) of up to `tokens`
-        tokens; returns once each has built its copy."""
+        tokens; returns once each has built its copy. `micro_batch`: the update's rows per micro-batch (0: `rows`),
+        for the workers' plan of their GPU with a replica beside them (`plan_beside`), made before any replica
+        is built."""
         self.trainer = trainer
         self.beside = trainer.rollout.beside(trainer.num_workers)
         groups = rows // group
         share_rows = max(hi - lo for lo, hi in group_shares(groups, len(self.beside))) * group
+        placements = self.plan_beside(share_rows, tokens, placement, micro_batch or rows, rows)
         devices = [None] * len(self.beside)
         if trainer.gpus_per_worker and trainer.rollout.shared:  # each replica on its worker's GPU
             devices = self._wait([trainer.workers[w].__ray_call__.remote(worker_devices) for w in self.beside],
@@ -110,7 +113,8 @@ class RemoteSampler:
         cls = ray.remote(RolloutActor)
         self.replicas = [cls.options(**trainer.rollout_options(w)).remote(
             trainer.arena_access(w // trainer.workers_per_node), trainer.engine_cfg.model_dump(), share_rows, tokens,
-            placement, dev, int(trainer.cluster.cpus_per_worker)) for w, dev in zip(self.beside, devices, strict=True)]
+            placements[w], dev, int(trainer.cluster.cpus_per_worker))
+            for w, dev in zip(self.beside, devices, strict=True)]
         self.names = [f"the rollout replica beside worker {w}" if trainer.rollout.shared else "the rollout replica"
                       for w in self.beside]
         try:
@@ -118,6 +122,20 @@ class RemoteSampler:
         except BaseException:
             self.close()  # none left holding a GPU's memory
             raise
+
+    def plan_beside(self, share_rows: int, tokens: int, placement: str, micro_batch: int, rows: int) -> list[str]:
+        """Each worker plans its GPU before step 1: a replica of `share_rows` rows beside it (none where the
+        replica has GPUs of its own), its kept block graphs for its share of the update's micro-batches; the
+        replicas' placements by worker. A replica or a `keep_activations` that cannot fit is refused here."""
+        t = self.trainer
+        shared = t.rollout.shared and bool(t.gpus_per_worker)
+        n_micro = -(-max(1, rows // micro_batch) // t.num_workers)  # whole micro-batches, the largest share
+        t.rollout_beside = {"rows": share_rows if shared else 0, "tokens": tokens, "placement": placement,
+                            "micro_batch": micro_batch, "n_micro": n_micro}  # also for workers started later
+        names = [f"worker {w}" for w in range(t.num_workers)]
+        planned = self._wait([w.plan_rollout.remote(**t.rollout_beside) for w in t.workers],
+                             "plan its GPU with a rollout replica beside it", names)
+        return planned if shared else [placement] * t.num_workers
 
     def refresh(self) -> float:
         """Every replica's copy of the weights after every step so far (each waits for their updates in its

@@ -1,11 +1,14 @@
-"""Rollouts: completions sampled with transformers' `generate` from a device copy of the policy, and the
-engine's micro-batches built from them.
+"""Rollouts: completions sampled from a device copy of the policy, and the engine's micro-batches built from them.
+
+The copy decodes on a static key/value cache, each token step replayed from a CUDA graph on a GPU (decode.py),
+with `generate`'s semantics; a family whose cache is not a fixed set of slots (sliding windows, linear attention)
+falls back to transformers' `generate` with a dynamic cache, said once in the log (`PolicyCopy.decode`).
 
 The copy (`PolicyCopy`) is the model's Hugging Face module in the engine's compute dtype, built once and
 refreshed from the host master weights after each update, by page-locked DMA with the cast on the device
 (upload.py); the refresh is timed (`rollout/refresh_s`).
 `rollout.placement` says where its weights are: all on the engine's device (`resident`), or its decoder
-layers in page-locked host memory, streamed through two device buffers as `generate` runs them
+layers in page-locked host memory, streamed through two device buffers as the decode loop runs them
 (`streamed`, streamed_copy.py: the embedding, head and key/value cache stay on the device; the refresh then
 writes the host copy). `auto` takes resident where the device model says it fits beside the step. A single
 engine's copy lives in its process (`LocalSampler`); on the Ray cluster the same class lives in a rollout
@@ -21,6 +24,7 @@ engine's rows each is one sequence (`ROLE_COMPLETION`) whose labels are its samp
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,11 +40,16 @@ from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.sizing import rollout_bytes
 from mt_ray.errors import InsufficientMemoryError
 from mt_ray.models.discovery import ModelSpec
+from mt_ray.training.grpo.decode import StaticDecoder, static_decode_refusal
 from mt_ray.training.grpo.sampling import GroupSeededSampling, group_uniforms
 from mt_ray.training.grpo.streamed_copy import LayerStreamer, move_all_but
 from mt_ray.training.grpo.upload import PinnedUpload
 
 GIB = 2**30
+# fastest first: `graph_sdpa` is `graph` with the model's own attention (generate's kernel, a slower step, for a
+# comparison in bf16); `generate` is transformers' own loop, kept as the fallback
+DECODES = ("graph", "static", "graph_sdpa", "generate")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,7 +114,7 @@ def completion_batches(rollout: Rollout, advantages: torch.Tensor, mask_truncate
 
 
 class PolicyCopy:
-    """The policy as a transformers module on the engine's device, for `generate`, refreshed from the master."""
+    """The policy as a transformers module on the engine's device, for generation, refreshed from the master."""
 
     def __init__(self, config: PretrainedConfig, device: torch.device, dtype: torch.dtype, weight_bytes: int,
                  generation_bytes: int, streamed_layers: str | None = None):
@@ -131,6 +140,18 @@ class PolicyCopy:
         self.device = device
         self.params = dict(self.model.named_parameters())  # a tied head once, under its embedding's name
         self.upload = PinnedUpload(device)
+        self.decode = self._best_decode()
+        self.captured_steps = 0  # token steps the latest rollout batch replayed from a CUDA graph (benchmarks, tests)
+
+    def _best_decode(self) -> str:
+        """`graph` (a CUDA device, every weight resident), else `static`, else `generate` where the family's
+        cache cannot be static (said once: its rollouts run at `generate`'s speed)."""
+        refusal = static_decode_refusal(self.model)
+        if refusal is not None:
+            log.warning("grpo rollouts: transformers' generate with a dynamic cache (slower): %s", refusal)
+            return "generate"
+        # A streamed copy's layers arrive through hooks that wait on their copies: eager steps, not a graph.
+        return "graph" if self.device.type == "cuda" and self.streamer is None else "static"
 
     @property
     def placement(self) -> str:
@@ -157,10 +178,11 @@ class PolicyCopy:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], cfg: GrpoConfig, eos_ids: set[int], pad_id: int, seed: int,
-                 first_group: int = 0, width: int | None = None) -> Rollout:
+                 first_group: int = 0, width: int | None = None, decode: str | None = None) -> Rollout:
         """G completions of each prompt (`prompt_ids` one per prompt: the rollout's groups `first_group` on), in
         groups of G, each group sampled from its own stream of the step's `seed` (sampling.py), every prompt
-        left-padded to `width` (the rollout's widest: the same positions however the groups are split)."""
+        left-padded to `width` (the rollout's widest: the same positions however the groups are split).
+        `decode`: one of DECODES for this call (the bench compares them), else the copy's (`self.decode`)."""
         g = cfg.num_generations
         width = width or max(len(p) for p in prompt_ids)
         rows = [p for p in prompt_ids for _ in range(g)]
@@ -168,14 +190,41 @@ class PolicyCopy:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=self.device)
         uniforms = group_uniforms(seed, first_group, len(prompt_ids), g, cfg.max_completion_length)
         sampling = GroupSeededSampling(uniforms.to(self.device), width, cfg.temperature, cfg.top_p)
-        out = self.model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=False, num_beams=1, top_k=None, top_p=None,
-            temperature=None, max_new_tokens=cfg.max_completion_length, logits_processor=LogitsProcessorList([sampling]),
-            eos_token_id=sorted(eos_ids), pad_token_id=pad_id,
-        )
-        sampled = out[:, width:].tolist()  # waits for the device: the rewards need the text
+        sampled = self._decode(ids, mask, sampling, cfg.max_completion_length, sorted(eos_ids), pad_id,
+                               decode or self.decode).tolist()  # waits for the device: the rewards need the text
         completions, truncated = cut_completions(sampled, eos_ids, pad_id)
         return Rollout(rows, completions, truncated)
+
+    def _decode(self, ids: torch.Tensor, mask: torch.Tensor, sampling: GroupSeededSampling, new_tokens: int,
+                eos: list[int], pad_id: int, decode: str) -> torch.Tensor:
+        """The sampled tokens [B, <= T] by `decode` (DECODES); a graph whose capture fails is dropped for this
+        copy's life (said once) and the batch decoded again eagerly: the same tokens."""
+        if decode not in DECODES:
+            raise ValueError(f"decode {decode!r}: one of {', '.join(DECODES)}")
+        self.captured_steps = 0
+        if decode == "generate" or self.decode == "generate":  # asked for, or the family's cache cannot be static
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, do_sample=False, num_beams=1, top_k=None, top_p=None,
+                temperature=None, max_new_tokens=new_tokens, logits_processor=LogitsProcessorList([sampling]),
+                eos_token_id=eos, pad_token_id=pad_id)
+            return out[:, ids.shape[1]:]
+        # a graph only on a GPU, over resident weights (a streamed copy's hooks wait on their copies each step)
+        decoder = StaticDecoder(self.model, capture=decode.startswith("graph") and ids.is_cuda and self.streamer is None,
+                                grouped=decode != "graph_sdpa")
+        try:
+            return decoder.run(ids, mask, sampling, new_tokens, eos, pad_id)
+        except torch.OutOfMemoryError:
+            raise  # the device model's miss, not the capture's
+        except RuntimeError as e:
+            if not decoder.capture:
+                raise
+            log.warning("grpo rollouts: the decode step's CUDA graph capture failed (%s); decoding eagerly on the "
+                        "static cache from now on", e)
+            self.decode = "static"
+            return StaticDecoder(self.model, capture=False, grouped=decoder.grouped).run(ids, mask, sampling,
+                                                                                           new_tokens, eos, pad_id)
+        finally:
+            self.captured_steps = decoder.captured_steps
 
     def close(self) -> None:
         if self.streamer is not None:

@@ -43,11 +43,16 @@ class GroupSeededSampling(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores_BV: torch.FloatTensor) -> torch.FloatTensor:
         t = input_ids.shape[1] - self.width  # the new token's index
+        token_B1 = self.sample(scores_BV, self.u_BT[:, t : t + 1])
+        return torch.full_like(scores_BV, float("-inf")).scatter_(1, token_B1, 0.0)
+
+    def sample(self, scores_BV: torch.Tensor, u_B1: torch.Tensor) -> torch.Tensor:
+        """Each row's token [B, 1] at its uniform `u_B1` from fp32 `scores_BV` (no host sync: a CUDA graph
+        captures it in the static decode loop, decode.py)."""
         for warp in self.warpers:
-            scores_BV = warp(input_ids, scores_BV)
+            scores_BV = warp(None, scores_BV)  # neither warper reads the ids
         # fp64: the cumulative sum of 10^5 probabilities keeps every token's share, and u x total < total
         cdf_BV = torch.softmax(scores_BV.double(), dim=-1).cumsum_(dim=-1)
-        target_B1 = self.u_BT[:, t : t + 1] * cdf_BV[:, -1:]
+        target_B1 = u_B1 * cdf_BV[:, -1:]
         # the first token whose cumulative probability exceeds the target: a token of probability 0 never is
-        token_B1 = torch.searchsorted(cdf_BV, target_B1, right=True).clamp_(max=cdf_BV.shape[1] - 1)
-        return torch.full_like(scores_BV, float("-inf")).scatter_(1, token_B1, 0.0)
+        return torch.searchsorted(cdf_BV, target_B1, right=True).clamp_(max=cdf_BV.shape[1] - 1)

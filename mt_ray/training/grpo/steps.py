@@ -138,15 +138,18 @@ class GrpoSteps:
 
 def build_sampler(cfg: RunConfig, engine, spec: ModelSpec, rows: int, tokens: int):
     """The rollout's sampler: a copy in this process beside a single engine (placed by the device model), or a
-    rollout replica beside each of the Ray cluster's workers (Ray is imported only then; `auto` placed by the
-    memory each finds free)."""
+    rollout replica beside each of the Ray cluster's workers (Ray is imported only then). Either way the GPU's
+    plan (the copy's placement, the kept block graphs beside it) is made first: what cannot fit is refused before
+    step 1."""
+    t = cfg.training
     if isinstance(engine, StreamingEngine):
         placement = rollout_placement(cfg, spec)
         log.info("grpo rollouts: the %s copy (rollout.placement %s)", placement, cfg.rollout.placement)
+        engine.kept.plan(cfg.engine, t.micro_batch_size, tokens, t.grad_accum_steps)
         return LocalSampler(engine, spec, rows, tokens, placement)
     from mt_ray.training.grpo.remote import RemoteSampler
 
-    return RemoteSampler(engine, rows, tokens, cfg.grpo.num_generations, cfg.rollout.placement)
+    return RemoteSampler(engine, rows, tokens, cfg.grpo.num_generations, cfg.rollout.placement, t.micro_batch_size)
 
 
 def completion_metrics(rollout: Rollout) -> dict[str, float]:

@@ -1,12 +1,13 @@
 """The streamed rollout copy: decoder layers kept in (pinned) host memory and brought to the device one at a time
-as transformers' `generate` runs each forward, the next layer's copy overlapping the current one's compute.
+as the rollout's decode loop (decode.py, eager for a streamed copy) runs each forward, the next layer's copy
+overlapping the current one's compute.
 
 Where the whole copy cannot sit on the GPU beside the training step, only the embedding, the final norm, the head
 and two layer-sized buffers (`weights_buf[slot]`) stay there, with the key/value cache. Each decoder layer's
 weights live in one flat host buffer (the compute dtype, page-locked on a GPU) and its parameters are views of it
 between forwards; a forward pre-hook points them at the device slot its weights landed in, and starts the next
 layer's copy into the other slot on `h2d_stream`, as the engine's layer loop prefetches. With every prompt x G row
-in one `generate` call, each token step streams the weights once.
+in one batch, each token step streams the weights once.
 
 Why a hook of our own and not accelerate's (`cpu_offload`, `AlignDevicesHook`): accelerate copies a module's
 weights synchronously in its pre-forward, allocating fresh device tensors each time, with no prefetch, so every

@@ -17,7 +17,10 @@ from collections.abc import Iterable
 
 import torch
 
-SLOT_BYTES = 64 << 20  # a piece: long enough that a DMA's fixed cost is nothing (2.6 ms at 25 GB/s), two a small cost
+from mt_ray.engine.sizing import ROLLOUT_SLOT_BYTES
+
+# a piece: long enough that a DMA's fixed cost is nothing (2.6 ms at 25 GB/s), two a small cost (the device model's)
+SLOT_BYTES = ROLLOUT_SLOT_BYTES
 
 
 class PinnedUpload:

@@ -13,7 +13,16 @@ from mt_ray.engine.calculator import GPU_HEADROOM
 from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.kept_blocks import kept_within
 from mt_ray.engine.preference import PreferenceConfig
-from mt_ray.engine.sizing import SFT, Stage, device_bytes, host_bytes, max_kept, rollout_bytes
+from mt_ray.engine.sizing import (
+    ROLLOUT_SLOT_BYTES,
+    SFT,
+    Stage,
+    activation_bytes_per_token,
+    device_bytes,
+    host_bytes,
+    max_kept,
+    rollout_bytes,
+)
 from mt_ray.engine.step_time import Machine, attention_flops, predicted_step_seconds
 from mt_ray.models.discovery import discover
 from mt_ray.models.presets import preset_config
@@ -115,8 +124,11 @@ def test_grpo_holds_its_rollout_copy_and_generates_in_what_the_update_frees():
     grpo = Stage.of("grpo", grpo=GrpoConfig(max_prompt_length=64, max_completion_length=256))
     sft, ours = (device_bytes(spec, cfg, 16, 320, 512, stage=s) for s in (SFT, grpo))
     copy, generation = rollout_bytes(spec, cfg, 512, 320)
-    assert copy == ours["rollout_copy"] == 2 * spec.num_params
-    assert generation == 2 * 28 * 512 * 320 * 4 * 128 * 2 + 512 * 152064 * 16  # key/value cache, sampling
+    assert copy == ours["rollout_copy"] == 2 * spec.num_params + 2 * ROLLOUT_SLOT_BYTES  # and the refresh's slots
+    cache = 2 * 28 * 512 * 320 * 4 * 128 * 2  # the static key/value cache
+    prefill = 2 * 28 * 25 * 320 * 4 * 128 * 2 + 8192 * activation_bytes_per_token(spec, 2)  # a chunk of 25 rows
+    step = 512 * 152064 * 32 + 2 * 512 * 28 * 320 * 4 + 512 * 3584 * 8  # sampling, the attention's scores
+    assert generation == cache + max(prefill, step) and prefill > step  # the prefill peaks higher
     assert ours["total"] == copy + max(sft["total"], generation)
     long = Stage.of("grpo", grpo=GrpoConfig(max_prompt_length=512, max_completion_length=4096))
     on_host = cfg.model_copy(update={"checkpoint_placement": "host"})  # an update far smaller than generation
@@ -145,5 +157,5 @@ def test_calc_of_the_grpo_demo_counts_its_rollout_copy(capsys):
                  "jobs/configs/grpo_demo.yaml"]) == 0
     rec = json.loads(capsys.readouterr().out)
     assert rec["seq"] == 64 + 24 and rec["global_batch"] == 16  # the demo's prompt + completion, its completions
-    assert rec["rollout_copy_gib"] * 2**30 == 2 * rec["params"]  # bf16, as on a GPU
+    assert rec["rollout_copy_gib"] * 2**30 == 2 * rec["params"] + 2 * ROLLOUT_SLOT_BYTES  # bf16, as on a GPU
     assert rec["device_gib"] >= rec["rollout_copy_gib"] + rec["rollout_generation_gib"] - 1e-9

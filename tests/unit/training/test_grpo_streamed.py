@@ -14,7 +14,7 @@ from mt_ray.engine.calculator import GPU_HEADROOM, config_snippet, recommend
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.host_store import GIB
-from mt_ray.engine.sizing import Stage, device_bytes, host_bytes
+from mt_ray.engine.sizing import ROLLOUT_SLOT_BYTES, Stage, device_bytes, host_bytes
 from mt_ray.errors import ConfigError, ModelNotSupportedError
 from mt_ray.models.discovery import discover
 from mt_ray.training.auto_fit import rollout_placement
@@ -131,7 +131,7 @@ def test_the_calculator_says_which_copy_and_what_it_costs():
     assert small["rollout_host_gib"] * GIB == layers * 2
     assert small["rollout_link_s_per_token_step"] == layers * 2 / 50e9  # the default machine's 50 GB/s link
     assert "rollout:\n  placement: streamed" in config_snippet(small)
-    assert small["rollout_copy_gib"] * GIB == (spec.num_params - layers + 2 * layers // 5) * 2
+    assert small["rollout_copy_gib"] * GIB == (spec.num_params - layers + 2 * layers // 5) * 2 + 2 * ROLLOUT_SLOT_BYTES
     c = cfg.model_copy(update={"schedule": "stream"})
     assert host_bytes(spec, c, OptimizerConfig(), 32, 8, streamed) - host_bytes(spec, c, OptimizerConfig(), 32, 8, auto) == layers * 2
 
