@@ -94,9 +94,15 @@ def measure(args, placement: str) -> list[dict]:
     if args.decode:
         steps.sampler.copy.decode = args.decode
     rows = []
+    busy, wait = engine.worker.busy_seconds, engine.streamer.optimizer_wait_s
     try:
         for i, rollout_s, update_s, result in timed_grpo_steps(steps, engine, args.warmup, args.steps):
             m = steps.metrics
+            # The host AdamW's busy seconds since the last row, and the engine thread's waits for it (the next
+            # rollout's refresh, which reads every updated unit, shows the rest in `refresh_s`).
+            (opt_s, opt_wait_s), busy, wait = ((engine.worker.busy_seconds - busy,
+                                                engine.streamer.optimizer_wait_s - wait),
+                                               engine.worker.busy_seconds, engine.streamer.optimizer_wait_s)
             rows.append({
                 "shape": args.shape, "placement": steps.sampler.copy.placement, "decode": steps.sampler.copy.decode, "prompts": args.prompts, "G": args.generations, "new_tokens": args.new_tokens,
                 "rollout_tokens_per_s": m["rollout/tokens_per_s"], "generate_s": m["rollout/generate_s"],
@@ -105,7 +111,8 @@ def measure(args, placement: str) -> list[dict]:
                 "update_tflops": 6 * spec.text_params * result.num_tokens / update_s / 1e12,
                 "step_s": rollout_s + update_s, "completion_mean_length": m["completions/mean_length"],
                 "iteration": i % args.num_iterations + 1, "kept_blocks": engine.kept.last_count,
-                "reward": m["reward"], **engine.memory_metrics(),
+                "reward": m["reward"], "optimizer_s": opt_s, "optimizer_wait_s": opt_wait_s,
+                **engine.memory_metrics(),
             })
     finally:
         steps.close()
