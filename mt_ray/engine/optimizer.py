@@ -86,7 +86,7 @@ class UnitOptimizer:
         if self.use_ds and not deepspeed_available():
             raise ConfigError("optimizer.impl: deepspeed needs DeepSpeed's CPUAdam, which does not import or build "
                               "here; pip install deepspeed (with a C++ toolchain), or use impl: numba")
-        self.bounds = chunk_bounds(unit, chunk_numel or self._chunk_numel(store, unit, cfg))
+        self.bounds = chunk_bounds(unit, chunk_numel or store.chunk_numel)
         # torch's and DeepSpeed's optimizers step one bound parameter a chunk; the numba kernel needs none.
         self.opt = None if cfg.impl == "numba" else _build(
             [{"params": [nn.Parameter(torch.empty(0), requires_grad=False)],  # bound to the state per step
@@ -135,13 +135,6 @@ class UnitOptimizer:
         self._apply_clip(p.grad, clip_coef)
         self.opt.step()
         p.grad = None
-
-    @staticmethod
-    def _chunk_numel(store: HostStore, unit: UnitSpec, cfg: OptimizerConfig) -> int:
-        """The store's chunk (a file-backed tier's record; torch's scratch size in host memory), or for the numba
-        kernel on host memory the whole unit: each chunk's Python prelude takes the GIL, which the engine's thread
-        holds most of the time it launches work, and 40 waits a layer for it halved the update's rate in a step."""
-        return unit.numel if cfg.impl == "numba" and not store.placement.on_disk else store.chunk_numel
 
     def _count_state(self, count: int) -> int | torch.Tensor:
         return count if self.use_ds else torch.tensor(float(count))
