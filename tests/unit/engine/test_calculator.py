@@ -219,7 +219,7 @@ def test_calc_for_a_named_card_prints_the_assumptions_it_used(capsys):
 # Measured on one H200 (bench/engine_gpu.py --suite moe, bench/RESULTS.md, tenth session): the 12-layer
 # Qwen3-30B-A3B cut and the 7B at 1024-token rows, K=4, full recompute, clip 1.0, stream_master, bf16 gradients,
 # mt-ray's grouped experts and the numba AdamW.
-H200_ROWS = [("qwen3-30b-a3b", 12, 128, 5.12), ("qwen3-30b-a3b", 12, 512, 13.99)]
+H200_ROWS = [("qwen3-30b-a3b", 12, 128, 5.12), ("qwen3-30b-a3b", 12, 512, 13.99), ("qwen2.5-7b", None, 128, 14.07)]
 
 
 @pytest.mark.parametrize(("preset", "layers", "batch", "measured_s"), H200_ROWS)
