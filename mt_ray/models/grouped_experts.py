@@ -14,19 +14,17 @@ It runs the experts transformers declares through `use_experts_implementation` a
 with SiLU, no bias and the default gate (Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, GLM-4-MoE, ...); any other bank
 (GPT-OSS's clamped, biased gate; an ungated bank) keeps transformers' own implementation, and the engine says so
 once (`apply_grouped_experts`).
+
+Shapes: N tokens, K experts a token (`top_k`), S = N * K token-expert pairs, D hidden, E experts, I an expert's width.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 from transformers.integrations.moe import ExpertsInterface, _default_apply_gate, _grouped_mm
-
-logger = logging.getLogger(__name__)
 
 IMPLEMENTATION = "mt_ray_grouped"
 """The name this path is registered under in transformers' experts interface."""
