@@ -36,6 +36,8 @@ import psutil
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from mt_ray.tracking.stores import allow_file_store
+
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
@@ -66,7 +68,8 @@ class TrackingConfig(BaseModel):
     """Track the run in MLflow; off, every tracker call does nothing (and mlflow need not be installed)."""
 
     tracking_uri: str | None = None
-    """``http://host:5000``, ``sqlite:///mlflow.db``, ``databricks``...; ``None`` = ``MLFLOW_TRACKING_URI``,
+    """``http://host:5000``, ``sqlite:///mlflow.db``, ``file:mlruns`` (MLflow's file store: ``stores``),
+    ``databricks``...; ``None`` = ``MLFLOW_TRACKING_URI``,
     else (in an mt-ray run) the store in ``training.storage``. A run takes a relative local path from the
     directory its command was launched in, and refuses one under ``ray job submit``."""
 
@@ -160,6 +163,7 @@ class MlflowTracker:
             uri = self.config.tracking_uri
             if uri is not None and uri.startswith("sqlite:///"):  # SQLite creates the file, not its folder
                 Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            allow_file_store(uri)  # a file store the user named: MLflow's own opt-out of its maintenance error
             self._client = MlflowClient(tracking_uri=uri)
         return self._client
 

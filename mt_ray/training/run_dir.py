@@ -22,7 +22,6 @@ import json
 import os
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import yaml
 
@@ -31,6 +30,7 @@ from mt_ray.config.run import RunConfig
 from mt_ray.errors import ConfigError
 from mt_ray.tracking import CheckpointConfig, TrackingConfig
 from mt_ray.tracking.run_files import RunFiles, open_run_files
+from mt_ray.tracking.stores import local_store_path
 
 RUN_FILE = "run.json"
 CONFIG_FILE = "config.yaml"
@@ -146,18 +146,6 @@ def resolve_tracking_uri(uri: str, key: str) -> str:
         return uri
     prefix, path = local
     return prefix + resolve_local(path, key, f"{key}={prefix}$PWD/{path}", _SERVER)
-
-
-def local_store_path(uri: str) -> tuple[str, str] | None:
-    """`(prefix, path)` of a local MLflow URI (`sqlite:///<path>`, `file:<path>`, a bare path); None for others."""
-    if uri.startswith("sqlite:///") and uri != "sqlite:///:memory:":
-        return "sqlite:///", uri.removeprefix("sqlite:///")
-    if uri.startswith("file:///") or (uri.startswith("file:") and not uri.startswith("file://")):
-        return "file://", uri.removeprefix("file://" if uri.startswith("file:///") else "file:")
-    # No scheme is a local path to MLflow, but for its Databricks names (`databricks`, `databricks-uc`).
-    if not urlparse(uri).scheme and not uri.startswith("databricks"):
-        return "", uri
-    return None
 
 
 def in_ray_job() -> bool:
