@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from mt_ray.data import DataConfig
 from mt_ray.data.converters import convert_prompt
 from mt_ray.data.loader import resolve_entries
-from mt_ray.data.processor import TOKENIZER_TEMPLATE, to_hf_messages
+from mt_ray.data.processor import TOKENIZER_TEMPLATE, check_template_fits, to_hf_messages
 from mt_ray.data.templates import TEMPLATES
 from mt_ray.errors import ConfigError, DatasetError
 
@@ -41,6 +41,8 @@ class Prompt:
 def read_prompts(data: DataConfig, tokenizer: PreTrainedTokenizerBase, max_prompt_length: int) -> list[Prompt]:
     """Every prompt of `data.datasets`, in file order."""
     template = None if data.template == TOKENIZER_TEMPLATE else TEMPLATES[data.template].jinja
+    if template is not None:
+        check_template_fits(data.template, tokenizer)
     prompts = []
     entries = resolve_entries(data, data.datasets, stage="sft")
     if len({e.formatting == "sharegpt" for e in entries}) > 1:
