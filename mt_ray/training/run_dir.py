@@ -23,8 +23,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from mt_ray.config.identity import RunIdentity, changed_keys, run_identity
 from mt_ray.config.run import RunConfig
 from mt_ray.errors import ConfigError
@@ -72,7 +70,7 @@ class RunDir:
         self.check()
         if self.files.read_text(RUN_FILE) is None:
             self.files.write_text(RUN_FILE, json.dumps(self.identity.to_json(), indent=2))
-        self.files.write_text(CONFIG_FILE, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        self.files.write_text(CONFIG_FILE, cfg.to_yaml())
 
     def release(self) -> None:
         """Give the name back (a run that failed before finishing its first step, with no checkpoint): its
