@@ -62,6 +62,16 @@ def read_prompts(data: DataConfig, tokenizer: PreTrainedTokenizerBase, max_promp
     return prompts
 
 
+def cut_prompts_line(prompts: list[Prompt], max_prompt_length: int) -> str | None:
+    """One line saying how many prompts `grpo.max_prompt_length` cuts (each keeps its end), and the key to raise;
+    None when none is cut."""
+    cut = sum(p.cut for p in prompts)
+    if not cut:
+        return None
+    return (f"grpo.max_prompt_length {max_prompt_length}: {cut} of {len(prompts)} prompts are longer and keep only "
+            f"their last {max_prompt_length} tokens; raise grpo.max_prompt_length to keep them whole")
+
+
 class PromptStream:
     """The prompts in a seeded shuffle per epoch; its position is its state (a resumed run draws the same ones)."""
 
