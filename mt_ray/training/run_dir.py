@@ -34,6 +34,8 @@ RUN_FILE = "run.json"
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
 EXPORT_DIR = "hf_model"
+# How to name a run apart, in both vocabularies: a LLaMA-Factory file names the run by its output_dir.
+ANOTHER_NAME = "another training.run_name (in a LLaMA-Factory file, another output_dir)"
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for the entrypoint it starts
 _SERVER = "a tracking server (http://host:5000), or for artifacts s3://bucket/prefix"  # not a local path
 
@@ -105,8 +107,8 @@ def check_same_run(recorded: RunIdentity, current: RunIdentity, where: str) -> N
     changes = "\n  ".join(changed_keys(recorded.keys, current.keys))
     raise ConfigError(
         f"run '{current.name}' was started with another config ({where}); changed keys:\n  {changes}\n"
-        "Give this config its own training.run_name (or leave it unset for a generated one), or delete that "
-        "run's folder to start it over.")
+        f"Give this config {ANOTHER_NAME} (or leave it unset for a generated one), or delete that run's folder "
+        "to start it over.")
 
 
 def resolve_storage(storage: str, key: str = "training.storage") -> str:

@@ -11,7 +11,7 @@ from mt_ray.config.identity import RunIdentity, changed_keys
 from mt_ray.errors import ConfigError
 from mt_ray.tracking import CheckpointManager, MlflowTracker
 from mt_ray.training.callbacks import Callback, ResumePoint
-from mt_ray.training.run_dir import EXPORT_DIR, check_same_run
+from mt_ray.training.run_dir import ANOTHER_NAME, EXPORT_DIR, check_same_run
 
 if TYPE_CHECKING:
     from mt_ray.training.trainer import Trainer
@@ -49,8 +49,8 @@ class CheckpointCallback(Callback):
         if mode == "never":
             if latest is not None:
                 raise ConfigError(f"training.resume: never, but run '{trainer.run.name}' already has checkpoints "
-                                  f"(newest {latest}); continue it with training.resume=auto, give this one another "
-                                  f"training.run_name, or delete {trainer.run.uri}")
+                                  f"(newest {latest}); continue it with training.resume=auto, give this one {ANOTHER_NAME}, "
+                                  f"or delete {trainer.run.uri}")
             return None
         if mode == "auto" and latest is None:
             return None

@@ -32,7 +32,7 @@ from mt_ray.training.export import generation_config, trained_tokenizer
 from mt_ray.training.grpo.steps import GrpoSteps
 from mt_ray.training.model_source import load_image_encoder, load_model_and_tokenizer
 from mt_ray.training.reference_cache import ReferenceLogps, load_or_compute
-from mt_ray.training.run_dir import EXPORT_DIR, RunDir
+from mt_ray.training.run_dir import ANOTHER_NAME, EXPORT_DIR, RunDir
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class Trainer:
         t = self.cfg.training
         if self.finished is not None:
             print(f"run {self.run.name} already finished ({self.finished['steps']} steps); its outputs are in "
-                  f"{self.run.uri}. To train it again, give it another training.run_name or delete that folder.",
+                  f"{self.run.uri}. To train it again, give it {ANOTHER_NAME} or delete that folder.",
                   flush=True)
             return self.finished
         self._maybe_precompute_reference()  # with the starting weights: before a resume restores the policy

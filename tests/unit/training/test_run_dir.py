@@ -32,7 +32,7 @@ def test_another_config_under_the_same_name_is_refused_with_the_changed_keys(tmp
     with pytest.raises(ConfigError) as e:
         RunDir(changed).claim(changed)
     assert str(e.value).splitlines()[1:3] == ["  data.max_seq_len: 256 -> 64", "  optimizer.lr: 0.001 -> 0.01"]
-    assert "training.run_name" in str(e.value)
+    assert "another training.run_name (in a LLaMA-Factory file, another output_dir)" in str(e.value)
 
 
 def test_relative_storage_resolves_here_but_is_refused_under_a_ray_job(tmp_path, monkeypatch):
