@@ -131,10 +131,12 @@ class MlflowCallback(Callback):
             self.tracker.log_resume(trainer.resumed_from.uri, trainer.resumed_from.step)
 
     def on_log(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
-        self.tracker.log_metrics(step, metrics)
+        if step > self.tracker.logged_until:  # a resume's replay of steps the run logged before: once is enough
+            self.tracker.log_metrics(step, metrics)
 
     def on_evaluate(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
-        self.tracker.log_metrics(step, metrics)
+        if step > self.tracker.logged_until:
+            self.tracker.log_metrics(step, metrics)
 
     def on_step_end(self, trainer: Trainer, step: int) -> None:
         """GRPO: every `grpo.log_completions_every` steps, the completions the step trained on as a table."""
