@@ -7,6 +7,7 @@ import json
 import shlex
 import sys
 
+from mt_ray.cli.startup import run_quietly, say_starting
 from mt_ray.errors import ConfigError, MtRayError
 
 
@@ -72,10 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("--layers", type=int, help="cut the model to its first N layers")
 
     args = parser.parse_args(argv)
+    command = f"mt-ray {args.command}"
+    if args.command in ("train", "sweep") and not getattr(args, "help_config", False):
+        say_starting(command)  # the commands that train import for seconds before their first word
+    return run_quietly(command, lambda: _run_command(command, args))
+
+
+def _run_command(command: str, args: argparse.Namespace) -> int:
     try:
         return _COMMANDS[args.command](args)
     except MtRayError as e:
-        print(f"mt-ray {args.command}: error: {e}", file=sys.stderr)
+        print(f"{command}: error: {e}", file=sys.stderr)
         return 2
 
 
