@@ -33,6 +33,7 @@ from mt_ray.tracking import MlflowTracker, TrackingConfig
 from mt_ray.tracking.mlflow_tracker import error_line
 from mt_ray.tracking.tune_runs import TrialRunsCallback, best_trial_run, failed_trials, open_sweep_run
 from mt_ray.training.callbacks import Callback
+from mt_ray.training.console import interactive
 from mt_ray.training.run_dir import resolve_storage, run_tracking_config
 from mt_ray.training.sweep_storage import BEST_CONFIG, SweepStorage
 from mt_ray.verbosity import library_log_level
@@ -323,9 +324,16 @@ def _tuner(plan: TrialPlan, cfg: RunConfig, space: list[Dimension], sweep: Sweep
         tune_config=tune.TuneConfig(metric=sweep.metric, mode=sweep.mode, scheduler=scheduler, num_samples=sweep.samples,
                                     search_alg=build_search(sweep, space, cfg.training.seed), reuse_actors=False),
         run_config=tune.RunConfig(name=sweep.name, storage_path=storage.tune_storage_path,
-                                  storage_filesystem=storage.filesystem,
+                                  storage_filesystem=storage.filesystem, verbose=tune_verbosity(),
                                   callbacks=[TrialRunsCallback(tracking, plan.parent_run_id, cfg.training.steps)]),
     )
+
+
+def tune_verbosity() -> int:
+    """Tune's own progress (its box tables of trials and results) on a terminal, none of it in a file or a pipe
+    (a Ray job's log, `> sweep.log`): there each trial's run prints its own lines, and the sweep its report at
+    the end. Tune's `AirVerbosity`: 0 silent, 1 default."""
+    return 1 if interactive() else 0
 
 
 def build_search(sweep: SweepConfig, space: list[Dimension], seed: int):
