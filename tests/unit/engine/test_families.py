@@ -13,6 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from mt_ray.data.packing import collate
+from mt_ray.data.schema import TokenizedExample
 from mt_ray.engine import EngineConfig, StreamingEngine
 from mt_ray.errors import ConfigError, ModelNotSupportedError
 from mt_ray.models.discovery import discover
@@ -203,3 +205,19 @@ def test_doge_on_unpacked_rows_trains_as_transformers_eager_model(tmp_path):
     with pytest.raises(ConfigError, match="engine.attn_implementation: 'sdpa' does not implement the attention "
                                           "dynamic mask that 'doge' uses"):
         engine_step(tmp_path, rows, attn_implementation="sdpa")
+
+
+def test_dynamic_rope_with_an_unread_original_context_trains_as_documents_alone(tmp_path):
+    """Dynamic RoPE rescales the table of a row whose longest position passes max_position_embeddings (16), whatever
+    its `original_max_position_embeddings` (8) says: a 20-token document beside a 4-token one in a row would change
+    the short one's rotary table, so the probe looks past 16 and the documents run alone, as transformers' eager
+    model computes each."""
+    save_checkpoint("llama", tmp_path, max_position_embeddings=16, rope_scaling={
+        "rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8})
+    g = torch.Generator().manual_seed(0)
+    docs = [TokenizedExample(tuple(ids), (-100, *ids[1:])) for n in (20, 4)
+            for ids in [torch.randint(3, VOCAB, (n,), generator=g).tolist()]]
+    batch = collate([docs], 24, pad_id=0)
+    result, state = engine_step(tmp_path, [{k: batch[k] for k in ("input_ids", "labels", "position_ids")}])
+    ref_loss, before, ref_state = reference_step(tmp_path, docs)
+    assert_same_step(state, before, ref_state, result.loss.item(), ref_loss)
