@@ -11,7 +11,7 @@ import argparse
 import shlex
 import sys
 
-from mt_ray.cli.startup import run_quietly, say_starting
+from mt_ray.cli.startup import run_quietly
 from mt_ray.errors import MtRayError
 
 
@@ -27,7 +27,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = shlex.join(["python", "-m", "jobs.train", *(["--config", args.config] if args.config else []),
                           *args.overrides])
-    say_starting("jobs.train")
     return run_quietly("jobs.train", lambda: _train(args, command))
 
 

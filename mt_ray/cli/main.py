@@ -7,7 +7,7 @@ import json
 import shlex
 import sys
 
-from mt_ray.cli.startup import run_quietly, say_starting
+from mt_ray.cli.startup import run_quietly
 from mt_ray.errors import ConfigError, MtRayError
 
 
@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     command = f"mt-ray {args.command}"
-    if args.command in ("train", "sweep") and not getattr(args, "help_config", False):
-        say_starting(command)  # the commands that train import for seconds before their first word
-    return run_quietly(command, lambda: _run_command(command, args))
+    # The commands that train import for seconds before their first word.
+    announce = args.command in ("train", "sweep") and not getattr(args, "help_config", False)
+    return run_quietly(command, lambda: _run_command(command, args), announce)
 
 
 def _run_command(command: str, args: argparse.Namespace) -> int:

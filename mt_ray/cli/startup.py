@@ -14,13 +14,13 @@ from collections.abc import Callable
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
 
 
-def say_starting(command: str) -> None:
-    print(f"{command}: starting (loading torch and transformers)", flush=True)
-
-
-def run_quietly(command: str, body: Callable[[], int]) -> int:
-    """`body()`'s exit status; a KeyboardInterrupt that reaches the entry point is one line and `INTERRUPTED`."""
+def run_quietly(command: str, body: Callable[[], int], announce: bool = True) -> int:
+    """`body()`'s exit status, after a line saying `command` started (`announce`); a KeyboardInterrupt that reaches
+    the entry point is one line and `INTERRUPTED`. The line is printed inside the guard, so Ctrl-C at any moment
+    after it is seen is caught."""
     try:
+        if announce:
+            print(f"{command}: starting (loading torch and transformers)", flush=True)
         return body()
     except KeyboardInterrupt:
         print(f"{command}: interrupted before the run started or after it ended", file=sys.stderr, flush=True)

@@ -25,14 +25,15 @@ class Origin:
 class TrainedCounts:
     """Examples drawn per pass, and the examples (and cut examples) the yielded rows hold."""
 
-    drawn: dict[int, int] = field(default_factory=dict)
+    drawn: list[int] = field(default_factory=list)  # examples drawn in each pass, by pass
     trained: int = 0
     cut: int = 0
     _dropped: int = 0  # drawn since the last trainable example, with nothing to train
 
     def on_drawn(self, pass_index: int, trainable: bool, cut: bool) -> Origin | None:
         """Count an example drawn in pass `pass_index`; the `Origin` its first sequence carries, if it has one."""
-        self.drawn[pass_index] = self.drawn.get(pass_index, 0) + 1
+        self.drawn += [0] * (pass_index + 1 - len(self.drawn))
+        self.drawn[pass_index] += 1
         if not trainable:
             self._dropped += 1
             return None
@@ -45,15 +46,15 @@ class TrainedCounts:
 
     def epochs(self) -> float | None:
         """Passes over the data the trained examples make (2 decimals); None until a whole pass has been read."""
-        size = self.drawn.get(0) if len(self.drawn) > 1 else None
+        size = self.drawn[0] if len(self.drawn) > 1 else None
         return round(self.trained / size, 2) if size else None
 
     def drawn_state(self) -> dict[str, Any]:
         """What rebuilding a window from its start draws again: the draw counts (and the untrainable ones pending)."""
-        return {"drawn": dict(self.drawn), "dropped": self._dropped}
+        return {"drawn": list(self.drawn), "dropped": self._dropped}  # a list: JSON keeps it as it is (checkpoints)
 
     def load_drawn_state(self, state: dict[str, Any]) -> None:
-        self.drawn = {int(k): v for k, v in state.get("drawn", {}).items()}
+        self.drawn = list(state.get("drawn", []))
         self._dropped = state.get("dropped", 0)
 
     def trained_state(self) -> dict[str, int]:
