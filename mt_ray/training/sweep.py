@@ -378,7 +378,7 @@ def trial_resources(cfg: RunConfig, sweep: SweepConfig, cluster_has_gpus: bool):
 
 @contextlib.contextmanager
 def _ray(cfg: RunConfig) -> Iterator[None]:
-    """Ray for the sweep (joined, or started here and stopped after); Tune saves its state at least every second."""
+    """Ray for the sweep (joined, or started here and stopped after), with Tune's settings (`tune_settings`)."""
     import ray
 
     started = not ray.is_initialized()
@@ -386,17 +386,26 @@ def _ray(cfg: RunConfig) -> Iterator[None]:
         address = cfg.cluster.address or ("auto" if os.environ.get("RAY_ADDRESS") else None)
         ray.init(address=address, num_cpus=cfg.cluster.num_cpus if address is None else None,
                  logging_level=library_log_level())  # Ray's start-up INFO lines only with MT_RAY_VERBOSE
-    # Tune saves its state at most every 10 s by default: a sweep killed just after a trial ended would redo it.
-    period_unset = "TUNE_GLOBAL_CHECKPOINT_S" not in os.environ
-    if period_unset:
-        os.environ["TUNE_GLOBAL_CHECKPOINT_S"] = "1"
+    unset = {k: v for k, v in tune_settings().items() if k not in os.environ}
+    os.environ.update(unset)
     try:
         yield
     finally:
-        if period_unset:
-            os.environ.pop("TUNE_GLOBAL_CHECKPOINT_S", None)
+        for key in unset:
+            os.environ.pop(key, None)
         if started:
             ray.shutdown()
+
+
+def tune_settings() -> dict[str, str]:
+    """Tune's environment for the sweep, where the user has not set it. Tune saves its state at most every 10 s by
+    default: a sweep killed just after a trial ended would redo it, so every second. In a file or a pipe, Tune's
+    legacy output engine (`RAY_AIR_NEW_OUTPUT=0`), which `tune_verbosity`'s 0 silences: the new one prints its
+    box table of the experiment whatever the verbosity."""
+    settings = {"TUNE_GLOBAL_CHECKPOINT_S": "1"}
+    if not interactive():
+        settings["RAY_AIR_NEW_OUTPUT"] = "0"
+    return settings
 
 
 def _drop(node: dict[str, Any], dotted: str) -> None:
