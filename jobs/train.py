@@ -11,9 +11,8 @@ import argparse
 import shlex
 import sys
 
-from mt_ray.config.run import load_run_config
+from mt_ray.cli.startup import run_quietly
 from mt_ray.errors import MtRayError
-from mt_ray.training.launch import run_from_command_line
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = shlex.join(["python", "-m", "jobs.train", *(["--config", args.config] if args.config else []),
                           *args.overrides])
+    return run_quietly("jobs.train", lambda: _train(args, command))
+
+
+def _train(args: argparse.Namespace, command: str) -> int:
+    from mt_ray.config.run import load_run_config  # seconds of torch and transformers: after the first line
+    from mt_ray.training.launch import run_from_command_line
+
     try:
         return run_from_command_line(load_run_config(args.config, args.overrides), command)
     except MtRayError as e:

@@ -8,6 +8,7 @@ import shlex
 import sys
 from dataclasses import replace
 
+from mt_ray.cli.startup import run_quietly
 from mt_ray.errors import ConfigError, MtRayError
 
 
@@ -73,10 +74,17 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("--layers", type=int, help="cut the model to its first N layers")
 
     args = parser.parse_args(argv)
+    command = f"mt-ray {args.command}"
+    # The commands that train import for seconds before their first word.
+    announce = args.command in ("train", "sweep") and not getattr(args, "help_config", False)
+    return run_quietly(command, lambda: _run_command(command, args), announce)
+
+
+def _run_command(command: str, args: argparse.Namespace) -> int:
     try:
         return _COMMANDS[args.command](args)
     except MtRayError as e:
-        print(f"mt-ray {args.command}: error: {e}", file=sys.stderr)
+        print(f"{command}: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -18,8 +18,9 @@ Where LLaMA-Factory's default differs from mt-ray's (`cutoff_len` 2048, `packing
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Callable
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from mt_ray.errors import ConfigError
@@ -67,7 +68,10 @@ def only(accepted: Any, why_unused: str, why_refused: str) -> Rule:
 def _stage(value: Any, _: dict[str, Any]) -> Assignments:
     if value in ("sft", "dpo", "kto"):
         return [("training.stage", value)]
-    why = {"pt": "pre-training is stage sft on text datasets in mt-ray (every token of a text row is trained)",
+    why = {"pt": "LLaMA-Factory's pt joins documents into rows that attend across them (packing, its pt default) or "
+                 "truncates each at cutoff_len, and mt-ray does neither; pre-train with an mt-ray config instead: "
+                 "training.stage: sft on text datasets (columns: {prompt: text}) trains every token of each document, "
+                 "cut into rows of data.max_seq_len",
            "rm": "reward-model training has no equivalent", "ppo": "PPO has no equivalent; mt-ray runs GRPO (its "
            "own YAML, training.stage: grpo)"}.get(value, "mt-ray trains sft, dpo and kto from LLaMA-Factory files")
     raise Refused(why)
@@ -156,10 +160,35 @@ def _save_strategy(value: Any, _: dict[str, Any]) -> Assignments | str:
     raise Refused("mt-ray checkpoints every save_steps steps; use save_strategy: steps")
 
 
-def _resume(value: Any, _: dict[str, Any]) -> Assignments | str:
-    if value is None:
+def _resume(value: Any, file: dict[str, Any]) -> Assignments | str:
+    """`true`: the run's newest checkpoint, which mt-ray's `auto` resumes; `<output_dir>/checkpoint-N`, the name
+    transformers' Trainer gives step N's checkpoint: the same step of the mt-ray run in that output_dir."""
+    if value is None or value is False:
         return "mt-ray continues a run of the same config from its newest checkpoint (training.resume: auto)"
-    return [("training.resume", str(value))]
+    if value is True:
+        return [("training.resume", "auto")]
+    path = PurePosixPath(str(value))
+    step = re.fullmatch(r"checkpoint-(\d+)", path.name)
+    output_dir = PurePosixPath(str(file.get("output_dir", "")))
+    if step is None or path.parent != output_dir:
+        raise Refused("mt-ray resumes its own checkpoints (<output_dir>/checkpoints/step-NNNNNNNN), not a transformers "
+                      "Trainer's; use resume_from_checkpoint: true for this output_dir's newest, or "
+                      f"model_name_or_path: {value} to start a new run from its weights")
+    checkpoint = f"{output_dir}/checkpoints/step-{int(step.group(1)):08d}"
+    if not checkpoint.startswith("s3://") and not Path(checkpoint).is_dir():
+        raise Refused(f"this output_dir's run has no checkpoint at step {int(step.group(1))} ({checkpoint}); use "
+                      "resume_from_checkpoint: true for its newest")
+    return [("training.resume", checkpoint)]
+
+
+def _overwrite(value: Any, file: dict[str, Any]) -> Assignments | str:
+    """transformers starts over in a used output_dir only when told to; mt-ray never deletes a run, so `true` starts
+    a run only where output_dir holds no checkpoints (`training.resume: never` refuses one that does, by name)."""
+    if not value:
+        return "mt-ray continues a run of the same config and refuses another config under the same output_dir"
+    if file.get("resume_from_checkpoint"):
+        return "resume_from_checkpoint is given, and wins, as in transformers"
+    return [("training.resume", "never")]
 
 
 def _attention(value: Any, _: dict[str, Any]) -> Assignments:
@@ -262,8 +291,7 @@ RULES: dict[str, Rule] = {
     "save_only_model": unused("mt-ray's checkpoints always hold the optimizer state, so a resumed run is exact"),
     "save_safetensors": unused("mt-ray writes safetensors"),
     "plot_loss": unused("MLflow plots the loss (tracking.*)"),
-    "overwrite_output_dir": unused("mt-ray continues a run of the same config and refuses another config under the "
-                                   "same output_dir"),
+    "overwrite_output_dir": _overwrite,
     "report_to": _report_to,
     "run_name": unused("the run, and its MLflow run, are named after output_dir's last folder"),
     # train

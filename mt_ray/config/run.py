@@ -163,11 +163,25 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _no_keys_the_run_sets(self) -> RunConfig:
-        """Where checkpoints go and what the MLflow run is called follow from the run, never set apart."""
+        """Where checkpoints go and what the MLflow run is called follow from the run, never set apart (a key
+        written at its default, as a run folder's `config.yaml` from an earlier version has it, sets nothing)."""
         for section, key in SET_BY_THE_RUN:
-            if key in getattr(self, section).model_fields_set:
+            part = getattr(self, section)
+            if key in part.model_fields_set and getattr(part, key) != type(part).model_fields[key].get_default(
+                    call_default_factory=True):
                 raise ValueError(f"{section}.{key}: {SET_BY_THE_RUN[section, key]}")
         return self
+
+    def to_yaml(self) -> str:
+        """The config as a run folder's `config.yaml` keeps it, which `mt-ray train --config` and `mt-ray export
+        --config` take as it is: every key, less those the run derives (`SET_BY_THE_RUN`, and an epoch-based
+        run's `training.steps`, which it counts again from `training.epochs`)."""
+        values = self.model_dump(mode="json")
+        for section, key in SET_BY_THE_RUN:
+            del values[section][key]
+        if self.training.epochs is not None:
+            del values["training"]["steps"]
+        return yaml.safe_dump(values, sort_keys=False)
 
     @model_validator(mode="after")
     def _eval_needs_a_split(self) -> RunConfig:
@@ -237,17 +251,33 @@ def load_run_values(path: str | Path | None = None, overrides: list[str] | None 
         if is_llamafactory(values):
             values, mapping = translate(values, set(RunConfig.model_fields))
             print(describe_mapping(str(path), mapping), flush=True)
+    given = {}
     for item in overrides or []:
-        apply_override(values, item)
+        given.update([apply_override(values, item)])
+    _length_from_the_command_line(values, given, path)
     return values
 
 
-def apply_override(values: dict[str, Any], item: str) -> None:
-    """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (numbers, lists, null)."""
+def _length_from_the_command_line(values: dict[str, Any], given: dict[str, Any], path: str | Path | None) -> None:
+    """A run's length given on the command line (`training.steps=3`) replaces the other measure the file gives
+    (`training.epochs`, or LLaMA-Factory's num_train_epochs and its default of 3), saying so in one line."""
+    training = values.get("training")
+    for key, other in (("steps", "epochs"), ("epochs", "steps")):
+        if f"training.{key}" in given and f"training.{other}" not in given and isinstance(training, dict) \
+                and training.get(other) is not None:
+            print(f"training.{key}={given[f'training.{key}']} from the command line replaces training.{other} "
+                  f"{training.pop(other)} of {path}", flush=True)
+
+
+def apply_override(values: dict[str, Any], item: str) -> tuple[str, Any]:
+    """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (numbers, lists, null). Returns the key
+    and value set."""
     key, sep, raw = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"override '{item}' must look like section.key=value")
-    set_key(values, key.strip(), yaml.safe_load(raw))
+    value = yaml.safe_load(raw)
+    set_key(values, key.strip(), value)
+    return key.strip(), value
 
 
 def set_key(values: dict[str, Any], key: str, value: Any) -> None:

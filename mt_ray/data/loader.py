@@ -36,6 +36,7 @@ from mt_ray.data.registry import DatasetEntry, load_registry
 from mt_ray.data.schema import FeedbackExample, PairExample, TokenizedExample
 from mt_ray.data.sources import DatasetSource
 from mt_ray.data.split import HeldOut, plan_held_out
+from mt_ray.data.trained_counts import Origin, TrainedCounts
 from mt_ray.errors import ConfigError, DatasetError
 
 logger = logging.getLogger(__name__)
@@ -67,10 +68,11 @@ class StepLoader:
         self.rows_per_step = rows_per_step
         self.pad_id = pad_id
         self.dropped_examples = 0
-        self.cut_examples = 0
+        self.counts = TrainedCounts()  # what the yielded rows trained, for the summary (`trained_counts`)
         self._window_start = self._snapshot()
         self._window_index = 0
         self._window: list[_Row] = []
+        self._window_origins: list[list[Origin]] = []  # per row: the examples it counts (`TrainedCounts`)
         self._used = 0
         self._window_built = False
 
@@ -84,6 +86,9 @@ class StepLoader:
                 self._next_window()
             take = min(self.rows_per_step - len(rows), len(self._window) - self._used)
             rows += self._window[self._used:self._used + take]
+            for origins in self._window_origins[self._used:self._used + take]:
+                for origin in origins:
+                    self.counts.on_yielded(origin)
             self._used += take
         length = self.config.max_seq_len if self.config.packing else None
         return collate(rows, length, self.pad_id)
@@ -100,19 +105,22 @@ class StepLoader:
         return self._window_built and self._used == len(self._window)
 
     def stats(self) -> dict[str, Any]:
-        """Counts to report: bad rows skipped per dataset, examples dropped as untrainable, examples longer than
-        ``max_seq_len`` (a text cut into chunks of it, a conversation truncated to it, as LLaMA-Factory does)."""
+        """Counts to report. Of the data read (read ahead of the steps too): bad rows skipped per dataset, examples
+        dropped as untrainable. Of the rows yielded: examples longer than ``max_seq_len`` (a text cut into chunks
+        of it, a conversation truncated to it, as LLaMA-Factory does), and the passes over the data they make
+        (``TrainedCounts.epochs``)."""
         return {
             "bad_rows": {s.entry.name: s.state.bad_rows for s in self.mixer.sources},
             "dropped_examples": self.dropped_examples,
-            "cut_examples": self.cut_examples,
-            "epoch": self.epoch,
+            "cut_examples": self.counts.cut,
+            "epoch": self.counts.epochs(),
         }
 
     def state_dict(self) -> dict[str, Any]:
         """Resumable position; ``load_state_dict`` of it reproduces all later batches exactly."""
         return {"version": _STATE_VERSION, "window_start": copy.deepcopy(self._window_start),
-                "window_index": self._window_index, "used": self._used, "built": self._window_built}
+                "window_index": self._window_index, "used": self._used, "built": self._window_built,
+                "trained": self.counts.trained_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != _STATE_VERSION:
@@ -124,26 +132,34 @@ class StepLoader:
             self._window_index -= 1
             self._next_window()
             self._used = state["used"]
+        # Absent from checkpoints written before the counts followed the yielded rows: counted from here on.
+        self.counts.load_trained_state(state.get("trained", {}))
 
     def _snapshot(self) -> dict[str, Any]:
-        return {"mixer": self.mixer.state_dict(), "dropped": self.dropped_examples, "cut": self.cut_examples}
+        return {"mixer": self.mixer.state_dict(), "dropped": self.dropped_examples,
+                "counts": self.counts.drawn_state()}
 
     def _restore(self, snapshot: dict[str, Any]) -> None:
         self.mixer.load_state_dict(copy.deepcopy(snapshot["mixer"]))
         self.dropped_examples = snapshot["dropped"]
-        self.cut_examples = snapshot.get("cut", 0)  # absent from checkpoints written before it was counted
+        self.counts.load_drawn_state(snapshot.get("counts", {}))
         self._window_start = copy.deepcopy(snapshot)
 
     def _next_window(self) -> None:
         """Tokenize the next ``packing_window`` examples and arrange them into rows."""
         self._window_start = self._snapshot()
         groups: list[Group] = []  # the sequences of one example that stay in one row (a pair), or one piece
+        origins: dict[int, Origin] = {}  # by id of an example's first sequence, which the rows hold as it is
         while len(groups) < self.config.packing_window:
-            groups += self._tokenize(self.mixer.next())
+            new = self._tokenize(self.mixer.next())
+            if (origin := self.counts.on_drawn(self.mixer.epoch, bool(new), self.processor.cut)) is not None:
+                origins[id(new[0][0])] = origin
+            groups += new
         rows = self._arrange(groups)
         if self.config.packing:
             random.Random(f"pack/{self.config.seed}/{self._window_index}").shuffle(rows)
         self._window, self._used, self._window_built = rows, 0, True
+        self._window_origins = [[origins[id(s)] for s in row if id(s) in origins] for row in rows]
         self._window_index += 1
 
     def count_epoch_rows(self) -> int:
@@ -166,8 +182,6 @@ class StepLoader:
                 raise
             logger.warning("skipping example: %s", e)
             new = []
-        else:
-            self.cut_examples += self.processor.cut
         if not new:
             self.dropped_examples += 1
         return new

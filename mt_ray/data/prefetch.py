@@ -31,6 +31,7 @@ class BackgroundLoader:
         self.loader = loader
         self.depth = depth
         self._state = loader.state_dict()
+        self._stats = loader.stats()
         self._start()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -40,7 +41,7 @@ class BackgroundLoader:
         item = self._queue.get()  # waits only when the worker is behind the trainer
         if isinstance(item, _Failed):
             raise item.error
-        batch, self._state = item
+        batch, self._state, self._stats = item
         return batch
 
     @property
@@ -48,8 +49,8 @@ class BackgroundLoader:
         return self.loader.epoch
 
     def stats(self) -> dict[str, Any]:
-        """The inner loader's counts (they may include the few batches read ahead)."""
-        return self.loader.stats()
+        """The inner loader's counts as of the last batch handed out (not the batches read ahead)."""
+        return copy.deepcopy(self._stats)
 
     def state_dict(self) -> dict[str, Any]:
         return copy.deepcopy(self._state)
@@ -58,6 +59,7 @@ class BackgroundLoader:
         self.close()
         self.loader.load_state_dict(state)
         self._state = self.loader.state_dict()
+        self._stats = self.loader.stats()
         self._start()
 
     def close(self) -> None:
@@ -77,7 +79,7 @@ class BackgroundLoader:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                item = (next(self.loader), self.loader.state_dict())
+                item = (next(self.loader), self.loader.state_dict(), self.loader.stats())
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=0.1)

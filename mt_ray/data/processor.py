@@ -51,7 +51,7 @@ from mt_ray.data.schema import (
     TextExample,
     TokenizedExample,
 )
-from mt_ray.data.templates import TEMPLATES
+from mt_ray.data.templates import TEMPLATES, fitting_templates
 from mt_ray.errors import ConfigError, DatasetError
 
 TOKENIZER_TEMPLATE = "tokenizer"
@@ -102,6 +102,18 @@ def _arguments(arguments: Any) -> Any:
     return arguments
 
 
+def check_template_fits(template: str, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Refuse a named template whose special tokens the tokenizer splits: the model would learn its end of turn as
+    ordinary text and never stop generating."""
+    split = TEMPLATES[template].split_tokens(tokenizer)
+    if split:
+        tokens = ", ".join(f"{t} ({n} tokens)" for t, n in split.items())
+        raise ConfigError(
+            f"data.template: {template}'s special tokens are not single tokens of this tokenizer: {tokens}, so the "
+            f"model would never learn to end a turn; set data.template to tokenizer (the model's own template) or one "
+            f"that fits this tokenizer: {', '.join(fitting_templates(tokenizer))}")
+
+
 class Processor:
     """Turns one ``Example`` into ``TokenizedExample``s of at most ``max_seq_len`` tokens."""
 
@@ -114,6 +126,8 @@ class Processor:
                 f"data.template: the tokenizer has no chat template; set it to one of {sorted(TEMPLATES)}")
         if tokenizer.eos_token_id is None:
             raise ConfigError("the tokenizer has no eos token, which ends every text example")
+        if template != TOKENIZER_TEMPLATE:
+            check_template_fits(template, tokenizer)
         self.tokenizer = tokenizer
         self.template_name = template
         self.chat_template = None if template == TOKENIZER_TEMPLATE else TEMPLATES[template].jinja

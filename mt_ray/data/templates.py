@@ -20,6 +20,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # ChatML. Assistant tool calls render as <tool_call>{json}</tool_call>, tool results as
 # a "tool" turn, and the tool schemas go into the system turn, as Qwen-style templates do.
@@ -49,6 +53,9 @@ CHATML = (
 
 EMPTY_THOUGHT = "<think>\n\n</think>\n\n"  # LLaMA-Factory's thought_words, empty
 _MARK = re.compile(r"(\{content\}|\{bos\}|\{eos\})")
+# The markup tokens a template writes that a tokenizer made for it holds as one special token each: ChatML's and
+# Llama 3's `<|...|>`, DeepSeek's `<｜...｜>`, Gemma's turn marks. (Llama 2's and Mistral's `[INST]` are text.)
+_SPECIAL = re.compile(r"<\|[^|\s']+\|>|<｜[^｜\s']+｜>|<(?:start|end)_of_turn>")
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,22 @@ class ChatTemplate:
 
     jinja: str
     stop_words: tuple[str, ...] = ()
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The markup tokens the template writes, which only a tokenizer holding each as one token can learn: split
+        into ordinary tokens, an end of turn is text the model never learns to stop at."""
+        return tuple(dict.fromkeys(_SPECIAL.findall(self.jinja)))
+
+    def split_tokens(self, tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
+        """Each special token `tokenizer` does not hold as one token, with the number of tokens it becomes."""
+        counts = {t: len(tokenizer.encode(t, add_special_tokens=False)) for t in self.special_tokens}
+        return {t: n for t, n in counts.items() if n != 1}
+
+
+def fitting_templates(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The named templates whose special tokens are all single tokens of `tokenizer`."""
+    return [name for name, template in sorted(TEMPLATES.items()) if not template.split_tokens(tokenizer)]
 
 
 def _literal(text: str) -> str:

@@ -141,19 +141,26 @@ def recommend(spec: ModelSpec, seq: int, global_batch: int, gpu_mem_gb: float, h
         c.checkpoint_every, "micro_batch_size": best.micro_batch, "grad_accum_steps": global_batch // best.micro_batch,
         "device_gib": best.device / GIB, "host_gib": best.host / GIB, "host_bytes_per_param": best.host / spec.num_params,
         "host_rss_gib": (best.host + PROCESS_RSS_BYTES) / GIB,
-        "predicted_step_s": best.seconds, "model_tflops": 6 * spec.text_params * seq * global_batch / best.seconds / 1e12,
-        **_time_split(spec, parts, seq * global_batch),
+        "predicted_step_s": best.seconds, **_throughput(spec, seq * global_batch, best.seconds),
+        **_time_split(parts),
     }
     if parts.bound == "optimizer":
         rec.update(search.hiding_batch(best, seq, global_batch))
     return rec
 
 
-def _time_split(spec: ModelSpec, parts: StepTime, tokens: int) -> dict:
-    """What bounds the step and its parts; a mixture of experts' active TFLOPS (6 x active params x tokens)."""
-    active = ({"active_tflops": 6 * spec.active_text_params * tokens / parts.total / 1e12}
-              if spec.routed_active_params else {})
-    return {**active, "bound": parts.bound, "compute_s": parts.compute, "link_s": parts.link,
+def _throughput(spec: ModelSpec, tokens: int, seconds: float) -> dict:
+    """The step's TFLOPS as 6 x params x tokens (`model_tflops`); for a mixture of experts, of the params a token
+    computes with (`active_tflops`) only: its total would count every expert for every token, a figure above
+    the card's peak."""
+    if spec.routed_active_params:
+        return {"active_tflops": 6 * spec.active_text_params * tokens / seconds / 1e12}
+    return {"model_tflops": 6 * spec.text_params * tokens / seconds / 1e12}
+
+
+def _time_split(parts: StepTime) -> dict:
+    """What bounds the step, and its parts."""
+    return {"bound": parts.bound, "compute_s": parts.compute, "link_s": parts.link,
             "optimizer_s": parts.optimizer, "optimizer_exposed_s": parts.optimizer_exposed}
 
 

@@ -50,6 +50,13 @@ class RewardConfig(BaseModel):
     weight: float = 1.0
     """Its weight in the reward (TRL's reward_weights)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _a_name_alone(cls, value: Any) -> Any:
+        """`grpo.rewards=[format, my_rewards:len_reward]`: a name alone is that reward at weight 1, as TRL's
+        `reward_funcs` lists them."""
+        return {"name": value} if isinstance(value, str) else value
+
     @field_validator("name")
     @classmethod
     def _known_or_importable(cls, value: str) -> str:

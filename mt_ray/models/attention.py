@@ -1,9 +1,11 @@
 """Which transformers attention backend the engine runs a family with.
 
 SDPA cannot express attention-logit soft-capping (Gemma 2) or learned attention sinks (GPT-OSS):
-transformers' SDPA path drops both without a word, and the model trains as a different model.
-`auto` (the default) takes eager attention, which implements both exactly as transformers
-defines them, where the family needs either. Otherwise it takes `PACKED_ROWS_BACKEND` on CUDA
+transformers' SDPA path drops both without a word, and the model trains as a different model. Nor does
+transformers' SDPA path keep a dynamic mask causal (Doge's `prepare_dynamic_mask` builds its additive mask from
+the one it is given, and under SDPA an unpacked row is given none, so every token attends to later ones).
+`auto` (the default) takes eager attention, which implements all three exactly as transformers
+defines them, where the family needs any. Otherwise it takes `PACKED_ROWS_BACKEND` on CUDA
 where that backend can run the model (packed rows then keep their documents apart with no dense
 T x T mask: see mt_ray/models/varlen.py), and SDPA elsewhere (the CPU, fp32). A backend named
 explicitly that lacks a feature the family uses, or cannot run here, is refused.
@@ -29,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 # What each backend implements of the features SDPA lacks ("sinks" in flex attention: CUDA only).
 _IMPLEMENTS = {
-    "eager": {"soft-capping", "sinks"},
+    "eager": {"soft-capping", "sinks", "dynamic mask"},
     "flex_attention": {"soft-capping", "sinks on cuda"},
     "flash_attention_2": {"soft-capping"},
     VARLEN: set(),
@@ -47,6 +49,8 @@ def attention_features(spec: ModelSpec) -> set[str]:
         features.add("soft-capping")
     if any(name.endswith("sinks") for name, _ in spec.skeleton.named_parameters()):
         features.add("sinks")
+    if any(hasattr(module, "prepare_dynamic_mask") for module in spec.skeleton.modules()):
+        features.add("dynamic mask")
     return features
 
 

@@ -55,8 +55,8 @@ _CACHE_ONLY = frozenset({"cache_position", "use_cache"})
 
 def position_thresholds(config: PretrainedConfig) -> dict[str, int]:
     """Every position threshold the (text) config names, by its dotted key: chunk sizes, windows, Llama 4's
-    `floor_scale` (nested dicts and per-layer lists included), and a row-length rope's original context (a
-    `dynamic` or `longrope` rope type: its `original_max_position_embeddings`, else the config's)."""
+    `floor_scale` (nested dicts and per-layer lists included), and the context past which a row-length rope
+    (`dynamic`, `longrope`) changes its table (`_row_rope_context`)."""
     text = config.get_text_config().to_dict()
     found: dict[str, int] = {}
 
@@ -66,11 +66,11 @@ def position_thresholds(config: PretrainedConfig) -> dict[str, int]:
         if isinstance(value, int) and named:
             found[key] = value
         elif isinstance(value, Mapping):
-            if _ROW_ROPE.search(str(value.get("rope_type", value.get("type", "")))):
-                original = value.get("original_max_position_embeddings") or text.get(
-                    "original_max_position_embeddings") or text.get("max_position_embeddings")
+            rope_type = str(value.get("rope_type", value.get("type", "")))
+            if _ROW_ROPE.search(rope_type):
+                name, original = _row_rope_context(rope_type, value, text)
                 if isinstance(original, int):
-                    found[f"{key}.original_max_position_embeddings"] = original
+                    found[f"{key}.{name}"] = original
             for k, v in value.items():
                 walk(f"{key}.{k}" if key else str(k), v, named or bool(_THRESHOLD_KEY.search(str(k))))
         elif isinstance(value, (list, tuple)):
@@ -79,6 +79,17 @@ def position_thresholds(config: PretrainedConfig) -> dict[str, int]:
 
     walk("", text, False)
     return found
+
+
+def _row_rope_context(rope_type: str, rope: Mapping[str, Any], text: Mapping[str, Any]) -> tuple[str, Any]:
+    """The key and length past which a row-length rope changes its table, as transformers reads it: `dynamic`
+    scaling from `max_position_embeddings` alone (an `original_max_position_embeddings` beside it is not read),
+    `longrope` from its original context (the rope's, else the config's, else `max_position_embeddings`)."""
+    if "dynamic" in rope_type:
+        return "max_position_embeddings", text.get("max_position_embeddings")
+    return "original_max_position_embeddings", (rope.get("original_max_position_embeddings")
+                                                or text.get("original_max_position_embeddings")
+                                                or text.get("max_position_embeddings"))
 
 
 def probe_lengths(config: PretrainedConfig, learned_positions: bool = False) -> tuple[int, int, int]:

@@ -36,6 +36,8 @@ import psutil
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from mt_ray.tracking.stores import allow_file_store
+
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
@@ -66,7 +68,8 @@ class TrackingConfig(BaseModel):
     """Track the run in MLflow; off, every tracker call does nothing (and mlflow need not be installed)."""
 
     tracking_uri: str | None = None
-    """``http://host:5000``, ``sqlite:///mlflow.db``, ``databricks``...; ``None`` = ``MLFLOW_TRACKING_URI``,
+    """``http://host:5000``, ``sqlite:///mlflow.db``, ``file:mlruns`` (MLflow's file store: ``stores``),
+    ``databricks``...; ``None`` = ``MLFLOW_TRACKING_URI``,
     else (in an mt-ray run) the store in ``training.storage``. A run takes a relative local path from the
     directory its command was launched in, and refuses one under ``ray job submit``."""
 
@@ -110,6 +113,9 @@ class MlflowTracker:
         self.config = config
         self._client = client
         self.run_id: str | None = None
+        self.logged_until = 0
+        """The last step a reopened run has a `loss` for: a resume replays the steps after its checkpoint up to it,
+        and their metrics (the same values: a resume is exact) are not logged twice."""
         self._system_metrics = None
 
     @property
@@ -160,6 +166,7 @@ class MlflowTracker:
             uri = self.config.tracking_uri
             if uri is not None and uri.startswith("sqlite:///"):  # SQLite creates the file, not its folder
                 Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            allow_file_store(uri)  # a file store the user named: MLflow's own opt-out of its maintenance error
             self._client = MlflowClient(tracking_uri=uri)
         return self._client
 
@@ -266,7 +273,8 @@ class MlflowTracker:
             self.run_id = None
 
     def _reopen(self, run_id: str) -> str | None:
-        """Set run ``run_id`` back to RUNNING; None (with a warning) when this store does not have it."""
+        """Set run ``run_id`` back to RUNNING, without the error that ended it before, and note the last step it
+        logged (`logged_until`); None (with a warning) when this store does not have it."""
         from mlflow.exceptions import MlflowException
 
         try:
@@ -278,6 +286,9 @@ class MlflowTracker:
             logger.warning("MLflow run %s of the checkpoint was deleted; starting a new run", run_id)
             return None
         self.client.update_run(run_id, status="RUNNING")
+        if ERROR_TAG in run.data.tags:  # what ended it before; the run goes on, and a new end sets its own
+            self.client.delete_tag(run_id, ERROR_TAG)
+        self.logged_until = max((m.step for m in self.client.get_metric_history(run_id, "loss")), default=0)
         return run_id
 
     def _end_abandoned(self, experiment_id: str, keep: str | None) -> None:

@@ -1,5 +1,6 @@
-"""Exports that generate: the checkpoint's weights with the tokenizer, and `generation_config.json` naming the
-tokens that end a turn, so `generate` stops where the chat template ends a response.
+"""Exports that generate: the checkpoint's weights with the tokenizer (carrying the chat template the run trained
+with), and `generation_config.json` naming the tokens that end a turn, so `generate` stops where that template
+ends a response.
 
 `mt-ray export` turns a checkpoint's fp32 master weights into a Hugging Face folder, no engine needed. It says
 which step it exported, and a checkpoint that fails its SHA-256 check is refused, unless asked
@@ -8,6 +9,7 @@ which step it exported, and a checkpoint that fails its SHA-256 check is refused
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +62,16 @@ def generation_config(cfg: RunConfig, spec: ModelSpec, tokenizer: PreTrainedToke
     return generation
 
 
+def trained_tokenizer(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """The tokenizer an export writes: a named template the run trained with becomes its `chat_template` (on a copy),
+    so `apply_chat_template` at inference writes the turns the model learned, not the tokenizer's own."""
+    if cfg.data.template == TOKENIZER_TEMPLATE:
+        return tokenizer
+    exported = copy.deepcopy(tokenizer)
+    exported.chat_template = TEMPLATES[cfg.data.template].jinja
+    return exported
+
+
 def _stop_words(template: str, tokenizer: PreTrainedTokenizerBase) -> list[str]:
     """A named template's stop words; for the tokenizer's own, the special token its template ends a turn with."""
     if template != TOKENIZER_TEMPLATE:
@@ -100,7 +112,7 @@ def export_checkpoint(config_path: str, checkpoint: str | None, out: str, fall_b
             state[p.hf_name] = master[off : off + p.numel].view(p.shape)
             off += p.numel
     extra = processor_files(cfg.model.path) if spec.vision is not None else ()
-    folder = export_hf(spec, state, out, tokenizer, extra_files=extra,
+    folder = export_hf(spec, state, out, trained_tokenizer(cfg, tokenizer), extra_files=extra,
                        generation=generation_config(cfg, spec, tokenizer))
     return Exported(folder, uri, manager.read_meta(uri)["step"])
 

@@ -20,7 +20,7 @@ from mt_ray.verbosity import quiet_libraries
 class RunInterrupted(Exception):
     """Ctrl-C or SIGTERM ended the run: at which step, and the newest checkpoint a rerun resumes from."""
 
-    def __init__(self, signal_name: str, step: int, steps: int, checkpoint: str | None):
+    def __init__(self, signal_name: str, step: int, steps: int | None, checkpoint: str | None):
         super().__init__(signal_name)
         self.signal_name, self.step, self.steps, self.checkpoint = signal_name, step, steps, checkpoint
 
@@ -28,7 +28,8 @@ class RunInterrupted(Exception):
         """One line: what stopped the run, its last checkpoint, and the command that continues it."""
         saved = (f"last checkpoint {self.checkpoint}; resume: {command}" if self.checkpoint else
                  f"no checkpoint yet, so a rerun starts over: {command}")
-        return f"interrupted ({self.signal_name}) after step {self.step} of {self.steps}; {saved}"
+        where = f"after step {self.step} of {self.steps}" if self.steps is not None else "before its first step"
+        return f"interrupted ({self.signal_name}) {where}; {saved}"
 
 
 def run_from_command_line(cfg: RunConfig, command: str) -> int:
@@ -102,8 +103,9 @@ def run_once(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
         built = trainer is not None and trainer.finished is None
         if built and trainer.step == 0 and trainer.resumed_from is None:
             run.release()  # nothing trained, nothing saved: the name is free for the corrected config
-        if isinstance(e, KeyboardInterrupt):
-            raise RunInterrupted(str(e) or "SIGINT", trainer.step if built else 0, cfg.training.steps,
+        if isinstance(e, KeyboardInterrupt):  # the trainer's config has the steps `training.epochs` came to
+            steps = trainer.cfg.training.steps if built else None if cfg.training.epochs else cfg.training.steps
+            raise RunInterrupted(str(e) or "SIGINT", trainer.step if built else 0, steps,
                                  _last_checkpoint(callbacks)) from None
         raise
     finally:
@@ -113,14 +115,22 @@ def run_once(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
     return summary
 
 
+def _moved(name: str, first: float, last: float, points: int) -> str:
+    """`loss 2.914 -> 1.203` over two logged points or more; one point (a run no longer than `training.log_every`)
+    is its value alone, not a change."""
+    return f"{name} {first:.3f} -> {last:.3f}" if points > 1 else f"{name} {last:.3f}"
+
+
 def done_line(cfg: RunConfig, summary: dict, history: list[dict[str, float]]) -> str:
     """The run's last line: steps, how its objective moved (GRPO: the reward; its loss is ~0 by construction),
     the held-out loss, and where the model went."""
     rewards = [m["reward"] for m in history if "reward" in m]
     if cfg.training.stage == "grpo" and rewards:
-        moved = f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f}"
+        moved = _moved("reward", rewards[0], rewards[-1], len(rewards))
     elif summary.get("first_loss") is not None:
-        moved = f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
+        # A finished run read back has no history: more than `log_every` steps logged two points or more.
+        points = len(history) or 1 + (summary["steps"] > cfg.training.log_every)
+        moved = _moved("loss", summary["first_loss"], summary["final_loss"], points)
     else:
         moved = "nothing logged"
     evaluated = f", eval_loss {summary['eval_loss']:.3f}" if "eval_loss" in summary else ""

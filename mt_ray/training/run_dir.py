@@ -22,20 +22,20 @@ import json
 import os
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
-
-import yaml
 
 from mt_ray.config.identity import RunIdentity, changed_keys, run_identity
 from mt_ray.config.run import RunConfig
 from mt_ray.errors import ConfigError
 from mt_ray.tracking import CheckpointConfig, TrackingConfig
 from mt_ray.tracking.run_files import RunFiles, open_run_files
+from mt_ray.tracking.stores import local_store_path
 
 RUN_FILE = "run.json"
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
 EXPORT_DIR = "hf_model"
+# How to name a run apart, in both vocabularies: a LLaMA-Factory file names the run by its output_dir.
+ANOTHER_NAME = "another training.run_name (in a LLaMA-Factory file, another output_dir)"
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for the entrypoint it starts
 _SERVER = "a tracking server (http://host:5000), or for artifacts s3://bucket/prefix"  # not a local path
 
@@ -72,7 +72,7 @@ class RunDir:
         self.check()
         if self.files.read_text(RUN_FILE) is None:
             self.files.write_text(RUN_FILE, json.dumps(self.identity.to_json(), indent=2))
-        self.files.write_text(CONFIG_FILE, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        self.files.write_text(CONFIG_FILE, cfg.to_yaml())
 
     def release(self) -> None:
         """Give the name back (a run that failed before finishing its first step, with no checkpoint): its
@@ -107,8 +107,8 @@ def check_same_run(recorded: RunIdentity, current: RunIdentity, where: str) -> N
     changes = "\n  ".join(changed_keys(recorded.keys, current.keys))
     raise ConfigError(
         f"run '{current.name}' was started with another config ({where}); changed keys:\n  {changes}\n"
-        "Give this config its own training.run_name (or leave it unset for a generated one), or delete that "
-        "run's folder to start it over.")
+        f"Give this config {ANOTHER_NAME} (or leave it unset for a generated one), or delete that run's folder "
+        "to start it over.")
 
 
 def resolve_storage(storage: str, key: str = "training.storage") -> str:
@@ -146,18 +146,6 @@ def resolve_tracking_uri(uri: str, key: str) -> str:
         return uri
     prefix, path = local
     return prefix + resolve_local(path, key, f"{key}={prefix}$PWD/{path}", _SERVER)
-
-
-def local_store_path(uri: str) -> tuple[str, str] | None:
-    """`(prefix, path)` of a local MLflow URI (`sqlite:///<path>`, `file:<path>`, a bare path); None for others."""
-    if uri.startswith("sqlite:///") and uri != "sqlite:///:memory:":
-        return "sqlite:///", uri.removeprefix("sqlite:///")
-    if uri.startswith("file:///") or (uri.startswith("file:") and not uri.startswith("file://")):
-        return "file://", uri.removeprefix("file://" if uri.startswith("file:///") else "file:")
-    # No scheme is a local path to MLflow, but for its Databricks names (`databricks`, `databricks-uc`).
-    if not urlparse(uri).scheme and not uri.startswith("databricks"):
-        return "", uri
-    return None
 
 
 def in_ray_job() -> bool:

@@ -33,6 +33,7 @@ from mt_ray.tracking import MlflowTracker, TrackingConfig
 from mt_ray.tracking.mlflow_tracker import error_line
 from mt_ray.tracking.tune_runs import TrialRunsCallback, best_trial_run, failed_trials, open_sweep_run
 from mt_ray.training.callbacks import Callback
+from mt_ray.training.console import interactive
 from mt_ray.training.run_dir import resolve_storage, run_tracking_config
 from mt_ray.training.sweep_storage import BEST_CONFIG, SweepStorage
 from mt_ray.verbosity import library_log_level
@@ -323,9 +324,16 @@ def _tuner(plan: TrialPlan, cfg: RunConfig, space: list[Dimension], sweep: Sweep
         tune_config=tune.TuneConfig(metric=sweep.metric, mode=sweep.mode, scheduler=scheduler, num_samples=sweep.samples,
                                     search_alg=build_search(sweep, space, cfg.training.seed), reuse_actors=False),
         run_config=tune.RunConfig(name=sweep.name, storage_path=storage.tune_storage_path,
-                                  storage_filesystem=storage.filesystem,
+                                  storage_filesystem=storage.filesystem, verbose=tune_verbosity(),
                                   callbacks=[TrialRunsCallback(tracking, plan.parent_run_id, cfg.training.steps)]),
     )
+
+
+def tune_verbosity() -> int:
+    """Tune's own progress (its box tables of trials and results) on a terminal, none of it in a file or a pipe
+    (a Ray job's log, `> sweep.log`): there each trial's run prints its own lines, and the sweep its report at
+    the end. Tune's `AirVerbosity`: 0 silent, 1 default."""
+    return 1 if interactive() else 0
 
 
 def build_search(sweep: SweepConfig, space: list[Dimension], seed: int):
@@ -370,7 +378,7 @@ def trial_resources(cfg: RunConfig, sweep: SweepConfig, cluster_has_gpus: bool):
 
 @contextlib.contextmanager
 def _ray(cfg: RunConfig) -> Iterator[None]:
-    """Ray for the sweep (joined, or started here and stopped after); Tune saves its state at least every second."""
+    """Ray for the sweep (joined, or started here and stopped after), with Tune's settings (`tune_settings`)."""
     import ray
 
     started = not ray.is_initialized()
@@ -378,17 +386,26 @@ def _ray(cfg: RunConfig) -> Iterator[None]:
         address = cfg.cluster.address or ("auto" if os.environ.get("RAY_ADDRESS") else None)
         ray.init(address=address, num_cpus=cfg.cluster.num_cpus if address is None else None,
                  logging_level=library_log_level())  # Ray's start-up INFO lines only with MT_RAY_VERBOSE
-    # Tune saves its state at most every 10 s by default: a sweep killed just after a trial ended would redo it.
-    period_unset = "TUNE_GLOBAL_CHECKPOINT_S" not in os.environ
-    if period_unset:
-        os.environ["TUNE_GLOBAL_CHECKPOINT_S"] = "1"
+    unset = {k: v for k, v in tune_settings().items() if k not in os.environ}
+    os.environ.update(unset)
     try:
         yield
     finally:
-        if period_unset:
-            os.environ.pop("TUNE_GLOBAL_CHECKPOINT_S", None)
+        for key in unset:
+            os.environ.pop(key, None)
         if started:
             ray.shutdown()
+
+
+def tune_settings() -> dict[str, str]:
+    """Tune's environment for the sweep, where the user has not set it. Tune saves its state at most every 10 s by
+    default: a sweep killed just after a trial ended would redo it, so every second. In a file or a pipe, Tune's
+    legacy output engine (`RAY_AIR_NEW_OUTPUT=0`), which `tune_verbosity`'s 0 silences: the new one prints its
+    box table of the experiment whatever the verbosity."""
+    settings = {"TUNE_GLOBAL_CHECKPOINT_S": "1"}
+    if not interactive():
+        settings["RAY_AIR_NEW_OUTPUT"] = "0"
+    return settings
 
 
 def _drop(node: dict[str, Any], dotted: str) -> None:

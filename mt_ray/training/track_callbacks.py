@@ -11,7 +11,7 @@ from mt_ray.config.identity import RunIdentity, changed_keys
 from mt_ray.errors import ConfigError
 from mt_ray.tracking import CheckpointManager, MlflowTracker
 from mt_ray.training.callbacks import Callback, ResumePoint
-from mt_ray.training.run_dir import EXPORT_DIR, check_same_run
+from mt_ray.training.run_dir import ANOTHER_NAME, EXPORT_DIR, check_same_run
 
 if TYPE_CHECKING:
     from mt_ray.training.trainer import Trainer
@@ -49,8 +49,8 @@ class CheckpointCallback(Callback):
         if mode == "never":
             if latest is not None:
                 raise ConfigError(f"training.resume: never, but run '{trainer.run.name}' already has checkpoints "
-                                  f"(newest {latest}); continue it with training.resume=auto, give this one another "
-                                  f"training.run_name, or delete {trainer.run.uri}")
+                                  f"(newest {latest}); continue it with training.resume=auto, give this one {ANOTHER_NAME}, "
+                                  f"or delete {trainer.run.uri}")
             return None
         if mode == "auto" and latest is None:
             return None
@@ -131,10 +131,12 @@ class MlflowCallback(Callback):
             self.tracker.log_resume(trainer.resumed_from.uri, trainer.resumed_from.step)
 
     def on_log(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
-        self.tracker.log_metrics(step, metrics)
+        if step > self.tracker.logged_until:  # a resume's replay of steps the run logged before: once is enough
+            self.tracker.log_metrics(step, metrics)
 
     def on_evaluate(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
-        self.tracker.log_metrics(step, metrics)
+        if step > self.tracker.logged_until:
+            self.tracker.log_metrics(step, metrics)
 
     def on_step_end(self, trainer: Trainer, step: int) -> None:
         """GRPO: every `grpo.log_completions_every` steps, the completions the step trained on as a table."""

@@ -28,11 +28,11 @@ from mt_ray.training.backend import TrainingBackend, build_backend
 from mt_ray.training.callbacks import Callback, ResumePoint
 from mt_ray.training.console import banner, interactive, progress_line
 from mt_ray.training.epochs import resolve_epochs
-from mt_ray.training.export import generation_config
+from mt_ray.training.export import generation_config, trained_tokenizer
 from mt_ray.training.grpo.steps import GrpoSteps
 from mt_ray.training.model_source import load_image_encoder, load_model_and_tokenizer
 from mt_ray.training.reference_cache import ReferenceLogps, load_or_compute
-from mt_ray.training.run_dir import EXPORT_DIR, RunDir
+from mt_ray.training.run_dir import ANOTHER_NAME, EXPORT_DIR, RunDir
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class Trainer:
         t = self.cfg.training
         if self.finished is not None:
             print(f"run {self.run.name} already finished ({self.finished['steps']} steps); its outputs are in "
-                  f"{self.run.uri}. To train it again, give it another training.run_name or delete that folder.",
+                  f"{self.run.uri}. To train it again, give it {ANOTHER_NAME} or delete that folder.",
                   flush=True)
             return self.finished
         self._maybe_precompute_reference()  # with the starting weights: before a resume restores the policy
@@ -259,7 +259,7 @@ class Trainer:
             summary.update({k: v for k, v in self.history[-1].items() if k.startswith(STAGE_METRICS)})
         if self.cfg.training.export and self.stop_reason is None:
             extra = {"extra_files": processor_files(self.cfg.model.path)} if self.spec.vision is not None else {}
-            self.engine.export(self.run.staging / EXPORT_DIR, self.tokenizer,
+            self.engine.export(self.run.staging / EXPORT_DIR, trained_tokenizer(self.cfg, self.tokenizer),
                                generation=generation_config(self.cfg, self.spec, self.tokenizer), **extra)
             summary["exported_model"] = self.run.publish(EXPORT_DIR)
         return summary

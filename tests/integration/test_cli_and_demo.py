@@ -4,10 +4,12 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mt_ray.cli.main import main
+from tests.conftest import ROOT
 
 
 def test_demo_job_trains_and_exports(tmp_path):
@@ -53,3 +55,20 @@ def test_export_command_matches_trained_export(tmp_path):
     a = AutoModelForCausalLM.from_pretrained(run / "hf_model").state_dict()
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("entry", [["-m", "mt_ray.cli.main", "train"], ["-m", "jobs.train"]], ids=["mt-ray", "jobs"])
+def test_the_first_line_comes_before_the_imports_and_ctrl_c_there_is_one_line(entry):
+    """The command says it started before importing torch and transformers; Ctrl-C in those seconds of imports (the
+    line is printed, the imports follow) ends it in one line, exit status 130, not an import's traceback."""
+    import os
+    import signal
+
+    proc = subprocess.Popen([sys.executable, *entry, "training.steps=1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    first = proc.stdout.readline()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert first.endswith(": starting (loading torch and transformers)\n") and out == ""
+    assert proc.returncode == 130 and err.endswith(": interrupted before the run started or after it ended\n")
+    assert len(err.splitlines()) == 1, err

@@ -14,6 +14,7 @@ import pytest
 from mt_ray.cli.main import main
 from mt_ray.config.run import load_run_config
 from mt_ray.data import load_tiny_tokenizer
+from mt_ray.errors import ConfigError
 from tests.tiny_models import tiny_config
 from tests.unit.data.conftest import LLAMAFACTORY_FIXTURES
 
@@ -88,3 +89,27 @@ def test_lora_and_unknown_arguments_are_refused_in_one_line_each(workdir, capsys
     assert main(["train", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "learning_rat: not a LLaMA-Factory training argument mt-ray knows; did you mean 'learning_rate'?" in err
+
+
+def test_resume_and_overwrite_arguments_map_as_transformers_reads_them(tmp_path):
+    """`resume_from_checkpoint: true` resumes the newest; `<output_dir>/checkpoint-N` the mt-ray run's step N where
+    it has one; a transformers checkpoint elsewhere is refused naming what works; `overwrite_output_dir: true` starts
+    a run only in an output_dir without checkpoints (`training.resume: never`)."""
+    out = tmp_path / "saves" / "sft"
+    (out / "checkpoints" / "step-00000500").mkdir(parents=True)
+
+    def load(**arguments) -> str:
+        path = tmp_path / "lf.yaml"
+        path.write_text("".join(f"{k}: {v}\n" for k, v in {"stage": "sft", "output_dir": out, **arguments}.items()))
+        return load_run_config(path).training.resume
+
+    assert load(resume_from_checkpoint="true") == "auto"
+    assert load(resume_from_checkpoint=f"{out}/checkpoint-500") == f"{out}/checkpoints/step-00000500"
+    assert load(overwrite_output_dir="true") == "never"
+    assert load(overwrite_output_dir="true", resume_from_checkpoint="true") == "auto"
+    with pytest.raises(ConfigError, match=r"resume_from_checkpoint: .* is refused: this output_dir's run has no "
+                                          r"checkpoint at step 300"):
+        load(resume_from_checkpoint=f"{out}/checkpoint-300")
+    with pytest.raises(ConfigError, match=r"is refused: mt-ray resumes its own checkpoints .* resume_from_checkpoint: "
+                                          r"true .* model_name_or_path: /elsewhere/checkpoint-9"):
+        load(resume_from_checkpoint="/elsewhere/checkpoint-9")

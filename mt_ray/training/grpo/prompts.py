@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from mt_ray.data import DataConfig
 from mt_ray.data.converters import convert_prompt
 from mt_ray.data.loader import resolve_entries
-from mt_ray.data.processor import TOKENIZER_TEMPLATE, to_hf_messages
+from mt_ray.data.processor import TOKENIZER_TEMPLATE, check_template_fits, to_hf_messages
 from mt_ray.data.templates import TEMPLATES
 from mt_ray.errors import ConfigError, DatasetError
 
@@ -41,6 +41,8 @@ class Prompt:
 def read_prompts(data: DataConfig, tokenizer: PreTrainedTokenizerBase, max_prompt_length: int) -> list[Prompt]:
     """Every prompt of `data.datasets`, in file order."""
     template = None if data.template == TOKENIZER_TEMPLATE else TEMPLATES[data.template].jinja
+    if template is not None:
+        check_template_fits(data.template, tokenizer)
     prompts = []
     entries = resolve_entries(data, data.datasets, stage="sft")
     if len({e.formatting == "sharegpt" for e in entries}) > 1:
@@ -58,6 +60,16 @@ def read_prompts(data: DataConfig, tokenizer: PreTrainedTokenizerBase, max_promp
     if not prompts:
         raise DatasetError(f"data.datasets {data.datasets} hold no prompt")
     return prompts
+
+
+def cut_prompts_line(prompts: list[Prompt], max_prompt_length: int) -> str | None:
+    """One line saying how many prompts `grpo.max_prompt_length` cuts (each keeps its end), and the key to raise;
+    None when none is cut."""
+    cut = sum(p.cut for p in prompts)
+    if not cut:
+        return None
+    return (f"grpo.max_prompt_length {max_prompt_length}: {cut} of {len(prompts)} prompts are longer and keep only "
+            f"their last {max_prompt_length} tokens; raise grpo.max_prompt_length to keep them whole")
 
 
 class PromptStream:

@@ -22,7 +22,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import os
 import re
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,15 +33,16 @@ from typing import Any
 import torch
 
 from mt_ray.engine.grpo import RewardConfig
-from mt_ray.errors import ConfigError
+from mt_ray.errors import ConfigError, MtRayError
 from mt_ray.training.grpo.prompts import Prompt
 
 RewardFn = Callable[..., list]
 FINAL_ANSWER = re.compile(r"####\s*(-?\d+(?:\.\d+)?)\s*$")
 
 
-class RewardError(RuntimeError):
-    """A reward function failed or returned something unusable; the step is not applied."""
+class RewardError(MtRayError, RuntimeError):
+    """A reward function failed or returned something unusable; the step is not applied, and the command ends
+    with this one line (an `MtRayError`), as the README promises."""
 
 
 def accuracy(prompts: list, completions: list, answer: list, **_) -> list[float | None]:
@@ -134,7 +137,11 @@ def load_rewards(configs: Sequence[RewardConfig]) -> Rewards:
 
 
 def _import(path: str) -> RewardFn:
+    """`module:function`, the module found as `python train.py` finds a TRL user's: in the folder the run was
+    started from as well (the `mt-ray` script, unlike `python -m`, does not put it on `sys.path`)."""
     module, _, attr = path.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # after the installed packages, so a reward module shadows none of them
     try:
         func = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:

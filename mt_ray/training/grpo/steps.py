@@ -26,7 +26,7 @@ from mt_ray.engine import StreamingEngine
 from mt_ray.models.discovery import ModelSpec
 from mt_ray.training.auto_fit import rollout_placement
 from mt_ray.training.grpo.old_logps import keep_old_logps
-from mt_ray.training.grpo.prompts import PromptStream, read_prompts
+from mt_ray.training.grpo.prompts import PromptStream, cut_prompts_line, read_prompts
 from mt_ray.training.grpo.rewards import RewardLogs, advantages_and_metrics, load_rewards, trl_arguments
 from mt_ray.training.grpo.rollout import LocalSampler, Rollout, completion_batches
 from mt_ray.training.grpo.scored import ScoredRollout
@@ -44,7 +44,10 @@ class GrpoSteps:
         self.tokenizer = tokenizer
         t = cfg.training
         self.completions = t.micro_batch_size * t.grad_accum_steps
-        self.stream = PromptStream(read_prompts(cfg.data, tokenizer, self.g.max_prompt_length), t.seed)
+        prompts = read_prompts(cfg.data, tokenizer, self.g.max_prompt_length)
+        if line := cut_prompts_line(prompts, self.g.max_prompt_length):
+            print(line, flush=True)  # once, before the banner: summary.json's data.cut_prompts counts the draws
+        self.stream = PromptStream(prompts, t.seed)
         self.rewards = load_rewards(self.g.rewards)  # a missing library or function is refused before the copy
         self.sampler = build_sampler(cfg, engine, spec, self.completions,
                                      self.g.max_prompt_length + self.g.max_completion_length)

@@ -5,6 +5,8 @@ A data-parallel step's object-store traffic is sized for the objects alive at on
 for up to a second after their last reference went would spill the store (store_settings.py).
 """
 
+import logging
+import logging.handlers
 import re
 import time
 
@@ -35,12 +37,25 @@ def _seconds_to_free() -> float:
     return time.monotonic() - t0
 
 
-def test_the_driver_starts_ray_that_frees_deleted_objects_at_once():
+def test_the_driver_starts_ray_that_frees_deleted_objects_at_once(monkeypatch):
+    """...and, as a run quiets the libraries, without Ray's WARNING that it turned its default token authentication
+    on, before the run's banner."""
     from mt_ray.cluster.placement import init_ray
+    from mt_ray.verbosity import VERBOSE_ENV, quiet_libraries
 
     if ray.is_initialized():
         ray.shutdown()
-    assert init_ray(ClusterConfig(num_cpus=1), 100 << 20)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    quiet_libraries()
+    notices = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    heard = logging.handlers.BufferingHandler(100)  # what the logger lets through to Ray's console handler
+    notices.addHandler(heard)
+    try:
+        assert init_ray(ClusterConfig(num_cpus=1), 100 << 20)
+    finally:
+        notices.removeHandler(heard)
+    assert [r.getMessage() for r in heard.buffer] == []
     try:
         # Ray's default frees once a second: five frees all under half a second is a 1-in-32 chance.
         waits = [_seconds_to_free() for _ in range(5)]

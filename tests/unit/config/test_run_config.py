@@ -116,3 +116,24 @@ def test_optimizer_threads_default_to_the_cores_this_process_may_use(monkeypatch
     assert EngineConfig(optimizer_threads=3).optimizer_thread_count == 3
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
     assert EngineConfig().optimizer_thread_count == 1
+
+
+def test_a_length_on_the_command_line_replaces_the_files_in_one_line(tmp_path, capsys):
+    """LLaMA-Factory's YAML without num_train_epochs still runs its default 3 epochs; `training.steps=3` replaces
+    them, as it replaces a native file's `training.epochs`; both on the command line stay refused."""
+    lf = tmp_path / "lf.yaml"
+    lf.write_text("model_name_or_path: model\nstage: sft\ndataset: identity\ntemplate: qwen\n")
+    assert load_run_config(lf).training.epochs == 3.0
+    capsys.readouterr()
+    cfg = load_run_config(lf, ["training.steps=3"])
+    assert (cfg.training.steps, cfg.training.epochs) == (3, None)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"training.steps=3 from the command line replaces training.epochs 3.0 of {lf}")
+    native = tmp_path / "native.yaml"
+    native.write_text("training:\n  steps: 40\n")
+    cfg = load_run_config(native, ["training.epochs=0.5"])
+    assert (cfg.training.steps, cfg.training.epochs) == (60, 0.5)  # the default steps: counted from the epochs
+    assert capsys.readouterr().out.strip() == (
+        f"training.epochs=0.5 from the command line replaces training.steps 40 of {native}")
+    with pytest.raises(ConfigError, match="give training.steps or training.epochs, not both"):
+        load_run_config(None, ["training.steps=3", "training.epochs=1"])

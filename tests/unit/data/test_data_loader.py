@@ -110,11 +110,12 @@ def test_bad_rows_raise_or_are_skipped_and_counted(tokenizer, tmp_path: Path) ->
     config = small_config(registry=registry, datasets=["d"], shuffle=False)
     with pytest.raises(DatasetError, match=r"d.jsonl row 6: missing column 'output'"):
         next(build_dataloader(config, tokenizer, 2))
-    # A window of 6 examples reads the 5 good rows, skips the 3 bad ones, and starts epoch 1.
+    # A window of 6 examples reads the 5 good rows, skips the 3 bad ones, and starts epoch 1; its 6 examples pack
+    # into the batch's rows: 1.2 passes of 5 examples.
     skipping = config.model_copy(update={"on_bad_row": "skip", "packing_window": 6})
     loader = build_dataloader(skipping, tokenizer, 2)
     next(loader)
-    assert loader.stats() == {"bad_rows": {"d": 3}, "dropped_examples": 0, "cut_examples": 0, "epoch": 1}
+    assert loader.stats() == {"bad_rows": {"d": 3}, "dropped_examples": 0, "cut_examples": 0, "epoch": 1.2}
     for _ in range(6):  # later epochs read the same 3 bad rows again: they are not counted again
         next(loader)
     assert loader.stats()["epoch"] > 2 and loader.stats()["bad_rows"] == {"d": 3}
@@ -122,7 +123,8 @@ def test_bad_rows_raise_or_are_skipped_and_counted(tokenizer, tmp_path: Path) ->
 
 def test_examples_longer_than_max_seq_len_are_cut_and_counted(tokenizer, tmp_path: Path) -> None:
     """A conversation is truncated to max_seq_len and a text cut into chunks of it; the run's summary counts
-    both (`stats`), and a resumed loader counts on from the same number."""
+    both (`stats`) as the rows holding them are yielded, not as the window is read, and a resumed loader counts on
+    from the same number."""
     long = " ".join(["word"] * 200)
     rows = [{"instruction": "q", "output": "short"}, {"instruction": "q", "output": long},
             {"instruction": long, "output": "a"}, {"instruction": "q", "output": "fine"}]
@@ -133,13 +135,15 @@ def test_examples_longer_than_max_seq_len_are_cut_and_counted(tokenizer, tmp_pat
     config = small_config(registry=registry, datasets=["d"], shuffle=False, packing_window=4)
     loader = build_dataloader(config, tokenizer, 1)
     batch = next(loader)
-    assert loader.stats()["cut_examples"] == 2
+    assert loader.stats()["cut_examples"] == 1  # the window's first row holds one of its two cut examples
     assert batch["input_ids"].shape[1] == 64  # each cut example fills at most one row
     state = loader.state_dict()
     next(loader)
     resumed = build_dataloader(config, tokenizer, 1)
     resumed.load_state_dict(state)
-    assert resumed.stats()["cut_examples"] == 2  # the window is rebuilt from its start: not counted twice
+    assert resumed.stats()["cut_examples"] == 1  # the window is rebuilt from its start: not counted twice
+    next(resumed), next(resumed)  # the window's three rows
+    assert resumed.stats() == {"bad_rows": {"d": 0}, "dropped_examples": 0, "cut_examples": 2, "epoch": None}
     text = build_dataloader(small_config(registry=registry, datasets=["t"], packing_window=1), tokenizer, 1)
     next(text)
     assert text.stats()["cut_examples"] == 1

@@ -47,5 +47,18 @@ def test_default_system_and_reasoning_thought(tokenizer):
 def test_tools_are_refused_by_name(tokenizer):
     example = ChatExample(messages=(Message("user", "hi"), Message("assistant", "yo")),
                           tools=({"type": "function", "function": {"name": "f"}},))
-    with pytest.raises(ConfigError, match="data.template 'llama3': tool schemas are not rendered"):
-        Processor(tokenizer, "llama3", 128)(example)
+    with pytest.raises(ConfigError, match="data.template 'qwen': tool schemas are not rendered"):
+        Processor(tokenizer, "qwen", 128)(example)
+
+
+def test_a_template_whose_special_tokens_the_tokenizer_splits_is_refused(tokenizer):
+    """llama3 on the (ChatML) tiny tokenizer: `<|eot_id|>` would train as ordinary text and never end a turn."""
+    with pytest.raises(ConfigError) as refused:
+        Processor(tokenizer, "llama3", 128)
+    message = str(refused.value)
+    assert message.startswith("data.template: llama3's special tokens are not single tokens of this tokenizer: "
+                              "<|start_header_id|> (15 tokens), <|end_header_id|> (14 tokens), <|eot_id|> (10 tokens)")
+    assert "set data.template to tokenizer" in message and "\n" not in message
+    fitting = message.rsplit("fits this tokenizer: ", 1)[1].split(", ")
+    assert {"chatml", "qwen", "qwen3_nothink", "alpaca"} <= set(fitting)
+    assert not {"llama3", "gemma", "phi4", "deepseek3"} & set(fitting)

@@ -188,6 +188,8 @@ def test_calc_counts_a_mixture_of_experts_active_parameters_and_names_what_bound
     spec = discover(preset_config("qwen3-30b-a3b", layers=2))
     assert (out["params"], out["active_params"]) == (spec.num_params, spec.active_text_params)
     assert out["active_params"] < out["params"] / 2  # embedding and head (622 M) are most of a 2-layer cut
+    # throughput of the parameters a token computes with; the total's would count every expert for every token
+    assert "model_tflops" not in out and 0 < out["active_tflops"] < 600
     assert out["bound"] == "optimizer" and out["optimizer_exposed_s"] > 0.05 * out["predicted_step_s"]
     batch = out["hiding_batch"]
     assert f"a global batch of {batch} sequences with engine.schedule: stream hides it" in out["optimizer_advice"]

@@ -13,6 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from mt_ray.data.packing import collate
+from mt_ray.data.schema import TokenizedExample
 from mt_ray.engine import EngineConfig, StreamingEngine
 from mt_ray.errors import ConfigError, ModelNotSupportedError
 from mt_ray.models.discovery import discover
@@ -26,7 +28,7 @@ from tests.family_checks import (
     reference_step,
     save_checkpoint,
 )
-from tests.tiny_models import CHECKPOINT_FAMILIES, reference_train, tiny_batches
+from tests.tiny_models import CHECKPOINT_FAMILIES, VOCAB, reference_train, tiny_batches
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -181,3 +183,41 @@ def test_a_family_the_layer_context_refuses_is_refused_before_any_state(model_ty
     spec = discover(tiny_config(model_type))
     with pytest.raises(ModelNotSupportedError, match=f"'{model_type}': {reason}"):
         StreamingEngine(spec, EngineConfig(device="cpu", host_memory_limit_gb=1e-6), OPT, total_steps=1)
+
+
+def test_doge_on_unpacked_rows_trains_as_transformers_eager_model(tmp_path):
+    """Doge builds its attention's additive mask from the mask it is given, and under SDPA transformers gives an
+    unpacked row none, so each token would attend to later ones: `auto` runs Doge eager (one step over rows of one
+    document each equals transformers' eager model), and `sdpa` is refused by name."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("doge", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                                  eos_token_id=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    docs = documents()[:2]
+    rows = [{"input_ids": torch.tensor([d.input_ids]), "labels": torch.tensor([d.labels]),
+             "position_ids": torch.arange(len(d)).unsqueeze(0)} for d in docs]  # unpacked: a document a row
+    result, state = engine_step(tmp_path, rows)
+    ref_loss, before, ref_state = reference_step(tmp_path, docs)
+    assert_same_step(state, before, ref_state, result.loss.item(), ref_loss)
+    with pytest.raises(ConfigError, match="engine.attn_implementation: 'sdpa' does not implement the attention "
+                                          "dynamic mask that 'doge' uses"):
+        engine_step(tmp_path, rows, attn_implementation="sdpa")
+
+
+def test_dynamic_rope_with_an_unread_original_context_trains_as_documents_alone(tmp_path):
+    """Dynamic RoPE rescales the table of a row whose longest position passes max_position_embeddings (16), whatever
+    its `original_max_position_embeddings` (8) says: a 20-token document beside a 4-token one in a row would change
+    the short one's rotary table, so the probe looks past 16 and the documents run alone, as transformers' eager
+    model computes each."""
+    save_checkpoint("llama", tmp_path, max_position_embeddings=16, rope_scaling={
+        "rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8})
+    g = torch.Generator().manual_seed(0)
+    docs = [TokenizedExample(tuple(ids), (-100, *ids[1:])) for n in (20, 4)
+            for ids in [torch.randint(3, VOCAB, (n,), generator=g).tolist()]]
+    batch = collate([docs], 24, pad_id=0)
+    result, state = engine_step(tmp_path, [{k: batch[k] for k in ("input_ids", "labels", "position_ids")}])
+    ref_loss, before, ref_state = reference_step(tmp_path, docs)
+    assert_same_step(state, before, ref_state, result.loss.item(), ref_loss)

@@ -59,6 +59,10 @@ def test_the_thresholds_that_change_attention_are_found():
     dynamic = AutoConfig.for_model("llama", max_position_embeddings=65536,
                                    rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     assert "longer than the packing probe's rows" in beyond_probe(dynamic)
+    # dynamic scaling starts past max_position_embeddings; an original_max_position_embeddings beside it is unread
+    dynamic = AutoConfig.for_model("llama", max_position_embeddings=16, rope_scaling={
+        "rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8})
+    assert position_thresholds(dynamic) == {"rope_parameters.max_position_embeddings": 16}
 
 
 def test_a_chunk_cut_by_the_row_index_shows_for_a_document_starting_inside_a_chunk():

@@ -14,7 +14,8 @@ def test_a_run_into_a_file_prints_a_banner_and_one_line_per_log(tmp_path, capsys
     assert main(["training.steps=4", "training.log_every=2", f"training.storage={tmp_path}", "training.run_name=r",
                  "engine.device=cpu", "tracking.enabled=false", "data.max_seq_len=64", "training.export=false"]) == 0
     captured = capsys.readouterr()
-    lines = captured.out.splitlines()
+    starting, *lines = captured.out.splitlines()
+    assert starting == "jobs.train: starting (loading torch and transformers)"
     assert lines[0] == "run r: sft of tiny (Qwen2ForCausalLM, 0.9 M parameters) on cpu, float32"
     assert lines[1].startswith("  data demo_alpaca, demo_sharegpt (template tokenizer, packed rows of 64 tokens); "
                                "4 steps of 4 x 2 rows")

@@ -32,3 +32,28 @@ def test_sigterm_ends_the_run_in_one_line_and_it_resumes(tmp_path, capsys, monke
     assert signal.getsignal(signal.SIGTERM) is outer  # the handler lived as long as the run
     monkeypatch.setattr(launch, "build_callbacks", build)
     assert main(args) == 0 and "resuming run r from" in capsys.readouterr().out
+
+
+def test_an_epoch_based_runs_numbers_count_what_it_trained(tmp_path, capsys, monkeypatch):
+    """One epoch of 10 examples, 5 steps: the interrupt line counts the 5 steps the epoch came to (not the default
+    60), the done line has one loss (5 steps, log_every 10: one logged point, no change to show), and the summary's
+    epoch and cut examples count the rows trained, not the packing window of 256 examples the loader read."""
+    import json
+
+    rows = [{"instruction": f"q{i}", "output": "a " * (80 if i < 3 else 3)} for i in range(10)]
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"d": {"file_name": "d.json"}}))
+    args = ["training.epochs=1", "training.micro_batch_size=2", "training.grad_accum_steps=1", "data.packing=false",
+            f"data.registry={tmp_path}", "data.datasets=[d]", "data.max_seq_len=64", "training.log_every=10",
+            "checkpoint.every_steps=1", f"training.storage={tmp_path}", "training.run_name=r", "engine.device=cpu",
+            "tracking.enabled=false", "training.export=false"]
+    build = launch.build_callbacks
+    monkeypatch.setattr(launch, "build_callbacks", lambda cfg, run: [*build(cfg, run), TermAt(2)])
+    assert main(args) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("interrupted (SIGTERM) after step 2 of 5; ")
+    monkeypatch.setattr(launch, "build_callbacks", build)
+    assert main(args) == 0  # resumed at step 2: the counts carry on from the checkpoint
+    done = capsys.readouterr().out.strip().splitlines()[-1]
+    assert done.startswith("done: 5 steps, loss ") and "->" not in done
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["data"]["epoch"] == 1.0 and summary["data"]["cut_examples"] == 3

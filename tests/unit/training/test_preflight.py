@@ -48,3 +48,27 @@ def test_a_run_that_fails_before_its_first_step_leaves_its_name_free(tmp_path, c
     assert not (tmp_path / "r1").exists()  # claimed at the first step, given back when it failed
     assert run(load_run_config(None, common))["steps"] == 1  # the corrected config takes the name
     assert (tmp_path / "r1" / "run.json").is_file()
+
+
+def test_mlflow_file_stores_the_readme_names_track_the_run(tmp_path, monkeypatch, capsys):
+    """`file:mlruns` and a bare path are MLflow 3.17's file store, which it opens only under its own opt-out."""
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "unset")  # recorded, so the run's own setting is undone after
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    monkeypatch.chdir(tmp_path)
+    common = [f"training.storage={tmp_path}/runs", "engine.device=cpu", "training.steps=1",
+              "tracking.system_metrics=false"]
+    for uri, folder in (("file:mlruns", tmp_path / "mlruns"), (f"{tmp_path}/bare", tmp_path / "bare")):
+        assert main([*common, f"tracking.tracking_uri={uri}", f"training.run_name=r-{folder.name}"]) == 0
+        runs = MlflowClient(tracking_uri=str(folder)).search_runs(
+            [MlflowClient(tracking_uri=str(folder)).get_experiment_by_name("mt-ray").experiment_id])
+        assert [(r.info.run_name, r.info.status) for r in runs] == [(f"r-{folder.name}", "FINISHED")]
+    capsys.readouterr()
+    (tmp_path / "file").write_text("")
+    assert error_line(capsys, f"tracking.tracking_uri=file://{tmp_path}/file/mlruns").startswith(
+        f"error: tracking.tracking_uri: the MLflow store file://{tmp_path}/file/mlruns cannot be written (")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "false")  # the user's own choice is kept, and named
+    assert error_line(capsys, "tracking.tracking_uri=file:mlruns").startswith(
+        f"error: tracking.tracking_uri: file://{tmp_path}/mlruns is MLflow's file store, which "
+        "MLFLOW_ALLOW_FILE_STORE=false turns off; unset MLFLOW_ALLOW_FILE_STORE")

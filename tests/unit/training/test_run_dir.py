@@ -32,7 +32,7 @@ def test_another_config_under_the_same_name_is_refused_with_the_changed_keys(tmp
     with pytest.raises(ConfigError) as e:
         RunDir(changed).claim(changed)
     assert str(e.value).splitlines()[1:3] == ["  data.max_seq_len: 256 -> 64", "  optimizer.lr: 0.001 -> 0.01"]
-    assert "training.run_name" in str(e.value)
+    assert "another training.run_name (in a LLaMA-Factory file, another output_dir)" in str(e.value)
 
 
 def test_relative_storage_resolves_here_but_is_refused_under_a_ray_job(tmp_path, monkeypatch):
@@ -91,3 +91,22 @@ def test_relative_tracking_paths_are_refused_under_a_ray_job_with_the_absolute_f
         RunDir(load_run_config(None, [storage]))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/env.db")  # absolute: pinned in the config
     assert RunDir(load_run_config(None, [storage])).tracking_config.tracking_uri == f"sqlite:///{tmp_path}/env.db"
+
+
+def test_the_run_folders_config_yaml_loads_as_it_is(tmp_path):
+    """`mt-ray train --config` and `mt-ray export --config` read it with `load_run_config`: an epoch-based run's
+    derived steps and the keys the run sets are not in it, and an earlier version's file (which has them at their
+    defaults, and both lengths) loads once the derived steps are taken out."""
+    cfg = load_run_config(None, [f"training.storage={tmp_path}", "training.run_name=r1", "training.epochs=2"])
+    counted = cfg.model_copy(update={"training": cfg.training.model_copy(update={"steps": 17})})  # as the trainer has it
+    RunDir(counted).claim(counted)
+    saved = tmp_path / "r1" / "config.yaml"
+    again = load_run_config(saved)
+    assert again.training.epochs == 2 and "steps" not in again.training.model_fields_set
+    assert again.model_dump(exclude={"training": {"steps"}}) == cfg.model_dump(exclude={"training": {"steps"}})
+    earlier = yaml.safe_load(saved.read_text())
+    earlier["checkpoint"]["uri"], earlier["tracking"]["run_name"] = "runs/checkpoints", None
+    saved.write_text(yaml.safe_dump(earlier))
+    assert load_run_config(saved).checkpoint == cfg.checkpoint
+    with pytest.raises(ConfigError, match=r"checkpoint\.uri: checkpoints go to"):
+        load_run_config(None, ["checkpoint.uri=/elsewhere"])

@@ -97,3 +97,24 @@ def test_optuna_search_cannot_run_a_grid_and_names_its_install():
     else:
         assert type(build_search(SweepConfig(search="optuna", max_concurrent=2), SPACE, seed=0)).__name__ == \
             "ConcurrencyLimiter"
+
+
+def test_a_sweep_logged_to_a_file_has_no_colour_codes_or_tune_tables(monkeypatch):
+    """Under pytest stdout and stderr are files, as in `mt-ray sweep ... > sweep.log`: Ray prints its workers' lines
+    (each trial's run) without ANSI colour codes, and Tune prints none of its box tables."""
+    import io
+
+    from ray._private.worker import print_worker_logs
+
+    from mt_ray.training.sweep import tune_settings, tune_verbosity
+    from mt_ray.verbosity import quiet_libraries
+
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "1")  # recorded, so what quiet_libraries sets is undone after
+    monkeypatch.delenv("RAY_COLOR_PREFIX")
+    quiet_libraries()
+    log = io.StringIO()
+    print_worker_logs({"pid": 4242, "ip": "10.0.0.1", "localhost": "10.0.0.1", "task_name": "trial",
+                       "lines": ["step 2/6: loss 5.000"]}, log)
+    assert log.getvalue() == "(trial pid=4242) step 2/6: loss 5.000\n"
+    # Tune's legacy output engine, silent at verbosity 0 (the new one prints a box table of the experiment anyway)
+    assert tune_verbosity() == 0 and tune_settings()["RAY_AIR_NEW_OUTPUT"] == "0"
