@@ -63,6 +63,14 @@ def torch_step(opt: torch.optim.Optimizer, p: torch.nn.Parameter, s: dict, lo: i
     p.grad = None
 
 
+def numba_pass(s: dict, numel: int, step: AdamStep, copy: bool) -> None:
+    """`engine.host_adamw` over the whole state from the bf16 gradient, chunk by chunk, writing the bf16 copy where
+    `copy`."""
+    for lo, hi in chunks(numel):
+        adamw_step(s["master"][lo:hi], s["exp_avg"][lo:hi], s["exp_avg_sq"][lo:hi], s["grad16"][lo:hi], step,
+                   s["copy"][lo:hi] if copy else None)
+
+
 def timed(fn, numel: int, reps: int) -> float:
     """G params/s of `fn()` (one pass over the whole state), best of `reps` after a warm-up pass."""
     fn()
@@ -90,17 +98,12 @@ def host_rows(s: dict, numel: int, reps: int) -> dict[str, float]:
         for lo, hi in chunks(numel):
             torch_step(opt, p, s, lo, hi, scratch[: hi - lo].copy_(s["grad16"][lo:hi]), 1)
 
-    def numba(copy: bool):
-        for lo, hi in chunks(numel):
-            adamw_step(s["master"][lo:hi], s["exp_avg"][lo:hi], s["exp_avg_sq"][lo:hi], s["grad16"][lo:hi], step,
-                       s["copy"][lo:hi] if copy else None)
-
     big = s["grad32"][: min(numel, 1 << 28)]
     dst = torch.empty_like(big)
     copy_s = 1 / timed(lambda: dst.copy_(big), big.numel(), reps)  # seconds per G elements
     return {"torch_fused_fp32": timed(fused_fp32, numel, reps), "torch_engine_path": timed(engine_path, numel, reps),
-            "numba": timed(lambda: numba(False), numel, reps),
-            "numba_with_copy": timed(lambda: numba(True), numel, reps), "copy_gbps": 8 / copy_s}
+            "numba": timed(lambda: numba_pass(s, numel, step, False), numel, reps),
+            "numba_with_copy": timed(lambda: numba_pass(s, numel, step, True), numel, reps), "copy_gbps": 8 / copy_s}
 
 
 def identical_on_first_chunk(s: dict) -> bool:
@@ -166,8 +169,7 @@ def numba_under_dma(s: dict, numel: int, reps: int) -> tuple[float, float]:
     worker = threading.Thread(target=upload, daemon=True)
     worker.start()
     t0 = time.perf_counter()
-    rate = timed(lambda: [adamw_step(s["master"][lo:hi], s["exp_avg"][lo:hi], s["exp_avg_sq"][lo:hi],
-                                     s["grad16"][lo:hi], step) for lo, hi in chunks(numel)], numel, reps)
+    rate = timed(lambda: numba_pass(s, numel, step, False), numel, reps)
     stop.set()
     worker.join()
     return rate, moved[0] / (time.perf_counter() - t0) / 1e9

@@ -19,8 +19,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from mt_ray.cluster.wire import to_numpy
-from mt_ray.engine.bf16_words import narrow, widen
+from mt_ray.engine.bf16_words import narrow, widen, words_of
 
 BLOCK = 1 << 16  # elements per parallel task
 SUB = 1 << 10  # elements summed into an L1-resident fp32 buffer, then squared and narrowed from it
@@ -70,10 +69,9 @@ def _sum_kernel(parts, out, write):
 
 
 def _words(t: torch.Tensor, writeable: bool) -> np.ndarray:
-    """The kernel's view of a flat gradient: bf16 as uint16 words, fp32 as it is. Parts are viewed read-only
-    whatever they are (an object-store array is), so a tuple of them has one type and compiles once."""
-    a = to_numpy(t)
-    a = a.view(np.uint16) if t.dtype == torch.bfloat16 else a.view()
+    """The kernel's view of a flat gradient (`words_of`). Parts are viewed read-only whatever they are (an
+    object-store array is), so a tuple of them has one type and compiles once."""
+    a = words_of(t).view()
     a.flags.writeable = writeable
     return a
 
