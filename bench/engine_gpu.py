@@ -34,6 +34,7 @@ import argparse
 import gc
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -96,16 +97,18 @@ def measure(engine: StreamingEngine, args, cfg, profile: bool = False, mbs: list
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    busy0, wait0 = engine.worker.busy_seconds, engine.streamer.optimizer_wait_s
+    busy0, wait0, dev0 = engine.worker.busy_seconds, engine.streamer.optimizer_wait_s, engine.worker.device_seconds
     # Steady state: the clock starts while the optimizer still finishes the warm-up step
     # (which the first timed step must wait for) and stops when the last step's GPU work
     # ends (its own optimizer tail would overlap the next step): one boundary per step.
     with Timer() as t:
         for _ in range(args.steps):
             losses.append(engine.train_step(mbs).loss)
-    engine.synchronize()
+    engine.wait_for_updates()  # not `synchronize`: the state kept on the device need not come home
     step_s = t.seconds / args.steps
     opt_s = (engine.worker.busy_seconds - busy0) / args.steps
+    device_opt_s = (engine.worker.device_seconds - dev0) / args.steps
+    kept_units = list(engine.store.on_device.units) if engine.store.on_device is not None else []
     # The engine's thread blocked on the previous step's optimizer: the update the next step could not hide.
     opt_wait_s = (engine.streamer.optimizer_wait_s - wait0) / args.steps
     peak_gpu = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
@@ -121,10 +124,13 @@ def measure(engine: StreamingEngine, args, cfg, profile: bool = False, mbs: list
                    active_tflops=6 * spec.active_text_params * tokens / step_s / 1e12,
                    active_tflops_nonembed=6 * nonembed * tokens / step_s / 1e12)
     kept = engine.kept.last_count  # `auto` as resolved, for the calculator's figures
+    stage = replace(stage, device_state_bytes=engine.kept.stage.device_state_bytes)  # the units kept on the GPU
     ecfg = ecfg.model_copy(update={"keep_activations": kept})
     predicted = device_bytes(spec, ecfg, args.micro, args.seq, args.batch, stage=stage)["total"] / 2**30
     row.update(split, keep_activations=engine.cfg.keep_activations, kept_graphs=kept, variant=getattr(args, "variant", None),
                optimizer_s=opt_s, optimizer_wait_s=opt_wait_s, losses=[float(x) for x in losses],
+               device_optimizer_units=len(kept_units), device_optimizer_s=device_opt_s,
+               device_params_b=sum(spec.unit(u).numel for u in kept_units) / 1e9,
                packed_docs=args.packed_docs,
                attn=args.attn, attn_used=spec.config._attn_implementation,
                host_bytes_per_param=peak_rss_bytes() / spec.num_params, peak_gpu_gib=peak_gpu,
@@ -140,7 +146,7 @@ def module_seconds(engine: StreamingEngine, mbs: list[dict]) -> dict:
     try:
         times.active = True
         engine.train_step(mbs)
-        engine.synchronize()
+        engine.wait_for_updates()
         times.active = False
         return times.seconds(1)
     finally:
@@ -148,13 +154,16 @@ def module_seconds(engine: StreamingEngine, mbs: list[dict]) -> dict:
 
 
 def use_variant(engine: StreamingEngine, variant: str) -> None:
-    """Switch `engine` between steps to `variant`, EXPERTS:OPTIMIZER: the routed experts' code (`grouped`, mt-ray's,
-    or `transformers`, its grouped_mm) and the host AdamW (`optimizer.impl`: numba or torch), so the suite compares
-    them on one host store. Waits for the previous step's updates first."""
-    experts, impl = variant.split(":")
+    """Switch `engine` between steps to `variant`, EXPERTS:OPTIMIZER[:DEVICE_UNITS]: the routed experts' code
+    (`grouped`, mt-ray's, or `transformers`, its grouped_mm), the host AdamW (`optimizer.impl`: numba or torch) and,
+    if given, `engine.device_optimizer_units` (auto or a number), so the suite compares them on one host store.
+    Waits for the previous step's updates first."""
+    experts, impl, *units = variant.split(":")
     for bank in experts_banks(engine.spec.skeleton).values():
         bank.config._experts_implementation = IMPLEMENTATION if experts == "grouped" else "grouped_mm"
-    engine.synchronize()  # the optimizers are idle until the next step
+    if units and units[0] != str(engine.cfg.device_optimizer_units):
+        engine.set_device_optimizer_units(units[0] if units[0] == "auto" else int(units[0]))
+    engine.wait_for_updates()  # the optimizers are idle until the next step
     if impl != engine.opt_cfg.impl:
         engine.opt_cfg = engine.opt_cfg.model_copy(update={"impl": impl})
         for name, old in list(engine.optimizers.items()):  # the worker reads this same dict
@@ -178,7 +187,7 @@ def run_moe_suite(args) -> list[dict]:
         engine.set_keep_activations(keep if keep == "auto" else int(keep))
         variants = args.variants.split(",")
         if layers is None:  # a dense model has no experts: its rows differ in the optimizer alone
-            variants = list(dict.fromkeys(f"grouped:{v.split(':')[1]}" for v in variants))
+            variants = list(dict.fromkeys(":".join(["grouped", *v.split(":")[1:]]) for v in variants))
         try:
             for batch in batches:
                 run.batch = batch
@@ -349,7 +358,8 @@ def main() -> None:
     p.add_argument("--dense-shape", default="qwen2.5-7b", help="the suite's dense row, at --batch ('': none)")
     p.add_argument("--variants", default="grouped:numba", help="the suite's comma list of EXPERTS:OPTIMIZER to "
                    "measure each batch with on one engine: experts grouped (mt-ray's) or transformers (its "
-                   "grouped_mm), optimizer.impl numba or torch; e.g. grouped:numba,transformers:torch")
+                   "grouped_mm), optimizer.impl numba or torch, and optionally engine.device_optimizer_units; e.g. "
+                   "grouped:numba:0,grouped:numba:auto,transformers:torch")
     args = p.parse_args()
 
     if args.suite:
@@ -361,7 +371,7 @@ def main() -> None:
             "packed_docs", "attn", "attn_used", "step_s", "tokens_per_s", "model_tflops", "active_tflops",
             "active_tflops_nonembed",
             "tflops_with_attn", "peak_gpu_gib", "calc_gpu_gib", "host_bytes_per_param", "h2d_busy_s", "compute_busy_s",
-            "d2h_busy_s", "optimizer_s", "optimizer_wait_s", "experts_forward_s", "experts_backward_s",
+            "d2h_busy_s", "optimizer_s", "optimizer_wait_s", "device_optimizer_units", "device_optimizer_s", "experts_forward_s", "experts_backward_s",
             "router_forward_s", "router_backward_s", "attention_forward_s", "attention_backward_s", "gpu_idle_frac",
             "gpu_step_s", "calc_step_s"]
     print_table(rows, cols)

@@ -80,7 +80,7 @@ def run_config(args, placement: str):
         f"engine.checkpoint_every={args.k}", f"engine.stream_master={args.stream_master}",
         f"engine.kernels={args.kernels}", f"engine.grad_dtype={args.grad_dtype}",
         f"engine.keep_activations={args.keep_activations}", f"grpo.num_iterations={args.num_iterations}",
-        f"rollout.placement={placement}",
+        f"rollout.placement={placement}", f"engine.device_optimizer_units={args.device_optimizer_units}",
     ])
 
 
@@ -112,6 +112,7 @@ def measure(args, placement: str) -> list[dict]:
                 "step_s": rollout_s + update_s, "completion_mean_length": m["completions/mean_length"],
                 "iteration": i % args.num_iterations + 1, "kept_blocks": engine.kept.last_count,
                 "reward": m["reward"], "optimizer_s": opt_s, "optimizer_wait_s": opt_wait_s,
+                "device_optimizer_units": len(engine.store.on_device.units) if engine.store.on_device else 0,
                 **engine.memory_metrics(),
             })
     finally:
@@ -211,6 +212,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="with --compare-decodes: the copy's")
     p.add_argument("--temperature", type=float, default=1.0, help="with --compare-decodes: the seeded rows'")
     p.add_argument("--top-p", type=float, default=1.0, help="with --compare-decodes: the seeded rows'")
+    p.add_argument("--device-optimizer-units", default="auto", help="engine.device_optimizer_units: the units whose "
+                   "optimizer state stays on the GPU (auto, or a number; 0: every update on the host)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--out", default="bench/results/grpo_gpu.json")

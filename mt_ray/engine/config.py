@@ -55,6 +55,18 @@ class EngineConfig(_Strict):
         "0 on CPU. A number larger than the GPU holds is refused before the first step. The resident schedule "
         "keeps everything already.",
     )
+    device_optimizer_units: Literal["auto"] | int = Field(
+        "auto",
+        description="Stream schedule with the local optimizer (optimizer.impl: numba, state in host RAM): how many "
+        "units, the first in forward order (embedding, layer 0, ...), keep their fp32 master and Adam moments on "
+        "the GPU between steps and are updated there (device_state.py), bit-identically to the host AdamW. Their "
+        "update takes milliseconds where the host's takes seconds, and the next forward runs through them while "
+        "the host updates the rest: what hides the optimizer behind a short step. 14 B of GPU memory a "
+        "parameter (the state, and its gradient until the step's norm is known). 'auto': as many as fit the "
+        "GPU budget after the step and its kept block graphs; 0 on CPU. 0: none. A number larger than fits is "
+        "refused before the first step. Units with tied weights stay on the host. The host buffers are brought "
+        "up to date whenever they are read (checkpoints, export).",
+    )
     stream_master: bool = Field(
         False,
         description="Stream the fp32 master and cast on the device instead of keeping a compute-dtype host copy "
@@ -139,6 +151,13 @@ class EngineConfig(_Strict):
     def _keep_not_negative(cls, v: str | int) -> str | int:
         if isinstance(v, int) and v < 0:
             raise ValueError("keep_activations is 'auto' or a number of block graphs >= 0 (0: full recompute)")
+        return v
+
+    @field_validator("device_optimizer_units")
+    @classmethod
+    def _units_not_negative(cls, v: str | int) -> str | int:
+        if isinstance(v, int) and v < 0:
+            raise ValueError("device_optimizer_units is 'auto' or a number of units >= 0 (0: every update on the host)")
         return v
 
     @model_validator(mode="after")

@@ -52,6 +52,7 @@ Tensor shape key: B batch, T tokens.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from functools import partial
 
@@ -60,6 +61,7 @@ import torch
 from mt_ray.engine.activations import build_activation_store, streamed_step_plan
 from mt_ray.engine.batch import MicroBatch, prepare_micro_batch
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
+from mt_ray.engine.device_plan import eligible_units, plan_device_units, state_bytes
 from mt_ray.engine.engine_parts import (
     StepWeights,
     apply_model_options,
@@ -88,6 +90,8 @@ from mt_ray.models.attention import resolve_attention
 from mt_ray.models.context import LayerContext, LayerContextBuilder
 from mt_ray.models.discovery import ModelSpec
 from mt_ray.models.router_loss import RouterLoss
+
+logger = logging.getLogger(__name__)
 
 
 class StreamingEngine(WeightsIO):
@@ -124,6 +128,7 @@ class StreamingEngine(WeightsIO):
         self.context = LayerContextBuilder(spec, self.device)
         pin = self.device.type == "cuda"
         local = grad_sink is None
+        self.grad_sink_is_local = local
         check_placement(spec, cfg, stage, local)
         self.grad_dtype = cfg.grad_torch_dtype
         self.store, self.grad_buffers, self.optimizers, self.worker = build_grad_path(
@@ -150,6 +155,7 @@ class StreamingEngine(WeightsIO):
         self.vision = VisionStage(spec, self.templates, self.device, self._weights, self.grads.add) if spec.vision else None
         kinds = [self.templates[k].module for k in spec.layer_kinds]
         self.router_loss = RouterLoss(spec, kinds) if RouterLoss.wanted(spec) else None
+        self._device_state_planned = False  # `_keep_state_on_device`, at the first step
 
     @property
     def reduce_grad(self) -> ReduceGrad | None:
@@ -181,6 +187,8 @@ class StreamingEngine(WeightsIO):
             raise ValueError("this step has no token that carries loss (every label is -100)")
         lr = lr_at(self.step_idx, self.opt_cfg, self.total_steps)
         self.kept.start(self.cfg, len(self._blocks()), len(mbs), *mbs[0].input_ids_BT.shape)
+        if not self._device_state_planned:
+            self._keep_state_on_device(len(mbs), *mbs[0].input_ids_BT.shape)
         self.streamer.start(self._upload_plan(mbs), version=self.step_idx)
         self.grads.start(lr)
         self._weights.clear()
@@ -214,6 +222,26 @@ class StreamingEngine(WeightsIO):
             loss = loss + self.router_loss.coef * self._aux_sum
         return StepResult(loss, self.grads.norm_sq.sqrt(), lr, sum(m.num_tokens for m in mbs), n_loss, self._aux_sum,
                           self.pref.metrics() if self.pref is not None else None)
+
+    def _keep_state_on_device(self, n_micro: int, micro_batch: int, seq: int) -> None:
+        """Before the first step's forward: keep the optimizer state of the first units on the GPU where it fits
+        beside this step (`engine.device_optimizer_units`, `device_plan.py`), refused where a number cannot."""
+        self._device_state_planned = True
+        local = self.store is not None and self.grad_sink_is_local
+        eligible = eligible_units(self.spec, self.worker.unit_order, set(self.optimizers)) if local else []
+        units = plan_device_units(self.spec, self.cfg, self.opt_cfg, local, eligible, self.kept.budget_gb(self.cfg),
+                                  self.kept.stage, micro_batch, seq, n_micro, self.kept.last_count)
+        if not units:
+            return
+        self.synchronize()  # the host buffers hold every update so far before the state moves
+        self.store.keep_on_device(units, self.device)
+        self.grads.on_device = frozenset(units)
+        held = state_bytes(self.spec, self.cfg, units)
+        self.kept.hold_state(held)
+        params = sum(self.spec.unit(u).numel for u in units)
+        logger.info("optimizer state of %d of %d units (%.2f B of %.2f B parameters, %.1f GiB) kept on %s: updated "
+                    "there, the rest on the host", len(units), len(self.worker.unit_order), params / 1e9,
+                    self.spec.num_params / 1e9, held / 2**30, self.device)
 
     def evaluate(self, micro_batches: list[dict[str, torch.Tensor]]) -> EvalResult:
         """Summed next-token loss of `micro_batches` under the weights after `step_idx` steps: forward only.
@@ -267,6 +295,18 @@ class StreamingEngine(WeightsIO):
         """Change `keep_activations` between steps, resolved at the next (benchmarks compare it on one host store)."""
         self.cfg = self.cfg.model_copy()
         self.cfg.keep_activations = keep  # validated on assignment
+
+    def set_device_optimizer_units(self, units: str | int) -> None:
+        """Change `device_optimizer_units` between steps, planned again at the next (benchmarks compare it on one
+        host store): the units kept on the device come home first."""
+        self.synchronize()
+        if self.store is not None:
+            self.store.drop_device_state()
+        self.grads.on_device = frozenset()
+        self.kept.hold_state(0)
+        self.cfg = self.cfg.model_copy()
+        self.cfg.device_optimizer_units = units  # validated on assignment
+        self._device_state_planned = False
 
     def memory_metrics(self) -> dict[str, float]:
         """Peak device memory (CUDA only) and peak host bytes per parameter, for the run's metrics."""

@@ -16,6 +16,7 @@ hold it to that; elsewhere it is the same formula, equal to fp32 rounding.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -96,9 +97,15 @@ def _adamw_kernel(master, exp_avg, exp_avg_sq, grad, copy, args, eights_end):
     _update(master, exp_avg, exp_avg_sq, grad, copy, eights_end, master.size, args, False)
 
 
+@functools.cache
+def contracts_in_eights() -> bool:
+    """Whether this CPU's ATen contracts the second moment one way over full eights and the other over the rest."""
+    return torch.backends.cpu.get_cpu_capability() in CONTRACTED_IN_EIGHTS
+
+
 def eights_end(numel: int) -> int:
     """Where ATen's remainder after full eights starts in a call over `numel` elements, on this CPU."""
-    return numel - numel % 8 if torch.backends.cpu.get_cpu_capability() in CONTRACTED_IN_EIGHTS else numel
+    return numel - numel % 8 if contracts_in_eights() else numel
 
 
 def adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,

@@ -26,6 +26,7 @@ import torch
 
 from mt_ray.engine.bf16_words import WORD_DTYPES
 from mt_ray.engine.config import EngineConfig
+from mt_ray.engine.device_state import DeviceState
 from mt_ray.engine.direct_io import build_file_io, probe_direct_io
 from mt_ray.engine.pinning import register_pinned, unregister_pinned
 from mt_ray.engine.state_files import (
@@ -205,6 +206,7 @@ class HostStore:
         self._registered: list[torch.Tensor] = []
         if pin:
             self._register(self.streamed_buffer)
+        self.on_device: DeviceState | None = None  # `keep_on_device`
         if plan is None:
             self.state: HostTier | FileTier = HostTier(self.layout, self.master, self.exp_avg, self.exp_avg_sq)
         else:
@@ -242,19 +244,52 @@ class HostStore:
 
     def chunk(self, unit: str, lo: int, hi: int) -> ChunkState:
         """Elements [lo, hi) of a unit's master and moments (one of `state_files.chunk_bounds`), the caller's to
-        update until `chunk_updated`."""
+        update until `chunk_updated`; on the device for a unit kept there."""
+        if self.on_device is not None and unit in self.on_device:
+            return self.on_device.acquire(unit, lo, hi)
         return self.state.acquire(unit, lo, hi)
+
+    def keep_on_device(self, units: list[str], device: torch.device) -> None:
+        """Move the master and moments of `units` (trained, untied, host placement) to `device` for good: their
+        updates run there (`DeviceState`), and these buffers are brought up to date only when read (`bring_home`)."""
+        if not units:
+            return
+        if self.placement.on_disk or self.on_device is not None:
+            raise ValueError("units are kept on the device once, with the state in host memory")
+        self.on_device = DeviceState(units, lambda u: self.state.acquire(u, 0, self.layout.numels[u]), device)
+
+    def bring_home(self) -> None:
+        """Make these buffers (master, moments, streamed copy) hold the state of the units kept on the device."""
+        if self.on_device is not None and self.on_device.stale_on_host:
+            self.on_device.bring_home()
+            for unit in self.on_device.units:
+                self.refresh_copy(unit)
+
+    def drop_device_state(self) -> None:
+        """Bring the units kept on the device home for good: every update runs on the host again."""
+        if self.on_device is not None:
+            self.bring_home()
+            self.on_device.close()
+            self.on_device = None
+
+    def send_out(self) -> None:
+        """After these buffers were written (a load, a restore): the units kept on the device take their values."""
+        if self.on_device is not None:
+            self.on_device.send_out()
 
     def copy_of(self, unit: str, lo: int, hi: int) -> torch.Tensor | None:
         """Elements [lo, hi) of a unit's streamed copy, for an optimizer that writes it with the update (bf16 or
-        fp32; None where there is none or it is another dtype)."""
-        if self.copy is None or self.copy.dtype not in WORD_DTYPES:
+        fp32; None where there is none or it is another dtype, or the unit is kept on the device)."""
+        if self.copy is None or self.copy.dtype not in WORD_DTYPES or self.kept_on_device(unit):
             return None
         return self._slice(self.copy, unit)[lo:hi]
 
     def chunk_updated(self, unit: str, lo: int, hi: int, state: ChunkState, copy_written: bool = False) -> None:
         """Re-derive the chunk's streamed copy from its updated master (unless the optimizer wrote it: `copy_of`) and
-        hand the chunk back to the tier."""
+        hand the chunk back to the tier. A unit kept on the device has neither copy nor mirrors here."""
+        if self.kept_on_device(unit):
+            self.on_device.updated()
+            return
         if self.copy is not None and not copy_written:
             self._slice(self.copy, unit)[lo:hi].copy_(state.master)
         self._copy_to_mirrors(unit, lo, hi)
@@ -277,7 +312,15 @@ class HostStore:
         self.state.expect(units)
 
     def streamed_of(self, unit: str) -> torch.Tensor:
+        """What the layer loop reads a unit's weights from: its streamed host slice, or its fp32 master on the
+        device where the unit is kept there."""
+        if self.kept_on_device(unit):
+            return self.on_device.weights(unit)
         return self._slice(self.streamed_buffer, unit)
+
+    def kept_on_device(self, unit: str) -> bool:
+        """Whether the unit's master and moments live on the device (`keep_on_device`)."""
+        return self.on_device is not None and unit in self.on_device
 
     def release(self, unit: str, copied: torch.cuda.Event | None) -> None:
         """Nothing to do: the streamed buffer lives as long as the store (WeightSource surface)."""
@@ -387,6 +430,8 @@ class HostStore:
         self._registered.append(register_pinned(buf))
 
     def close(self) -> None:
+        if self.on_device is not None:
+            self.on_device.close()
         self.state.close()
         for buf in self._registered:
             unregister_pinned(buf)

@@ -75,6 +75,15 @@ class KeptBlocks:
         self._counts[(cfg.keep_activations, cfg.schedule, n_micro, micro_batch, seq)] = kept
         return stage
 
+    def hold_state(self, device_state_bytes: int) -> None:
+        """From the next step on, plan beside the optimizer state the run keeps on the GPU (`device_plan.py`)."""
+        self.stage = replace(self.stage, device_state_bytes=device_state_bytes)
+        self._counts.clear()
+
+    def budget_gb(self, cfg: EngineConfig) -> float | None:
+        """The GPU's GiB the calculator plans for; None on the CPU."""
+        return _budget_gb(cfg, self.streams.device)
+
     def keep(self, n_blocks: int, n_micro: int, kept: int) -> None:
         """Keep the first `kept` graphs in backward order (last block first, micro-batch 0 first)."""
         self.clear()  # a step that failed midway may have left graphs behind

@@ -66,6 +66,25 @@ def restore_counts(optimizers: dict[str, UnitOptimizer], step: int, behind: dict
         opt.set_step(behind.get(unit, step), lags.get(unit, {}))
 
 
+def _adamw_for(master: torch.Tensor) -> Callable[..., None]:
+    """The one-pass AdamW for state where `master` is: the host's numba kernel, or its Triton twin on a GPU
+    (`device_state.py`), the same arithmetic; either takes `chunk`: its elements as that many a host call."""
+    if master.is_cuda:
+        from mt_ray.engine.device_adamw import adamw_step as on_device  # Triton: CUDA builds only
+
+        return on_device
+    return _host_calls
+
+
+def _host_calls(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+                step: AdamStep, copy: torch.Tensor | None = None, chunk: int | None = None) -> None:
+    n = master.numel()
+    for lo in range(0, n, chunk or max(1, n)):
+        hi = min(n, lo + (chunk or n))
+        adamw_step(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[lo:hi], step,
+                   None if copy is None else copy[lo:hi])
+
+
 def deepspeed_available() -> bool:
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
@@ -86,7 +105,9 @@ class UnitOptimizer:
         if self.use_ds and not deepspeed_available():
             raise ConfigError("optimizer.impl: deepspeed needs DeepSpeed's CPUAdam, which does not import or build "
                               "here; pip install deepspeed (with a C++ toolchain), or use impl: numba")
-        self.bounds = chunk_bounds(unit, chunk_numel or store.chunk_numel)
+        self.chunk_numel = chunk_numel or store.chunk_numel
+        self.numel = unit.numel
+        self.bounds = chunk_bounds(unit, self.chunk_numel)
         # torch's and DeepSpeed's optimizers step one bound parameter a chunk; the numba kernel needs none.
         self.opt = None if cfg.impl == "numba" else _build(
             [{"params": [nn.Parameter(torch.empty(0), requires_grad=False)],  # bound to the state per step
@@ -102,8 +123,11 @@ class UnitOptimizer:
         each reading its slice of `grad`, in runs that share a step count, the skipped ones left out (torch skips
         parameters without a gradient). The numba kernel reads the gradient as it is and writes the chunk's streamed
         copy itself; torch's upcasts a compute-dtype gradient through `scratch`, and a `read_only` one too (fused
-        AdamW writes the scaled gradient back).
+        AdamW writes the scaled gradient back). A unit kept on the device is updated in one launch a part instead.
         """
+        if self.opt is None and not skip and not self.lags and self.store.kept_on_device(self.unit):
+            self._step_on_device(grad, lr, clip_coef)
+            return
         for i, (lo, hi, decays) in enumerate(self.bounds):
             chunk = self.store.chunk(self.unit, lo, hi)
             copy = self.store.copy_of(self.unit, lo, hi) if self.opt is None else None
@@ -113,7 +137,7 @@ class UnitOptimizer:
                 if self.opt is None:
                     adam = AdamStep(lr, *self.cfg.betas, self.cfg.eps, self.cfg.weight_decay if decays else 0.0,
                                     self.count - lag + 1, clip_coef)
-                    adamw_step(*state, grad[a:b], adam, None if copy is None else copy[a - lo : b - lo])
+                    _adamw_for(state[0])(*state, grad[a:b], adam, None if copy is None else copy[a - lo : b - lo])
                 else:
                     part = grad[a:b]
                     if part.dtype != torch.float32 or read_only:
@@ -123,6 +147,21 @@ class UnitOptimizer:
         self.count += 1
         for span in skip:
             self.lags[span] = self.lags.get(span, 0) + 1
+
+    def _step_on_device(self, grad: torch.Tensor, lr: float, clip_coef: float) -> None:
+        """The chunks' updates in one launch for the decayed part and one for the rest (`device_adamw`, in the
+        host's `chunk_numel` calls over each), on the current stream: a few Python calls a unit, which the
+        engine's thread (launching the next forward) would otherwise hold up a GIL switch each."""
+        whole = self.store.chunk(self.unit, 0, self.numel)
+        update = _adamw_for(whole.master)
+        split = sum(hi - lo for lo, hi, decays in self.bounds if decays)
+        for a, b, decays in ((0, split, True), (split, self.numel, False)):
+            if a < b:
+                adam = AdamStep(lr, *self.cfg.betas, self.cfg.eps, self.cfg.weight_decay if decays else 0.0,
+                                self.count + 1, clip_coef)
+                update(*(t[a:b] for t in whole), grad[a:b], adam, chunk=self.chunk_numel)
+        self.store.chunk_updated(self.unit, 0, self.numel, whole)
+        self.count += 1
 
     def _step_torch(self, group: dict, state: tuple[torch.Tensor, ...], grad: torch.Tensor, lr: float,
                     clip_coef: float, lag: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,9 +76,12 @@ class OptimizerWorker:
         self.last_clip_coef = 1.0
         self._scratch: torch.Tensor | None = None  # `_scratch_of`
         self.busy_seconds = 0.0  # CPU time spent updating, for the benchmark's time split
+        self.device_seconds = 0.0  # time spent on the updates of units kept on the device (`device_state.py`)
         # Without clipping units update as their gradients land (the backward's order), with it in forward order:
         # a store whose state is on disk reads ahead in that order.
         store.expect_updates(list(unit_order) if self.clips else list(reversed(unit_order)))
+        self._device_queue: queue.Queue[list[tuple[_Grad, float]] | None] = queue.Queue()
+        self._device_thread: threading.Thread | None = None  # `_device_updates`
         self._thread = threading.Thread(target=self._run, name="mt-ray-optimizer", daemon=True)
         self._thread.start()
 
@@ -127,6 +131,9 @@ class OptimizerWorker:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join()
+        if self._device_thread is not None:  # after the thread that feeds it
+            self._device_queue.put(None)
+            self._device_thread.join()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -140,11 +147,14 @@ class OptimizerWorker:
             while (item := self._queue.get()) is not None:
                 self._handle(item)
         except BaseException as e:  # surfaced to the engine thread by wait_updated/submit
-            with self._cond:
-                self._error = e
-                self._cond.notify_all()
-            if self.on_error is not None:
-                self.on_error(e)
+            self._fail(e)
+
+    def _fail(self, e: BaseException) -> None:
+        with self._cond:
+            self._error = e
+            self._cond.notify_all()
+        if self.on_error is not None:
+            self.on_error(e)
 
     def _handle(self, item: _Grad | _EndOfStep) -> None:
         if isinstance(item, _Grad):
@@ -162,13 +172,21 @@ class OptimizerWorker:
         coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
         self.last_clip_coef = coef
         rank = {u: i for i, u in enumerate(self.unit_order)}
-        for g in sorted(self._pending, key=lambda g: rank[g.unit]):
-            self._update(g, coef)
+        ordered = sorted(self._pending, key=lambda g: rank[g.unit])
         self._pending.clear()
+        # The device's units in one hand-over, before the host's pass starts: their kernels are queued at once.
+        if on_device := [(g, coef) for g in ordered if self._kept(g)]:
+            self._device_updates().put(on_device)
+        for g in ordered:
+            if not self._kept(g):
+                self._update(g, coef)
 
     def _update(self, g: _Grad, coef: float) -> None:
         if g.grad is None:
             self._advance(g.unit)
+            return
+        if self._kept(g):
+            self._device_updates().put([(g, coef)])  # beside the host's pass, not before it
             return
         if g.landed is not None:
             g.landed.synchronize()  # this gradient's device->host copy is complete
@@ -178,6 +196,46 @@ class OptimizerWorker:
         self.buffers.release(g.unit)
         self.busy_seconds += time.perf_counter() - t0
         self._advance(g.unit)
+
+    def _kept(self, g: _Grad) -> bool:
+        """Whether `g`'s unit is updated on the device (its state kept there), by `_run_device`."""
+        return g.grad is not None and self.store.kept_on_device(g.unit)
+
+    def _device_updates(self) -> queue.Queue[list[tuple[_Grad, float]] | None]:
+        """The queue of the thread that updates the units kept on the device (`HostStore.keep_on_device`), started
+        on first use: their kernels run while this thread goes on with the host's units, so the host's pass starts
+        the moment the norm is known."""
+        if self._device_thread is None:
+            self._device_thread = threading.Thread(target=self._run_device, name="mt-ray-device-optimizer", daemon=True)
+            self._device_thread.start()
+        return self._device_queue
+
+    def _run_device(self) -> None:
+        """Queue each waiting update's kernels (a few Python calls a unit) and hand each unit over as soon as its
+        kernels have run, checking between launches: the first unit (the embedding, which the next forward waits
+        for) goes out while the later ones are still being queued."""
+        try:
+            while True:
+                batches = [self._device_queue.get()]
+                while not self._device_queue.empty():
+                    batches.append(self._device_queue.get_nowait())
+                t0 = time.perf_counter()
+                kept, queued = self.store.on_device, deque()
+                with kept.on_stream():
+                    for g, coef in (item for batch in batches if batch is not None for item in batch):
+                        kept.wait_for(g.landed)  # the gradient is computed (on the compute stream): not waited here
+                        self.optimizers[g.unit].step(g.grad, g.lr, coef, self._scratch_of, False, g.skip)
+                        queued.append((g.unit, kept.done()))
+                        while queued and (queued[0][1] is None or queued[0][1].query()):
+                            self._advance(queued.popleft()[0])
+                for unit, done in queued:
+                    done.synchronize()  # the new version is the unit's weights once its kernels ran
+                    self._advance(unit)
+                self.device_seconds += time.perf_counter() - t0
+                if None in batches:
+                    return
+        except BaseException as e:
+            self._fail(e)
 
     def _scratch_of(self, numel: int) -> torch.Tensor:
         """fp32 room for `numel` elements (at most a chunk), allocated once on first use: only torch's AdamW, on a

@@ -57,7 +57,8 @@ class WeightSource(UnitVersions, Protocol):
     the optimizer that writes them has got (`UnitVersions`)."""
 
     def streamed_of(self, unit: str) -> torch.Tensor:
-        """The unit's flat host weights; the engine only reads them."""
+        """The unit's flat host weights, or its fp32 master on the engine's device where its state is kept there
+        (`engine.device_optimizer_units`); the engine only reads them."""
 
     def release(self, unit: str, copied: torch.cuda.Event | None) -> None:
         """The step will not read `unit` again once `copied` (its last upload; None on CPU) completes."""

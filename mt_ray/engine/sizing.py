@@ -52,7 +52,8 @@ class Stage:
     generates at once (0: the step's global batch; a cluster replica: its share). `rollout_apart`: the copy lives in
     another process on this GPU (the cluster's replica beside its worker), whose caching allocator keeps its
     generation's memory reserved through the worker's update: that is counted beside the step, not within what
-    the update frees, with the second process's CUDA context (`REPLICA_CONTEXT_BYTES`).
+    the update frees, with the second process's CUDA context (`REPLICA_CONTEXT_BYTES`). `device_state_bytes`: the
+    optimizer state of the units kept on the GPU for the run (`device_plan.py`), and their gradients until the norm.
     """
 
     preference: bool = False
@@ -62,6 +63,7 @@ class Stage:
     rollout_placement: str = "resident"
     rollout_rows: int = 0
     rollout_apart: bool = False
+    device_state_bytes: int = 0
 
     @property
     def rollout_streamed(self) -> bool:
@@ -322,6 +324,9 @@ def device_bytes(spec: ModelSpec, cfg: EngineConfig, micro_batch: int, seq: int,
         samples = micro_batch if cfg.schedule == "resident" else global_batch
         parts["vision_outputs"] = vision.kept_bytes(samples, cfg.dtype.itemsize)
         parts["total"] += parts["vision_outputs"]
+    if stage.device_state_bytes:
+        parts["device_optimizer_state"] = stage.device_state_bytes
+        parts["total"] += stage.device_state_bytes
     if stage.rollout_tokens:
         rows = stage.rollout_rows or global_batch
         copy, generation = rollout_bytes(spec, cfg, rows, stage.rollout_tokens, stage.rollout_streamed)

@@ -43,6 +43,8 @@ class StepGrads:
         self.worker = worker
         self.outbox = Outbox(streams)
         self.reduce: ReduceGrad | None = None
+        # Units whose optimizer state is kept on the device (`HostStore.keep_on_device`): their gradients stay there.
+        self.on_device: frozenset[str] = frozenset()
         # Each unit's trainable tensors' sizes, in order: the slices of its gradient sum (`grad_sums.accumulate`).
         self.sizes = {u.name: [p.numel for p in u.params if p.trainable] for u in spec.units}
         # Reused every step: with clipping, step t+1 cannot finish its forward before the worker
@@ -94,6 +96,10 @@ class StepGrads:
                 return
             self.norm_sq += norm_sq_of(grad)
         done_on_compute = self.streams.record(self.streams.compute)
+        if unit in self.on_device:
+            # Updated on the device: the worker holds the gradient there until its update has run.
+            self.worker.submit(unit, grad, done_on_compute, self.lr, skip)
+            return
         if self.worker.copies_out:
             # The sink copies it out from a thread of its own: room in its landing is never waited for here.
             self.worker.submit_device(unit, grad, done_on_compute, self.lr, skip)

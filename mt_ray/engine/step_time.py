@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
+from mt_ray.engine.device_state import STATE_BYTES_PER_PARAM
 from mt_ray.engine.sizing import (
     SFT,
     Stage,
@@ -202,8 +203,11 @@ def step_time(spec: ModelSpec, cfg: EngineConfig, seq: int, global_batch: int, m
         d2h += (2 * blocks + 2) * hidden
     link = max(h2d, d2h) / (machine.h2d_gbps * 1e9)
     clips = opt.max_grad_norm > 0
-    optimizer = adam_seconds(sum(u.numel for u in spec.trainable_units), machine, opt)
-    embed_opt = adam_seconds(spec.unit("embed").numel, machine, opt)
+    # The units whose state the engine keeps on the GPU (`stage.device_state_bytes`, a prefix in forward order from
+    # the embedding) update there in milliseconds: the host's pass covers the rest.
+    on_device = stage.device_state_bytes // (STATE_BYTES_PER_PARAM + cfg.grad_torch_dtype.itemsize)
+    optimizer = adam_seconds(max(0, sum(u.numel for u in spec.trainable_units) - on_device), machine, opt)
+    embed_opt = 0.0 if on_device >= spec.unit("embed").numel else adam_seconds(spec.unit("embed").numel, machine, opt)
     # A block's first micro-batch waits for the K - depth uploads not yet in flight, each pass.
     layer_upload = max(u.numel for u in spec.layer_units) * weight_size / (machine.h2d_gbps * 1e9)
     depth = cfg.prefetch_units or cfg.checkpoint_every

@@ -142,6 +142,11 @@ class WeightStreamer:
         src = self.store.streamed_of(unit)
         device = self.streams.device
         with self.streams.on(self.streams.h2d):
+            if src.is_cuda:
+                # A unit whose state is kept on the device: its master cast there (a copy even in its own dtype,
+                # so the optimizer may update the master while the step still reads these weights).
+                flat = src.to(self.dtype, copy=True)
+                return _Upload(unit, flat, self.streams.record(self.streams.h2d))
             # Pinned source + non_blocking: a true async DMA on the copy engine.
             flat = torch.empty(src.numel(), dtype=src.dtype, device=device)
             flat.copy_(src, non_blocking=True)

@@ -35,19 +35,34 @@ class WeightsIO:
     _streams_reference: bool
 
     def synchronize(self) -> None:
-        """Wait until every update of the steps run so far is in the master weights."""
+        """Wait until every update of the steps run so far is in the master weights, and the host buffers hold the
+        state of the units kept on the device (`engine.device_optimizer_units`)."""
+        self.wait_for_updates()
+        if self.store is not None:
+            self.store.bring_home()
+
+    def wait_for_updates(self) -> None:
+        """Wait until every update of the steps run so far has run (where the units kept on the device are, the host
+        buffers may still lag: `synchronize` brings them home)."""
         for unit in self.worker.unit_order:
             self.worker.wait_updated(unit, self.step_idx)
+
+    def _written(self) -> None:
+        """The host buffers were written (a load, a restore): the units kept on the device take their values."""
+        if self.store is not None:
+            self.store.send_out()
 
     def load_random(self, seed: int = 0) -> None:
         """Initialise weights as the family's `from_config` does (on the device when it is a GPU); they are a
         preference stage's reference, as all weights loaded below (a checkpoint restores the policy only)."""
         init_random(self.spec, self.store.load_named, seed, self.device)
+        self._written()
         self._snapshot_reference()
 
     def load_pretrained(self, folder: str | Path) -> None:
         """Read a safetensors checkpoint folder straight into the host store."""
         load_safetensors(self.spec, folder, self.store.load_named)
+        self._written()
         self._snapshot_reference()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -55,6 +70,7 @@ class WeightsIO:
         self.synchronize()
         for unit in self.spec.units:
             self.store.load_named(unit, state)
+        self._written()
         self._snapshot_reference()
 
     def load_reference(self, state: dict[str, torch.Tensor]) -> None:
@@ -95,6 +111,7 @@ class WeightsIO:
         self.synchronize()
         self.store.layout.check_matches(meta["layout"])
         self.store.load_flat_state(tensors)
+        self._written()
         self._restore_step(meta)
 
     def _restore_step(self, meta: dict) -> None:
@@ -142,7 +159,8 @@ class WeightsIO:
 
     def streamed_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights the layer loop uploads, by Hugging Face name, after all pending updates (views of the host
-        copy in the compute dtype, or of the fp32 master where none is kept): what a rollout copy loads."""
-        self.synchronize()
+        copy in the compute dtype, or of the fp32 master where none is kept, on the device for a unit whose state
+        is kept there): what a rollout copy loads."""
+        self.wait_for_updates()
         return {k: v for unit in self.spec.units
                 for k, v in self.store.named_views(unit, self.store.streamed_of(unit.name)).items()}
