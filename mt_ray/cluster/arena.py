@@ -42,7 +42,6 @@ import mmap
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -50,7 +49,7 @@ from mt_ray.cluster.errors import ClusterError, StaleGenerationError
 from mt_ray.cluster.partition import ShardPlan
 from mt_ray.engine.host_store import GIB, available_host_bytes
 from mt_ray.errors import InsufficientMemoryError
-from mt_ray.models.discovery import ModelSpec, discover
+from mt_ray.models.discovery import ModelSpec
 
 ALIGN = 4096
 PRESENT = 1 << 62  # the version word of a frozen unit once its weights are in: any step may read it
@@ -185,11 +184,16 @@ class ArenaLayout:
 
 @dataclass(frozen=True)
 class ArenaHandle:
-    """What a worker needs to map its node's arena: the shard's process and the arena's descriptor."""
+    """What an actor on the node needs to map its arena: the shard's process, the arena's descriptor and its
+    layout (the driver's, which the shard created the arena with)."""
 
     pid: int
     fd: int
-    nbytes: int
+    layout: ArenaLayout
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
 
 
 class NodeArena:
@@ -223,19 +227,17 @@ class NodeArena:
         return arena
 
     @classmethod
-    def attach(cls, layout: ArenaLayout, handle: ArenaHandle) -> NodeArena:
-        """Map the arena the shard of this node created (the same layout, computed here)."""
-        if layout.nbytes != handle.nbytes:
-            raise ClusterError(f"this worker computes a {layout.nbytes}-byte arena; the shard made {handle.nbytes}")
+    def attach(cls, handle: ArenaHandle) -> NodeArena:
+        """Map the arena the shard of this node created, with the layout it was created with."""
         try:
             fd = os.open(f"/proc/{handle.pid}/fd/{handle.fd}", os.O_RDWR)
         except OSError as e:
             raise ClusterError(f"cannot map the node's arena from the shard's process {handle.pid} ({e}): a worker "
                                "must run on its coordinator shard's node, as the same user") from e
-        return cls(layout, fd)
+        return cls(handle.layout, fd)
 
     def handle(self) -> ArenaHandle:
-        return ArenaHandle(os.getpid(), self._fd, self.layout.nbytes)
+        return ArenaHandle(os.getpid(), self._fd, self.layout)
 
     # ------------------------------------------------------------------ views
 
@@ -259,6 +261,14 @@ class NodeArena:
     def grad(self, unit: str) -> torch.Tensor:
         """An owned unit's gradient slot (where the node's first worker lands it, and where its sum goes)."""
         return self._view(self.layout.grad_offsets[unit], self.layout.numels[unit], self.layout.grad_dtype)
+
+    def weights_region(self) -> torch.Tensor:
+        """The bytes that hold the streamed weights, whole pages: all a reader of the weights needs page-locked (not
+        the gradients and rings the workers land)."""
+        lay = self.layout
+        lo = min(lay.weight_offsets.values())
+        hi = max(off + lay.numels[u] * lay.weight_dtypes[u].itemsize for u, off in lay.weight_offsets.items())
+        return self.bytes[lo : min(_align(hi), lay.nbytes)]
 
     def pool(self) -> torch.Tensor:
         """Where the node's first worker lands the units other nodes own, whole, and the shard sums them."""
@@ -313,27 +323,3 @@ class NodeArena:
                                    "hung; raise cluster.step_timeout_s if steps are this slow")
             time.sleep(pause)
             pause = min(2 * pause, POLL_S[1])
-
-
-@dataclass(frozen=True)
-class ArenaAccess:
-    """Everything an actor beside a node's workers needs to map that node's arena (GRPO's rollout actor): the
-    model and how it was discovered, the run's shard plan and dtypes, and the shard's handle."""
-
-    model: Any  # what `discover` takes: the driver's transformers config
-    freeze: dict[str, bool]
-    num_shards: int
-    shard: int
-    dtype: torch.dtype
-    grad_dtype: torch.dtype
-    num_local: int
-    ring: int
-    reference: bool
-    handle: ArenaHandle
-
-    def attach(self) -> tuple[ModelSpec, NodeArena]:
-        """The model's spec, found as the driver found it, and the node's arena mapped here."""
-        spec = discover(self.model, **self.freeze)
-        layout = ArenaLayout.build(spec, ShardPlan.build(spec, self.num_shards), self.shard, self.dtype,
-                                   self.grad_dtype, self.num_local, self.ring, self.reference)
-        return spec, NodeArena.attach(layout, self.handle)

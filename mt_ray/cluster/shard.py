@@ -39,11 +39,13 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError
 
-from mt_ray.cluster.arena import ABSENT, FAILED, PRESENT, STOPPED, ArenaHandle, ArenaLayout, NodeArena
+from mt_ray.cluster.arena import ABSENT, FAILED, PRESENT, STOPPED, ArenaHandle, NodeArena
 from mt_ray.cluster.errors import ClusterError, StaleGenerationError
 from mt_ray.cluster.grad_sum import sum_in_order, use_sum_threads
 from mt_ray.cluster.node_memory import NodeMemoryPeak
 from mt_ray.cluster.partition import ShardPlan
+from mt_ray.cluster.recovery import StepReport
+from mt_ray.cluster.run_spec import NodePlan, RunSpec
 from mt_ray.cluster.shard_io import ShardStateIO
 from mt_ray.cluster.shard_state import (
     PEER_WAIT_S,
@@ -55,11 +57,9 @@ from mt_ray.cluster.shard_state import (
 )
 from mt_ray.cluster.shard_sums import ShardSums
 from mt_ray.cluster.wire import from_numpy, to_numpy
-from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.engine.host_store import HostStore
 from mt_ray.engine.optimizer import UnitOptimizer, lr_at
 from mt_ray.engine.optimizer_worker import OptimizerWorker
-from mt_ray.models.discovery import discover
 
 PUBLISH_THREADS = 2  # casts and puts of updated units for other nodes, beside the optimizer (several nodes only)
 
@@ -67,21 +67,19 @@ PUBLISH_THREADS = 2  # casts and puts of updated units for other nodes, beside t
 class CoordinatorShard(ShardSums, ShardStateIO):
     """A Ray actor with concurrent (threaded) calls; see the module docstring."""
 
-    def __init__(self, model, engine_cfg: dict, opt_cfg: dict, total_steps: int, shard: int, num_shards: int,
-                 num_local: int, num_workers: int, snapshot_every: int, ring: int,
-                 freeze: dict[str, bool] | None = None, reference: bool = False):
-        """`ring`: elements of each further local worker's gradient ring. `freeze`: the `discover` options the
-        driver's spec was found with (an image-text model's freeze flags). `reference`: the stage streams a
-        reference, which the arena keeps."""
+    def __init__(self, run: RunSpec, node: NodePlan, snapshot_every: int = 0):
+        """The shard of `node` in the run `run`; its arena is laid out as the driver planned (`node.layout`).
+        `snapshot_every`: `cluster.snapshot_every`."""
         self.node_memory = NodeMemoryPeak()  # before anything of the run is allocated here
-        self.spec = discover(model, **(freeze or {}))
-        self.cfg = EngineConfig(**engine_cfg)
-        self.opt_cfg = OptimizerConfig(**opt_cfg)
+        self.spec = run.discover()
+        self.cfg = run.engine
+        self.opt_cfg = run.optimizer
+        num_local, num_shards, shard = node.landers, run.num_nodes, node.node
         self.threads, sum_threads = split_threads(self.cfg.optimizer_thread_count, sums=num_local > 1 or num_shards > 1)
         torch.set_num_threads(self.threads)  # Ray starts actors with OMP_NUM_THREADS=1
-        self.total_steps = total_steps
+        self.total_steps = run.total_steps
         self.shard, self.num_shards = shard, num_shards
-        self.num_local, self.num_workers = num_local, num_workers
+        self.num_local = num_local
         self.snapshot_every = snapshot_every
         self.plan = ShardPlan.build(self.spec, num_shards)
         self.owned = self.plan.units_of(shard)
@@ -92,8 +90,7 @@ class CoordinatorShard(ShardSums, ShardStateIO):
         # One lander on one node (a lone worker, or a node's GPUs summing with NCCL): its engine's GPU norm is the
         # global one, taken as one engine takes it; the driver hands it over.
         self.gpu_norm = num_local == 1 and num_shards == 1
-        layout = ArenaLayout.build(self.spec, self.plan, shard, self.cfg.dtype, self.cfg.grad_torch_dtype, num_local,
-                                   ring, reference)
+        layout = node.layout
         self.arena = NodeArena.create(layout, self.cfg.host_memory_limit_gb)
         # Where the workers' pieces of each gradient start and end (the first worker's lands whole; with no
         # further workers, so does every gradient).
@@ -172,7 +169,7 @@ class CoordinatorShard(ShardSums, ShardStateIO):
             self._publisher.submit(self._publish, gen, name, PRESENT if name in self.frozen else step)
         return step
 
-    def stop(self, step: int) -> dict:
+    def stop(self, step: int) -> StepReport:
         """Refuse this generation's calls from now on (a worker was lost in `step`); report what `step` reached.
 
         complete: every gradient of this shard's units is summed (with `norm_sq`); touched: some
@@ -194,8 +191,7 @@ class CoordinatorShard(ShardSums, ShardStateIO):
             # A lone worker's norm was its GPU's, lost with it: taken here from the slots it landed in instead.
             norm_sq = self._norm_total({u: sum_in_order([self.arena.grad(u)], None) if n is None else n
                                         for u, n in norms.items()})
-        return {"complete": complete, "touched": step in gen.touched, "norm_sq": norm_sq,
-                "snapshot_step": self._snapshot.step if self._snapshot else None}
+        return StepReport(complete, step in gen.touched, norm_sq, self._snapshot.step if self._snapshot else None)
 
     def wait_updated(self, version: int) -> None:
         """Block until every trained unit of this shard has had `version` optimizer steps."""
