@@ -1,5 +1,6 @@
 """The run's actors and where they sit: the placement group (one bundle per node), each node's coordinator shard,
-the engine workers beside it, and each node's process group under `grad_reduce: nccl`.
+the engine workers beside it, each node's process group under `grad_reduce: nccl`, and GRPO's rollout replicas'
+seats beside the workers (`RolloutHost`, their public interface to the cluster).
 
 `ClusterActors` owns the handles and places every actor; it decides nothing about steps or failures (the driver,
 mt_ray.cluster.driver, and its recovery policy, mt_ray.cluster.recovery, do).
@@ -7,6 +8,7 @@ mt_ray.cluster.driver, and its recovery policy, mt_ray.cluster.recovery, do).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
@@ -16,9 +18,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from mt_ray.cluster.arena import ArenaHandle
 from mt_ray.cluster.config import ClusterConfig
 from mt_ray.cluster.errors import ClusterError
-from mt_ray.cluster.placement import RolloutPlace, check_nodes
-from mt_ray.cluster.rollout_host import RolloutBeside
-from mt_ray.cluster.run_spec import NodePlan, RunSpec
+from mt_ray.cluster.placement import RolloutPlace, check_nodes, worker_devices
+from mt_ray.cluster.rollout_host import ReplicaSeat, WeightsVersion
+from mt_ray.cluster.run_spec import NodePlan, RolloutBeside, RunSpec
 from mt_ray.cluster.shard import CoordinatorShard
 from mt_ray.cluster.sizing import GIB, ClusterSizing
 from mt_ray.cluster.worker import EngineWorker
@@ -178,3 +180,43 @@ class ClusterActors:
             ray.kill(actor, no_restart=True)
         if self.placement is not None:
             remove_placement_group(self.placement)
+
+
+class RolloutHost:
+    """What GRPO's rollout replicas get from the cluster: their seats, their workers' plans beside them, and the
+    weights' version to read. Calls to actors are returned to wait for (`remote.wait_replies` names the late)."""
+
+    def __init__(self, actors: ClusterActors, place: RolloutPlace, version: Callable[[], WeightsVersion],
+                 timeout_s: float):
+        self._actors = actors
+        self._place = place
+        self._version = version
+        self.num_workers = actors.want.num_workers
+        self.timeout_s = timeout_s  # `cluster.step_timeout_s`: every wait for a replica is bounded by it
+
+    @property
+    def shares_gpu(self) -> bool:
+        """Whether each replica runs on its worker's GPU (else on CPUs, or on GPUs of its own)."""
+        return self._place.shared and bool(self._actors.want.gpus_per_worker)
+
+    def seats(self) -> list[ReplicaSeat]:
+        """Where each replica runs (beside each worker, or one with GPUs of its own on node 0), and its arena."""
+        actors, shared = self._actors, self._place.shared
+        return [ReplicaSeat(w, f"the rollout replica beside worker {w}" if shared else "the rollout replica",
+                            actors.rollout_options(w), actors.run, actors.arenas[actors.node_of(w)],
+                            int(actors.cluster.cpus_per_worker))
+                for w in self._place.beside(self.num_workers)]
+
+    def worker_devices(self, ranks: list[int]) -> list[ray.ObjectRef]:
+        """Each worker's CUDA devices (the GPU its replica shares)."""
+        return [self._actors.workers[w].__ray_call__.remote(worker_devices) for w in ranks]
+
+    def plan_beside(self, beside: RolloutBeside) -> list[ray.ObjectRef]:
+        """Every worker plans its GPU with a replica beside it (each answers the replica's placement); workers
+        started later plan the same."""
+        self._actors.rollout_beside = beside
+        return [w.plan_rollout.remote(beside) for w in self._actors.workers]
+
+    def version(self) -> WeightsVersion:
+        """The weights after every step so far, as a replica reads them."""
+        return self._version()

@@ -10,7 +10,7 @@ worker normalises by the global batch's pair (or KTO example) count, and the dri
 workers' metric sums before dividing by it. KTO's KL estimate is a mean over a whole micro-batch's
 twins, so its micro-batches go whole to the workers, as GRPO's do (its loss is normalised per
 micro-batch; mt_ray.cluster.stages). GRPO's completions come from rollout replicas the training side
-places beside the workers (`rollout_host`, mt_ray.cluster.rollout_host), reading the weights from their node's
+places beside the workers (`rollout_host`, mt_ray.cluster.actors), reading the weights from their node's
 arena. Workers sit in a placement group, the same number on each node beside that
 node's coordinator shard (mt_ray.cluster.shard), which sums their gradients and owns one
 contiguous part of the fp32 state.
@@ -41,14 +41,20 @@ import torch
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
 from transformers import GenerationConfig
 
-from mt_ray.cluster.actors import ClusterActors, Reservation, check_cluster_resources, resolve_gpus_per_worker
+from mt_ray.cluster.actors import (
+    ClusterActors,
+    Reservation,
+    RolloutHost,
+    check_cluster_resources,
+    resolve_gpus_per_worker,
+)
 from mt_ray.cluster.arena import ring_numel
 from mt_ray.cluster.config import ClusterConfig
 from mt_ray.cluster.errors import ClusterError, StepTimeoutError
 from mt_ray.cluster.partition import ShardPlan
 from mt_ray.cluster.placement import RolloutPlace, check_plan, init_ray
 from mt_ray.cluster.recovery import FailureEvent, decide_recovery
-from mt_ray.cluster.rollout_host import RolloutHost, WeightsVersion
+from mt_ray.cluster.rollout_host import WeightsVersion
 from mt_ray.cluster.run_spec import RunSpec, freeze_options, plan_nodes
 from mt_ray.cluster.shard_set import ShardSet
 from mt_ray.cluster.sizing import landers, size_cluster
@@ -65,8 +71,6 @@ from mt_ray.engine.results import EvalResult, StepResult
 from mt_ray.engine.sizing import Stage
 from mt_ray.errors import ConfigError
 from mt_ray.models.discovery import ModelSpec, discover
-
-__all__ = ["DataParallelResult", "DataParallelTrainer", "FailureEvent", "freeze_options"]
 
 log = logging.getLogger(__name__)
 
@@ -105,15 +109,11 @@ class DataParallelTrainer:
             raise ConfigError(f"engine.state_placement: {engine_cfg.state_placement} runs on a single engine for now; "
                               "use cluster.num_workers: 1, or state_placement: host")
         self.spec = model if isinstance(model, ModelSpec) else discover(model)
-        self.engine_cfg = engine_cfg
-        self.opt_cfg = opt_cfg
-        self.num_workers = num_workers
-        self.total_steps = total_steps
+        self.engine_cfg, self.opt_cfg, self.num_workers, self.total_steps = engine_cfg, opt_cfg, num_workers, total_steps
         self.cluster = cluster or ClusterConfig()
         self.after_launch = after_launch
         self.events: list[FailureEvent] = []
-        self.step_idx = 0
-        self.generation = 0
+        self.step_idx, self.generation = 0, 0
         self._kept_logps: list[torch.Tensor] = []
         self._kept: dict[int, Batch] = {}  # batches a recovery may have to replay
         self._inflight: list[ray.ObjectRef] = []
@@ -207,7 +207,7 @@ class DataParallelTrainer:
 
     @property
     def rollout_host(self) -> RolloutHost:
-        """GRPO's rollout replicas' interface to the cluster (mt_ray.cluster.rollout_host)."""
+        """GRPO's rollout replicas' interface to the cluster (`actors.RolloutHost`)."""
         return RolloutHost(self.actors, self.rollout, self._weights_version, self.weights_timeout_s)
 
     def _weights_version(self) -> WeightsVersion:

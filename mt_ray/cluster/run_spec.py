@@ -41,6 +41,19 @@ class RunSpec:
 
 
 @dataclass(frozen=True)
+class RolloutBeside:
+    """What shares each worker's GPU with its rollout replica: `rows` completions (0: none beside it) of up to
+    `tokens` tokens, placed as `placement` (`rollout.placement`), beside steps of `n_micro` micro-batches of
+    `micro_batch` rows."""
+
+    rows: int
+    tokens: int
+    placement: str
+    micro_batch: int
+    n_micro: int
+
+
+@dataclass(frozen=True)
 class NodePlan:
     """One node of the run: its shard's index, its workers and the layout of its arena."""
 

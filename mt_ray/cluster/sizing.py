@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 from mt_ray.cluster.arena import ACK_WORDS, FORWARD_INFLIGHT, ArenaLayout, ring_numel
 from mt_ray.cluster.partition import ShardPlan, state_cost
-from mt_ray.cluster.shard import PUBLISH_THREADS
+from mt_ray.cluster.weight_exchange import PUBLISH_THREADS
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.models.discovery import ModelSpec
 

@@ -30,8 +30,7 @@ from mt_ray.cluster.arena import ArenaHandle, NodeArena
 from mt_ray.cluster.errors import ClusterError
 from mt_ray.cluster.landing import ArenaGrads, LandingBuffers
 from mt_ray.cluster.node_memory import process_bytes
-from mt_ray.cluster.rollout_host import RolloutBeside
-from mt_ray.cluster.run_spec import NodePlan, RunSpec
+from mt_ray.cluster.run_spec import NodePlan, RolloutBeside, RunSpec
 from mt_ray.engine.engine import StreamingEngine
 from mt_ray.engine.pinning import register_pinned, unregister_pinned
 

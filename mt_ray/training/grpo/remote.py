@@ -23,7 +23,8 @@ import torch
 from ray.exceptions import RayActorError
 
 from mt_ray.cluster.errors import ClusterError
-from mt_ray.cluster.rollout_host import ReplicaSeat, RolloutBeside, WeightsReader, WeightsVersion
+from mt_ray.cluster.rollout_host import ReplicaSeat, WeightsReader, WeightsVersion
+from mt_ray.cluster.run_spec import RolloutBeside
 from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.host_store import unit_views
 from mt_ray.training.grpo.rollout import Rollout, build_copy, generation_eos, group_shares
