@@ -60,7 +60,7 @@ from mt_ray.cluster.shard_set import ShardSet
 from mt_ray.cluster.sizing import landers, size_cluster
 from mt_ray.cluster.split import Batch, count_loss_tokens, rows, shard_batch
 from mt_ray.cluster.stages import WHOLE_MICRO_BATCHES, stage_objective, summed_metrics
-from mt_ray.cluster.step_wait import STEP_TIMEOUT_FLOOR_S, sort_answers, step_timeout, wait_workers
+from mt_ray.cluster.step_wait import ask_workers, sort_answers, step_timeout, wait_workers, weights_timeout
 from mt_ray.cluster.wire import to_numpy
 from mt_ray.engine.batch import preference_counts
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
@@ -197,8 +197,7 @@ class DataParallelTrainer:
     @property
     def weights_timeout_s(self) -> float:
         """How long a reader of the arena waits for a step's updates to land (`cluster.step_timeout_s`)."""
-        timeout = self.cluster.step_timeout_s
-        return STEP_TIMEOUT_FLOOR_S if timeout == "auto" else timeout
+        return weights_timeout(self.cluster)
 
     @property
     def _lone_lander(self) -> bool:
@@ -289,8 +288,8 @@ class DataParallelTrainer:
         parts = shard_batch(micro_batches, min(self.num_workers, len(micro_batches) if whole else rows(micro_batches)),
                             whole)
         timeout = self._timeout(micro_batches)
-        outs = ray.get([w.evaluate.remote(p, timeout) for w, p in zip(self.workers, parts, strict=False)],
-                       timeout=timeout)  # fewer rows than workers: some idle
+        outs = ask_workers([w.evaluate.remote(p, timeout) for w, p in zip(self.workers, parts, strict=False)],
+                           "evaluate their rows", timeout)  # fewer rows than workers: some idle
         pref = (None, None) if self.objective is None else (summed_metrics(o["pref_sums"] for o in outs),
                                                              preference_counts(micro_batches))
         return EvalResult(torch.tensor(sum(o["loss_sum"] for o in outs), dtype=torch.float64),
@@ -301,8 +300,8 @@ class DataParallelTrainer:
         whole micro-batches on each worker (nothing here is normalised over the batch)."""
         parts = shard_batch(micro_batches, min(self.num_workers, len(micro_batches)), whole=True)
         timeout = self._timeout(micro_batches)
-        outs = ray.get([w.sequence_logps.remote(p, timeout) for w, p in zip(self.workers, parts, strict=False)],
-                       timeout=timeout)
+        outs = ask_workers([w.sequence_logps.remote(p, timeout) for w, p in zip(self.workers, parts, strict=False)],
+                           "score their sequences", timeout)
         return [s for out in outs for s in out]  # rank order is micro-batch order
 
     def kept_logps(self) -> list[torch.Tensor]:
@@ -351,7 +350,8 @@ class DataParallelTrainer:
                     decision.action, resume)
         # Workers that finished the step are healthy: they rejoin (no restart, no re-import); the rest are replaced.
         fresh = self.actors.build_workers(self.generation, resume, replaced)
-        ray.get([self.workers[r].rejoin.remote(self.generation, resume) for r in healthy], timeout=self.weights_timeout_s)
+        ask_workers([self.workers[r].rejoin.remote(self.generation, resume) for r in healthy], "rejoin",
+                    self.weights_timeout_s, healthy)
         self.actors.workers = [fresh.get(r, w) for r, w in enumerate(self.workers)]
         self.actors.form_groups()
         return resume
@@ -383,7 +383,8 @@ class DataParallelTrainer:
         meta = self.state.read_checkpoint(manager, self.step_idx, uri)
         self.generation += 1
         self.state.call("start", self.generation, meta["step"])
-        ray.get([w.rejoin.remote(self.generation, meta["step"]) for w in self.workers], timeout=self.weights_timeout_s)
+        ask_workers([w.rejoin.remote(self.generation, meta["step"]) for w in self.workers], "rejoin",
+                    self.weights_timeout_s)
         self.step_idx = meta["step"]
         self._kept.clear()
         return meta

@@ -27,6 +27,13 @@ GPU_MACHINE = Machine()
 CPU_MACHINE = Machine(layer_tflops=0.02, h2d_gbps=5.0)  # a slow CPU's fp32 matmuls: a bound, not a prediction
 
 
+def weights_timeout(cluster: ClusterConfig) -> float:
+    """How long a reader of the arena waits for a step's updates to land (`cluster.step_timeout_s`; auto: the
+    floor)."""
+    timeout = cluster.step_timeout_s
+    return STEP_TIMEOUT_FLOOR_S if timeout == "auto" else timeout
+
+
 def step_timeout(cluster: ClusterConfig, spec: ModelSpec, cfg: EngineConfig, gpus_per_worker: float,
                  num_workers: int, batch: Batch) -> float:
     """`cluster.step_timeout_s`, or with `auto` STEP_TIMEOUT_FACTOR x the calculator's estimate of this step on
@@ -61,6 +68,18 @@ def wait_workers(step: int, inflight: list[ray.ObjectRef], shard_calls: list[ray
             f"answer; units the shards still wait for, with the workers whose gradient is in: "
             f"{dict(list(waits.items())[:4]) or 'none'}. Raise cluster.step_timeout_s if steps are this slow")
     return ray.get(inflight)
+
+
+def ask_workers(calls: list[ray.ObjectRef], what: str, timeout_s: float, ranks: list[int] | None = None) -> list:
+    """The answers of `calls` (worker `ranks[i]`'s; default: rank i's) within `timeout_s`; workers that do not
+    answer are named with `what` they were asked (StepTimeoutError); a lost worker's error comes as it is."""
+    ranks = list(range(len(calls))) if ranks is None else ranks
+    _, late = ray.wait(calls, num_returns=len(calls), timeout=timeout_s)
+    if late:
+        raise StepTimeoutError(f"worker(s) {[ranks[calls.index(c)] for c in late]} did not {what} within "
+                               f"cluster.step_timeout_s={timeout_s:g} s: hung; raise cluster.step_timeout_s if steps "
+                               "are this slow")
+    return ray.get(calls)
 
 
 def sort_answers(inflight: list[ray.ObjectRef], grace_s: float) -> tuple[list[int], list[int]]:
