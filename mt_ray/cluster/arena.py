@@ -31,18 +31,28 @@ Nothing model-sized is copied or put per step:
   that needs them), every unit in the compute dtype, written by the shard as it loads the weights:
   held once per node however many workers stream from it, never versioned (nothing updates them).
 
-Layout (byte offsets, each region 4 KiB-aligned, computed alike by the shard and its workers):
-header words (generation, state, one version per unit), acknowledgements, weights, reference, gradient slots,
-pool, rings.
+- **bell.** A header word the shard bumps, then wakes (a futex on the shared mapping), whenever it writes
+  a version, an acknowledgement, the generation or the state. A reader waiting for any of them (a worker's
+  engine thread for a unit's weights, its ack thread for an acknowledgement, a rollout replica) sleeps on the
+  bell, never in a poll: `wait_until`, bounded, and woken in slices of WAKE_SLICE_S at most so that a wake
+  missed on a weakly ordered CPU costs a slice, never the bound.
+
+Layout (byte offsets, each region 4 KiB-aligned, computed once by the driver, mt_ray.cluster.run_spec):
+header words (generation, state, bell, one version per unit), acknowledgements, weights, reference, gradient
+slots, pool, rings.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import platform
+import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -50,15 +60,15 @@ from mt_ray.cluster.errors import ClusterError, StaleGenerationError
 from mt_ray.cluster.partition import ShardPlan
 from mt_ray.engine.host_store import GIB, available_host_bytes
 from mt_ray.errors import InsufficientMemoryError
-from mt_ray.models.discovery import ModelSpec, discover
+from mt_ray.models.discovery import ModelSpec
 
 ALIGN = 4096
 PRESENT = 1 << 62  # the version word of a frozen unit once its weights are in: any step may read it
 ABSENT = -1  # a unit whose weights this generation has not yet received
 RUNNING, STOPPED, FAILED = 0, 1, 2
 SLOT = -1  # where the node's first worker's gradient lands: in the unit's slot (`put_grad` takes a ring offset otherwise)
-_GENERATION, _STATE, _HEADER = 0, 1, 2  # header word indices; versions follow
-POLL_S = (1e-4, 2e-3)  # a version wait polls from the first to the second, doubling
+_GENERATION, _STATE, _BELL, _HEADER = 0, 1, 2, 3  # header word indices; versions follow
+WAKE_SLICE_S = 0.05  # the longest a wait on the bell sleeps before it looks again (a missed wake costs this)
 # A further worker's gradient ring holds two of the largest layers' gradients (a K-layer block's burst lands while
 # the shard sums), at most this many MiB: 0.9 GiB at the 7B shape in bf16.
 RING_CAP_MB = 1024
@@ -72,6 +82,36 @@ POOL_UNITS = FORWARD_INFLIGHT + 2
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+# futex(2) on the bell's low 32 bits (little-endian hosts): shared, so the shard's wake reaches other processes.
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "ppc64le": 221, "riscv64": 98}.get(platform.machine())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _check_futex() -> None:
+    if _SYS_FUTEX is None or sys.byteorder != "little":
+        raise ClusterError(f"the node's arena waits on a futex, which this host ({platform.machine()}, "
+                           f"{sys.byteorder}-endian) is not known to offer; run the cluster on x86_64 or aarch64")
+
+
+def _futex_wait(addr: int, seen: int, timeout_s: float) -> None:
+    """Sleep while the 32-bit word at `addr` still holds `seen`, at most `timeout_s` (the GIL is released)."""
+    ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
+    _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_long(_FUTEX_WAIT),
+                  ctypes.c_long(seen), ctypes.byref(ts), None, ctypes.c_long(0))
+
+
+def _futex_wake(addr: int) -> None:
+    """Wake every process's waits on the 32-bit word at `addr`."""
+    _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_long(_FUTEX_WAKE),
+                  ctypes.c_long(2**31 - 1), None, None, ctypes.c_long(0))
 
 
 def ring_numel(spec: ModelSpec, grad_dtype: torch.dtype, cap_mb: float | None = None) -> int:
@@ -185,17 +225,23 @@ class ArenaLayout:
 
 @dataclass(frozen=True)
 class ArenaHandle:
-    """What a worker needs to map its node's arena: the shard's process and the arena's descriptor."""
+    """What an actor on the node needs to map its arena: the shard's process, the arena's descriptor and its
+    layout (the driver's, which the shard created the arena with)."""
 
     pid: int
     fd: int
-    nbytes: int
+    layout: ArenaLayout
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
 
 
 class NodeArena:
     """Typed views of one node's arena; `create` in the shard, `attach` in each worker."""
 
     def __init__(self, layout: ArenaLayout, fd: int):
+        _check_futex()
         self.layout = layout
         self._fd = fd
         self._map = mmap.mmap(fd, layout.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -205,6 +251,8 @@ class NodeArena:
         self.versions = self.words[_HEADER : _HEADER + units]
         self.acks = self.words[_HEADER + units :].view(layout.num_local, ACK_WORDS)
         self._index = {u: i for i, u in enumerate(layout.units)}
+        self._bell_addr = self.words[_BELL:].data_ptr()
+        self._ring = threading.Lock()  # the shard's threads bump the bell one at a time
 
     @classmethod
     def create(cls, layout: ArenaLayout, host_memory_limit_gb: float | None = None) -> NodeArena:
@@ -223,19 +271,17 @@ class NodeArena:
         return arena
 
     @classmethod
-    def attach(cls, layout: ArenaLayout, handle: ArenaHandle) -> NodeArena:
-        """Map the arena the shard of this node created (the same layout, computed here)."""
-        if layout.nbytes != handle.nbytes:
-            raise ClusterError(f"this worker computes a {layout.nbytes}-byte arena; the shard made {handle.nbytes}")
+    def attach(cls, handle: ArenaHandle) -> NodeArena:
+        """Map the arena the shard of this node created, with the layout it was created with."""
         try:
             fd = os.open(f"/proc/{handle.pid}/fd/{handle.fd}", os.O_RDWR)
         except OSError as e:
             raise ClusterError(f"cannot map the node's arena from the shard's process {handle.pid} ({e}): a worker "
                                "must run on its coordinator shard's node, as the same user") from e
-        return cls(layout, fd)
+        return cls(handle.layout, fd)
 
     def handle(self) -> ArenaHandle:
-        return ArenaHandle(os.getpid(), self._fd, self.layout.nbytes)
+        return ArenaHandle(os.getpid(), self._fd, self.layout)
 
     # ------------------------------------------------------------------ views
 
@@ -260,6 +306,14 @@ class NodeArena:
         """An owned unit's gradient slot (where the node's first worker lands it, and where its sum goes)."""
         return self._view(self.layout.grad_offsets[unit], self.layout.numels[unit], self.layout.grad_dtype)
 
+    def weights_region(self) -> torch.Tensor:
+        """The bytes that hold the streamed weights, whole pages: all a reader of the weights needs page-locked (not
+        the gradients and rings the workers land)."""
+        lay = self.layout
+        lo = min(lay.weight_offsets.values())
+        hi = max(off + lay.numels[u] * lay.weight_dtypes[u].itemsize for u, off in lay.weight_offsets.items())
+        return self.bytes[lo : min(_align(hi), lay.nbytes)]
+
     def pool(self) -> torch.Tensor:
         """Where the node's first worker lands the units other nodes own, whole, and the shard sums them."""
         return self._view(self.layout.pool_offset, self.layout.pool_numel, self.layout.grad_dtype)
@@ -277,6 +331,7 @@ class NodeArena:
         self.acks.zero_()  # the new generation's workers count their reports from 0
         self.words[_GENERATION] = generation
         self.words[_STATE] = RUNNING
+        self._ring_bell()
 
     def state(self) -> tuple[int, int]:
         """(generation, state) as the header says now."""
@@ -285,55 +340,58 @@ class NodeArena:
     def ack(self, local_rank: int, seq: int) -> None:
         """The shard has summed local worker `local_rank`'s `seq`-th report of this generation."""
         self.acks[local_rank, seq % ACK_WORDS] = seq + 1
+        self._ring_bell()
 
     def acked(self, local_rank: int, seq: int) -> bool:
         return int(self.acks[local_rank, seq % ACK_WORDS]) == seq + 1
 
     def set_state(self, state: int) -> None:
         self.words[_STATE] = state
+        self._ring_bell()
 
     def set_version(self, unit: str, version: int) -> None:
         self.versions[self._index[unit]] = version
+        self._ring_bell()
 
     def version(self, unit: str) -> int:
         return int(self.versions[self._index[unit]])
 
     def wait_version(self, unit: str, version: int, generation: int, timeout_s: float) -> None:
         """Block until `unit` holds the weights after `version` steps; a stopped generation, a failed shard or
-        `timeout_s` end the wait with an error."""
-        i, deadline, pause = self._index[unit], time.monotonic() + timeout_s, POLL_S[0]
-        while int(self.versions[i]) < version:
+        `timeout_s` end the wait with an error naming the unit."""
+        i = self._index[unit]
+        if not self.wait_until(lambda: int(self.versions[i]) >= version, timeout_s, self.running_check(generation)):
+            raise ClusterError(f"unit {unit} did not reach step {version} within cluster.step_timeout_s="
+                               f"{timeout_s:g} s (it holds step {int(self.versions[i])}): a worker or shard is "
+                               "hung; raise cluster.step_timeout_s if steps are this slow")
+
+    def running_check(self, generation: int) -> Callable[[], None]:
+        """A wait's check that `generation` still runs: StaleGenerationError once it is stopped or replaced,
+        ClusterError once the shard has failed."""
+        def check() -> None:
             if int(self.words[_GENERATION]) != generation or int(self.words[_STATE]) == STOPPED:
                 raise StaleGenerationError(f"generation {generation} was stopped")
             if int(self.words[_STATE]) == FAILED:
                 raise ClusterError("the node's coordinator shard failed (its sum or optimizer); see its log")
-            if time.monotonic() > deadline:
-                raise ClusterError(f"unit {unit} did not reach step {version} within cluster.step_timeout_s="
-                                   f"{timeout_s:g} s (it holds step {int(self.versions[i])}): a worker or shard is "
-                                   "hung; raise cluster.step_timeout_s if steps are this slow")
-            time.sleep(pause)
-            pause = min(2 * pause, POLL_S[1])
+        return check
 
+    def wait_until(self, ready: Callable[[], bool], timeout_s: float, check: Callable[[], None]) -> bool:
+        """Sleep on the bell until `ready()` (True) or `timeout_s` has passed (False); `check()` runs at each wake
+        and raises to end the wait (a stopped generation, a failed shard). No poll: the shard wakes the bell as it
+        writes a word."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seen = int(self.words[_BELL]) & 0xFFFFFFFF  # read first: any write after it changes the bell
+            if ready():
+                return True
+            check()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            _futex_wait(self._bell_addr, seen, min(left, WAKE_SLICE_S))
 
-@dataclass(frozen=True)
-class ArenaAccess:
-    """Everything an actor beside a node's workers needs to map that node's arena (GRPO's rollout actor): the
-    model and how it was discovered, the run's shard plan and dtypes, and the shard's handle."""
-
-    model: Any  # what `discover` takes: the driver's transformers config
-    freeze: dict[str, bool]
-    num_shards: int
-    shard: int
-    dtype: torch.dtype
-    grad_dtype: torch.dtype
-    num_local: int
-    ring: int
-    reference: bool
-    handle: ArenaHandle
-
-    def attach(self) -> tuple[ModelSpec, NodeArena]:
-        """The model's spec, found as the driver found it, and the node's arena mapped here."""
-        spec = discover(self.model, **self.freeze)
-        layout = ArenaLayout.build(spec, ShardPlan.build(spec, self.num_shards), self.shard, self.dtype,
-                                   self.grad_dtype, self.num_local, self.ring, self.reference)
-        return spec, NodeArena.attach(layout, self.handle)
+    def _ring_bell(self) -> None:
+        """After a header write: bump the bell and wake every wait on it (on this node, any process)."""
+        with self._ring:
+            self.words[_BELL] += 1
+        _futex_wake(self._bell_addr)

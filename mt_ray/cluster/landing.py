@@ -5,9 +5,11 @@ The engine hands each finished gradient over on the device (`copies_out`) and go
 ship thread finds room for it in the arena (the node's first worker lands it whole, in the unit's slot or, for a unit
 another node owns, in the node's pool; each further worker in a ring of its own, in pieces), copies it there on a copy stream of its own, tells the node's coordinator shard where
 it landed (a one-way `put_grad`, a few bytes) and frees the device copy. An ack thread waits, bounded, for the
-shard's acknowledgement in the arena and frees that part of the ring or pool. The only wait left on the engine's thread is
-for room on the device: gradients held there before they land are at most a ring's worth (two layers', what the
-engine's device plan keeps for gradients on their way out), or one gradient where it is larger.
+shard's acknowledgement in the arena (asleep on the arena's bell, never polling) and frees that part of the ring or
+pool. The waits left on the engine's thread are for room on the device (gradients held there before they land are
+at most a ring's worth, two layers', what the engine's device plan keeps for gradients on their way out, or one
+gradient where it is larger) and the step's `flush`; each is bounded and names the worker, the unit and what it
+waited for.
 """
 
 from __future__ import annotations
@@ -22,11 +24,10 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
-from mt_ray.cluster.arena import ACK_WORDS, FAILED, SLOT, STOPPED, NodeArena
+from mt_ray.cluster.arena import ACK_WORDS, SLOT, NodeArena
 from mt_ray.cluster.errors import ClusterError, StaleGenerationError
 from mt_ray.errors import ModelNotSupportedError
 
-ACK_POLL_S = (5e-5, 2e-3)  # an acknowledgement wait polls from the first to the second, doubling
 CHECK_CALL_S = 0.1  # how often a wait for an acknowledgement checks that the report itself did not fail
 
 
@@ -110,6 +111,35 @@ class _Report:
     unit: str
     held: int | None  # the start of a piece of the ring or pool, freed on acknowledgement; None: a slot, or unused
     call: ray.ObjectRef
+    token: int  # its place in `ArenaGrads._inflight`
+
+
+class InFlight:
+    """Gradients handed over and not yet done with, oldest first, each with what it waits for: what `flush` waits
+    on, and what its error names."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._items: dict[int, tuple[str, str]] = {}  # token -> (unit, what it waits for), in hand-over order
+        self._next = 0
+
+    def add(self, unit: str, waits_for: str) -> int:
+        with self._cond:
+            token, self._next = self._next, self._next + 1
+            self._items[token] = (unit, waits_for)
+            return token
+
+    def done(self, token: int) -> None:
+        with self._cond:
+            del self._items[token]
+            self._cond.notify_all()
+
+    def wait_empty(self, timeout_s: float) -> tuple[str, str] | None:
+        """None once nothing is in flight; else, after `timeout_s`, the oldest (unit, what it waits for)."""
+        with self._cond:
+            if self._cond.wait_for(lambda: not self._items, timeout=timeout_s):
+                return None
+            return next(iter(self._items.values()))
 
 
 class ArenaGrads:
@@ -139,6 +169,7 @@ class ArenaGrads:
         self._norm: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self._ship: queue.Queue = queue.Queue()
         self._acks: queue.Queue = queue.Queue()
+        self._inflight = InFlight()
         self._error: BaseException | None = None
         threading.Thread(target=self._ship_loop, name="mt-ray-grad-ship", daemon=True).start()
         threading.Thread(target=self._ack_loop, name="mt-ray-grad-ack", daemon=True).start()
@@ -151,7 +182,8 @@ class ArenaGrads:
         self._raise_if_failed()
         if grad is not None:
             raise ClusterError("a data-parallel worker copies its gradients out itself (submit_device)")
-        self._ship.put((self.generation, self.step, unit, None, None))
+        token = self._inflight.add(unit, "its report to the coordinator shard")
+        self._ship.put((self.generation, self.step, unit, None, None, token))
 
     def submit_device(self, unit: str, grad: torch.Tensor, ready: torch.cuda.Event | None, lr: float,
                       skip: tuple[tuple[int, int], ...] = ()) -> None:
@@ -172,7 +204,8 @@ class ArenaGrads:
                                    f"for room in the node's arena for cluster.step_timeout_s={self.timeout_s:g} s "
                                    f"(before {unit}'s): the coordinator shard is not summing")
             self._held += nbytes
-        self._ship.put((self.generation, self.step, unit, grad, ready))
+        token = self._inflight.add(unit, "room in the node's arena and its copy there")
+        self._ship.put((self.generation, self.step, unit, grad, ready, token))
 
     def end_step(self, norm_sq: torch.Tensor, ready: torch.cuda.Event | None, lr: float) -> None:
         """Kept: where this worker's engine holds the node's only gradients (one lander on one node), its GPU's norm
@@ -189,7 +222,7 @@ class ArenaGrads:
         self.weights.wait_updated(unit, version)
 
     def flush(self) -> None:
-        """Return once the shard has summed every gradient submitted so far."""
+        """Return once the shard has summed every gradient submitted so far (bounded by `timeout_s`)."""
         self.flush_quietly()
         self._raise_if_failed()
 
@@ -200,9 +233,14 @@ class ArenaGrads:
         self.landing.reset()
 
     def flush_quietly(self) -> None:
-        """Let the last generation's reports drain (each ends as its generation's state tells), ignoring errors."""
-        self._ship.join()
-        self._acks.join()
+        """Let the last reports drain (each ends as its generation's state tells), ignoring their errors; bounded
+        by `timeout_s`, naming the oldest gradient still in flight and what it waits for."""
+        oldest = self._inflight.wait_empty(self.timeout_s)
+        if oldest is not None:
+            unit, waits_for = oldest
+            raise ClusterError(f"worker {self.rank}: step {self.step}'s gradients were not all summed within "
+                               f"cluster.step_timeout_s={self.timeout_s:g} s; the oldest, {unit}'s, waits for "
+                               f"{waits_for}")
 
     def close(self) -> None:
         self._ship.put(None)
@@ -218,7 +256,7 @@ class ArenaGrads:
 
     def _ship_loop(self) -> None:
         while (item := self._ship.get()) is not None:
-            generation, step, unit, grad, ready = item
+            generation, step, unit, grad, ready, token = item
             item = None
             nbytes = 0 if grad is None else grad.numel() * grad.element_size()
             try:
@@ -240,7 +278,7 @@ class ArenaGrads:
                     with self._held_cond:
                         self._held -= nbytes
                         self._held_cond.notify_all()
-                self._ship.task_done()
+                self._inflight.done(token)  # after its reports are in flight: flush never sees a gap
 
     def _copy(self, host: torch.Tensor, grad: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         """Copy a piece out on this worker's copy stream and wait for it (this thread only)."""
@@ -263,7 +301,8 @@ class ArenaGrads:
                                f"cluster.step_timeout_s={self.timeout_s:g} s (before {unit}'s)")
         seq, self._seq = self._seq, self._seq + 1
         call = self.shard.put_grad.remote(generation, step, self.rank, unit, where, piece, seq)
-        self._acks.put(_Report(generation, seq, unit, held, call))
+        token = self._inflight.add(unit, f"the coordinator shard's sum (report {seq})")
+        self._acks.put(_Report(generation, seq, unit, held, call, token))
 
     def _ack_loop(self) -> None:
         while True:
@@ -278,24 +317,24 @@ class ArenaGrads:
                 self._error = e
             finally:
                 self._outstanding.release()
-                self._acks.task_done()
+                self._inflight.done(report.token)
 
     def _wait_acked(self, report: _Report) -> None:
-        """Bounded: the shard's acknowledgement of `report`, its generation's end, or its report's own failure."""
-        deadline, pause, checked = time.monotonic() + self.timeout_s, ACK_POLL_S[0], time.monotonic()
-        while not self.arena.acked(self.local_rank, report.seq):
-            generation, state = self.arena.state()
-            if generation != report.generation or state == STOPPED or report.generation != self.generation:
+        """Bounded: the shard's acknowledgement of `report`, its generation's end, or its report's own failure
+        (looked at every CHECK_CALL_S: a lost shard)."""
+        running = self.arena.running_check(report.generation)
+
+        def check() -> None:
+            if report.generation != self.generation:
                 raise StaleGenerationError(f"generation {report.generation} was stopped")
-            if state == FAILED:
-                raise ClusterError("the node's coordinator shard failed (its sum or optimizer); see its log")
-            now = time.monotonic()
-            if now > deadline:
-                raise ClusterError(f"the coordinator shard did not sum worker {self.rank}'s gradient of {report.unit}"
-                                   f" within cluster.step_timeout_s={self.timeout_s:g} s")
-            if now - checked > CHECK_CALL_S:  # the report itself may have failed (a lost shard)
-                checked = now
-                if ray.wait([report.call], timeout=0)[0]:
-                    ray.get(report.call)
-            time.sleep(pause)
-            pause = min(2 * pause, ACK_POLL_S[1])
+            running()
+
+        deadline = time.monotonic() + self.timeout_s
+        while not self.arena.wait_until(lambda: self.arena.acked(self.local_rank, report.seq),
+                                        min(CHECK_CALL_S, max(0.0, deadline - time.monotonic())), check):
+            if time.monotonic() > deadline:
+                raise ClusterError(f"worker {self.rank}: the coordinator shard did not sum its gradient of "
+                                   f"{report.unit} (report {report.seq}) within cluster.step_timeout_s="
+                                   f"{self.timeout_s:g} s")
+            if ray.wait([report.call], timeout=0)[0]:  # the report itself may have failed (a lost shard)
+                ray.get(report.call)

@@ -1,7 +1,7 @@
 """A coordinator shard's state in and out: the owned units' weights loaded (random, a checkpoint folder, a state
 dict), its part of the master read, its range of a checkpoint written and read, and its memory report.
 
-A mixin of `CoordinatorShard` (mt_ray.cluster.shard). These run between steps, once `wait_updated` has returned:
+Owned by the coordinator shard (mt_ray.cluster.shard). These run between steps, once `wait_updated` has returned:
 nothing is updating.
 """
 
@@ -12,15 +12,26 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from mt_ray.cluster.node_memory import process_bytes
+from mt_ray.cluster.arena import NodeArena
+from mt_ray.cluster.node_memory import NodeMemoryPeak, process_bytes
 from mt_ray.cluster.wire import from_numpy, to_numpy
-from mt_ray.engine.host_store import peak_rss_bytes
-from mt_ray.engine.optimizer import counts_behind, restore_counts
+from mt_ray.engine.host_store import HostStore, peak_rss_bytes
+from mt_ray.engine.optimizer import UnitOptimizer, counts_behind, restore_counts
+from mt_ray.models.discovery import ModelSpec
 from mt_ray.models.weights import init_random, load_safetensors
 
 
 class ShardStateIO:
-    """The shard provides `spec`, `store`, `arena`, `optimizers`, `owned_names` and `node_memory`."""
+    """The owned units' state (`store`, the `optimizers`' Adam counts) and the arena's reference, in and out."""
+
+    def __init__(self, spec: ModelSpec, owned: tuple[str, ...], store: HostStore, arena: NodeArena,
+                 optimizers: dict[str, UnitOptimizer], node_memory: NodeMemoryPeak):
+        self.spec = spec
+        self.owned = set(owned)
+        self.store = store
+        self.arena = arena
+        self.optimizers = optimizers
+        self.node_memory = node_memory
 
     def load_random(self, seed: int = 0) -> None:
         init_random(self.spec, self._load_owned, seed, "cpu")  # every unit, so the RNG stream matches one engine
@@ -35,7 +46,7 @@ class ShardStateIO:
 
     def _load_owned(self, unit, tensors: dict[str, torch.Tensor]) -> None:
         """An owned unit's weights into the master; every unit's into the reference, where the arena keeps one."""
-        if unit.name in self.owned_names:
+        if unit.name in self.owned:
             self.store.load_named(unit, tensors)
         if self.arena.layout.ref_offsets:  # cast as the single engine's snapshot of its fp32 master casts it
             for name, view in self.store.named_views(unit, self.arena.reference(unit.name)).items():

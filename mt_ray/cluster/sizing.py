@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from mt_ray.cluster.arena import ACK_WORDS, FORWARD_INFLIGHT, ArenaLayout, ring_numel
+from mt_ray.cluster.arena import ACK_WORDS, FORWARD_INFLIGHT, ring_numel
 from mt_ray.cluster.partition import ShardPlan, state_cost
-from mt_ray.cluster.shard import PUBLISH_THREADS
+from mt_ray.cluster.run_spec import plan_nodes
+from mt_ray.cluster.weight_exchange import PUBLISH_THREADS
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
 from mt_ray.models.discovery import ModelSpec
 
@@ -91,8 +92,9 @@ def size_cluster(spec: ModelSpec, cfg: EngineConfig, opt: OptimizerConfig, num_w
     part = plan.parts[node]
     shard = sum(u.numel for u in part)
     shard_trained = sum(u.numel for u in part if not u.frozen)
-    layout = ArenaLayout.build(spec, plan, node, cfg.dtype, cfg.grad_torch_dtype, landers(per_node, grad_reduce),
-                               ring_numel(spec, cfg.grad_torch_dtype, ring_mb), reference)
+    # The layout the driver hands that node's actors (`plan_nodes`), in the configured dtypes.
+    layout = plan_nodes(spec, plan, cfg, per_node, landers(per_node, grad_reduce),
+                        ring_numel(spec, cfg.grad_torch_dtype, ring_mb), reference)[node].layout
     rings = layout.num_rings * layout.ring_bytes
     acks = layout.num_local * ACK_BYTES
     largest = max(u.numel for u in spec.units)

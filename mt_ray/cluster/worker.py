@@ -26,18 +26,13 @@ import ray
 import torch
 import torch.distributed as dist
 
-from mt_ray.cluster.arena import ArenaHandle, ArenaLayout, NodeArena
+from mt_ray.cluster.arena import ArenaHandle, NodeArena
 from mt_ray.cluster.errors import ClusterError
 from mt_ray.cluster.landing import ArenaGrads, LandingBuffers
 from mt_ray.cluster.node_memory import process_bytes
-from mt_ray.cluster.partition import ShardPlan
-from mt_ray.engine.config import EngineConfig, OptimizerConfig
+from mt_ray.cluster.run_spec import NodePlan, RolloutBeside, RunSpec
 from mt_ray.engine.engine import StreamingEngine
-from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.pinning import register_pinned, unregister_pinned
-from mt_ray.engine.preference import PreferenceConfig
-from mt_ray.engine.sizing import Stage
-from mt_ray.models.discovery import discover
 
 log = logging.getLogger(__name__)
 
@@ -82,50 +77,41 @@ class ArenaReference:
 class EngineWorker:
     """A Ray actor running the engine's forward/backward on its part of each global batch."""
 
-    def __init__(self, rank: int, model, engine_cfg: dict, opt_cfg: dict, total_steps: int, shard, local_shard: int,
-                 num_shards: int, num_local: int, ring: int, arena: ArenaHandle, generation: int, start_step: int,
-                 timeout_s: float, freeze: dict[str, bool] | None = None, stage: str = "sft",
-                 pref: dict | None = None, grpo: dict | None = None, rollout_beside: dict | None = None):
-        """Weights and gradients go through `arena`, the node of `local_shard` (`shard`, one of `num_shards`,
-        with `num_local` workers landing gradients in it, rings of `ring` elements). `freeze`: the `discover`
-        options the driver's spec was found with. `stage`, `pref` and `grpo`: the run's preference or GRPO stage
-        (its reference, where it streams one, is the arena's). `rollout_beside`: GRPO's plan of what shares this GPU
-        (`plan_rollout`'s arguments), for a worker started after the plan (a lost one's replacement)."""
-        spec = discover(model, **(freeze or {}))
-        cfg = EngineConfig(**engine_cfg)
-        pref_cfg = PreferenceConfig(**(pref or {}))
-        grpo_cfg = GrpoConfig(**(grpo or {}))
-        reference = Stage.of(stage, pref_cfg, grpo_cfg).reference
-        layout = ArenaLayout.build(spec, ShardPlan.build(spec, num_shards), local_shard, cfg.dtype,
-                                   cfg.grad_torch_dtype, num_local, ring, reference)
+    def __init__(self, run: RunSpec, node: NodePlan, arena: ArenaHandle, shard, rank: int, generation: int,
+                 start_step: int, timeout_s: float, rollout_beside: RolloutBeside | None = None):
+        """Worker `rank` of the run `run`, on `node`: weights and gradients go through the node's arena (`arena`,
+        which carries the layout the driver planned) and its coordinator shard `shard`. The stage's reference, where
+        it streams one, is the arena's. `rollout_beside`: GRPO's plan of what shares this GPU, for a worker started
+        after the plan (a lost one's replacement)."""
+        spec = run.discover()
+        cfg = run.engine
         self.rank = rank
-        self.arena = NodeArena.attach(layout, arena)
+        self.arena = NodeArena.attach(arena)
         # Page-locked once (a mapping registers 13x faster than pinned memory allocates): every upload and
         # every gradient's landing is then an asynchronous DMA.
         self.pinned = register_pinned(self.arena.bytes) if cfg.resolve_device().type == "cuda" else None
         self.weights = ArenaWeights(self.arena, generation, timeout_s)
-        local_rank = rank % num_local
+        local_rank = node.local_rank(rank)
         self.landing = LandingBuffers(self.arena, local_rank, {u.name: u.numel for u in spec.trainable_units},
                                       timeout_s)
         self.grads = ArenaGrads(shard, rank, local_rank, generation, self.weights, self.landing,
                                 [u.name for u in spec.units], timeout_s, cfg.resolve_device())
-        self.engine = StreamingEngine(spec, cfg, OptimizerConfig(**opt_cfg), total_steps, grad_sink=self.grads,
-                                      weight_source=self.weights, grad_buffers=self.landing, stage=stage,
-                                      pref=pref_cfg, grpo=grpo_cfg,
-                                      reference=ArenaReference(self.arena) if reference else None)
+        reference = ArenaReference(self.arena) if arena.layout.ref_offsets else None
+        self.engine = StreamingEngine(spec, cfg, run.optimizer, run.total_steps, grad_sink=self.grads,
+                                      weight_source=self.weights, grad_buffers=self.landing, stage=run.stage,
+                                      pref=run.pref, grpo=run.grpo, reference=reference)
         self.engine.step_idx = start_step  # weight versions and the LR schedule follow the shards
         if rollout_beside is not None:
-            self.plan_rollout(**rollout_beside)
+            self.plan_rollout(rollout_beside)
 
-    def plan_rollout(self, rows: int, tokens: int, placement: str, micro_batch: int, n_micro: int) -> str:
-        """Before step 1: a GRPO rollout replica in another process generates `rows` completions of up to `tokens`
-        tokens on this worker's GPU (none: 0 rows), placed as `placement` (`rollout.placement`); plan the kept
-        block graphs beside it for steps of `n_micro` micro-batches of `micro_batch` rows, refused where the
-        replica or `keep_activations` cannot fit. Returns the replica's placement (auto resolved)."""
+    def plan_rollout(self, beside: RolloutBeside) -> str:
+        """Before step 1: plan this worker's GPU with a GRPO rollout replica beside it (`RolloutBeside`), its kept
+        block graphs for its share of the update's micro-batches, refused where the replica or `keep_activations`
+        cannot fit. Returns the replica's placement (auto resolved)."""
         kept = self.engine.kept
-        stage = replace(kept.stage, rollout_tokens=tokens if rows else 0, rollout_rows=rows, rollout_apart=True,
-                        rollout_placement=placement)
-        return kept.plan(self.engine.cfg, micro_batch, tokens, n_micro, stage).rollout_placement
+        stage = replace(kept.stage, rollout_tokens=beside.tokens if beside.rows else 0, rollout_rows=beside.rows,
+                        rollout_apart=True, rollout_placement=beside.placement)
+        return kept.plan(self.engine.cfg, beside.micro_batch, beside.tokens, beside.n_micro, stage).rollout_placement
 
     def train_step(self, step: int, micro_batches: list[dict[str, torch.Tensor]], loss_normaliser: int,
                    timeout_s: float, pref_counts: dict[str, int] | None = None) -> dict:

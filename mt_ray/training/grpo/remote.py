@@ -17,19 +17,16 @@ and advantages are scored on the driver as on a single engine. Every wait for a 
 from __future__ import annotations
 
 import os
-import time
 
 import ray
 import torch
 from ray.exceptions import RayActorError
 
-from mt_ray.cluster.arena import ALIGN, ArenaAccess, NodeArena
 from mt_ray.cluster.errors import ClusterError
-from mt_ray.cluster.placement import worker_devices
-from mt_ray.engine.config import EngineConfig
+from mt_ray.cluster.rollout_host import ReplicaSeat, WeightsReader, WeightsVersion
+from mt_ray.cluster.run_spec import RolloutBeside
 from mt_ray.engine.grpo import GrpoConfig
 from mt_ray.engine.host_store import unit_views
-from mt_ray.engine.pinning import register_pinned
 from mt_ray.training.grpo.rollout import Rollout, build_copy, generation_eos, group_shares
 
 REPLY_GRACE_S = 60.0  # beyond a replica's own bound on its arena waits: its copy's time, and Ray's reply
@@ -38,34 +35,27 @@ REPLY_GRACE_S = 60.0  # beyond a replica's own bound on its arena waits: its cop
 class RolloutActor:
     """A Ray actor: a rollout replica, the policy's copy for generation, refreshed from its node's arena."""
 
-    def __init__(self, access: ArenaAccess, engine_cfg: dict, rows: int, tokens: int, placement: str = "auto",
-                 devices: str | None = None, threads: int = 1):
-        """`access`: the node's arena; `engine_cfg`: the run's (its device and compute dtype); a copy sized for
-        `rows` completions of up to `tokens` tokens, placed as `placement` (`rollout.placement`; auto: resident
-        where the whole copy fits the GPU's free memory beside the worker, else streamed), refused where even
-        that cannot fit. `devices`: the CUDA devices of the worker whose GPU it shares (Ray reserved none for
-        it); `threads`: the CPU threads it may use (its worker's, idle while it generates)."""
+    def __init__(self, seat: ReplicaSeat, rows: int, tokens: int, placement: str = "auto",
+                 devices: str | None = None):
+        """`seat`: where it runs, the run's configs (its device and compute dtype) and its node's arena; a copy
+        sized for `rows` completions of up to `tokens` tokens, placed as `placement` (`rollout.placement`; auto:
+        resident where the whole copy fits the GPU's free memory beside the worker, else streamed), refused where
+        even that cannot fit. `devices`: the CUDA devices of the worker whose GPU it shares (Ray reserved none for
+        it)."""
         if devices is not None:
             _take_devices(devices)
-        torch.set_num_threads(max(1, threads))
-        spec, self.arena = access.attach()
-        cfg = EngineConfig(**engine_cfg)
+        torch.set_num_threads(max(1, seat.threads))
+        self.weights = WeightsReader(seat.run, seat.arena)
+        cfg = seat.run.engine
         device = cfg.resolve_device()
-        if device.type == "cuda":  # page-locked for the actor's life: each refresh's uploads are then DMAs from
-            register_pinned(_weights_region(self.arena))  # the arena (the mapping goes with the process)
-        self.copy = build_copy(spec, cfg, device, rows, tokens, placement)
-        self.units = spec.units
+        if device.type == "cuda":  # each refresh's uploads are then DMAs from the arena
+            self.weights.page_lock()
+        self.copy = build_copy(self.weights.spec, cfg, device, rows, tokens, placement)
 
-    def refresh(self, step: int, generation: int, timeout_s: float) -> float:
-        """Load the weights after `step` steps, each unit as soon as its update is in (all within `timeout_s`);
-        the seconds, waits included."""
-        deadline = time.monotonic() + timeout_s
-        return self.copy.refresh(self._landed_units(step, generation, deadline))
-
-    def _landed_units(self, step: int, generation: int, deadline: float):
-        for unit in self.units:
-            self.arena.wait_version(unit.name, step, generation, max(0.0, deadline - time.monotonic()))
-            yield unit_views(unit, self.arena.weights(unit.name))
+    def refresh(self, version: WeightsVersion) -> float:
+        """Load the weights of `version`, each unit as soon as its update is in (all within its bound); the
+        seconds, waits included."""
+        return self.copy.refresh(unit_views(unit, flat) for unit, flat in self.weights.updated_units(version))
 
     def generate(self, prompt_ids: list[list[int]], cfg: GrpoConfig, eos_ids: set[int], pad_id: int, seed: int,
                  first_group: int, width: int) -> Rollout:
@@ -73,15 +63,6 @@ class RolloutActor:
 
     def generation_eos(self) -> list[int]:
         return generation_eos(self.copy.model)
-
-
-def _weights_region(arena: NodeArena) -> torch.Tensor:
-    """The arena's bytes that hold the streamed weights, all a replica reads (not the gradients and rings the
-    workers land, which it need not lock), whole pages."""
-    lay = arena.layout
-    lo = min(lay.weight_offsets.values())
-    hi = max(off + lay.numels[u] * lay.weight_dtypes[u].itemsize for u, off in lay.weight_offsets.items())
-    return arena.bytes[lo : min(-(-hi // ALIGN) * ALIGN, lay.nbytes)]
 
 
 def _take_devices(devices: str) -> None:
@@ -93,30 +74,27 @@ def _take_devices(devices: str) -> None:
 
 
 class RemoteSampler:
-    """`LocalSampler`'s surface over the rollout replicas, placed by the data-parallel trainer (`RolloutPlace`,
-    `rollout_options`)."""
+    """`LocalSampler`'s surface over the rollout replicas, placed through the data-parallel trainer's public
+    rollout interface (`DataParallelTrainer.rollout_host`, mt_ray.cluster.rollout_host)."""
 
     def __init__(self, trainer, rows: int, tokens: int, group: int, placement: str = "auto", micro_batch: int = 0):
         """Replicas sized for their share of `rows` completions (whole groups of `group`) of up to `tokens`
         tokens; returns once each has built its copy. `micro_batch`: the update's rows per micro-batch (0: `rows`),
         for the workers' plan of their GPU with a replica beside them (`plan_beside`), made before any replica
         is built."""
-        self.trainer = trainer
-        self.beside = trainer.rollout.beside(trainer.num_workers)
+        self.host = host = trainer.rollout_host
+        seats = host.seats()
+        self.names = [seat.name for seat in seats]
         groups = rows // group
-        share_rows = max(hi - lo for lo, hi in group_shares(groups, len(self.beside))) * group
+        share_rows = max(hi - lo for lo, hi in group_shares(groups, len(seats))) * group
         placements = self.plan_beside(share_rows, tokens, placement, micro_batch or rows, rows)
-        devices = [None] * len(self.beside)
-        if trainer.gpus_per_worker and trainer.rollout.shared:  # each replica on its worker's GPU
-            devices = self._wait([trainer.workers[w].__ray_call__.remote(worker_devices) for w in self.beside],
-                                 "report its GPU", [f"worker {w}" for w in self.beside])
+        devices = [None] * len(seats)
+        if host.shares_gpu:  # each replica on its worker's GPU
+            workers = [seat.worker for seat in seats]
+            devices = self._wait(host.worker_devices(workers), "report its GPU", [f"worker {w}" for w in workers])
         cls = ray.remote(RolloutActor)
-        self.replicas = [cls.options(**trainer.rollout_options(w)).remote(
-            trainer.arena_access(w // trainer.workers_per_node), trainer.engine_cfg.model_dump(), share_rows, tokens,
-            placements[w], dev, int(trainer.cluster.cpus_per_worker))
-            for w, dev in zip(self.beside, devices, strict=True)]
-        self.names = [f"the rollout replica beside worker {w}" if trainer.rollout.shared else "the rollout replica"
-                      for w in self.beside]
+        self.replicas = [cls.options(**seat.options).remote(seat, share_rows, tokens, placements[seat.worker], dev)
+                         for seat, dev in zip(seats, devices, strict=True)]
         try:
             self.eos = self._wait([r.generation_eos.remote() for r in self.replicas], "build its copy")[0]
         except BaseException:
@@ -127,22 +105,20 @@ class RemoteSampler:
         """Each worker plans its GPU before step 1: a replica of `share_rows` rows beside it (none where the
         replica has GPUs of its own), its kept block graphs for its share of the update's micro-batches; the
         replicas' placements by worker. A replica or a `keep_activations` that cannot fit is refused here."""
-        t = self.trainer
-        shared = t.rollout.shared and bool(t.gpus_per_worker)
-        n_micro = -(-max(1, rows // micro_batch) // t.num_workers)  # whole micro-batches, the largest share
-        t.rollout_beside = {"rows": share_rows if shared else 0, "tokens": tokens, "placement": placement,
-                            "micro_batch": micro_batch, "n_micro": n_micro}  # also for workers started later
-        names = [f"worker {w}" for w in range(t.num_workers)]
-        planned = self._wait([w.plan_rollout.remote(**t.rollout_beside) for w in t.workers],
-                             "plan its GPU with a rollout replica beside it", names)
-        return planned if shared else [placement] * t.num_workers
+        host = self.host
+        shared = host.shares_gpu
+        n_micro = -(-max(1, rows // micro_batch) // host.num_workers)  # whole micro-batches, the largest share
+        beside = RolloutBeside(share_rows if shared else 0, tokens, placement, micro_batch, n_micro)
+        names = [f"worker {w}" for w in range(host.num_workers)]
+        planned = self._wait(host.plan_beside(beside), "plan its GPU with a rollout replica beside it", names)
+        return planned if shared else [placement] * host.num_workers
 
     def refresh(self) -> float:
         """Every replica's copy of the weights after every step so far (each waits for their updates in its
         node's arena); the slowest replica's seconds."""
-        t = self.trainer
-        calls = [r.refresh.remote(t.step_idx, t.generation, t.weights_timeout_s) for r in self.replicas]
-        return max(self._wait(calls, f"refresh its copy to step {t.step_idx}"))
+        version = self.host.version()
+        calls = [r.refresh.remote(version) for r in self.replicas]
+        return max(self._wait(calls, f"refresh its copy to step {version.step}"))
 
     def generate(self, prompt_ids: list[list[int]], cfg: GrpoConfig, eos_ids: set[int], pad_id: int,
                  seed: int) -> Rollout:
@@ -157,7 +133,7 @@ class RemoteSampler:
         return self.eos
 
     def _wait(self, calls: list, what: str, names: list[str] | None = None) -> list:
-        return wait_replies(calls, names or self.names, what, self.trainer.weights_timeout_s)
+        return wait_replies(calls, names or self.names, what, self.host.timeout_s)
 
     def close(self) -> None:
         """End the replicas: their copies, mappings and page-locking go with their processes."""

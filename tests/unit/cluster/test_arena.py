@@ -35,7 +35,7 @@ def arena_of(shard: int = 0, shards: int = 1, workers: int = 1) -> NodeArena:
 def test_a_worker_maps_the_arena_the_shard_made_and_sees_its_writes():
     shard = arena_of(shard=1, shards=2, workers=2)
     layout = shard.layout
-    worker = NodeArena.attach(layout, shard.handle())
+    worker = NodeArena.attach(shard.handle())
     # The shard's own units are its fp32 master, contiguous; the other shard's arrive in the compute dtype.
     owned = [u for u in layout.units if layout.weight_dtypes[u] == torch.float32]
     assert owned and layout.weight_dtypes[layout.units[0]] == torch.bfloat16

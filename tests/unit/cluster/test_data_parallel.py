@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("ray")
 
 from mt_ray.cluster import ClusterConfig, ClusterError, DataParallelTrainer, count_loss_tokens, shard_batch  # noqa: E402
+from mt_ray.cluster.recovery import RecoveryAction  # noqa: E402
 from mt_ray.engine import EngineConfig, OptimizerConfig, StreamingEngine  # noqa: E402
 from mt_ray.errors import ConfigError  # noqa: E402
 from mt_ray.models.discovery import discover  # noqa: E402
@@ -149,9 +150,9 @@ def test_killed_worker_mid_step_is_replaced_and_nothing_is_lost(local_ray, clip)
     assert event.step in (2, 3) and event.lost_ranks == [0]
     assert event.resumed_at in (event.step, event.step + 1)
     if clip == 0.0 and event.resumed_at == 2:  # units were updated, so the snapshot of step 2 was restored
-        assert "snapshot" in event.action
+        assert event.action is RecoveryAction.RESTORED
     losses, expected = list(result.losses), list(ref_losses)
-    if event.resumed_at == event.step + 1 and "completed" in event.action:
+    if event.resumed_at == event.step + 1 and event.action is RecoveryAction.COMPLETED:
         # Every gradient was in when the kill landed: the shards completed the step, and its loss (the lost worker
         # held a share) is NaN by design; the weights still equal one engine's.
         assert math.isnan(losses.pop(event.step))

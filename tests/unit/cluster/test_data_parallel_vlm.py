@@ -148,12 +148,14 @@ def test_a_shard_leaves_an_unused_projector_and_its_snapshot_keeps_adam_counts(l
     version; a projector that no row used (None from the worker) keeps its weights and Adam count;
     the snapshot a recovery restores brings each unit's count back, the projector's one behind."""
     from mt_ray.cluster.arena import PRESENT, SLOT
-    from mt_ray.cluster.driver import freeze_options
+    from mt_ray.cluster.run_spec import RunSpec, freeze_options, plan_nodes
     from mt_ray.cluster.shard import CoordinatorShard
 
     spec = discover(str(folder))
     threads = torch.get_num_threads()  # the shard sets the process's count, as it does in its actor
-    shard = CoordinatorShard(spec.config, ENGINE.model_dump(), OPT.model_dump(), 4, 0, 1, 1, 1, 2, 0, freeze_options(spec))
+    run = RunSpec(spec.config, freeze_options(spec), ENGINE, OPT, total_steps=4, num_nodes=1)
+    node = plan_nodes(spec, ShardPlan.build(spec, 1), ENGINE, workers_per_node=1, landers=1, ring=0, reference=False)
+    shard = CoordinatorShard(run, node[0], snapshot_every=2)
     try:
         shard.set_peers([shard])
         shard.load_pretrained(str(folder))

@@ -1,5 +1,6 @@
-"""A coordinator shard's node reducer: the workers' gradients summed in the arena, in rank order, then the nodes'
-partial sums in node order (mt_ray.cluster.shard runs it).
+"""A node's gradient sum: the workers' gradients summed in the arena, in rank order, then the nodes' partial sums of
+the units this node owns in node order. Owned by the coordinator shard (mt_ray.cluster.shard), which hands each
+owned unit's sum to its updates (mt_ray.cluster.updates).
 
 A worker tells the shard where each unit gradient landed (`put_grad`, a few bytes): the node's first worker lands it
 whole, in the unit's slot where the node owns it and in the node's pool where another node does; the others in
@@ -16,22 +17,78 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 import torch
+from ray.exceptions import GetTimeoutError
 
-from mt_ray.cluster.arena import FAILED, FORWARD_INFLIGHT, SLOT
+from mt_ray.cluster.arena import FORWARD_INFLIGHT, SLOT, NodeArena
 from mt_ray.cluster.errors import ClusterError, StaleGenerationError
-from mt_ray.cluster.grad_sum import sum_in_order
-from mt_ray.cluster.shard_state import GET_POLL_S, PEER_WAIT_S, Generation, Landing, read_unless_stopped
+from mt_ray.cluster.grad_sum import sum_in_order, use_sum_threads
+from mt_ray.cluster.shard_state import (
+    GET_POLL_S,
+    PEER_WAIT_S,
+    Generation,
+    Landing,
+    ShardStatus,
+    ShardUnits,
+    read_unless_stopped,
+)
 from mt_ray.cluster.wire import from_numpy, to_numpy
-from mt_ray.engine.optimizer import lr_at
+
+# An owned unit's sum, ready for the optimizer: (generation, step, unit, summed gradient or None, norm² or None)
+ToOptimizer = Callable[[Generation, int, str, torch.Tensor | None, torch.Tensor | None], None]
 
 
-class ShardSums:
-    """A mixin of `CoordinatorShard`, which provides `spec`, `cfg`, `opt_cfg`, `arena`, `plan`, `shard`, `num_shards`,
-    `num_local`, `peers`, `pieces`, `trained`, `clips`, `gpu_norm`, `total_steps`, `seconds`, `gen`, `_cond`,
-    `_error`, `_reducer`, `_forwarder`, `_stale` and `_generation_of`."""
+class NodeSum:
+    """The node's sums, on one reduce thread (with an intra-op team of `sum_threads`) and one forwarding thread.
+
+    `to_optimizer` takes each owned unit's sum of every node; `gpu_norm`: a lone lander on one node, whose engine's
+    GPU norm is the global one (the sum takes none of its own)."""
+
+    def __init__(self, units: ShardUnits, arena: NodeArena, status: ShardStatus, grad_dtype: torch.dtype,
+                 sum_threads: int, gpu_norm: bool, to_optimizer: ToOptimizer):
+        self.units = units
+        self.arena = arena
+        self.status = status
+        self.grad_dtype = grad_dtype
+        self.gpu_norm = gpu_norm
+        self.to_optimizer = to_optimizer
+        self.peers: list = []  # every shard's handle, by shard index
+        self.busy_s = 0.0
+        # The sums run on numba's team, sized for the reduce thread alone (numba's count holds per thread).
+        self._reducer = ThreadPoolExecutor(1, thread_name_prefix="mt-ray-reduce", initializer=use_sum_threads,
+                                           initargs=(sum_threads,))
+        self._forwarder = ThreadPoolExecutor(1, thread_name_prefix="mt-ray-forward")  # partial sums to other nodes
+
+    def ranks_in(self, gen: Generation, step: int) -> dict[str, list[int]]:
+        """Units of `step` partly landed here, each with the local workers whose gradient of it is in (lock held)."""
+        return {u: landing.ranks_in() for (s, u), landing in gen.sums.local.items() if s == step}
+
+    def stop(self, gen: Generation, timeout_s: float = PEER_WAIT_S) -> None:
+        """`gen` is stopped: peers waiting for a sum that will not come are answered, and the sums already queued
+        finish (bounded)."""
+        with self.status.cond:
+            for summed in gen.sums.partials_summed.values():
+                summed.set()
+        try:
+            self._reducer.submit(lambda: None).result(timeout=timeout_s)
+        except TimeoutError:
+            raise ClusterError(f"shard {self.units.shard}: the sums queued before generation {gen.number} stopped "
+                               f"did not finish within {timeout_s:g} s") from None
+
+    def wait_forwarded(self, gen: Generation, step: int, timeout_s: float) -> None:
+        """The owners have this node's partial sums of `step` (surfaces their errors), within `timeout_s`."""
+        try:
+            ray.get(gen.sums.forwarded.pop(step, []), timeout=timeout_s)
+        except GetTimeoutError:
+            raise ClusterError(f"shard {self.units.shard}: another node's shard did not take step {step}'s partial "
+                               f"sums within {timeout_s:g} s (cluster.step_timeout_s)") from None
+
+    def close(self) -> None:
+        self._reducer.shutdown(wait=False)
+        self._forwarder.shutdown(wait=False)
 
     def put_grad(self, generation: int, step: int, rank: int, unit: str, where: int | None,
                  piece: int | None, seq: int) -> None:
@@ -44,15 +101,15 @@ class ShardSums:
         worker's report `seq` when it is done (a ring piece once summed, so that part of the ring may be reused; a
         whole landing once the node is done with the unit's sum: a pool landing once it is put for the owner).
         """
-        with self._cond:
-            if self._stale(generation):
+        with self.status.cond:
+            if self.status.stale(generation):
                 return
-            gen = self.gen
-            local = rank % self.num_local
-            landing = gen.local.get((step, unit))
+            gen = self.status.gen
+            local = rank % self.units.num_local
+            landing = gen.sums.local.get((step, unit))
             if landing is None:
-                ends = self.pieces[unit]
-                landing = gen.local[(step, unit)] = Landing({lo: {} for lo in ends}, ends, len(ends))
+                ends = self.units.pieces[unit]
+                landing = gen.sums.local[(step, unit)] = Landing({lo: {} for lo in ends}, ends, len(ends))
             if piece is None:
                 landing.unit_seqs.append((local, seq))
             else:
@@ -60,7 +117,7 @@ class ShardSums:
             for lo in landing.ends if piece is None else [piece]:
                 got = landing.got[lo]
                 got[local] = where
-                if len(got) == self.num_local:
+                if len(got) == self.units.num_local:
                     self._on_piece(gen, step, unit, lo, landing)
 
     def put_partial(self, generation: int, step: int, node: int, unit: str, partial: list[ray.ObjectRef | None]) -> None:
@@ -70,23 +127,25 @@ class ShardSums:
         Fetched here, on this call's thread, so partials from several nodes arrive at once, as Ray
         fetches task arguments; but where a dying owner cannot hang the fetch (`read_unless_stopped`).
         """
-        gen = self._generation_of(generation)
+        gen = self.status.generation_of(generation)
         if gen is None:
             return
         try:
-            parts = [] if partial[0] is None else [from_numpy(read_unless_stopped(gen, partial[0]),
-                                                              self.cfg.grad_torch_dtype)]
+            parts = [] if partial[0] is None else [
+                from_numpy(read_unless_stopped(gen, partial[0], f"node {node}'s partial sum of {unit}"), self.grad_dtype)]
         except StaleGenerationError:
             return
-        with self._cond:
-            if gen is not self.gen or gen.stopped:
+        with self.status.cond:
+            if gen is not self.status.gen or gen.stopped:
                 return
             self._add_contribution(gen, step, unit, node, parts)
-            summed = gen.partials_summed.setdefault((step, unit), threading.Event())
+            summed = gen.sums.partials_summed.setdefault((step, unit), threading.Event())
         del parts
         # Answered once the unit's sum has read it: the sender keeps FORWARD_INFLIGHT partials unsummed here at most,
         # so the object stores never hold more than that many unit gradients per peer (nothing spills).
-        summed.wait(PEER_WAIT_S)
+        if not summed.wait(PEER_WAIT_S):
+            raise ClusterError(f"shard {self.units.shard}: node {node}'s partial sum of {unit} (step {step}) was not "
+                               f"summed here within {PEER_WAIT_S:g} s: the other nodes' partials of it did not come")
 
     def _landed(self, unit: str, rank: int, where: int, lo: int, hi: int) -> torch.Tensor:
         """Where local worker `rank`'s elements [lo, hi) of `unit`'s gradient landed: its slot, the pool (the first
@@ -103,24 +162,24 @@ class ShardSums:
         it, a buffer of its own, this step only."""
         first = next(iter(landing.got.values())).get(0)
         if first is not None:
-            return self._landed(unit, 0, first, 0, self.spec.unit(unit).numel)
+            return self._landed(unit, 0, first, 0, self.units.spec.unit(unit).numel)
         if unit in self.arena.layout.grad_offsets:
             return self.arena.grad(unit)
-        return torch.empty(self.spec.unit(unit).numel, dtype=self.cfg.grad_torch_dtype)
+        return torch.empty(self.units.spec.unit(unit).numel, dtype=self.grad_dtype)
 
     def _on_piece(self, gen: Generation, step: int, unit: str, lo: int, landing: Landing) -> None:
         """Every local worker's piece at `lo` of `unit` is in (lock held): a lone worker's gradient is its node's
         sum as it lies; several workers' pieces are summed on the reduce thread into the unit's slot (a unit this
         node owns) or its place in the pool (another node's)."""
-        if self.num_local == 1:
-            del gen.local[(step, unit)]
+        if self.units.num_local == 1:
+            del gen.sums.local[(step, unit)]
             used = landing.got[lo][0] is not None
             self._on_local_sum(gen, step, unit, self._node_sum(unit, landing) if used else None, None,
                                landing.unit_seqs)
         else:
             if landing.dest is None:
                 landing.dest = self._node_sum(unit, landing)
-            gen.acks[(step, unit, lo)] = landing.piece_seqs.pop(lo, [])
+            gen.sums.acks[(step, unit, lo)] = landing.piece_seqs.pop(lo, [])
             self._reducer.submit(self._guarded, gen, (step, unit, lo), self._sum_piece, lo, landing)
 
     def _sum_piece(self, gen: Generation, step: int, unit: str, lo: int, landing: Landing) -> None:
@@ -129,12 +188,12 @@ class ShardSums:
         got, hi = landing.got[lo], landing.ends[lo]
         parts = [self._landed(unit, r, got[r], lo, hi) for r in sorted(got) if got[r] is not None]
         norm_sq = sum_in_order(parts, landing.dest[lo:hi]) if parts else None
-        with self._cond:
+        with self.status.cond:
             if norm_sq is not None:
                 landing.norm_sq += norm_sq
                 landing.used = True
             landing.left -= 1
-            if landing.left == 0 and gen.local.pop((step, unit), None) is landing:
+            if landing.left == 0 and gen.sums.local.pop((step, unit), None) is landing:
                 self._on_local_sum(gen, step, unit, landing.dest if landing.used else None, landing.norm_sq,
                                    landing.unit_seqs)
 
@@ -144,27 +203,27 @@ class ShardSums:
         (lock held): add it as this node's part, or send it on to the unit's owner. `norm_sq`: the sum's, where
         several local workers made it; `seqs`: the whole landings' reports, acknowledged once the node is done with
         the unit (a pool landing's place is then free again)."""
-        gen.acks[(step, unit)] = seqs
+        gen.sums.acks[(step, unit)] = seqs
         used = node_sum is not None
         parts = [node_sum] if used else []
         if norm_sq is not None and used:
-            gen.local_norms[(step, unit)] = norm_sq
-        owner = self.plan.owner(unit)
-        if owner == self.shard:
-            self._add_contribution(gen, step, unit, self.shard, parts)
+            gen.sums.local_norms[(step, unit)] = norm_sq
+        owner = self.units.plan.owner(unit)
+        if owner == self.units.shard:
+            self._add_contribution(gen, step, unit, self.units.shard, parts)
         else:
             # On the forwarding thread: it may wait for the owner to sum earlier partials, and the sums here go on.
             self._forwarder.submit(self._guarded, gen, (step, unit), self._forward_partial, owner, parts)
 
     def _add_contribution(self, gen: Generation, step: int, unit: str, node: int, parts: list[torch.Tensor]) -> None:
         """A node's contribution to an owned unit (lock held); the last one starts the sum."""
-        got = gen.remote.setdefault((step, unit), {})
+        got = gen.sums.remote.setdefault((step, unit), {})
         got[node] = parts
-        if len(got) < self.num_shards:
+        if len(got) < self.units.num_shards:
             return
-        del gen.remote[(step, unit)]
+        del gen.sums.remote[(step, unit)]
         # Node order, each node's workers in rank order: the sum never depends on arrival order.
-        ordered = [t for n in range(self.num_shards) for t in got[n]]
+        ordered = [t for n in range(self.units.num_shards) for t in got[n]]
         self._reducer.submit(self._guarded, gen, (step, unit), self._sum_owned, ordered)
 
     def _guarded(self, gen: Generation, key: tuple, fn: Callable, *args) -> None:
@@ -173,26 +232,23 @@ class ShardSums:
         t0 = time.perf_counter()
         try:
             fn(gen, *key[:2], *args)
-            self.seconds["sum"] += time.perf_counter() - t0
+            self.busy_s += time.perf_counter() - t0
         except BaseException as e:
-            with self._cond:
-                self._error = self._error or e
-                self._cond.notify_all()
-            self.arena.set_state(FAILED)
+            self.status.fail(e)
         finally:
-            with self._cond:
-                if len(key) == 2 and (summed := gen.partials_summed.pop(key, None)) is not None:
+            with self.status.cond:
+                if len(key) == 2 and (summed := gen.sums.partials_summed.pop(key, None)) is not None:
                     summed.set()  # the other nodes' partials of this unit are read
-                seqs = gen.acks.pop(key, [])
-                if gen is self.gen and not gen.stopped:  # a stopped generation's workers stop waiting anyway
+                seqs = gen.sums.acks.pop(key, [])
+                if gen is self.status.gen and not gen.stopped:  # a stopped generation's workers stop waiting anyway
                     for local, seq in seqs:
                         self.arena.ack(local, seq)
 
     def _forward_partial(self, gen: Generation, step: int, unit: str, owner: int, parts: list[torch.Tensor]) -> None:
         """This node's sum of a unit another shard owns (in the pool; `parts` empty: unused) goes to the owner, once
         fewer than FORWARD_INFLIGHT of the partials sent there are still unsummed (bounded: PEER_WAIT_S)."""
-        gen.local_norms.pop((step, unit), None)  # the owner takes the norm of the nodes' sum
-        inflight = gen.forward_inflight.setdefault(owner, deque())
+        gen.sums.local_norms.pop((step, unit), None)  # the owner takes the norm of the nodes' sum
+        inflight = gen.sums.forward_inflight.setdefault(owner, deque())
         deadline = time.monotonic() + PEER_WAIT_S
         while len(inflight) >= FORWARD_INFLIGHT:
             if ray.wait([inflight[0]], timeout=GET_POLL_S)[0]:
@@ -203,16 +259,16 @@ class ShardSums:
                 raise ClusterError(f"shard {owner} did not sum this node's partial gradients within {PEER_WAIT_S:g} s")
         # The one copy of this node's gradient that crosses the network.
         ref = ray.put(to_numpy(parts[0])) if parts else None  # copied out: the pool's place is free once this returns
-        call = self.peers[owner].put_partial.remote(gen.number, step, self.shard, unit, [ref])
+        call = self.peers[owner].put_partial.remote(gen.number, step, self.units.shard, unit, [ref])
         inflight.append(call)
-        with self._cond:
-            gen.forwarded.setdefault(step, []).append(call)
+        with self.status.cond:
+            gen.sums.forwarded.setdefault(step, []).append(call)
 
     def _sum_owned(self, gen: Generation, step: int, unit: str, parts: list[torch.Tensor]) -> None:
         """Every node's sum of an owned unit is in (`parts`, node order; this node's is its slot)."""
-        local_norm = gen.local_norms.pop((step, unit), None)
+        local_norm = gen.sums.local_norms.pop((step, unit), None)
         if not parts:  # no worker's rows used the unit (a vision unit in a step without images): like torch with a
-            self._to_optimizer(gen, step, unit, None, torch.zeros(()))  # None `.grad`, the unit and its count stay
+            self.to_optimizer(gen, step, unit, None, torch.zeros(()))  # None `.grad`, the unit and its count stay
             return
         slot = self.arena.grad(unit)
         if len(parts) > 1:  # several nodes: theirs added to this one's, in node order
@@ -222,20 +278,4 @@ class ShardSums:
         else:  # one other node's alone
             norm_sq = sum_in_order(parts, slot)
         del parts  # other nodes' objects can be freed now
-        self._to_optimizer(gen, step, unit, slot, norm_sq)
-
-    def _to_optimizer(self, gen: Generation, step: int, unit: str, grad: torch.Tensor | None,
-                      norm_sq: torch.Tensor | None) -> None:
-        """Queue the unit's update; `norm_sq` None: its gradient's norm is the lone worker's GPU's."""
-        with self._cond:
-            if gen.stopped:
-                return
-            gen.opt.submit(unit, grad, None, lr_at(step, self.opt_cfg, self.total_steps))
-            if not self.clips:
-                gen.touched.add(step)
-            gen.norms.setdefault(step, {})[unit] = norm_sq
-            self._cond.notify_all()
-
-    def _norm_total(self, norms: dict[str, torch.Tensor | None]) -> float:
-        # Summed in unit order, not arrival order, so a rerun clips with the same coefficient.
-        return float(sum(norms[u].double() for u in self.trained if norms.get(u) is not None))
+        self.to_optimizer(gen, step, unit, slot, norm_sq)
