@@ -5,9 +5,9 @@ cores. A unit of work is a test module (its module-scoped fixtures, a Ray sessio
 once), or an `xdist_group`. Two rules:
 
 - Units that start Ray (or another long multi-process flow, marked `slow`) carry an `xdist_group` named
-  `heavy:<module>` (tests/conftest.py adds it), and at most `HEAVY_AT_ONCE` of them run at a time: the rest
-  of the workers take plain modules meanwhile. Ray clusters side by side on two cores would starve each
-  other's heartbeats and the tests' bounded waits.
+  `heavy:<module>` (tests/conftest.py adds it), and while plain modules are left, at most `HEAVY_AT_ONCE`
+  of them run at a time: the rest of the workers take plain modules meanwhile. Ray clusters side by side
+  beside CPU-bound modules on two cores would starve each other's heartbeats and the tests' bounded waits.
 - Units start longest first (`SECONDS`, measured; an unlisted module counts as short), so the run does not
   end waiting on one long module that started last.
 
@@ -102,7 +102,9 @@ class SuiteScheduling(LoadScopeScheduling):
                    if scope.startswith(HEAVY) and list(unit.values()).count(False) >= 2)
 
     def _assign_work_unit(self, node) -> bool:
-        heavy_free = self._heavy_running() < HEAVY_AT_ONCE
+        # Once no plain module is left to run beside them, heavy units take every free worker.
+        heavy_free = (self._heavy_running() < HEAVY_AT_ONCE
+                      or all(s.startswith(HEAVY) for s in self.workqueue))
         scope = next((s for s in self.workqueue if heavy_free or not s.startswith(HEAVY)), None)
         if scope is None:
             return False  # only heavy units wait: this worker gets one when a heavy unit ends (mark_test_complete)
