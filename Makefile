@@ -15,8 +15,12 @@ install:
 demo:
 	$(PY) -m jobs.train
 
+# The suite mostly waits (Ray, subprocesses, servers): TEST_WORKERS processes share the cores, at most two
+# of them on a module that starts Ray (tests/xdist_schedule.py). TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 4
+
 test:
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 lint:
 	$(PY) -m ruff check mt_ray tests jobs bench notebooks

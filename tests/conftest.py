@@ -118,16 +118,58 @@ def _ray_cluster(nodes: int):
             cluster.shutdown()
 
 
-def pytest_terminal_summary(terminalreporter) -> None:
+# Tests that start Ray, or run a long multi-process flow (`slow`): `make test` runs at most two such modules
+# at a time beside the plain ones (tests/xdist_schedule.py).
+HEAVY_FIXTURES = {"local_ray", "two_node_ray", "three_node_ray", "ray_head", "head"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which appends each test's group to its id
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if HEAVY_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.xdist_group(f"heavy:{item.nodeid.split('::', 1)[0]}"))
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadgroup":
+        from tests.xdist_schedule import SuiteScheduling
+
+        return SuiteScheduling(config, log)
+    return None
+
+
+def _family_sweep_lines() -> list[str]:
     """The family sweep's summary line per mapping, and each skip's reason (tests/unit/engine/test_family_sweep.py)."""
     sweep = sys.modules.get("tests.family_sweep")
     if sweep is None or not sweep.RESULTS:
-        return
+        return []
+    lines = []
     for mapping, outcomes in sweep.RESULTS.items():
-        terminalreporter.write_line(f"{mapping} sweep: {sweep.summary_line(outcomes)}")
-        for t, o in sorted(outcomes.items()):
-            if o.status != "matched":
-                terminalreporter.write_line(f"  {o.status} {t}: {sweep.short_reason(o)}")
+        lines.append(f"{mapping} sweep: {sweep.summary_line(outcomes)}")
+        lines += [f"  {o.status} {t}: {sweep.short_reason(o)}" for t, o in sorted(outcomes.items())
+                  if o.status != "matched"]
+    return lines
+
+
+# Under pytest-xdist the sweep runs in a worker: its lines travel to the controller, which prints them.
+_WORKER_LINES: list[str] = []
+
+
+def pytest_sessionfinish(session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # this process is an xdist worker
+        workeroutput["family_sweep"] = _family_sweep_lines()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    _WORKER_LINES.extend(getattr(node, "workeroutput", {}).get("family_sweep", []))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for line in [*_family_sweep_lines(), *_WORKER_LINES]:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="module")

@@ -64,8 +64,15 @@ def test_the_first_line_comes_before_the_imports_and_ctrl_c_there_is_one_line(en
     import os
     import signal
 
+    def ctrl_c_as_from_a_shell():
+        """The child starts with Ctrl-C's default action, as a terminal starts it, whatever this test process
+        inherited: a 4-worker run once had it ignored here, and the command trained to the end."""
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
     proc = subprocess.Popen([sys.executable, *entry, "training.steps=1"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            preexec_fn=ctrl_c_as_from_a_shell)
     first = proc.stdout.readline()
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)

@@ -167,6 +167,7 @@ def test_a_hung_or_lost_rollout_replica_is_named_with_what_it_was_asked(local_ra
             return seconds
 
     replica = ray.remote(Replica).options(num_cpus=0).remote()
+    ray.get(replica.__ray_ready__.remote())  # started: the bounds below are the calls', not a worker process's start
     names = ["the rollout replica beside worker 0", "the rollout replica beside worker 1"]
     assert wait_replies([replica.answer.remote(0), replica.answer.remote(0)], names, "x", 30.0, 0.0) == [0, 0]
     with pytest.raises(ClusterError, match=r"^the rollout replica beside worker 1 did not generate its share of the "
