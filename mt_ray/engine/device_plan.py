@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from mt_ray.engine.calculator import GPU_HEADROOM
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
-from mt_ray.engine.device_state import STATE_BYTES_PER_PARAM, kept_prefix
+from mt_ray.engine.device_state import kept_bytes_per_param, kept_prefix
 from mt_ray.engine.sizing import GIB, Stage, device_bytes
 from mt_ray.errors import ConfigError, InsufficientMemoryError
 from mt_ray.models.discovery import ModelSpec
@@ -57,7 +57,7 @@ def plan_device_units(spec: ModelSpec, cfg: EngineConfig, opt_cfg: OptimizerConf
     if want != "auto" and want > len(eligible):
         raise ConfigError(f"engine.device_optimizer_units: {want}, but only {len(eligible)} units can keep their "
                           f"state on the device (trained, with no tied weights); set it to {len(eligible)} or less")
-    per_param = STATE_BYTES_PER_PARAM + cfg.grad_torch_dtype.itemsize
+    per_param = kept_bytes_per_param(cfg.grad_torch_dtype)
     numels = {u.name: u.numel for u in spec.units}
     if gpu_gb is None:
         return [] if want == "auto" else eligible[:want]
@@ -68,7 +68,7 @@ def plan_device_units(spec: ModelSpec, cfg: EngineConfig, opt_cfg: OptimizerConf
     if want == "auto":
         return fits
     if want > len(fits):
-        need = sum(numels[u] for u in eligible[:want]) * per_param
+        need = state_bytes(spec, cfg, eligible[:want])
         raise InsufficientMemoryError(
             f"engine.device_optimizer_units: {want} units need {need / GIB:.1f} GiB of GPU memory for their optimizer "
             f"state beside the step ({used / GIB:.1f} GiB: {n_micro} micro-batches of {micro_batch} x {seq} tokens, "
@@ -80,4 +80,4 @@ def plan_device_units(spec: ModelSpec, cfg: EngineConfig, opt_cfg: OptimizerConf
 def state_bytes(spec: ModelSpec, cfg: EngineConfig, units: list[str]) -> int:
     """GPU bytes the state of `units` takes for the run (and their gradients until the norm)."""
     numels = {u.name: u.numel for u in spec.units}
-    return sum(numels[u] for u in units) * (STATE_BYTES_PER_PARAM + cfg.grad_torch_dtype.itemsize)
+    return sum(numels[u] for u in units) * kept_bytes_per_param(cfg.grad_torch_dtype)

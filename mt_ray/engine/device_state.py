@@ -23,9 +23,12 @@ import torch
 
 from mt_ray.engine.state_files import ChunkState
 
-# Per parameter kept: the fp32 master and two moments, and the gradient (in the gradient dtype) held on the device
-# until the step's norm is known.
-STATE_BYTES_PER_PARAM = 12
+STATE_BYTES_PER_PARAM = 12  # the fp32 master and two moments
+
+
+def kept_bytes_per_param(grad_dtype: torch.dtype) -> int:
+    """GPU bytes a kept parameter takes: its state, and its gradient held there until the step's norm is known."""
+    return STATE_BYTES_PER_PARAM + grad_dtype.itemsize
 
 HostViews = Callable[[str], ChunkState]
 """A unit's whole host master and moments (the store's views)."""

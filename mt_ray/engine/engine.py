@@ -128,7 +128,6 @@ class StreamingEngine(WeightsIO):
         self.context = LayerContextBuilder(spec, self.device)
         pin = self.device.type == "cuda"
         local = grad_sink is None
-        self.grad_sink_is_local = local
         check_placement(spec, cfg, stage, local)
         self.grad_dtype = cfg.grad_torch_dtype
         self.store, self.grad_buffers, self.optimizers, self.worker = build_grad_path(
@@ -227,7 +226,7 @@ class StreamingEngine(WeightsIO):
         """Before the first step's forward: keep the optimizer state of the first units on the GPU where it fits
         beside this step (`engine.device_optimizer_units`, `device_plan.py`), refused where a number cannot."""
         self._device_state_planned = True
-        local = self.store is not None and self.grad_sink_is_local
+        local = self.store is not None  # a trainer's grad sink keeps the state elsewhere (`build_grad_path`)
         eligible = eligible_units(self.spec, self.worker.unit_order, set(self.optimizers)) if local else []
         units = plan_device_units(self.spec, self.cfg, self.opt_cfg, local, eligible, self.kept.budget_gb(self.cfg),
                                   self.kept.stage, micro_batch, seq, n_micro, self.kept.last_count)

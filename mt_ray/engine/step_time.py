@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mt_ray.engine.config import EngineConfig, OptimizerConfig
-from mt_ray.engine.device_state import STATE_BYTES_PER_PARAM
+from mt_ray.engine.device_state import kept_bytes_per_param
 from mt_ray.engine.sizing import (
     SFT,
     Stage,
@@ -205,7 +205,7 @@ def step_time(spec: ModelSpec, cfg: EngineConfig, seq: int, global_batch: int, m
     clips = opt.max_grad_norm > 0
     # The units whose state the engine keeps on the GPU (`stage.device_state_bytes`, a prefix in forward order from
     # the embedding) update there in milliseconds: the host's pass covers the rest.
-    on_device = stage.device_state_bytes // (STATE_BYTES_PER_PARAM + cfg.grad_torch_dtype.itemsize)
+    on_device = stage.device_state_bytes // kept_bytes_per_param(cfg.grad_torch_dtype)
     optimizer = adam_seconds(max(0, sum(u.numel for u in spec.trainable_units) - on_device), machine, opt)
     embed_opt = 0.0 if on_device >= spec.unit("embed").numel else adam_seconds(spec.unit("embed").numel, machine, opt)
     # A block's first micro-batch waits for the K - depth uploads not yet in flight, each pass.
